@@ -1,0 +1,51 @@
+"""Linear layers, plain and fused from several HuggingFace projections."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layers.weights import Shard, parent_of
+
+
+class Linear(nn.Module):
+    """y = x W^T + b. Parameters are left uninitialised: a loader always fills them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input in one matmul, e.g. q/k/v or gate/up.
+
+    ``sources`` names the HuggingFace sibling modules whose weights (and biases) are stacked
+    along the output dimension, in order; ``output_sizes`` gives each one's width.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], sources: list[str], bias: bool = False):
+        assert len(output_sizes) == len(sources)
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+        self.sources = list(sources)
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
+        parent = parent_of(prefix)
+        shards = {name: [] for name, _ in self.named_parameters(recurse=False)}
+        offset = 0
+        for source, size in zip(self.sources, self.output_sizes):
+            for name in shards:
+                shards[name].append(Shard(f"{parent}.{source}.{name}", (slice(offset, offset + size),)))
+            offset += size
+        return shards
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.output_sizes, dim=-1)

@@ -1,0 +1,22 @@
+"""The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused."""
+
+import torch
+from torch import nn
+
+from layers.linear import Linear, MergedLinear
+from ops_cuda import ACTIVATIONS, act_and_mul
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.hidden_act = hidden_act
+        self.gate_up_proj = MergedLinear(
+            hidden_size, [intermediate_size] * 2, sources=["gate_proj", "up_proj"], bias=bias
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act))

@@ -1,0 +1,133 @@
+"""Rotary position embeddings: the inverse frequencies of every rope type zoo's models use.
+
+The rope settings are read from the config the way the installed transformers stores them:
+``config.rope_parameters`` (transformers 5) or ``config.rope_scaling`` + ``config.rope_theta``
+(transformers 4 and hub checkpoints written by it). Each formula follows HuggingFace's
+``modeling_rope_utils`` operation for operation, so float32 cos/sin match it bit for bit.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(base: float, dim: int, params: dict) -> torch.Tensor:
+    inv_freq = _default_inv_freq(base, dim)
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, params: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    factor = params.get("factor")
+    original_max = params["original_max_position_embeddings"]
+    if factor is None:  # DeepSeek-style configs give the ratio implicitly
+        factor = max_position_embeddings / original_max
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    """Maps token positions [N] to (cos, sin) [N, head_dim] in float32, scaled by the rope type's
+    attention factor. Computed once per forward and shared by every layer."""
+
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        params = rope_parameters(config)
+        self.rope_type = params["rope_type"]
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {list(ROPE_TYPES)}")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported yet")
+        if self.rope_type in ("llama3", "yarn"):
+            params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+        self.params = params
+        self.base = float(params["rope_theta"])
+        self.dim = head_dim
+        self.max_position_embeddings = config.max_position_embeddings
+        self.attention_scaling = 1.0
+
+        # Built on the CPU even when the model is constructed on the meta device: this buffer
+        # is computed, not loaded.
+        with torch.device("cpu"):
+            if self.rope_type == "llama3":
+                inv_freq = _llama3_inv_freq(self.base, head_dim, params)
+            elif self.rope_type == "yarn":
+                inv_freq, self.attention_scaling = _yarn_inv_freq(
+                    self.base, head_dim, params, config.max_position_embeddings
+                )
+            else:
+                inv_freq = _default_inv_freq(self.base, head_dim)
+                if self.rope_type == "linear":
+                    inv_freq = inv_freq / params["factor"]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+        # Dynamic NTK stretches the base once the sequence outgrows the trained context.
+        seq_len = positions.max() + 1
+        if seq_len <= self.max_position_embeddings:
+            return self.inv_freq
+        factor, dim = self.params["factor"], self.dim
+        base = self.base * ((factor * seq_len / self.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
+        return 1.0 / (base**exponents)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._dynamic_inv_freq(positions) if self.rope_type == "dynamic" else self.inv_freq
+        freqs = positions[:, None].float() * inv_freq[None, :].to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling

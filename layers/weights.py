@@ -1,0 +1,23 @@
+"""How a parameter declares the checkpoint tensors that fill it.
+
+A parameter of a plain module is filled by the checkpoint tensor of the same qualified name.
+A module whose parameters are fused from several HuggingFace tensors (QKV, gate-up, stacked
+experts) implements ``checkpoint_shards(prefix)`` and returns, for each of its parameters, the
+shards that tile it. The one generic loader in ``loaders/`` reads these declarations; no model
+writes a loading loop.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The checkpoint tensor ``name`` fills ``parameter[index]`` (an index tuple of ints/slices)."""
+
+    name: str
+    index: tuple = ()
+
+
+def parent_of(prefix: str) -> str:
+    """The qualified name of a module's parent: fused modules read their siblings' HF names."""
+    return prefix.rpartition(".")[0]

@@ -1,0 +1,113 @@
+"""The one generic loader: build the model on the meta device, check the checkpoint against the
+model's declarations, materialise every parameter once in the target dtype/device, fill it."""
+
+import re
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from layers.weights import Shard
+from loaders.checkpoint import FLOAT_DTYPES, CheckpointError, TensorRef, open_checkpoint, resolve_source
+from loaders.config import load_config
+
+# Checkpoints smaller than this load without a progress bar.
+PROGRESS_MIN_BYTES = 256 << 20
+_MAX_LISTED = 10
+
+
+def load_model(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu", progress: bool | None = None):
+    from models import model_class_for
+
+    source = resolve_source(path_or_repo_id)
+    config = load_config(source)
+    model_class = model_class_for(config)
+    with torch.device("meta"):
+        model = model_class(config)
+    checkpoint = open_checkpoint(source, config)
+    plan = plan_loading(model, checkpoint)
+    materialize(model, dtype, torch.device(device))
+    fill(model, checkpoint, plan, progress)
+    return model.eval()
+
+
+def declared_shards(model: nn.Module) -> dict[str, tuple[str, tuple]]:
+    """checkpoint tensor name -> (parameter name, index into it), from the modules' declarations.
+
+    A parameter shared by two modules (tied embeddings) is declared once, by its first owner."""
+    targets: dict[str, tuple[str, tuple]] = {}
+    owners: set[int] = set()
+    for prefix, module in model.named_modules():
+        declared = module.checkpoint_shards(prefix) if hasattr(module, "checkpoint_shards") else {}
+        for local_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) in owners:
+                continue
+            owners.add(id(param))
+            name = f"{prefix}.{local_name}" if prefix else local_name
+            shards = declared.get(local_name, [Shard(name)])
+            covered = sum(param[shard.index].numel() for shard in shards)
+            assert covered == param.numel(), f"{name}: declared shards cover {covered} of {param.numel()} elements"
+            for shard in shards:
+                targets[shard.name] = (name, shard.index)
+    return targets
+
+
+def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, tuple[str, tuple]]:
+    """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem."""
+    targets = declared_shards(model)
+    ignored = [re.compile(pattern) for pattern in getattr(model, "ignored_checkpoint_keys", ())]
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in targets.values()}
+
+    problems = []
+    unexpected = [
+        name for name in checkpoint
+        if name not in targets and name not in tied and not any(p.search(name) for p in ignored)
+    ]
+    missing = [name for name in targets if name not in checkpoint]
+    if unexpected:
+        problems.append(_listing("unexpected tensors (no parameter takes them)", unexpected, checkpoint))
+    if missing:
+        problems.append(_listing("missing tensors", missing))
+    for name, (param_name, index) in targets.items():
+        ref = checkpoint.get(name)
+        if ref is None:
+            continue
+        expected = tuple(model.get_parameter(param_name)[index].shape)
+        if ref.shape != expected:
+            problems.append(f"tensor {name!r} in {ref.file}: expected shape {expected}, got {ref.shape}")
+        if ref.dtype not in FLOAT_DTYPES:
+            problems.append(f"tensor {name!r} in {ref.file}: dtype {ref.dtype} is not a floating-point type")
+    if problems:
+        raise CheckpointError(f"checkpoint does not match {type(model).__name__}:\n  " + "\n  ".join(problems))
+    return targets
+
+
+def _listing(title: str, names: list[str], checkpoint: dict[str, TensorRef] | None = None) -> str:
+    shown = [f"{n} ({checkpoint[n].file.name})" if checkpoint else n for n in names[:_MAX_LISTED]]
+    more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return f"{title}: {', '.join(shown)}{more}"
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter by uninitialised storage, once per shared parameter; move
+    computed buffers (they were built on the CPU) to the device."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+            setattr(module, name, replaced[id(param)])
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))
+
+
+@torch.no_grad()
+def fill(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], progress=None):
+    names = [name for name in checkpoint if name in targets]
+    total = sum(checkpoint[name].nbytes for name in names)
+    show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show) as bar:
+        for name in names:
+            param_name, index = targets[name]
+            model.get_parameter(param_name)[index].copy_(checkpoint[name].load())
+            bar.update(checkpoint[name].nbytes)

@@ -1,0 +1,130 @@
+"""Base classes shared by decoder-only models, with HuggingFace's module paths:
+
+    model.embed_tokens, model.layers.{i}.{input_layernorm, self_attn, post_attention_layernorm, mlp},
+    model.norm, model.rotary_emb, lm_head
+
+An architecture file subclasses these and states only what its blocks are made of.
+"""
+
+import torch
+from torch import nn
+
+from layers import AttentionMetadata, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window(config, layer_idx: int) -> int | None:
+    """The layer's attention window: per layer from ``config.layer_types`` when the config has
+    them (Qwen2/3), else ``config.sliding_window`` on every layer (Mistral), else none."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+def attention_shape(config, layer_idx: int) -> dict:
+    """The arguments of ``layers.Attention`` every HF decoder config spells the same way."""
+    return dict(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim(config),
+        sliding_window=sliding_window(config, layer_idx),
+    )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+
+    Each residual add is fused into the norm that follows it, so ``forward`` returns
+    ``(mlp_out, residual)`` and the next layer's ``input_layernorm`` completes the add.
+    HuggingFace's view of this layer's output is ``mlp_out + residual``.
+    """
+
+    returns_residual = True
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, position_embeddings, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, a stack of decoder layers and the final norm (HF's ``XxxModel``)."""
+
+    def __init__(self, config, decoder_layer: type[DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim(config))
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        position_embeddings = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, position_embeddings, metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class CausalLM(nn.Module):
+    """A decoder model with an LM head; subclasses set ``decoder_layer``.
+
+    ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
+    any other tensor the model has no place for is a loading error.
+    """
+
+    decoder_layer: type[DecoderLayer]
+    ignored_checkpoint_keys: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.decoder_layer)
+        # Tied embeddings: the head holds the embedding's own Parameter, so the loader
+        # sees one parameter and fills it once.
+        tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tied)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn_metadata: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """``input_ids[N], positions[N], attn_metadata`` -> logits [N, vocab] over a flat token
+        stream; or ``input_ids[B, T]`` alone -> logits [B, T, vocab] of a cache-free causal prefill."""
+        if attn_metadata is None:
+            return self._batched_prefill(input_ids)
+        return self.lm_head(self.model(input_ids, positions, attn_metadata))
+
+    def _batched_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() != 2 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty [batch, seq_len] tensor, got shape {tuple(input_ids.shape)}")
+        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+            raise ValueError(
+                f"input_ids hold ids outside [0, {self.config.vocab_size}): "
+                f"min {int(input_ids.min())}, max {int(input_ids.max())}"
+            )
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).repeat(batch)
+        metadata = AttentionMetadata.causal_prefill(batch, length)
+        logits = self.forward(input_ids.reshape(-1), positions, metadata)
+        return logits.view(batch, length, -1)

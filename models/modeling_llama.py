@@ -1,0 +1,48 @@
+"""Llama, and the checkpoints that share its block: Mistral (sliding window) and Qwen2 (q/k/v bias).
+
+    x -> RMSNorm -> GQA self-attention with rotary -> + x -> RMSNorm -> SiLU-gated MLP -> +
+"""
+
+from layers import Attention, GatedMLP
+from models.auto import register
+from models.base import CausalLM, DecoderLayer, attention_shape
+
+
+class LlamaAttention(Attention):
+    def __init__(self, config, layer_idx: int):
+        bias = getattr(config, "attention_bias", False)
+        super().__init__(**attention_shape(config, layer_idx), qkv_bias=bias, o_bias=bias)
+
+
+class LlamaMLP(GatedMLP):
+    def __init__(self, config):
+        super().__init__(
+            config.hidden_size, config.intermediate_size, config.hidden_act, bias=getattr(config, "mlp_bias", False)
+        )
+
+
+class LlamaDecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, LlamaAttention(config, layer_idx), LlamaMLP(config))
+
+
+@register("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(CausalLM):
+    decoder_layer = LlamaDecoderLayer
+
+
+class Qwen2Attention(Attention):
+    """Llama attention with a bias on q, k and v (none on o_proj)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(**attention_shape(config, layer_idx), qkv_bias=True)
+
+
+class Qwen2DecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, Qwen2Attention(config, layer_idx), LlamaMLP(config))
+
+
+@register("Qwen2ForCausalLM")
+class Qwen2ForCausalLM(CausalLM):
+    decoder_layer = Qwen2DecoderLayer

@@ -1,0 +1,12 @@
+"""GPU ops behind zoo's layers.
+
+Each op is a ``torch.library`` custom op in the ``zoo`` namespace. Its default kernel is a
+pure-PyTorch reference (used on CPU and as the test oracle); GPU kernels register for the
+``cuda`` dispatch key on top of it.
+"""
+
+from ops_cuda.activation import ACTIVATIONS, act_and_mul
+from ops_cuda.norm import fused_add_rms_norm, rms_norm
+from ops_cuda.rotary import apply_rotary
+
+__all__ = ["ACTIVATIONS", "act_and_mul", "apply_rotary", "fused_add_rms_norm", "rms_norm"]
