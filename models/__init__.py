@@ -5,6 +5,7 @@ import importlib
 import pkgutil
 
 from models.auto import (
+    architecture_of,
     AutoModelForCausalLM,
     UnsupportedArchitectureError,
     model_class_for,
@@ -18,6 +19,6 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
-    "AutoModelForCausalLM", "CausalLM", "DecoderLayer", "DecoderModel", "UnsupportedArchitectureError",
+    "AutoModelForCausalLM", "CausalLM", "architecture_of", "DecoderLayer", "DecoderModel", "UnsupportedArchitectureError",
     "model_class_for", "register", "supported_architectures",
 ]

@@ -1,0 +1,50 @@
+"""Fidelity against HuggingFace transformers: float32 logits of every tested variant and of the real
+SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's logits).
+
+    .venv/bin/python benchmarks/fidelity.py
+
+The variants are the tiny random checkpoints of tests/test_parity.py.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loaders.default_model import default_model_path  # noqa: E402
+from loaders.diff import load_reference, tokenize  # noqa: E402
+from models import AutoModelForCausalLM, architecture_of  # noqa: E402
+from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
+from tests.test_parity import VARIANTS  # noqa: E402
+from tests.test_smollm2 import SENTENCE  # noqa: E402
+
+
+def row(name, architecture, ours, theirs):
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    return f"| {name} | {architecture} | {relative_error(ours, theirs):.1e} | {agree:.0%} |"
+
+
+@torch.no_grad()
+def main():
+    print("| variant | architecture | max relative logit error | argmax agreement |")
+    print("|---|---|---|---|")
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 97, (2, 40))
+    for name, config in VARIANTS.items():
+        reference = hf_model(config)
+        with tempfile.TemporaryDirectory() as directory:
+            model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
+        print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits), flush=True)
+    path = default_model_path()
+    input_ids = tokenize(path, SENTENCE)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    reference = load_reference(path, torch.float32, "cpu")
+    print(row("SmolLM2-135M-Instruct Q4_1 GGUF", "LlamaForCausalLM", model(input_ids),
+              reference(input_ids=input_ids, use_cache=False).logits))
+
+
+if __name__ == "__main__":
+    main()

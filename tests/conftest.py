@@ -1,0 +1,56 @@
+"""Tiny random HuggingFace checkpoints, written with ``save_pretrained``, for parity tests."""
+
+import pytest
+import torch
+import transformers
+
+# Larger than HF's 0.02 so attention is far from uniform and position bugs show in the logits.
+INIT_STD = 0.15
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    fields = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        initializer_range=INIT_STD, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def hf_model(config, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norm weights start at one; move them so a skipped norm is visible
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+def save_checkpoint(model, path, dtype=torch.float32, **save_kwargs):
+    model.to(dtype).save_pretrained(path, **save_kwargs)
+    model.to(torch.float32)
+    return path
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path):
+    """make_checkpoint(config, dtype=..., **save_kwargs) -> (directory, HF model in float32)."""
+
+    def make(config, dtype=torch.float32, **save_kwargs):
+        model = hf_model(config)
+        path = save_checkpoint(model, tmp_path / "ckpt", dtype, **save_kwargs)
+        return path, model
+
+    return make
+
+
+@pytest.fixture
+def input_ids():
+    torch.manual_seed(1)
+    return torch.randint(0, 97, (2, 40))

@@ -1,0 +1,127 @@
+"""Bad checkpoints fail early with an error that names the culprit."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loaders import CheckpointError
+from models import AutoModelForCausalLM, UnsupportedArchitectureError
+from tests.conftest import tiny_config
+
+
+@pytest.fixture
+def checkpoint(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("llama"))
+    return path
+
+
+def rewrite_tensors(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor(checkpoint):
+    rewrite_tensors(checkpoint, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_unexpected_tensor(checkpoint):
+    rewrite_tensors(checkpoint, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors.*model\.layers\.0\.mlp\.extra\.weight \(model\.safetensors\)"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_wrong_shape(checkpoint):
+    rewrite_tensors(checkpoint, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(112, 60)}))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*expected shape \(112, 64\), got \(112, 60\)"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_integer_tensor(checkpoint):
+    rewrite_tensors(checkpoint, lambda t: t.update({"model.norm.weight": torch.zeros(64, dtype=torch.int32)}))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight'.*dtype I32 is not a floating-point type"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_truncated_safetensors(checkpoint):
+    file = checkpoint / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_corrupt_safetensors(checkpoint):
+    (checkpoint / "model.safetensors").write_bytes(b"\x07" * 1000)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_missing_shard(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("llama"), max_shard_size="40KB")
+    shard = sorted(path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"shard files that do not exist: \\['{shard.name}'\\]"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_no_weights(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    (checkpoint / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors.*pytorch_model\.bin.*never loaded"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_missing_config(checkpoint):
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"ckpt: no config\.json"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_malformed_config(checkpoint):
+    (checkpoint / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(CheckpointError, match=r"config\.json: malformed JSON"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_config_transformers_rejects(checkpoint):
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(CheckpointError, match=r"ckpt: transformers cannot build a config"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_unknown_architecture(checkpoint):
+    fields = json.loads((checkpoint / "config.json").read_text())
+    fields["architectures"] = ["FooForCausalLM"]
+    (checkpoint / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(UnsupportedArchitectureError, match=r"'FooForCausalLM'.*supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+@pytest.mark.parametrize("path", ["/no/such/dir", "./not-here", "missing-dir"])
+def test_nonexistent_path(path):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint directory or file"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_not_a_checkpoint_file(tmp_path):
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"weights\.txt: a checkpoint is a directory"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "weights.txt")
+
+
+def test_hub_download_failure_is_clear(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match=r"'zoo-test/no-such-repo' is not a local path, and downloading it"):
+        AutoModelForCausalLM.from_pretrained("zoo-test/no-such-repo")
+
+
+def test_bad_input_ids(checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with pytest.raises(ValueError, match=r"outside \[0, 97\): min 0, max 97"):
+        model(torch.tensor([[0, 97]]))
+    with pytest.raises(ValueError, match=r"\[batch, seq_len\].*\(3,\)"):
+        model(torch.tensor([1, 2, 3]))

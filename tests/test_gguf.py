@@ -1,0 +1,156 @@
+"""GGUF loading against HuggingFace, one tiny random llama file per GGML tensor type.
+
+Each file is written like llama.cpp's converter writes it (tests/gguf_writer.py): q/k rows permuted,
+2D weights in the type under test, norms in F32, GQA (4 heads, 2 kv heads)."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from loaders import CheckpointError, load_config, resolve_source
+from loaders.load import declared_shards
+from models import AutoModelForCausalLM, UnsupportedArchitectureError
+from tests.conftest import relative_error
+from tests.gguf_writer import SHAPE, TYPES, T, llama_cpp_permute, write_llama_gguf
+
+RTOL = 1e-5
+
+
+def load_both(path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return hf.eval(), AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=lambda t: t.name)
+def case(request, tmp_path_factory):
+    """(type, path, stored weights before the q/k permutation, HF model, zoo model), once per type."""
+    qtype = request.param
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-{qtype.name}.gguf"
+    weights = write_llama_gguf(path, qtype)
+    return qtype, path, weights, *load_both(path)
+
+
+def zoo_weight(model, name: str) -> torch.Tensor:
+    """The slice of zoo's (possibly fused) parameter that the checkpoint tensor ``name`` fills."""
+    param, index = declared_shards(model)[name]
+    return model.get_parameter(param)[index]
+
+
+def prompt_ids():
+    return torch.randint(0, SHAPE["vocab"], (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def assert_logits_match(hf, zoo):
+    ids = prompt_ids()
+    with torch.no_grad():
+        expected, actual = hf(ids).logits, zoo(ids)
+    assert actual.shape == expected.shape == (2, 16, SHAPE["vocab"])
+    assert torch.isfinite(expected).all() and expected.abs().max() > 0.1  # a real signal, not all zeros
+    rel = relative_error(actual, expected)
+    assert rel <= RTOL, f"relative logit error {rel:.3g}"
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+def test_config_from_metadata(case):
+    _, path, *_ = case
+    config = load_config(resolve_source(path))
+    assert config.model_type == "llama"
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size) == (256, 512, 2, 512)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 64)
+    assert config.tie_word_embeddings is False
+
+
+def test_logits_match_hf(case):
+    *_, hf, zoo = case
+    assert_logits_match(hf, zoo)
+
+
+@pytest.mark.parametrize("proj, tensor", [("q_proj", "attn_q"), ("k_proj", "attn_k")])
+def test_qk_dequantised_and_unpermuted(case, proj, tensor):
+    """zoo's q/k weights are the stored rows dequantised with gguf-py and put back in HF's order:
+    bit-equal to the weight before llama.cpp's permutation, and to HF's loaded weight."""
+    qtype, path, weights, hf, zoo = case
+    heads = SHAPE["heads"] if proj == "q_proj" else SHAPE["kv_heads"]
+    in_file = {t.name: t for t in GGUFReader(str(path)).tensors}
+    for i in range(SHAPE["layers"]):
+        name = f"blk.{i}.{tensor}.weight"
+        assert in_file[name].tensor_type == qtype
+        stored = dequantize(in_file[name].data, qtype)
+        expected = dequantize(weights[name], qtype)
+        # the file holds llama.cpp's row order, and the permutation really moves rows
+        np.testing.assert_array_equal(stored, llama_cpp_permute(expected, SHAPE["heads"], heads))
+        assert not np.array_equal(stored, expected)
+
+        hf_name = f"model.layers.{i}.self_attn.{proj}.weight"
+        actual = zoo_weight(zoo, hf_name)
+        assert actual.dtype == torch.float32 and torch.isfinite(actual).all()
+        assert torch.equal(actual, torch.from_numpy(expected))
+        assert torch.equal(actual, hf.get_parameter(hf_name))
+
+
+def test_tied_embeddings(tmp_path):
+    """No output.weight (how llama.cpp stores tied embeddings): lm_head shares embed_tokens."""
+    path = tmp_path / "tied.gguf"
+    write_llama_gguf(path, T.Q6_K, tied=True)
+    hf, zoo = load_both(path)
+    assert hf.config.tie_word_embeddings is True
+    assert zoo.lm_head.weight is zoo.model.embed_tokens.weight
+    assert_logits_match(hf, zoo)
+
+
+# --- damaged and unsupported files -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("good") / "good.gguf"
+    write_llama_gguf(path, T.Q8_0)
+    return path
+
+
+def test_truncated_file(good_file, tmp_path):
+    path = tmp_path / "truncated.gguf"
+    data = good_file.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="not a readable GGUF file|cannot build a config") as err:
+        AutoModelForCausalLM.from_pretrained(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_garbage_file(tmp_path):
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(CheckpointError, match="magic") as err:
+        AutoModelForCausalLM.from_pretrained(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_architecture_transformers_rejects(tmp_path):
+    """transformers cannot build a config for a GGUF 'bert': zoo reports it against the file."""
+    path = tmp_path / "bert.gguf"
+    write_llama_gguf(path, T.F32, arch="bert")
+    with pytest.raises(CheckpointError, match="architecture bert is not supported") as err:
+        AutoModelForCausalLM.from_pretrained(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_architecture_gguf_reader_rejects(tmp_path):
+    """A GGUF 'mistral' builds a MistralConfig zoo has a model for, but zoo's GGUF reader does
+    not know that architecture's tensor layout (q/k permuted or not), so it refuses the file."""
+    path = tmp_path / "mistral.gguf"
+    write_llama_gguf(path, T.F32, arch="mistral")
+    with pytest.raises(CheckpointError, match="GGUF architecture 'mistral' is not supported") as err:
+        AutoModelForCausalLM.from_pretrained(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_architecture_without_zoo_model(tmp_path):
+    """A GGUF 'falcon' builds a config, but zoo has no model for it: the registry's error, which
+    lists the supported architectures (it comes before the file's tensors are read)."""
+    path = tmp_path / "falcon.gguf"
+    write_llama_gguf(path, T.F32, arch="falcon")
+    with pytest.raises(UnsupportedArchitectureError, match="'FalconForCausalLM' is not supported.*LlamaForCausalLM"):
+        AutoModelForCausalLM.from_pretrained(str(path))

@@ -1,0 +1,121 @@
+"""float32 logits of every supported variant against HuggingFace's, loaded from the same checkpoint."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from models import AutoModelForCausalLM
+from tests.conftest import relative_error, tiny_config
+
+TOLERANCE = 1e-5
+
+VARIANTS = {
+    "llama-gqa": tiny_config("llama"),
+    "llama-mha": tiny_config("llama", num_key_value_heads=4),
+    "llama-head_dim": tiny_config("llama", head_dim=24),
+    "llama-tied": tiny_config("llama", tie_word_embeddings=True),
+    "llama-bias": tiny_config("llama", attention_bias=True, mlp_bias=True),
+    "llama-gelu": tiny_config("llama", hidden_act="gelu_pytorch_tanh"),
+    "rope-linear": tiny_config("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "rope-dynamic": tiny_config(
+        "llama", max_position_embeddings=24, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    ),
+    "rope-llama3": tiny_config("llama", rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 500000.0,
+    }),
+    "rope-yarn": tiny_config("llama", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+    }),
+    "rope-yarn-mscale": tiny_config("llama", max_position_embeddings=640, rope_parameters={  # DeepSeek-style
+        "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+    }),
+    "mistral-window": tiny_config("mistral", sliding_window=7, head_dim=16),
+    "qwen2": tiny_config("qwen2", tie_word_embeddings=True),
+    "qwen2-window-layers": tiny_config(
+        "qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3
+    ),
+    "qwen3": tiny_config("qwen3", head_dim=32),
+    "qwen3-bias-tied": tiny_config("qwen3", head_dim=16, attention_bias=True, tie_word_embeddings=True),
+}
+
+
+def assert_matches(ours: torch.Tensor, reference: torch.Tensor):
+    assert ours.shape == reference.shape
+    assert relative_error(ours, reference) <= TOLERANCE
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_huggingface(variant, make_checkpoint, input_ids):
+    path, reference = make_checkpoint(VARIANTS[variant])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_sharded_checkpoint(make_checkpoint, input_ids):
+    path, reference = make_checkpoint(tiny_config("llama"), max_shard_size="40KB")
+    assert len(list(path.glob("model-*.safetensors"))) > 2
+    assert (path / "model.safetensors.index.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_bfloat16_checkpoint_loaded_as_float32(make_checkpoint, input_ids):
+    path, _ = make_checkpoint(tiny_config("llama"), dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.lm_head.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_hub_style_config(make_checkpoint, input_ids):
+    """Checkpoints as the hub ships them: rope_scaling + rope_theta + torch_dtype (transformers 4 names)."""
+    config = tiny_config("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0})
+    path, reference = make_checkpoint(config)
+    fields = json.loads((path / "config.json").read_text())
+    fields.pop("rope_parameters")
+    fields.update(rope_scaling={"type": "linear", "factor": 4.0}, rope_theta=5000.0, torch_dtype=fields.pop("dtype"))
+    (path / "config.json").write_text(json.dumps(fields))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_wrong_rope_is_caught(make_checkpoint, input_ids):
+    """The tolerance is tight enough to see a rope mistake: load a yarn checkpoint as plain rope."""
+    path, reference = make_checkpoint(VARIANTS["rope-yarn"])
+    fields = json.loads((path / "config.json").read_text())
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(fields))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
+
+
+def test_flat_stream_equals_batched(make_checkpoint):
+    """Sequences of different lengths in one flat stream give each sequence's own logits."""
+    from layers import AttentionMetadata
+
+    path, _ = make_checkpoint(tiny_config("mistral", sliding_window=5))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(3)
+    seqs = [torch.randint(0, 97, (n,)) for n in (9, 3, 14)]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])
+    metadata = AttentionMetadata(query_lens=[len(s) for s in seqs])
+    with torch.no_grad():
+        flat = model(torch.cat(seqs), positions, metadata).split(metadata.query_lens)
+        for seq, logits in zip(seqs, flat):
+            assert torch.allclose(logits, model(seq[None])[0], rtol=0, atol=1e-5)
+
+
+def test_tied_embeddings_share_one_parameter(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("llama", tie_word_embeddings=True))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
