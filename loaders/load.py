@@ -21,7 +21,7 @@ def load_model(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu"
 
     source = resolve_source(path_or_repo_id)
     config = load_config(source)
-    model_class = model_class_for(config)
+    model_class = model_class_for(config, str(source.path))
     with torch.device("meta"):
         model = model_class(config)
     checkpoint = open_checkpoint(source, config)

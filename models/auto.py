@@ -35,11 +35,11 @@ def architecture_of(config) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, f"<model_type {config.model_type}>")
 
 
-def model_class_for(config) -> type:
+def model_class_for(config, source: str = "checkpoint") -> type:
     name = architecture_of(config)
     if name not in _REGISTRY:
         raise UnsupportedArchitectureError(
-            f"architecture {name!r} is not supported by zoo; supported: {', '.join(supported_architectures())}"
+            f"{source}: architecture {name!r} is not supported by zoo; supported: {', '.join(supported_architectures())}"
         )
     return _REGISTRY[name]
 

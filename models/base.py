@@ -108,12 +108,17 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn_metadata: AttentionMetadata | None = None,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``input_ids[N], positions[N], attn_metadata`` -> logits [N, vocab] over a flat token
-        stream; or ``input_ids[B, T]`` alone -> logits [B, T, vocab] of a cache-free causal prefill."""
+        stream (only the rows ``logits_indices`` when given: the runtime needs each sequence's
+        last token); or ``input_ids[B, T]`` alone -> logits [B, T, vocab] of a cache-free causal prefill."""
         if attn_metadata is None:
             return self._batched_prefill(input_ids)
-        return self.lm_head(self.model(input_ids, positions, attn_metadata))
+        hidden_states = self.model(input_ids, positions, attn_metadata)
+        if logits_indices is not None:
+            hidden_states = hidden_states[logits_indices]
+        return self.lm_head(hidden_states)
 
     def _batched_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.numel() == 0:

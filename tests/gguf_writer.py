@@ -69,9 +69,10 @@ def _add(writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizatio
 def write_llama_gguf(
     path: Path, qtype: GGMLQuantizationType, *, arch: str = "llama", tied: bool = False, seed: int = 0
 ) -> dict:
-    """Write the file (``tied``: no output.weight, as llama.cpp writes tied embeddings); return the stored 2D weights before llama.cpp's q/k permutation, by GGUF name.
+    """Write the file; return its 2D weights in stored form before the q/k permutation, by GGUF name.
 
-    Permuting after quantising is what the converter does (permute, then quantise): quantisation
+    ``tied``: no output.weight, which is how llama.cpp stores tied embeddings. q/k rows are permuted
+    after quantising where the converter permutes before: the same bytes, since quantisation
     blocks run along a row and the permutation only moves whole rows."""
     s, rng = SHAPE, np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)

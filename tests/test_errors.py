@@ -97,7 +97,7 @@ def test_unknown_architecture(checkpoint):
     fields = json.loads((checkpoint / "config.json").read_text())
     fields["architectures"] = ["FooForCausalLM"]
     (checkpoint / "config.json").write_text(json.dumps(fields))
-    with pytest.raises(UnsupportedArchitectureError, match=r"'FooForCausalLM'.*supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"ckpt: architecture 'FooForCausalLM'.*supported: .*LlamaForCausalLM.*Qwen3ForCausalLM"):
         AutoModelForCausalLM.from_pretrained(checkpoint)
 
 

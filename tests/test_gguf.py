@@ -112,10 +112,12 @@ def good_file(tmp_path_factory):
 
 
 def test_truncated_file(good_file, tmp_path):
+    """The header survives the cut, the tensor data does not: gguf-py's reader fails already when
+    transformers reads the metadata for the config, before zoo's own reader opens the file."""
     path = tmp_path / "truncated.gguf"
     data = good_file.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="not a readable GGUF file|cannot build a config") as err:
+    with pytest.raises(CheckpointError, match=r"cannot build a config from it \(cannot reshape array") as err:
         AutoModelForCausalLM.from_pretrained(str(path))
     assert str(path) in str(err.value)
 
@@ -149,8 +151,8 @@ def test_architecture_gguf_reader_rejects(tmp_path):
 
 def test_architecture_without_zoo_model(tmp_path):
     """A GGUF 'falcon' builds a config, but zoo has no model for it: the registry's error, which
-    lists the supported architectures (it comes before the file's tensors are read)."""
+    names the file and lists the supported architectures (before the file's tensors are read)."""
     path = tmp_path / "falcon.gguf"
     write_llama_gguf(path, T.F32, arch="falcon")
-    with pytest.raises(UnsupportedArchitectureError, match="'FalconForCausalLM' is not supported.*LlamaForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"falcon\.gguf: architecture 'FalconForCausalLM' is not supported.*LlamaForCausalLM"):
         AutoModelForCausalLM.from_pretrained(str(path))

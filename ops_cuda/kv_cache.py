@@ -1,0 +1,16 @@
+"""Writing new keys and values into the paged KV cache through the slot mapping."""
+
+import torch
+
+
+def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    # k/v: [N, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+
+
+@torch.library.custom_op("zoo::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,63 @@
+"""What a request asks of generation."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request.
+
+    ``temperature`` 0 is greedy. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 are off. Penalties:
+    ``repetition_penalty`` (HF/CTRL style, over prompt and output, 1 is off), ``presence_penalty``
+    and ``frequency_penalty`` (OpenAI style, over the output, 0 is off). ``seed`` makes the
+    request's samples reproducible whatever else is in the batch. Generation stops at
+    ``max_tokens``, the model's EOS (unless ``ignore_eos``), any of ``stop_token_ids`` (kept in
+    the output) or any ``stop`` string (cut from the text). ``logprobs`` = k returns, per
+    generated token, the log-probability of the sampled token and of the k most likely ones
+    under the model's raw distribution.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first invalid field."""
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
+            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop!r}"),
+            (all(0 <= t < vocab_size for t in self.stop_token_ids), f"stop_token_ids must be in [0, {vocab_size}), got {self.stop_token_ids}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

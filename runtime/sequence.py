@@ -1,0 +1,49 @@
+"""One request's state while it is generated."""
+
+import enum
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt and generated tokens, how many of them are in the KV cache, and the cache blocks."""
+
+    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache keys of the leading full blocks
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Each seeded request draws from its own generator: its samples do not depend on the batch.
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
