@@ -55,7 +55,7 @@ class BlockManager:
             self.ref_counts[block] += 1
             seq.block_table.append(block)
             seq.block_hashes.append(hash(key))
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give the sequence blocks for ``num_new_tokens`` more tokens; False (nothing taken) if too few are free."""

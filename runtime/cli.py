@@ -23,6 +23,63 @@ def _diff(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def _load_llm(args):
+    from loaders.default_model import default_model_path
+    from runtime import LLM
+
+    return LLM(args.model or str(default_model_path()), dtype=args.dtype, device=args.device,
+               max_model_len=args.max_model_len)
+
+
+def _sampling(args):
+    from runtime import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def _generate(args) -> int:
+    import time
+
+    llm = _load_llm(args)
+    params = _sampling(args)
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+    elapsed = time.perf_counter() - start
+    for output in outputs:
+        if output.error:
+            print(f"error: {output.error}", file=sys.stderr)
+            continue
+        print(f"{output.prompt}{output.text}" if len(outputs) == 1 else f"[{output.request_id}] {output.prompt!r} -> {output.text!r}")
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"-- {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s", file=sys.stderr)
+    return 1 if any(o.error for o in outputs) else 0
+
+
+def _chat(args) -> int:
+    llm = _load_llm(args)
+    params = _sampling(args)
+    conversation = [{"role": "system", "content": args.system}] if args.system else []
+    print("zoo chat: an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            return 0
+        conversation.append({"role": "user", "content": line})
+        reply = []
+        for delta in llm.stream([llm.chat_prompt(conversation)], params):
+            print(delta.text, end="", flush=True)
+            reply.append(delta.text)
+            if delta.error:
+                print(f"error: {delta.error}", file=sys.stderr)
+        print()
+        conversation.append({"role": "assistant", "content": "".join(reply)})
+
+
 def main(argv=None) -> int:
     from loaders.diff import DEFAULT_PROMPT
 
@@ -39,6 +96,25 @@ def main(argv=None) -> int:
     diff.add_argument("--atol", type=float, help="absolute tolerance (default by dtype)")
     diff.add_argument("--rtol", type=float, help="tolerance relative to the reference's max abs value (default by dtype)")
     diff.set_defaults(run=_diff)
+
+    for name, run, text in (("generate", _generate, "generate text for one or more prompts"),
+                            ("chat", _chat, "chat interactively, streaming the replies")):
+        command = commands.add_parser(name, help=text)
+        if name == "generate":
+            command.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+        else:
+            command.add_argument("--system", help="system message")
+        command.add_argument("--model", help="checkpoint directory, .gguf file or hub repo id "
+                                             "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+        command.add_argument("--max-tokens", type=int, default=64 if name == "generate" else 256)
+        command.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.7)
+        command.add_argument("--top-p", type=float, default=1.0)
+        command.add_argument("--top-k", type=int, default=0)
+        command.add_argument("--seed", type=int)
+        command.add_argument("--dtype", choices=DTYPES, default="float32")
+        command.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+        command.add_argument("--max-model-len", type=int, default=4096)
+        command.set_defaults(run=run)
 
     args = parser.parse_args(argv)
     try:

@@ -22,6 +22,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
+        self.num_cached_tokens = 0  # of those, how many the prefix cache supplied at admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix-cache keys of the leading full blocks
         self.status = Status.WAITING

@@ -1,0 +1,179 @@
+"""The engine: requests in, one scheduled model step at a time, tokens and text out."""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.block_manager import BlockManager
+from runtime.model_runner import KVCache, ModelRunner
+from runtime.sampler import sample
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence, Status
+
+CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or, while streaming, running) request. ``token_ids`` are the generated ids only."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length" or "error"
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(self, model, tokenizer, generation_eos: list[int], *, max_num_seqs: int, max_model_len: int,
+                 block_size: int, num_blocks: int | None, kv_cache_gib: float | None, gpu_memory_utilization: float,
+                 max_num_batched_tokens: int | None, enable_chunked_prefill: bool, enable_prefix_caching: bool):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(generation_eos)
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = max_model_len
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max_model_len
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
+            )
+        dtype = next(model.parameters()).dtype
+        if num_blocks is None:
+            num_blocks = self._blocks_for_budget(block_size, dtype, kv_cache_gib, gpu_memory_utilization,
+                                                 max_num_seqs, max_num_batched_tokens)
+        self.kv_cache = KVCache(model, num_blocks, block_size, dtype, next(model.parameters()).device)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.outputs: dict[int, RequestOutput] = {}
+        self.sequences: dict[int, Sequence] = {}
+
+    def _blocks_for_budget(self, block_size, dtype, kv_cache_gib, utilization, max_num_seqs, max_tokens) -> int:
+        """On CUDA: what is free after a profiling forward, times ``utilization``; on CPU an explicit
+        budget. Never more than max_num_seqs sequences of max_model_len tokens need."""
+        per_block = KVCache.bytes_per_block(self.model, block_size, dtype)
+        device = next(self.model.parameters()).device
+        if kv_cache_gib is not None:
+            budget = kv_cache_gib * (1 << 30)
+        elif device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            with torch.inference_mode():
+                self.model(torch.zeros(1, min(max_tokens, self.max_model_len), dtype=torch.long, device=device))
+            total = torch.cuda.mem_get_info(device)[1]
+            budget = total * utilization - torch.cuda.max_memory_allocated(device)
+        else:
+            budget = CPU_KV_CACHE_GIB * (1 << 30)
+        useful = max_num_seqs * math.ceil(self.max_model_len / block_size)
+        num_blocks = min(int(budget // per_block), useful)
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget / (1 << 30):.2f} GiB)")
+        return num_blocks
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: int, prompt, params: SamplingParams) -> RequestOutput:
+        """Queue one request. A bad one gets a finished output with the error, and nothing else changes."""
+        text = prompt if isinstance(prompt, str) else None
+        output = RequestOutput(request_id, text, [])
+        self.outputs[request_id] = output
+        try:
+            output.prompt_token_ids = self._prompt_ids(prompt)
+            self._validate(output.prompt_token_ids, params)
+        except ValueError as exc:
+            output.finish_reason, output.error = "error", f"request {request_id}: {exc}"
+            return output
+        seq = Sequence(request_id, output.prompt_token_ids, params)
+        output.logprobs = seq.logprobs
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return output
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the model has no tokenizer: pass token ids instead of text")
+            return self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(ids) + 1 > capacity:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the whole KV cache holds {capacity}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and the model has none")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs that changed."""
+        scheduled, failed = self.scheduler.schedule()
+        changed = [self._finish_output(seq) for seq in failed]
+        if not scheduled:
+            return changed
+        logits, sampling = self.runner.run(scheduled)
+        for seq, count in scheduled:
+            seq.num_computed_tokens += count
+            self.block_manager.cache_full_blocks(seq)
+        for seq, token in zip(sampling, sample(logits, sampling)):
+            seq.token_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.status == Status.FINISHED:
+                self.scheduler.finish(seq)
+            changed.append(self._finish_output(seq))
+        return changed
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        output = self.outputs[seq.request_id]
+        output.token_ids = seq.output_token_ids
+        previous_length = len(output.text)
+        if self.tokenizer is not None:
+            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            seq.finish("stop")
+            return
+        for stop in params.stop:
+            # Only text this token added can complete a stop string.
+            start = output.text.find(stop, max(0, previous_length - len(stop) + 1))
+            if start >= 0:
+                output.text = output.text[:start]
+                seq.finish("stop")
+                return
+        if len(output.token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        output = self.outputs[seq.request_id]
+        output.token_ids = seq.output_token_ids
+        output.num_cached_tokens = seq.num_cached_tokens
+        if seq.status == Status.FINISHED:
+            output.finish_reason, output.error = seq.finish_reason, seq.error
+            del self.sequences[seq.request_id]
+        return output

@@ -1,0 +1,142 @@
+"""``LLM``: offline generation with any registered model."""
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from runtime.engine import Engine, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class StreamDelta:
+    """What one request gained in one step of ``LLM.stream``."""
+
+    index: int  # position of the request in the prompts given
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+def load_tokenizer(path_or_repo_id):
+    """transformers' tokenizer of the checkpoint (GGUF included), or None when it has none."""
+    import transformers
+
+    from loaders import resolve_source
+
+    source = resolve_source(path_or_repo_id)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def generation_eos_ids(model, path_or_repo_id) -> list[int]:
+    """The EOS ids HuggingFace's generate stops at: generation_config.json, else the model config."""
+    import transformers
+
+    from loaders import resolve_source
+
+    source = resolve_source(path_or_repo_id)
+    try:
+        config = transformers.GenerationConfig.from_pretrained(str(source.directory))
+    except OSError:
+        config = transformers.GenerationConfig.from_model_config(model.config)
+    eos = config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+class LLM:
+    """Load a model and generate with continuous batching over a paged KV cache.
+
+    ``model``: a checkpoint directory, ``.gguf`` file or hub repo id. The KV cache has
+    ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_gib`` holds (CPU;
+    default 1 GiB) or, on CUDA, as fit in ``gpu_memory_utilization`` of the device after a
+    profiling forward.
+    """
+
+    def __init__(self, model, dtype="float32", device=None, *, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True):
+        from models import AutoModelForCausalLM
+
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
+        self.tokenizer = load_tokenizer(model)
+        config_max = self.model.config.max_position_embeddings
+        max_model_len = min(max_model_len or config_max, config_max)
+        self.engine = Engine(
+            self.model, self.tokenizer, generation_eos_ids(self.model, model), max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+        )
+        self._next_id = 0
+
+    def _add(self, prompts, sampling_params) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        outputs = []
+        for prompt, params in zip(prompts, sampling_params):
+            outputs.append(self.engine.add_request(self._next_id, prompt, params))
+            self._next_id += 1
+        return outputs
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts (strings or token-id lists) -> finished outputs, in input order."""
+        outputs = self._add(prompts, sampling_params)
+        done = sum(o.finished for o in outputs)
+        start, generated = time.perf_counter(), 0
+        with tqdm(total=len(outputs), initial=done, desc="Generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                changed = self.engine.step()
+                generated += sum(1 for o in changed if o.error is None)
+                finished = sum(o.finished for o in outputs)
+                bar.update(finished - done)
+                done = finished
+                bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}", refresh=False)
+        return outputs
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[StreamDelta]:
+        """Yield each request's new tokens and text as they are generated."""
+        outputs = self._add(prompts, sampling_params)
+        index_of = {o.request_id: i for i, o in enumerate(outputs)}
+        sent_tokens = {o.request_id: 0 for o in outputs}
+        sent_text = {o.request_id: 0 for o in outputs}
+        for output in outputs:
+            if output.finished:
+                yield StreamDelta(index_of[output.request_id], [], "", output.finish_reason, output.error)
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                rid = output.request_id
+                text = output.text if output.finished else _settled(output.text)
+                yield StreamDelta(index_of[rid], output.token_ids[sent_tokens[rid]:], text[sent_text[rid]:],
+                                  output.finish_reason, output.error)
+                sent_tokens[rid], sent_text[rid] = len(output.token_ids), len(text)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _settled(text: str) -> str:
+    # A trailing U+FFFD is a character whose bytes have not all arrived yet.
+    return text.rstrip("\ufffd")

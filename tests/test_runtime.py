@@ -1,0 +1,212 @@
+"""The runtime on tiny random checkpoints, float32: token-identical to HuggingFace's generate and
+to itself under chunked prefill, prefix caching, preemption and batching."""
+
+import random
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from tests.conftest import hf_model, save_checkpoint, tiny_config
+
+ARCHITECTURES = {
+    "llama": tiny_config("llama"),
+    "mistral-window": tiny_config("mistral", sliding_window=6),
+    "qwen2": tiny_config("qwen2", tie_word_embeddings=True),
+    "qwen3": tiny_config("qwen3", head_dim=16),
+}
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def prompts(count=5, seed=0, low=1, high=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 97) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+    for name, config in ARCHITECTURES.items():
+        model = hf_model(config)
+        made[name] = (save_checkpoint(model, tmp_path_factory.mktemp(name)), model)
+    return made
+
+
+def llm(path, **options):
+    options.setdefault("block_size", 4)
+    return LLM(str(path), device="cpu", **options)
+
+
+def token_ids(outputs):
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_greedy_matches_hf_generate(name, checkpoints):
+    path, reference = checkpoints[name]
+    batch = prompts()
+    outputs = llm(path).generate(batch, GREEDY, use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert output.token_ids == expected
+        assert output.prompt_token_ids == prompt
+        assert output.finish_reason == ("stop" if expected[-1] == reference.config.eos_token_id else "length")
+
+
+def test_chunked_prefill_changes_nothing(checkpoints):
+    path, _ = checkpoints["mistral-window"]
+    batch = prompts(6, seed=1, low=10, high=40)
+    plain = token_ids(llm(path, enable_chunked_prefill=False).generate(batch, GREEDY, use_tqdm=False))
+    engine = llm(path, max_num_batched_tokens=7)
+    assert token_ids(engine.generate(batch, GREEDY, use_tqdm=False)) == plain
+
+
+def test_prefix_cache_hits_change_nothing(checkpoints):
+    path, _ = checkpoints["qwen3"]
+    shared = prompts(1, seed=2, low=20, high=20)[0]
+    batch = [shared + tail for tail in prompts(4, seed=3, low=1, high=9)] + [shared[:16]]
+    solo = [token_ids(llm(path, enable_prefix_caching=False).generate([p], GREEDY, use_tqdm=False))[0] for p in batch]
+    engine = llm(path)
+    first = engine.generate(batch, GREEDY, use_tqdm=False)
+    again = engine.generate(batch, GREEDY, use_tqdm=False)
+    assert token_ids(first) == solo and token_ids(again) == solo
+    assert all(o.num_cached_tokens >= 16 for o in again[:4])
+    # An entirely cached prompt (16 tokens = 4 full blocks) still computes its last block.
+    assert again[4].num_cached_tokens == 12
+
+
+def test_preemption_changes_nothing(checkpoints):
+    path, _ = checkpoints["llama"]
+    batch = prompts(6, seed=4, low=12, high=30)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    roomy = token_ids(llm(path).generate(batch, params, use_tqdm=False))
+    tight = llm(path, num_blocks=16)  # 64 tokens of cache for ~6 x 40
+    assert token_ids(tight.generate(batch, params, use_tqdm=False)) == roomy
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_request_alone_equals_request_in_batch(checkpoints):
+    path, _ = checkpoints["qwen2"]
+    batch = prompts(7, seed=5)
+    engine = llm(path, enable_prefix_caching=False)
+    together = token_ids(engine.generate(batch, GREEDY, use_tqdm=False))
+    assert together == [token_ids(engine.generate([p], GREEDY, use_tqdm=False))[0] for p in batch]
+
+
+def test_seeded_sampling_is_reproducible(checkpoints):
+    path, _ = checkpoints["llama"]
+    engine = llm(path)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    prompt = prompts(1, seed=6)[0]
+    alone = token_ids(engine.generate([prompt], params, use_tqdm=False))[0]
+    others = [SamplingParams(max_tokens=16, temperature=0.8, seed=s, ignore_eos=True) for s in range(4)]
+    batched = token_ids(engine.generate(prompts(4, seed=7) + [prompt], others + [params], use_tqdm=False))
+    assert batched[-1] == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True)
+    assert token_ids(engine.generate([prompt], other_seed, use_tqdm=False))[0] != alone
+
+
+def test_stop_token_ids_and_max_tokens(checkpoints):
+    path, _ = checkpoints["llama"]
+    engine = llm(path)
+    prompt = prompts(1, seed=8)[0]
+    free = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(free.token_ids) == 10 and free.finish_reason == "length"
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                       stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_logprobs_are_the_models(checkpoints):
+    path, reference = checkpoints["qwen3"]
+    prompt = prompts(1, seed=9)[0]
+    output = llm(path).generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    ids = torch.tensor([prompt + output.token_ids])
+    with torch.no_grad():
+        expected = reference(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    assert len(output.logprobs) == 6
+    for step, (token, entry) in enumerate(zip(output.token_ids, output.logprobs)):
+        assert token in entry and len(entry) == 3  # greedy: the sampled token is also the top one
+        for alternative, logprob in entry.items():
+            assert logprob == pytest.approx(expected[step, alternative].item(), abs=1e-5)
+        assert set(entry) == set(expected[step].topk(3).indices.tolist())
+
+
+def test_bad_requests_fail_alone(checkpoints):
+    path, _ = checkpoints["llama"]
+    engine = llm(path, max_model_len=48)
+    good = prompts(2, seed=10, high=20)
+    bad = {
+        "the prompt is empty": ([], GREEDY),
+        "token id 97 is outside the vocabulary": ([5, 97], GREEDY),
+        "max_tokens must be a positive integer": ([5, 6], SamplingParams(max_tokens=0)),
+        "the prompt has 60 tokens; max_model_len is 48": ([5] * 60, GREEDY),
+        "temperature must be >= 0": ([5], SamplingParams(temperature=-1.0)),
+        "top_p must be in (0, 1]": ([5], SamplingParams(top_p=0.0)),
+        "min_p must be in [0, 1]": ([5], SamplingParams(min_p=1.5)),
+        "top_k must be an integer >= 0": ([5], SamplingParams(top_k=-3)),
+        "repetition_penalty must be > 0": ([5], SamplingParams(repetition_penalty=0.0)),
+        "a prompt is a string or a list of token ids": ([1.5, 2], GREEDY),
+        "stop strings need a tokenizer": ([5], SamplingParams(stop=["x"])),
+    }
+    batch = [good[0]] + [p for p, _ in bad.values()] + [good[1]]
+    params = [GREEDY] + [s for _, s in bad.values()] + [GREEDY]
+    outputs = engine.generate(batch, params, use_tqdm=False)
+    for i, (message, output) in enumerate(zip(bad, outputs[1:-1]), start=1):
+        assert output.finish_reason == "error" and output.error.startswith(f"request {i}: {message}"), output.error
+    assert outputs[0].error is None and outputs[-1].error is None
+    assert token_ids([outputs[0], outputs[-1]]) == token_ids(engine.generate(good, GREEDY, use_tqdm=False))
+
+
+def test_prompt_larger_than_the_cache_fails_alone(checkpoints):
+    path, _ = checkpoints["llama"]
+    engine = llm(path, num_blocks=4)  # 16 tokens
+    outputs = engine.generate([[5] * 30, [6, 7]], GREEDY, use_tqdm=False)
+    assert outputs[0].error == "request 0: the prompt has 30 tokens; the whole KV cache holds 16"
+    assert outputs[1].error is None and len(outputs[1].token_ids) == 12
+
+
+def test_sequence_outgrowing_the_cache_fails_alone(checkpoints):
+    path, _ = checkpoints["llama"]
+    engine = llm(path, num_blocks=4)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate([[5, 6, 7], [8, 9]], [long, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)],
+                              use_tqdm=False)
+    assert outputs[0].finish_reason == "error" and "do not fit the KV cache" in outputs[0].error
+    assert outputs[1].finish_reason == "length" and len(outputs[1].token_ids) == 3
+
+
+def test_streaming_adds_up_to_generate(checkpoints):
+    path, _ = checkpoints["qwen2"]
+    engine = llm(path)
+    batch = prompts(3, seed=11)
+    expected = token_ids(engine.generate(batch, GREEDY, use_tqdm=False))
+    streamed = [[] for _ in batch]
+    finished = set()
+    for delta in engine.stream(batch, GREEDY):
+        streamed[delta.index] += delta.token_ids
+        if delta.finish_reason:
+            finished.add(delta.index)
+    assert streamed == expected and finished == {0, 1, 2}
+
+
+@pytest.mark.slow
+def test_soak_random_requests(checkpoints):
+    """Hundreds of random requests through a small pool: each finishes once, equal to its solo run."""
+    path, _ = checkpoints["mistral-window"]
+    rng = random.Random(12)
+    batch = prompts(200, seed=13, high=30)
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]), seed=i, ignore_eos=True)
+              for i in range(len(batch))]
+    engine = llm(path, num_blocks=48, max_num_seqs=16, max_num_batched_tokens=64)
+    outputs = engine.generate(batch, params, use_tqdm=False)
+    assert [o.request_id for o in outputs] == list(range(200)) and all(o.finished for o in outputs)
+    assert engine.engine.scheduler.num_preemptions > 0
+    solo = llm(path, enable_prefix_caching=False)
+    for prompt, param, output in zip(batch, params, outputs):
+        assert output.token_ids == token_ids(solo.generate([prompt], param, use_tqdm=False))[0]
+        assert len(output.token_ids) == param.max_tokens
