@@ -4,9 +4,11 @@ import torch
 
 
 def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
-    # k/v: [N, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+    # k/v: [N, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset.
+    # Slot -1 marks a padding token of a captured batch: nothing is written for it.
+    valid = slot_mapping >= 0
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[valid]] = k[valid]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[valid]] = v[valid]
 
 
 @torch.library.custom_op("zoo::write_kv_cache", mutates_args=("k_cache", "v_cache"))

@@ -37,7 +37,8 @@ class RequestOutput:
 class Engine:
     def __init__(self, model, tokenizer, generation_eos: list[int], *, max_num_seqs: int, max_model_len: int,
                  block_size: int, num_blocks: int | None, kv_cache_gib: float | None, gpu_memory_utilization: float,
-                 max_num_batched_tokens: int | None, enable_chunked_prefill: bool, enable_prefix_caching: bool):
+                 max_num_batched_tokens: int | None, enable_chunked_prefill: bool, enable_prefix_caching: bool,
+                 use_cuda_graphs: bool):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = set(generation_eos)
@@ -56,7 +57,7 @@ class Engine:
         self.kv_cache = KVCache(model, num_blocks, block_size, dtype, next(model.parameters()).device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, max_num_seqs, max_model_len, use_cuda_graphs)
         self.outputs: dict[int, RequestOutput] = {}
         self.sequences: dict[int, Sequence] = {}
 
@@ -95,6 +96,7 @@ class Engine:
             output.finish_reason, output.error = "error", f"request {request_id}: {exc}"
             return output
         seq = Sequence(request_id, output.prompt_token_ids, params)
+        seq.seed_generator(self.runner.device)
         output.logprobs = seq.logprobs
         self.sequences[request_id] = seq
         self.scheduler.add(seq)

@@ -56,13 +56,13 @@ class LLM:
     ``model``: a checkpoint directory, ``.gguf`` file or hub repo id. The KV cache has
     ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_gib`` holds (CPU;
     default 1 GiB) or, on CUDA, as fit in ``gpu_memory_utilization`` of the device after a
-    profiling forward.
+    profiling forward. On CUDA, decode steps replay CUDA graphs unless ``enforce_eager``.
     """
 
     def __init__(self, model, dtype="float32", device=None, *, max_num_seqs: int = 64, max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, enforce_eager: bool = False):
         from models import AutoModelForCausalLM
 
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -76,6 +76,7 @@ class LLM:
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
             gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+            use_cuda_graphs=torch.device(device).type == "cuda" and not enforce_eager,
         )
         self._next_id = 0
 

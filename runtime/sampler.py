@@ -1,5 +1,11 @@
-"""Turns each sequence's next-token logits into a token: penalties, temperature, top-k, top-p,
-min-p, then greedy argmax or a draw from the request's own generator."""
+"""Turns each sequence's next-token logits into a token, for the whole batch at once:
+penalties, temperature, top-k, top-p, min-p, then greedy argmax or a draw.
+
+Draws use the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` picks token i with
+probability p_i, needs no cumulative sum, and stays on the logits' device: the only host sync of
+a step is reading the chosen ids. A seeded request draws its noise from its own generator, so
+its tokens do not depend on what else is in the batch.
+"""
 
 import torch
 
@@ -7,6 +13,7 @@ from runtime.sequence import Sequence
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """Repetition (over prompt and output, HF style), presence and frequency (over the output) penalties on one row."""
     params = seq.params
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
@@ -18,48 +25,60 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens that top-k, then top-p (nucleus), then min-p exclude."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k, then top-p (nucleus), then min-p exclude; one setting per row
+    ([B, V] logits, [B] settings; top_k 0, top_p 1 and min_p 0 are off)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    drop = rank >= torch.where(top_k > 0, top_k, vocab)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
-def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict[int, float]:
-    entry = {token: logprobs[token].item()}
-    if k:
-        values, ids = torch.topk(logprobs, k)
-        entry.update(zip(ids.tolist(), values.tolist()))
-    return entry
+def _exponential_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
+    noise = torch.empty(len(seqs), vocab, device=device)
+    for row, seq in zip(noise, seqs):
+        row.exponential_(generator=seq.generator)
+    return noise
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of ``logits`` [len(seqs), vocab] (float32); records logprobs where asked."""
-    plain_greedy = [i for i, s in enumerate(seqs) if s.params.greedy and not s.params.penalised]
-    batched = set(plain_greedy)
-    tokens = [0] * len(seqs)
-    if plain_greedy:
-        for i, token in zip(plain_greedy, logits[plain_greedy].argmax(-1).tolist()):
-            tokens[i] = token
-    for i, seq in enumerate(seqs):
-        params = seq.params
-        if i not in batched:
-            row = apply_penalties(logits[i].clone(), seq)
-            if params.greedy:
-                tokens[i] = int(row.argmax())
-            else:
-                row = filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
-                tokens[i] = int(torch.multinomial(row.softmax(-1).cpu(), 1, generator=seq.generator))
-        if seq.logprobs is not None:
-            seq.logprobs.append(top_logprobs(logits[i].log_softmax(-1), tokens[i], params.logprobs))
-    return tokens
+    raw = logits
+    penalised = [i for i, seq in enumerate(seqs) if seq.params.penalised]
+    if penalised:
+        logits = logits.clone()
+        for i in penalised:
+            apply_penalties(logits[i], seqs[i])
+    tokens = logits.argmax(-1)
+
+    drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if drawn:
+        def setting(name, dtype):
+            return torch.tensor([getattr(seqs[i].params, name) for i in drawn], dtype=dtype, device=logits.device)
+
+        scaled = logits[drawn] / setting("temperature", torch.float32)[:, None]
+        probs = filter_logits(scaled, setting("top_k", torch.long), setting("top_p", torch.float32),
+                              setting("min_p", torch.float32)).softmax(-1)
+        noise = _exponential_noise([seqs[i] for i in drawn], logits.shape[-1], logits.device)
+        tokens[drawn] = (probs / noise).argmax(-1)
+
+    wants_logprobs = [i for i, seq in enumerate(seqs) if seq.logprobs is not None]
+    if wants_logprobs:
+        _record_logprobs(raw[wants_logprobs].log_softmax(-1), tokens[wants_logprobs], [seqs[i] for i in wants_logprobs])
+    return tokens.tolist()
+
+
+def _record_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> None:
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+    k = max(seq.params.logprobs for seq in seqs)
+    top_values, top_ids = (logprobs.topk(k) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+    for seq, token, value, values, ids in zip(seqs, tokens.tolist(), chosen, top_values.tolist(), top_ids.tolist()):
+        entry = {token: value}
+        entry.update(zip(ids[: seq.params.logprobs], values[: seq.params.logprobs]))
+        seq.logprobs.append(entry)

@@ -29,8 +29,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        # Each seeded request draws from its own generator: its samples do not depend on the batch.
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.generator: torch.Generator | None = None  # a seeded request's own, on the model's device
+
+    def seed_generator(self, device: torch.device) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:

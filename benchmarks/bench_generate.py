@@ -1,0 +1,99 @@
+"""Offline generation throughput on this CPU: zoo's runtime vs HuggingFace transformers' generate.
+
+SmolLM2-135M-Instruct (the embedded GGUF, float32), 16 prompts x 64 new tokens, greedy, EOS
+ignored on both sides so both produce exactly 16 x 64 tokens. HF runs the 16 prompts as one
+left-padded batch (its fastest form here), with its default cache. Each side is timed after
+one untimed warm-up run; the median of --repeats runs is reported.
+
+    .venv/bin/python benchmarks/bench_generate.py
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loaders.default_model import default_model_path  # noqa: E402
+from loaders.diff import load_reference  # noqa: E402
+from runtime import LLM, SamplingParams  # noqa: E402
+
+TOPICS = ["the sea", "a mountain", "the city at night", "an old library", "a robot", "autumn", "the moon",
+          "a cat", "coffee", "the desert", "a train journey", "winter", "a garden", "the stars", "music", "rain"]
+
+
+def timed(run, repeats):
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    path = default_model_path()
+    prompts = [f"Write a short poem about {TOPICS[i % len(TOPICS)]}." for i in range(args.prompts)]
+    new_tokens = args.prompts * args.max_tokens
+
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512)
+    chats = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def run_zoo():
+        outputs = llm.generate(chats, params, use_tqdm=False)
+        assert sum(len(o.token_ids) for o in outputs) == new_tokens
+
+    zoo_seconds = timed(run_zoo, args.repeats)
+    del llm
+
+    reference = load_reference(path, torch.float32, "cpu")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    width = max(len(c) for c in chats)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in chats])
+    attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chats])
+
+    def run_hf():
+        with torch.inference_mode():
+            out = reference.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                     max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, pad_token_id=pad)
+        assert out.shape == (args.prompts, width + args.max_tokens)
+
+    hf_seconds = timed(run_hf, args.repeats)
+
+    results = {
+        "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "prompts": args.prompts, "max_tokens": args.max_tokens,
+        "zoo_tokens_per_s": new_tokens / zoo_seconds, "hf_tokens_per_s": new_tokens / hf_seconds,
+    }
+    results["speedup"] = results["zoo_tokens_per_s"] / results["hf_tokens_per_s"]
+    print(f"SmolLM2-135M-Instruct float32, {args.prompts} prompts x {args.max_tokens} new tokens, greedy "
+          f"({results['date']}, {results['cpus']} CPUs, torch {results['torch']}, transformers {results['transformers']})")
+    print("| engine | tokens/s | seconds |")
+    print("|---|---|---|")
+    print(f"| zoo LLM.generate | {results['zoo_tokens_per_s']:.1f} | {zoo_seconds:.2f} |")
+    print(f"| HF transformers generate (batched) | {results['hf_tokens_per_s']:.1f} | {hf_seconds:.2f} |")
+    print(f"zoo / HF: {results['speedup']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The sampler's filters and penalties against HuggingFace's logits processors."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from runtime.sampler import apply_penalties, filter_logits, sample
+from runtime.sampling_params import SamplingParams
+from runtime.sequence import Sequence
+
+
+def logits(seed=0, vocab=50):
+    torch.manual_seed(seed)
+    return torch.randn(vocab) * 3
+
+
+def masked(x):
+    return torch.isinf(x)
+
+
+def filtered(x, top_k=0, top_p=1.0, min_p=0.0):
+    return filter_logits(x[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))[0]
+
+
+@pytest.mark.parametrize("k", [1, 5, 49])
+def test_top_k_matches_hf(k):
+    x = logits(k)
+    expected = TopKLogitsWarper(k)(None, x[None].clone())[0]
+    assert torch.equal(masked(filtered(x, top_k=k)), masked(expected))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.999])
+def test_top_p_matches_hf(p):
+    x = logits(int(p * 1000))
+    expected = TopPLogitsWarper(p)(None, x[None].clone())[0]
+    assert torch.equal(masked(filtered(x, top_p=p)), masked(expected))
+
+
+@pytest.mark.parametrize("min_p", [0.01, 0.2, 0.7])
+def test_min_p_matches_hf(min_p):
+    x = logits(3)
+    expected = MinPLogitsWarper(min_p)(None, x[None].clone())[0]
+    assert torch.equal(masked(filtered(x, min_p=min_p)), masked(expected))
+
+
+def test_repetition_penalty_matches_hf():
+    x = logits(4)
+    seq = Sequence(0, [3, 7, 7, 11], SamplingParams(repetition_penalty=1.3))
+    seq.token_ids += [20, 3]
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seq.token_ids]), x[None].clone())[0]
+    assert torch.allclose(apply_penalties(x.clone(), seq), expected, rtol=0, atol=1e-6)
+
+
+def test_presence_and_frequency_penalties_count_output_only():
+    x = logits(5)
+    seq = Sequence(0, [1, 2], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    seq.token_ids += [4, 4, 9]
+    out = apply_penalties(x.clone(), seq)
+    expected = x.clone()
+    expected[4] -= 0.5 + 2 * 0.25
+    expected[9] -= 0.5 + 0.25
+    assert torch.allclose(out, expected)
+    assert out[1] == x[1]  # prompt tokens are not penalised
+
+
+def test_greedy_with_penalty_avoids_the_repeated_token():
+    x = torch.zeros(10)
+    x[3], x[5] = 2.0, 1.9
+    seq = Sequence(0, [3], SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert sample(x[None].clone(), [seq]) == [5]
+    assert sample(x[None].clone(), [Sequence(1, [3], SamplingParams(temperature=0.0))]) == [3]
+
+
+def seeded(params):
+    seq = Sequence(0, [1], params)
+    seq.seed_generator(torch.device("cpu"))
+    return seq
+
+
+def test_settings_apply_per_row():
+    x = torch.stack([logits(7), logits(7)])
+    out = filter_logits(x, torch.tensor([2, 0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]))
+    assert (~torch.isinf(out[0])).sum() == 2 and not torch.isinf(out[1]).any()
+
+
+def test_top_k_one_is_greedy_and_seed_fixes_draws():
+    x = logits(6)
+    draws = [sample(x[None].clone(), [seeded(SamplingParams(top_k=1, seed=s))])[0] for s in range(5)]
+    assert draws == [int(x.argmax())] * 5
+    first, second = seeded(SamplingParams(seed=9)), seeded(SamplingParams(seed=9))
+    a = [sample(x[None].clone(), [first])[0] for _ in range(5)]
+    b = [sample(x[None].clone(), [second])[0] for _ in range(5)]
+    assert a == b and len(set(a)) > 1
+
+
+def test_seeded_draw_does_not_depend_on_the_batch():
+    x = logits(8)
+    alone = sample(x[None].clone(), [seeded(SamplingParams(seed=3))])
+    others = [seeded(SamplingParams(seed=s)) for s in (10, 11)] + [Sequence(5, [1], SamplingParams())]
+    batch = sample(torch.stack([logits(9), logits(10), logits(11), x]), others + [seeded(SamplingParams(seed=3))])
+    assert batch[-1] == alone[0]
+
+
+def test_sampling_follows_the_distribution():
+    x = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    seq = seeded(SamplingParams(seed=0))
+    counts = torch.bincount(torch.tensor([sample(x[None].clone(), [seq])[0] for _ in range(4000)]), minlength=3)
+    assert torch.allclose(counts / 4000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
