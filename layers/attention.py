@@ -8,12 +8,19 @@ with an ``AttentionMetadata`` that says how the stream splits into sequences.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
 from ops_cuda import apply_rotary, write_kv_cache
+from ops_cuda.paged_attention import (
+    attention_mask,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+    sdpa,
+)
 
 
 @dataclass
@@ -24,13 +31,21 @@ class AttentionMetadata:
     already has in the KV cache. Sequences that prefill (a prompt or a chunk of one) come first
     in the stream, then ``num_decodes`` sequences that decode one token each. Without a cache
     (``slot_mapping`` None) every sequence is a cache-free causal prefill.
+
+    The lists live on the host (the scheduler reads them; the backends split the stream into
+    prefills and decodes with them); the tensors live on the model's device, where the attention
+    ops read them. Under CUDA-graph capture the tensors are views of buffers allocated once and
+    rewritten in place before each replay; padding rows of a captured batch have ``seq_lens`` 0,
+    no block table and slot -1 (nothing is written).
     """
 
     query_lens: list[int]
     context_lens: list[int] | None = None
-    slot_mapping: torch.Tensor | None = None  # [N] cache slot of each new token: block * block_size + offset
-    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] the cache blocks of each sequence
+    slot_mapping: torch.Tensor | None = None  # [N] int64 cache slot of each new token: block * block_size + offset
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32 the cache blocks of each sequence
     num_decodes: int = 0
+    seq_lens: torch.Tensor | None = None  # [num_seqs] int32: context + new tokens of each sequence
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32: where each sequence's new tokens start
 
     @classmethod
     def causal_prefill(cls, batch_size: int, seq_len: int) -> "AttentionMetadata":
@@ -45,99 +60,80 @@ class AttentionMetadata:
         return sum(self.query_lens[: self.num_prefills])
 
 
-def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
-    """Boolean [queries, keys] mask (True = attend) for queries at absolute positions over keys 0..key_len-1.
+def _cache_free(q, k, v, metadata, scale, sliding_window):
+    # Causal prefill of every sequence with no cache: SDPA (flash attention on GPU) straight on q/k/v.
+    lengths = metadata.query_lens
 
-    HuggingFace's window: key t is visible from the query at position p when p - window < t <= p.
-    """
-    keys = torch.arange(key_len, device=query_positions.device)[None, :]
-    positions = query_positions[:, None]
-    mask = keys <= positions
-    if sliding_window is not None:
-        mask &= keys > positions - sliding_window
-    return mask
+    def attend(q, k, v):  # [B, T, H, D] sequences of equal length T
+        length = q.shape[1]
+        mask = None
+        if sliding_window is not None and sliding_window < length:
+            mask = attention_mask(torch.arange(length, device=q.device), length, sliding_window)
+        return sdpa(q, k, v, mask, scale)
 
-
-def _sdpa(q, k, v, mask, scale):
-    # q: [B, Tq, Hq, D], k/v: [B, Tk, Hkv, D], mask: [B or 1, 1, Tq, Tk] or None (plain causal)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    if len(set(lengths)) == 1:  # a [B, T] batch: one call
+        return attend(*(t.view(len(lengths), lengths[0], *t.shape[1:]) for t in (q, k, v))).reshape(q.shape)
+    return torch.cat([attend(*(t[None] for t in seq))[0] for seq in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
 
 
 class TorchAttentionBackend:
-    """Reference backend on PyTorch's SDPA over the paged cache: works on any device and is the
-    oracle for faster ones."""
+    """Reference backend: the PyTorch references of the paged attention ops (SDPA over keys gathered
+    from the cache). Works on any device and is the oracle for faster ones."""
 
     name = "torch"
+    prefill = staticmethod(paged_prefill_attention_reference)
+    decode = staticmethod(paged_decode_attention_reference)
 
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
-        # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]
+        # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]. Prefill tokens first, then one per decode.
         if metadata.slot_mapping is None:
-            return self._cache_free(q, k, v, metadata, layer.scale, layer.sliding_window)
+            return _cache_free(q, k, v, metadata, layer.scale, layer.sliding_window)
         k_cache, v_cache = layer.kv_cache
         write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        num_prefill_tokens = metadata.num_prefill_tokens
-        out = [self._prefills(layer, q, k, v, metadata)] if metadata.num_prefills else []
+        window = layer.sliding_window or 0
+        prefills, tokens = metadata.num_prefills, metadata.num_prefill_tokens
+        out = []
+        if prefills:
+            out.append(self.prefill(
+                q[:tokens], k[:tokens], v[:tokens], k_cache, v_cache, metadata.block_tables[:prefills],
+                metadata.seq_lens[:prefills], metadata.query_start_loc[: prefills + 1],
+                max(metadata.query_lens[:prefills]), layer.scale, window,
+            ))
         if metadata.num_decodes:
-            out.append(self._decodes(layer, q[num_prefill_tokens:], metadata))
+            out.append(self.decode(
+                q[tokens:], k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:],
+                layer.scale, window,
+            ))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    @staticmethod
-    def _cache_free(q, k, v, metadata, scale, sliding_window):
-        lengths = metadata.query_lens
 
-        def attend(q, k, v):  # [B, T, H, D] sequences of equal length T
-            length = q.shape[1]
-            mask = None
-            if sliding_window is not None and sliding_window < length:
-                mask = attention_mask(torch.arange(length, device=q.device), length, sliding_window)
-            return _sdpa(q, k, v, mask, scale)
+class TritonAttentionBackend(TorchAttentionBackend):
+    """The fast GPU backend: the paged attention ops, whose CUDA kernels are Triton (split-KV
+    flash-decoding, tiled flash-attention prefill); without a cache, SDPA (flash attention)."""
 
-        if len(set(lengths)) == 1:  # a [B, T] batch: one call
-            return attend(*(t.view(len(lengths), lengths[0], *t.shape[1:]) for t in (q, k, v))).reshape(q.shape)
-        return torch.cat([attend(*(t[None] for t in seq))[0] for seq in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+    name = "triton"
+    prefill = staticmethod(paged_prefill_attention)
+    decode = staticmethod(paged_decode_attention)
 
-    @staticmethod
-    def _gather(cache, block_tables, length):
-        # [S, max_blocks, block_size, H, D] -> [S, length, H, D]: keys 0..length-1 of each sequence
-        blocks = -(-length // cache.shape[1])
-        gathered = cache[block_tables[:, :blocks]]
-        return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])[:, :length]
 
-    def _prefills(self, layer, q, k, v, metadata):
-        k_cache, v_cache = layer.kv_cache
-        outs, start = [], 0
-        for i in range(metadata.num_prefills):
-            length, context = metadata.query_lens[i], metadata.context_lens[i]
-            qs, ks, vs = q[start : start + length], k[start : start + length], v[start : start + length]
-            if context:  # attend the cached prefix, then this chunk
-                table = metadata.block_tables[i : i + 1]
-                ks = torch.cat([self._gather(k_cache, table, context)[0], ks])
-                vs = torch.cat([self._gather(v_cache, table, context)[0], vs])
-            positions = torch.arange(context, context + length, device=q.device)
-            mask = attention_mask(positions, context + length, layer.sliding_window)
-            outs.append(_sdpa(qs[None], ks[None], vs[None], mask[None, None], layer.scale)[0])
-            start += length
-        return torch.cat(outs)
+BACKENDS = {backend.name: backend for backend in (TorchAttentionBackend, TritonAttentionBackend)}
 
-    def _decodes(self, layer, q, metadata):
-        # One token per sequence: gather every sequence's keys, padded to the longest, in one call.
-        k_cache, v_cache = layer.kv_cache
-        rows = slice(metadata.num_prefills, None)
-        seq_lens = torch.tensor(
-            [c + 1 for c in metadata.context_lens[rows]], device=q.device
-        )
-        longest = int(seq_lens.max())
-        table = metadata.block_tables[rows]
-        keys, values = self._gather(k_cache, table, longest), self._gather(v_cache, table, longest)
-        t = torch.arange(longest, device=q.device)[None, :]
-        mask = t < seq_lens[:, None]
-        if layer.sliding_window is not None:
-            mask &= t > (seq_lens[:, None] - 1) - layer.sliding_window
-        return _sdpa(q[:, None], keys, values, mask[:, None, None, :], layer.scale)[:, 0]
+
+def select_backend(name: str | None, device) -> TorchAttentionBackend:
+    """The attention backend called ``name``; None picks triton on CUDA when triton imports, else torch."""
+    if name is None:
+        name = "triton" if torch.device(device).type == "cuda" and _triton_imports() else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    return BACKENDS[name]()
+
+
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Attention(nn.Module):

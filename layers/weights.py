@@ -3,7 +3,9 @@
 A parameter of a plain module is filled by the checkpoint tensor of the same qualified name.
 A module whose parameters are fused from several HuggingFace tensors (QKV, gate-up, stacked
 experts) implements ``checkpoint_shards(prefix)`` and returns, for each of its parameters, the
-shards that tile it. The one generic loader in ``loaders/`` reads these declarations; no model
+shards that tile it: a list of ``Shard``, or ``OneOf(layout, layout, ...)`` when checkpoints store
+the parameter in more than one way (stacked experts: one tensor per expert and projection, or the
+stacked tensor itself). The one generic loader in ``loaders/`` reads these declarations; no model
 writes a loading loop.
 """
 
@@ -16,6 +18,15 @@ class Shard:
 
     name: str
     index: tuple = ()
+
+
+class OneOf(tuple):
+    """Alternative layouts of one parameter, in order of preference; each is a list of shards that
+    tiles the whole parameter. The loader takes the first layout the checkpoint holds completely,
+    and reports what is missing from the closest one when none is complete."""
+
+    def __new__(cls, *layouts):
+        return super().__new__(cls, (tuple(layout) for layout in layouts))
 
 
 def parent_of(prefix: str) -> str:

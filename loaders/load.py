@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from layers.weights import Shard
+from layers.weights import OneOf, Shard
 from loaders.checkpoint import FLOAT_DTYPES, CheckpointError, TensorRef, open_checkpoint, resolve_source
 from loaders.config import load_config
 
@@ -31,11 +31,16 @@ def load_model(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu"
     return model.eval()
 
 
-def declared_shards(model: nn.Module) -> dict[str, tuple[str, tuple]]:
-    """checkpoint tensor name -> (parameter name, index into it), from the modules' declarations.
+def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...]]:
+    """parameter name -> the layouts a checkpoint may store it in, in order of preference.
 
-    A parameter shared by two modules (tied embeddings) is declared once, by its first owner."""
-    targets: dict[str, tuple[str, tuple]] = {}
+    A layout is a tuple of shards that tiles the parameter: by default the one tensor of the
+    parameter's own name; a module's ``checkpoint_shards`` declares fused parameters (a list of
+    shards) or several alternative layouts (``OneOf``). Each layout is also accepted in the
+    spelling of the model's ``checkpoint_aliases`` (regex rewrites of tensor names, applied in
+    order). A parameter shared by two modules (tied embeddings) is declared once, by its first owner."""
+    aliases = [(re.compile(pattern), replacement) for pattern, replacement in getattr(model, "checkpoint_aliases", ())]
+    layouts: dict[str, tuple[tuple[Shard, ...], ...]] = {}
     owners: set[int] = set()
     for prefix, module in model.named_modules():
         declared = module.checkpoint_shards(prefix) if hasattr(module, "checkpoint_shards") else {}
@@ -44,17 +49,52 @@ def declared_shards(model: nn.Module) -> dict[str, tuple[str, tuple]]:
                 continue
             owners.add(id(param))
             name = f"{prefix}.{local_name}" if prefix else local_name
-            shards = declared.get(local_name, [Shard(name)])
-            covered = sum(param[shard.index].numel() for shard in shards)
-            assert covered == param.numel(), f"{name}: declared shards cover {covered} of {param.numel()} elements"
-            for shard in shards:
-                targets[shard.name] = (name, shard.index)
-    return targets
+            declaration = declared.get(local_name, [Shard(name)])
+            options = list(declaration) if isinstance(declaration, OneOf) else [tuple(declaration)]
+            for layout in options:
+                covered = sum(param[shard.index].numel() for shard in layout)
+                assert covered == param.numel(), f"{name}: declared shards cover {covered} of {param.numel()} elements"
+            if aliases:
+                spelled = [tuple(Shard(_respell(s.name, aliases), s.index) for s in layout) for layout in options]
+                options += [layout for layout in spelled if layout not in options]
+            layouts[name] = tuple(options)
+    return layouts
+
+
+def _respell(name: str, aliases) -> str:
+    for pattern, replacement in aliases:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple]], list[str]]:
+    """Per parameter, the first layout the checkpoint holds completely, else the one it holds most
+    of. Returns (checkpoint tensor name -> (parameter name, index into it), tensors missing; a
+    parameter of which no layout has a tensor is missing as "A or B")."""
+    targets: dict[str, tuple[str, tuple]] = {}
+    missing: list[str] = []
+    for param_name, options in layouts.items():
+        held = [sum(shard.name in checkpoint for shard in layout) for layout in options]
+        layout = options[held.index(max(held))]  # a complete layout holds the most; ties go to the earlier
+        if max(held) == 0 and len(options) > 1:
+            missing.append(" or ".join(o[0].name + (f" (+{len(o) - 1} more)" if len(o) > 1 else "") for o in options))
+        else:
+            missing += [shard.name for shard in layout if shard.name not in checkpoint]
+        for shard in layout:
+            assert shard.name not in targets, f"{shard.name} declared for {targets[shard.name][0]} and {param_name}"
+            targets[shard.name] = (param_name, shard.index)
+    return targets, missing
+
+
+def declared_shards(model: nn.Module, checkpoint=None) -> dict[str, tuple[str, tuple]]:
+    """checkpoint tensor name -> (parameter name, index into it), in the layouts ``checkpoint``
+    holds (the preferred layouts without one)."""
+    return choose_layouts(declared_layouts(model), checkpoint or {})[0]
 
 
 def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, tuple[str, tuple]]:
     """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem."""
-    targets = declared_shards(model)
+    targets, missing = choose_layouts(declared_layouts(model), checkpoint)
     ignored = [re.compile(pattern) for pattern in getattr(model, "ignored_checkpoint_keys", ())]
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in targets.values()}
 
@@ -63,7 +103,6 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
         name for name in checkpoint
         if name not in targets and name not in tied and not any(p.search(name) for p in ignored)
     ]
-    missing = [name for name in targets if name not in checkpoint]
     if unexpected:
         problems.append(_listing("unexpected tensors (no parameter takes them)", unexpected, checkpoint))
     if missing:

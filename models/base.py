@@ -88,11 +88,15 @@ class CausalLM(nn.Module):
     """A decoder model with an LM head; subclasses set ``decoder_layer``.
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
-    any other tensor the model has no place for is a loading error.
+    any other tensor the model has no place for is a loading error. ``checkpoint_aliases`` are
+    ``(regex, replacement)`` rewrites from the model's tensor names (HF transformers 5's module
+    tree) to another spelling its checkpoints use, e.g. Mixtral's ``block_sparse_moe.experts.{e}.w1``
+    for ``mlp.experts.{e}.gate_proj``; the loader accepts either spelling.
     """
 
     decoder_layer: type[DecoderLayer]
     ignored_checkpoint_keys: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
+    checkpoint_aliases: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config):
         super().__init__()

@@ -7,7 +7,12 @@ pure-PyTorch reference (used on CPU and as the test oracle); GPU kernels registe
 
 from ops_cuda.activation import ACTIVATIONS, act_and_mul
 from ops_cuda.kv_cache import write_kv_cache
+from ops_cuda.moe import moe_experts
 from ops_cuda.norm import fused_add_rms_norm, rms_norm
+from ops_cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from ops_cuda.rotary import apply_rotary
 
-__all__ = ["ACTIVATIONS", "act_and_mul", "apply_rotary", "fused_add_rms_norm", "rms_norm", "write_kv_cache"]
+__all__ = [
+    "ACTIVATIONS", "act_and_mul", "apply_rotary", "fused_add_rms_norm", "moe_experts", "paged_decode_attention",
+    "paged_prefill_attention", "rms_norm", "write_kv_cache",
+]

@@ -39,3 +39,10 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
 @act_and_mul.register_fake
 def _(x, activation):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@act_and_mul.register_kernel("cuda")
+def _(x, activation):
+    from ops_cuda.triton_kernels import act_and_mul_triton  # triton is imported only where a kernel runs
+
+    return act_and_mul_triton(x, activation)

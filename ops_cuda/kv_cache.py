@@ -15,4 +15,16 @@ def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
+    """Writes k/v [N, Hkv, D] into the caches at slot_mapping [N], in place; slots < 0 are skipped.
+
+    The reference selects the valid slots with a boolean mask, a host sync; the CUDA kernel masks
+    on the device, so only it can be captured in a CUDA graph.
+    """
     write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+@write_kv_cache.register_kernel("cuda")
+def _(k, v, k_cache, v_cache, slot_mapping):
+    from ops_cuda.triton_kernels import write_kv_cache_triton  # triton is imported only where a kernel runs
+
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)

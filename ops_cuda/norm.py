@@ -14,12 +14,27 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 @torch.library.custom_op("zoo::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([N, H], or [N, heads, head_dim] for q/k-norm)."""
     return rms_norm_reference(x, weight, eps)
 
 
 @rms_norm.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    from ops_cuda.triton_kernels import rms_norm_triton  # triton is imported only where a kernel runs
+
+    return rms_norm_triton(x, weight, eps)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = residual + x
+    return rms_norm_reference(summed, weight, eps), summed
 
 
 @torch.library.custom_op("zoo::fused_add_rms_norm", mutates_args=())
@@ -27,10 +42,17 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual)."""
-    summed = residual + x
-    return rms_norm_reference(summed, weight, eps), summed
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
 
 
 @fused_add_rms_norm.register_fake
 def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
+    summed_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return x.new_empty(x.shape, dtype=torch.promote_types(summed_dtype, weight.dtype)), x.new_empty(x.shape, dtype=summed_dtype)
+
+
+@fused_add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    from ops_cuda.triton_kernels import fused_add_rms_norm_triton
+
+    return fused_add_rms_norm_triton(x, residual, weight, eps)

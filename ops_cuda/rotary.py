@@ -1,6 +1,18 @@
-"""Rotary position embedding applied to query and key heads (neox / rotate-half layout)."""
+"""Rotary position embedding applied to query and key heads: neox (rotate-half) or interleaved
+layout, over all of head_dim or its first rotary_dim channels (partial rotary)."""
 
 import torch
+
+
+def check_rotary_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rotary_dim = cos.shape[-1]
+    if q.dim() != 3 or k.dim() != 3 or cos.shape != sin.shape or cos.shape != (q.shape[0], rotary_dim):
+        raise ValueError(
+            f"apply_rotary takes q [N, Hq, D], k [N, Hk, D] and cos/sin [N, rotary_dim], got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
+    if rotary_dim % 2 or rotary_dim > min(q.shape[-1], k.shape[-1]):
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim (q {q.shape[-1]}, k {k.shape[-1]})")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -8,22 +20,55 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:  # HF's DeepSeek-V3 apply_rotary_pos_emb_interleave, operation for operation
+        cos, sin = cos[..., : rotary_dim // 2], sin[..., : rotary_dim // 2]
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:  # HF's apply_rotary_pos_emb (Llama; GPT-NeoX / Phi-3 for partial rotary)
+        rotated = x_rot * cos + _rotate_half(x_rot) * sin
+    return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
+
+
 def apply_rotary_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [N, Hq, D], k: [N, Hk, D], cos/sin: [N, D] float32, cast to the activations' dtype as HF does.
+    check_rotary_shapes(q, k, cos, sin)
+    # cos/sin are cast to the activations' dtype, as HF's rotary embedding returns them.
     cos = cos.to(q.dtype).unsqueeze(1)
     sin = sin.to(q.dtype).unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
 
 
 @torch.library.custom_op("zoo::apply_rotary", mutates_args=())
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rotary_reference(q, k, cos, sin)
+    """Rotates q [N, Hq, D] and k [N, Hk, D] by the angles of each token; returns new tensors.
+
+    cos/sin are [N, rotary_dim] (float32) in the layout ``layers.RotaryEmbedding`` produces:
+    ``cos(cat(freqs, freqs))``, the per-pair angles duplicated in both halves. rotary_dim < D is
+    partial rotary: the first rotary_dim channels of each head rotate, the rest pass through.
+
+    ``interleaved=False`` (Llama, GPT-NeoX): channel i pairs with i + rotary_dim/2 (rotate-half).
+    ``interleaved=True`` (DeepSeek's ``rope_interleave``): channels (2i, 2i+1) rotate together by
+    angle i, read from the first half of cos/sin (the same table as the neox layout). The output is
+    HF's ``apply_rotary_pos_emb_interleave``: de-interleaved, the rotated even channels first, then
+    the odd ones. GLM/GPT-J write the pairs back in place instead; that differs only by a fixed
+    permutation of the rotated channels, which q.k does not see when q and k both use this op.
+    """
+    return apply_rotary_reference(q, k, cos, sin, interleaved)
 
 
 @apply_rotary.register_fake
-def _(q, k, cos, sin):
+def _(q, k, cos, sin, interleaved=False):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+@apply_rotary.register_kernel("cuda")
+def _(q, k, cos, sin, interleaved=False):
+    from ops_cuda.triton_kernels import apply_rotary_triton  # triton is imported only where a kernel runs
+
+    return apply_rotary_triton(q, k, cos, sin, interleaved)

@@ -35,15 +35,16 @@ def load_tokenizer(path_or_repo_id):
         return None
 
 
-def generation_eos_ids(model, path_or_repo_id) -> list[int]:
+def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     """The EOS ids HuggingFace's generate stops at: generation_config.json, else the model config."""
     import transformers
 
     from loaders import resolve_source
 
-    source = resolve_source(path_or_repo_id)
     try:
-        config = transformers.GenerationConfig.from_pretrained(str(source.directory))
+        if path_or_repo_id is None:
+            raise OSError("no checkpoint")
+        config = transformers.GenerationConfig.from_pretrained(str(resolve_source(path_or_repo_id).directory))
     except OSError:
         config = transformers.GenerationConfig.from_model_config(model.config)
     eos = config.eos_token_id
@@ -53,7 +54,8 @@ def generation_eos_ids(model, path_or_repo_id) -> list[int]:
 class LLM:
     """Load a model and generate with continuous batching over a paged KV cache.
 
-    ``model``: a checkpoint directory, ``.gguf`` file or hub repo id. The KV cache has
+    ``model``: a checkpoint directory, ``.gguf`` file or hub repo id, or a zoo model already
+    built (then without a tokenizer unless one is given; ``dtype``/``device`` are the model's). The KV cache has
     ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_gib`` holds (CPU;
     default 1 GiB) or, on CUDA, as fit in ``gpu_memory_utilization`` of the device after a
     profiling forward. On CUDA, decode steps replay CUDA graphs unless ``enforce_eager``.
@@ -62,17 +64,23 @@ class LLM:
     def __init__(self, model, dtype="float32", device=None, *, max_num_seqs: int = 64, max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, enforce_eager: bool = False):
-        from models import AutoModelForCausalLM
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, enforce_eager: bool = False,
+                 tokenizer=None):
+        from models import AutoModelForCausalLM, CausalLM
 
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
-        self.tokenizer = load_tokenizer(model)
+        if isinstance(model, CausalLM):
+            self.model, self.tokenizer, checkpoint = model, tokenizer, None
+            device = next(model.parameters()).device
+        else:
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
+            self.tokenizer = tokenizer or load_tokenizer(model)
+            checkpoint = model
         config_max = self.model.config.max_position_embeddings
         max_model_len = min(max_model_len or config_max, config_max)
         self.engine = Engine(
-            self.model, self.tokenizer, generation_eos_ids(self.model, model), max_num_seqs=max_num_seqs,
+            self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
             gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,

@@ -1,8 +1,15 @@
 """Tiny random HuggingFace checkpoints, written with ``save_pretrained``, for parity tests."""
 
+import os
+
 import pytest
 import torch
 import transformers
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter; it is chosen when a kernel is
+# defined, so this must come before ops_cuda.triton_kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Larger than HF's 0.02 so attention is far from uniform and position bugs show in the logits.
 INIT_STD = 0.15

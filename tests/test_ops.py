@@ -4,10 +4,13 @@ import pytest
 import torch
 import transformers
 from transformers.activations import ACT2FN
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek_v3
+from transformers.models.glm import modeling_glm as hf_glm
+from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
 from transformers.models.llama import modeling_llama as hf_llama
 
 from layers import RotaryEmbedding
-from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm
+from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm, write_kv_cache
 from tests.test_parity import VARIANTS
 
 
@@ -39,6 +42,66 @@ def test_apply_rotary_matches_hf():
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
+def rope_table(positions: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # cos/sin of cat(freqs, freqs), the layout of layers.RotaryEmbedding and of HF's rotary embeddings
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    emb = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def test_apply_rotary_partial_matches_hf():
+    # GPT-NeoX's function: the first cos.shape[-1] channels rotate, the rest pass through.
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 24), torch.randn(7, 2, 24)
+    cos, sin = rope_table(torch.arange(7) * 5, 8)
+    ours = apply_rotary(q, k, cos, sin)
+    theirs = hf_gpt_neox.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_apply_rotary_interleaved_matches_hf():
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 16), torch.randn(7, 1, 16)
+    cos, sin = rope_table(torch.arange(7) * 5, 16)
+    ours = apply_rotary(q, k, cos, sin, interleaved=True)
+    theirs = hf_deepseek_v3.apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=1)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_apply_rotary_interleaved_partial_matches_hf():
+    # DeepSeek's interleaved rotation on the first rotary_dim channels, the rest passed through.
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 24), torch.randn(7, 2, 24)
+    cos, sin = rope_table(torch.arange(7) * 5, 16)
+    ours = apply_rotary(q, k, cos, sin, interleaved=True)
+    rotated = hf_deepseek_v3.apply_rotary_pos_emb_interleave(q[..., :16], k[..., :16], cos, sin, unsqueeze_dim=1)
+    assert torch.equal(ours[0], torch.cat([rotated[0], q[..., 16:]], -1))
+    assert torch.equal(ours[1], torch.cat([rotated[1], k[..., 16:]], -1))
+
+
+def test_apply_rotary_interleaved_scores_match_glm():
+    # GLM rotates the same pairs but writes them back in place: the channels differ by a fixed
+    # permutation, the attention scores q.k do not.
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 24), torch.randn(7, 2, 24)
+    cos, sin = rope_table(torch.arange(7) * 5, 16)
+    ours = apply_rotary(q, k, cos, sin, interleaved=True)
+    theirs = hf_glm.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+
+    def scores(q, k):
+        return torch.einsum("nhd,mgd->nmhg", q, k)
+
+    torch.testing.assert_close(scores(*ours), scores(*theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_apply_rotary_rejects_bad_tables():
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    with pytest.raises(ValueError, match="rotary_dim 18 must be even and at most head_dim"):
+        apply_rotary(q, k, torch.randn(3, 18), torch.randn(3, 18))
+    with pytest.raises(ValueError, match=r"cos/sin \[N, rotary_dim\]"):
+        apply_rotary(q, k, torch.randn(1, 16), torch.randn(1, 16))
+
+
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith("rope-")] + ["llama-gqa"])
 def test_rotary_tables_equal_hf(variant):
     config = VARIANTS[variant]
@@ -57,5 +120,28 @@ def test_unsupported_rope_type_is_named():
 
 
 def test_ops_are_registered_custom_ops():
-    for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary"):
+    for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "write_kv_cache"):
         assert hasattr(torch.ops.zoo, name)
+
+
+def fake_kernel_cases():
+    x, weight = torch.randn(5, 72, dtype=torch.float16), torch.randn(72)
+    q = torch.randn(5, 8 * 24)[:, : 4 * 24].view(5, 4, 24)  # a strided view, as from a qkv split
+    k = torch.randn(5, 2, 24)
+    cos, sin = rope_table(torch.arange(5), 16)
+    return {
+        "rms_norm": (rms_norm, (x, weight, 1e-6)),
+        "rms_norm_heads": (rms_norm, (q, torch.randn(24), 1e-6)),
+        "fused_add_rms_norm": (fused_add_rms_norm, (x, x.clone(), weight, 1e-6)),
+        "act_and_mul": (act_and_mul, (x, "silu")),
+        "apply_rotary": (apply_rotary, (q, k, cos, sin)),
+        "apply_rotary_interleaved": (apply_rotary, (q, k, cos, sin, True)),
+        "write_kv_cache": (write_kv_cache, (k, k.clone(), torch.zeros(2, 4, 2, 24), torch.zeros(2, 4, 2, 24), torch.tensor([0, 3, -1, 7, 5]))),
+    }
+
+
+@pytest.mark.parametrize("case", list(fake_kernel_cases()))
+def test_fake_kernels_match_references(case):
+    # torch.compile traces with the fake kernels: they must give the references' shapes, dtypes and strides.
+    op, args = fake_kernel_cases()[case]
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,141 @@
+"""Attention kernel speed on this GPU: zoo's Triton paged attention ops against the torch backend
+(their PyTorch references) and PyTorch's SDPA on contiguous K/V.
+
+Llama-3.1-8B attention: 32 query heads, 8 KV heads, head dim 128, bfloat16, cache blocks of 16
+tokens placed in random order. Decode: batch 1/16/64 x 1k/4k-token sequences, latency and
+achieved K/V read bandwidth (bytes of K and V read / time). Prefill: 4096-token prompts, TFLOP/s
+of causal attention (2 * T^2 * H * D multiply-adds per sequence: half of full attention).
+
+Each case is captured in a CUDA graph and replayed (no launch overhead), with the L2 cache
+flushed before every replay; the median of --iters replays is reported.
+
+    .venv/bin/python benchmarks/bench_attention.py [--json results.json]
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ops_cuda.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+L2_FLUSH_BYTES = 256 << 20
+
+
+def device_ms(fn, iters: int) -> float:
+    fn()  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def paged_cache(batch: int, seq_len: int):
+    """K/V of `batch` sequences of `seq_len` tokens in randomly placed cache blocks, and the
+    same keys/values contiguous [B, Hkv, T, D] for SDPA."""
+    width = -(-seq_len // BLOCK_SIZE)
+    block_tables = torch.randperm(batch * width, device="cuda").view(batch, width).to(torch.int32)
+    keys = torch.randn(batch, seq_len, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    values = torch.randn_like(keys)
+    shape = (batch * width, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape, dtype=DTYPE, device="cuda"), torch.zeros(shape, dtype=DTYPE, device="cuda")
+    padded = width * BLOCK_SIZE
+    for cache, source in ((k_cache, keys), (v_cache, values)):
+        full = F.pad(source, (0, 0, 0, 0, 0, padded - seq_len)).view(batch, width, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        cache[block_tables.long()] = full
+    return k_cache, v_cache, block_tables, keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+
+
+def bench_decode(batch: int, seq_len: int, iters: int) -> dict:
+    k_cache, v_cache, block_tables, keys, values = paged_cache(batch, seq_len)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM**-0.5
+    args = (q, k_cache, v_cache, block_tables, seq_lens, scale, 0)
+    ms = {
+        "triton": device_ms(lambda: paged_decode_attention(*args), iters),
+        "torch": device_ms(lambda: paged_decode_attention_reference(*args), iters),
+        "sdpa": device_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True), iters),
+    }
+    kv_bytes = 2 * batch * seq_len * NUM_KV_HEADS * HEAD_DIM * keys.element_size()
+    return {"batch": batch, "seq_len": seq_len, "us": {k: v * 1e3 for k, v in ms.items()},
+            "gb_s": {k: kv_bytes / (v * 1e-3) / 1e9 for k, v in ms.items()}}
+
+
+def bench_prefill(batch: int, seq_len: int, iters: int) -> dict:
+    k_cache, v_cache, block_tables, keys, values = paged_cache(batch, seq_len)
+    q = torch.randn(batch, NUM_HEADS, seq_len, HEAD_DIM, dtype=DTYPE, device="cuda")
+    flat_q = q.transpose(1, 2).reshape(batch * seq_len, NUM_HEADS, HEAD_DIM)
+    flat_k = keys.transpose(1, 2).reshape(batch * seq_len, NUM_KV_HEADS, HEAD_DIM)
+    flat_v = values.transpose(1, 2).reshape(batch * seq_len, NUM_KV_HEADS, HEAD_DIM)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM**-0.5
+    args = (flat_q, flat_k, flat_v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_len, scale, 0)
+    ms = {
+        "triton": device_ms(lambda: paged_prefill_attention(*args), iters),
+        "sdpa": device_ms(lambda: F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True), iters),
+    }
+    flops = 2 * batch * NUM_HEADS * HEAD_DIM * seq_len * seq_len  # causal half of 4 * T^2 * H * D
+    return {"batch": batch, "seq_len": seq_len, "ms": ms, "tflop_s": {k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()}}
+
+
+def markdown(decode: list[dict], prefill: list[dict], header: str) -> str:
+    lines = [header, "", "Decode (latency µs / K+V read GB/s)", "",
+             "| batch | seq len | zoo triton | torch backend | SDPA contiguous |", "|---:|---:|---:|---:|---:|"]
+    for r in decode:
+        cells = [f"{r['us'][k]:.1f} / {r['gb_s'][k]:.0f}" for k in ("triton", "torch", "sdpa")]
+        lines.append(f"| {r['batch']} | {r['seq_len']} | " + " | ".join(cells) + " |")
+    lines += ["", "Prefill, fresh prompts (ms / TFLOP/s)", "",
+              "| batch | prompt | zoo triton | SDPA contiguous |", "|---:|---:|---:|---:|"]
+    for r in prefill:
+        cells = [f"{r['ms'][k]:.3f} / {r['tflop_s'][k]:.0f}" for k in ("triton", "sdpa")]
+        lines.append(f"| {r['batch']} | {r['seq_len']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA device")
+    import triton
+
+    torch.manual_seed(0)
+    decode = [bench_decode(b, n, args.iters) for b in (1, 16, 64) for n in (1024, 4096)]
+    prefill = [bench_prefill(b, 4096, args.iters) for b in (1, 4)]
+    device = torch.cuda.get_device_name()
+    header = (f"Attention kernels, Llama-3.1-8B shape (Hq {NUM_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, bf16, "
+              f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, torch {torch.__version__}, triton {triton.__version__}")
+    print(markdown(decode, prefill, header))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "date": str(datetime.date.today()),
+                                               "decode": decode, "prefill": prefill}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""GPU benchmarks of zoo against HuggingFace transformers and the hardware's ceilings, one run.
+
+    python3 benchmarks/bench_gpu.py --task all          # or decode | throughput | throughput-8b | prefill
+
+decode         batch-1 decode latency, Llama-3.1-8B shape (random bf16 weights), 128-token prompt,
+               256 new tokens: zoo (CUDA graphs) vs HF generate with a static cache (auto-compiled),
+               and zoo as a fraction of the weight-read roofline (weight bytes / HBM bandwidth
+               measured here with a device-to-device copy).
+throughput     nano-vllm's workload: Qwen3-0.6B shape, 256 requests of random tokens, input and
+               output lengths U[100, 1024], EOS ignored: output tokens/s, zoo vs HF generate_batch.
+throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requests as --requests.
+prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
+               peak measured here.
+"""
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loaders.in_memory import model_from_hf  # noqa: E402
+from runtime import LLM, SamplingParams  # noqa: E402
+
+LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                tie_word_embeddings=False)
+QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 tie_word_embeddings=True)
+
+
+def config_of(fields):
+    fields = dict(fields)
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def random_hf(fields):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(config_of(fields), dtype=torch.bfloat16).eval()
+
+
+def sync_time(fn, repeats=3):
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hbm_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy."""
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    seconds = sync_time(lambda: dst.copy_(src), repeats=10)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    seconds = sync_time(lambda: a @ b, repeats=10)
+    return 2 * 8192**3 / seconds
+
+
+def decode(results):
+    reference = random_hf(LLAMA_8B)
+    model = model_from_hf(reference)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    bandwidth = hbm_bandwidth()
+    roofline_ms = weight_bytes / bandwidth * 1e3
+    prompt = torch.randint(0, LLAMA_8B["vocab_size"], (128,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+
+    def zoo(n):
+        out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == n
+
+    zoo_ms = (sync_time(lambda: zoo(256)) - sync_time(lambda: zoo(1))) / 255 * 1e3
+    del llm
+    ids = torch.tensor([prompt], device="cuda")
+
+    def hf(n):
+        with torch.inference_mode():
+            reference.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
+
+    hf_ms = (sync_time(lambda: hf(256)) - sync_time(lambda: hf(1))) / 255 * 1e3
+    results["decode"] = dict(zoo_ms_per_token=zoo_ms, hf_static_compiled_ms_per_token=hf_ms, roofline_ms=roofline_ms,
+                             weight_gb=weight_bytes / 1e9, hbm_tb_s=bandwidth / 1e12,
+                             fraction_of_roofline=roofline_ms / zoo_ms)
+    print(f"decode 8B batch 1: zoo {zoo_ms:.2f} ms/token, HF static+compile {hf_ms:.2f} ms/token, "
+          f"roofline {roofline_ms:.2f} ms ({weight_bytes / 1e9:.1f} GB at {bandwidth / 1e12:.2f} TB/s): "
+          f"zoo at {roofline_ms / zoo_ms:.0%} of roofline", flush=True)
+    del reference, model
+    torch.cuda.empty_cache()
+
+
+def workload(count, low, high, vocab, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+    lengths = [rng.randint(low, high) for _ in range(count)]
+    return prompts, lengths
+
+
+def throughput(results, hf_requests):
+    reference = random_hf(QWEN3_06B)
+    prompts, lengths = workload(256, 100, 1024, QWEN3_06B["vocab_size"])
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    llm = LLM(model_from_hf(reference), max_num_seqs=256, max_model_len=2048)
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    zoo_seconds = time.perf_counter() - start
+    zoo_tokens = sum(len(o.token_ids) for o in outputs)
+    del llm
+    torch.cuda.empty_cache()
+
+    # HF's continuous batching takes one max_new_tokens for all: the mean of the workload's.
+    hf_new = round(sum(lengths) / len(lengths))
+    config = transformers.GenerationConfig(max_new_tokens=hf_new, min_new_tokens=hf_new, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    subset = prompts[:hf_requests]
+    reference.generate_batch(inputs=subset[:8], generation_config=config)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    hf_out = reference.generate_batch(inputs=subset, generation_config=config)
+    torch.cuda.synchronize()
+    hf_seconds = time.perf_counter() - start
+    hf_tokens = sum(len(o.generated_tokens) for o in hf_out.values())
+    results["throughput"] = dict(zoo_tokens_per_s=zoo_tokens / zoo_seconds, hf_tokens_per_s=hf_tokens / hf_seconds,
+                                 zoo_requests=len(prompts), hf_requests=len(subset), hf_max_new_tokens=hf_new)
+    print(f"throughput Qwen3-0.6B shape: zoo {zoo_tokens / zoo_seconds:.0f} tok/s ({zoo_tokens} tokens, {zoo_seconds:.1f} s), "
+          f"HF generate_batch {hf_tokens / hf_seconds:.0f} tok/s ({len(subset)} requests x {hf_new} tokens): "
+          f"{(zoo_tokens / zoo_seconds) / (hf_tokens / hf_seconds):.1f}x", flush=True)
+    del reference
+    torch.cuda.empty_cache()
+
+
+def zoo_8b():
+    return model_from_hf(random_hf(LLAMA_8B))
+
+
+def throughput_8b(results, requests):
+    model = zoo_8b()
+    torch.cuda.empty_cache()
+    prompts = workload(requests, 1000, 1000, LLAMA_8B["vocab_size"])[0]
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, max_num_seqs=min(requests, 512), max_model_len=2048, max_num_batched_tokens=8192)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    blocks = llm.engine.block_manager.num_blocks
+    results["throughput_8b"] = dict(tokens_per_s=tokens / seconds, requests=requests, seconds=seconds,
+                                    kv_blocks=blocks, preemptions=llm.engine.scheduler.num_preemptions)
+    print(f"throughput 8B 1000/1000: {tokens / seconds:.0f} output tok/s ({requests} requests, {seconds:.1f} s, "
+          f"{blocks} KV blocks, {llm.engine.scheduler.num_preemptions} preemptions)", flush=True)
+    del llm, model
+    torch.cuda.empty_cache()
+
+
+def prefill(results):
+    model = zoo_8b()
+    peak = matmul_peak()
+    prompts = workload(8, 4096, 4096, LLAMA_8B["vocab_size"])[0]
+    llm = LLM(model, max_num_seqs=8, max_model_len=8192, max_num_batched_tokens=8192, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    seconds = sync_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats=2)
+    tokens = 8 * 4096
+    params_flops = 2 * sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * tokens
+    # causal attention: QK^T and PV over half the square, per layer and head
+    attention_flops = 8 * 2 * 2 * (4096 * 4096 / 2) * 32 * 128 * 32
+    mfu = (params_flops + attention_flops) / seconds / peak
+    results["prefill"] = dict(tokens_per_s=tokens / seconds, mfu=mfu, matmul_peak_tflops=peak / 1e12)
+    print(f"prefill 8B 4096-token prompts: {tokens / seconds:.0f} tok/s, MFU {mfu:.0%} of {peak / 1e12:.0f} TFLOP/s "
+          f"measured bf16 matmul peak", flush=True)
+    del llm, model
+    torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="all", choices=["all", "decode", "throughput", "throughput-8b", "prefill"])
+    parser.add_argument("--hf-requests", type=int, default=256, help="requests HF generate_batch runs (throughput)")
+    parser.add_argument("--requests-8b", type=int, default=512)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "transformers": transformers.__version__}
+    print(results, flush=True)
+    tasks = ["decode", "throughput", "throughput-8b", "prefill"] if args.task == "all" else [args.task]
+    for task in tasks:
+        if task == "decode":
+            decode(results)
+        elif task == "throughput":
+            throughput(results, args.hf_requests)
+        elif task == "throughput-8b":
+            throughput_8b(results, args.requests_8b)
+        else:
+            prefill(results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

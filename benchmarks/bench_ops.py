@@ -1,0 +1,132 @@
+"""GPU micro-benchmark: zoo's Triton kernels against the ops' PyTorch references (eager).
+
+Each row runs the registered op on CUDA tensors (its Triton kernel) and the op's ``*_reference``
+function, checks they agree, and reports:
+
+* µs: median of ``triton.testing.do_bench`` (L2 flushed before every call; launch overhead
+  included, which dominates the one-row cases);
+* GB/s: bytes the op must move (every input read once, every output written once) / that time;
+* µs in graph: median of ``triton.testing.do_bench_cudagraph``, the op replayed from a CUDA graph
+  as the runtime's decode steps are (no launch overhead). The reference KV write cannot be
+  captured: it selects the valid slots with a boolean mask, a host sync.
+
+    .venv/bin/python benchmarks/bench_ops.py [--dtype bfloat16] [--json results.json]
+"""
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+from ops_cuda import act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm, write_kv_cache  # noqa: E402
+from ops_cuda.activation import act_and_mul_reference  # noqa: E402
+from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
+from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
+
+EPS = 1e-6
+
+
+def rope_table(n: int, rotary_dim: int):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cuda") / rotary_dim))
+    emb = torch.cat([torch.arange(n, device="cuda")[:, None].float() * inv_freq] * 2, dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def cases(dtype):
+    """(name, shape label, zoo op, reference, args, bytes moved), built lazily one at a time."""
+    size = torch.tensor([], dtype=dtype).element_size()
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device="cuda")
+
+    for n in (4096, 1):
+        x, residual, weight = randn(n, 4096), randn(n, 4096), randn(4096)
+        yield "rms_norm", f"[{n}, 4096]", rms_norm, rms_norm_reference, (x, weight, EPS), (2 * n + 1) * 4096 * size
+        yield ("fused_add_rms_norm", f"[{n}, 4096]", fused_add_rms_norm, fused_add_rms_norm_reference,
+               (x, residual, weight, EPS), (4 * n + 1) * 4096 * size)
+
+    # q-norm over head_dim on the q view of a fused qkv (Qwen3 shapes: 32 q heads, 8 kv heads).
+    qkv = randn(8192, (32 + 2 * 8) * 128)
+    q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
+    q, k = q.view(8192, 32, 128), k.view(8192, 8, 128)
+    yield "rms_norm (q-norm)", "[8192, 32, 128] strided", rms_norm, rms_norm_reference, (q, randn(128), EPS), 2 * q.numel() * size
+
+    cos, sin = rope_table(8192, 128)
+    for interleaved in (False, True):
+        name = "apply_rotary" + (" (interleaved)" if interleaved else "")
+        table_bytes = (1 if interleaved else 2) * cos.numel() * 4  # interleaved reads half of cos and sin
+        yield (name, "q [8192, 32, 128], k [8192, 8, 128]", apply_rotary, apply_rotary_reference,
+               (q, k, cos, sin, interleaved), 2 * (q.numel() + k.numel()) * size + table_bytes)
+    del qkv, q, k
+
+    for n in (4096, 1):
+        x = randn(n, 2 * 14336)
+        yield "act_and_mul (silu)", f"[{n}, 2 x 14336]", act_and_mul, act_and_mul_reference, (x, "silu"), 3 * n * 14336 * size
+
+    n, heads, head_dim, block_size = 8192, 8, 128, 16
+    k, v = randn(n, heads, head_dim), randn(n, heads, head_dim)
+    k_cache, v_cache = (torch.zeros(n // block_size + 1, block_size, heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda")[:n]
+    yield ("write_kv_cache", f"{n} tokens x {heads} x {head_dim}", write_kv_cache, write_kv_cache_reference,
+           (k, v, k_cache, v_cache, slots), 4 * k.numel() * size + slots.numel() * 8)
+
+
+def max_difference(op, reference, args) -> float:
+    if op is write_kv_cache:
+        k, v, k_cache, v_cache, slots = args
+        expected = k_cache.clone(), v_cache.clone()
+        reference(k, v, *expected, slots)
+        op(*args)
+        return max((a.float() - b.float()).abs().max().item() for a, b in zip((k_cache, v_cache), expected))
+    ours, theirs = op(*args), reference(*args)
+    ours, theirs = (ours, theirs) if isinstance(ours, tuple) else ((ours,), (theirs,))
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+
+    rows = []
+    for name, shape, op, reference, op_args, nbytes in cases(dtype):
+        row = {"op": name, "shape": shape, "max_abs_diff": max_difference(op, reference, op_args)}
+        for side, fn in (("zoo", op), ("torch", reference)):
+            ms = do_bench(lambda: fn(*op_args), return_mode="median")
+            capturable = fn is not write_kv_cache_reference  # its boolean-mask indexing syncs with the host
+            graph_ms = do_bench_cudagraph(lambda: fn(*op_args), return_mode="median") if capturable else None
+            row[f"{side}_us"], row[f"{side}_gbps"] = ms * 1e3, nbytes / (ms * 1e-3) / 1e9
+            row[f"{side}_graph_us"] = None if graph_ms is None else graph_ms * 1e3
+        rows.append(row)
+
+    def us(value):
+        return "n/a" if value is None else f"{value:.1f}"
+
+    print(f"zoo ops vs PyTorch reference, {args.dtype}, {datetime.date.today().isoformat()}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n")
+    print("| op | shape | zoo µs | zoo GB/s | torch µs | torch GB/s | speedup | zoo µs in graph | torch µs in graph | max abs diff |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['op']} | {r['shape']} | {r['zoo_us']:.1f} | {r['zoo_gbps']:.0f} | {r['torch_us']:.1f} | "
+              f"{r['torch_gbps']:.0f} | {r['torch_us'] / r['zoo_us']:.2f}x | {us(r['zoo_graph_us'])} | "
+              f"{us(r['torch_graph_us'])} | {r['max_abs_diff']:.2g} |")
+    if args.json:
+        meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "dtype": args.dtype,
+                "torch": torch.__version__, "triton": triton.__version__}
+        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Attention over the paged KV cache: decode (one query per sequence) and prefill (a run of new
+queries per sequence after its cached context).
+
+The references here are the one PyTorch implementation of zoo's attention math: the ops' default
+kernels, the torch attention backend, and the oracle of the Triton kernels
+(``ops_cuda/paged_attention_triton.py``) that the ops run on CUDA.
+
+Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; caches [num_blocks, block_size, Hkv, D];
+block_tables [sequences, max_blocks] int32; seq_lens [sequences] int32 (cached + new tokens).
+``sliding_window`` 0 means none; otherwise the query at position p sees keys t with
+p - window < t <= p (HuggingFace's window).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Boolean [queries, keys] mask (True = attend) for queries at absolute positions over keys 0..key_len-1."""
+    keys = torch.arange(key_len, device=query_positions.device)[None, :]
+    positions = query_positions[:, None]
+    mask = keys <= positions
+    if sliding_window:
+        mask &= keys > positions - sliding_window
+    return mask
+
+
+def sdpa(q, k, v, mask, scale):
+    # q: [B, Tq, Hq, D], k/v: [B, Tk, Hkv, D], mask: [B or 1, 1, Tq, Tk] or None (plain causal)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[S, length, H, D]: keys (or values) 0..length-1 of each sequence, read through its block table."""
+    blocks = -(-length // cache.shape[1])
+    gathered = cache[block_tables[:, :blocks]]
+    return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])[:, :length]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    # q: [B, Hq, D] -> [B, Hq, D]. All sequences in one SDPA call, their keys padded to a common length.
+    if _capturing(seq_lens):  # no host sync inside a CUDA graph: pad to the whole table width
+        length = block_tables.shape[1] * k_cache.shape[1]
+    else:  # pad only to the longest sequence (the table may be much wider)
+        length = max(int(seq_lens.max()), 1)
+    t = torch.arange(length, device=q.device)[None, :]
+    lens = seq_lens[:, None].long()
+    filled = t < lens
+    # Slots past a sequence's length hold whatever the cache held (torch.empty, freed blocks):
+    # zero them, or a NaN there would leak through its zero attention weight.
+    keys = gather_cache(k_cache, block_tables, length).masked_fill(~filled[..., None, None], 0)
+    values = gather_cache(v_cache, block_tables, length).masked_fill(~filled[..., None, None], 0)
+    mask = filled & (t > lens - 1 - sliding_window) if sliding_window else filled
+    out = sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
+    return torch.where(seq_lens[:, None, None] > 0, out, 0)  # padding rows (length 0) attend nothing
+
+
+def paged_prefill_attention_reference(
+    q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window
+):
+    # q: [N, Hq, D], k/v: [N, Hkv, D] (the new tokens, already in the cache too) -> [N, Hq, D].
+    # One SDPA call per sequence over its cached context followed by its new tokens.
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        context = seq_len - (end - start)
+        ks, vs = k[start:end], v[start:end]
+        if context:
+            table = block_tables[i : i + 1]
+            ks = torch.cat([gather_cache(k_cache, table, context)[0], ks])
+            vs = torch.cat([gather_cache(v_cache, table, context)[0], vs])
+        mask = attention_mask(torch.arange(context, seq_len, device=q.device), seq_len, sliding_window)
+        out[start:end] = sdpa(q[None, start:end], ks[None], vs[None], mask[None, None], scale)[0]
+    return out
+
+
+@torch.library.custom_op("zoo::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int,
+) -> torch.Tensor:
+    """One query per sequence (its token at position seq_len - 1); rows of length 0 give zeros."""
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+
+
+@paged_decode_attention.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    return torch.empty_like(q)
+
+
+@paged_decode_attention.register_kernel("cuda")
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    from ops_cuda.paged_attention_triton import paged_decode_attention_triton  # triton only where a kernel runs
+
+    out = torch.empty_like(q)
+    paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out)
+    return out
+
+
+@torch.library.custom_op("zoo::paged_prefill_attention", mutates_args=())
+def paged_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+    scale: float, sliding_window: int,
+) -> torch.Tensor:
+    """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
+    context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
+    causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid)."""
+    return paged_prefill_attention_reference(
+        q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window
+    )
+
+
+@paged_prefill_attention.register_fake
+def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window):
+    return torch.empty_like(q)
+
+
+@paged_prefill_attention.register_kernel("cuda")
+def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window):
+    from ops_cuda.paged_attention_triton import paged_prefill_attention_triton  # triton only where a kernel runs
+
+    # The new tokens' K/V are already in the cache (write_kv_cache runs first): read all keys there.
+    out = torch.empty_like(q)
+    paged_prefill_attention_triton(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out
+    )
+    return out

@@ -1,0 +1,272 @@
+"""Triton kernels of the paged attention ops (``ops_cuda/paged_attention.py``).
+
+Each kernel has a plain launcher that the op's CUDA registration calls and that the tests call on
+CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton, so the op file imports it
+only inside its CUDA kernels: ``import ops_cuda`` never needs triton.
+
+Keys and values are read from the paged cache a row at a time through the block table, so any
+block size works and a key tile may span several blocks. Scores and the softmax are float32 and
+use exp2 (the scale carries the log2(e) factor). Float32 inputs multiply in full float32
+(``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers depend on shapes only, never on data: both ops can be
+captured in a CUDA graph.
+"""
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# "No sliding window" is passed as a window longer than any sequence: one code path for both.
+NO_WINDOW = 1 << 30
+# Scores start at this floor rather than -inf so a row that sees no key in a tile stays finite.
+SCORE_FLOOR = tl.constexpr(-1.0e30)
+# A decode split below this many keys costs more (its q load and partial write) than it saves.
+MIN_SPLIT_KEYS = 64
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                  stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+    # [BLOCK_N, BLOCK_D] rows of keys (or values) at positions `keys` of sequence `seq`, found
+    # through its block table; rows outside `key_ok` are neither read nor looked up (zeros).
+    block = tl.load(block_tables_ptr + seq * table_stride + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    rows = block * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, window,
+    q_stride_b, q_stride_h, table_stride,
+    k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
+    # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
+    # Writes each head's normalised partial output and its log2-sum-exp2.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys first..seq_len-1
+    # Chunks follow this sequence's own length (whole key tiles each); later splits may be empty.
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * GROUP + rows
+    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    running_max = tl.full([BLOCK_H], SCORE_FLOOR, tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        keys = tile + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                          k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp2(running_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        total = total * rescale + tl.sum(p, 1)
+        v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                          v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
+    has_keys = total > 0
+    total = tl.where(has_keys, total, 1.0)
+    out = acc / total[:, None]
+    lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
+    parts = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
+    tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(part_lse_ptr + parts, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Stage 2. Program (sequence, query head): the splits' partial outputs weighted by their
+    # share of the softmax mass.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < NUM_SPLITS
+    dim_ok = dims < HEAD_DIM
+    parts = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + parts, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
+    weight = tl.exp2(lse - top)
+    partial = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :],
+                      mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    scale_log2, window,
+    q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride,
+    k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program (query tile, head, sequence): BLOCK_M new queries of one head, online softmax over
+    # the key tiles they can see (cached context and the new tokens alike, all from the cache).
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # later tiles see more keys: start them first
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:  # the grid covers the longest sequence's tiles
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < q_len
+    dim_ok = dims < HEAD_DIM
+    positions = seq_len - q_len + rows
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Keys from the window start of the tile's first query to its last query (or the sequence end).
+    begin = tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0)
+    end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len)
+    running_max = tl.full([BLOCK_M], SCORE_FLOOR, tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for key_tile in range(begin, end, BLOCK_N):
+        keys = key_tile + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                          k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = (key_ok[None, :] & (keys[None, :] <= positions[:, None])
+                   & (keys[None, :] > positions[:, None] - window))
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp2(running_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        total = total * rescale + tl.sum(p, 1)
+        v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                          v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    """How many chunks the decode kernel splits each sequence's keys into, from shapes only (so a
+    captured graph keeps it): enough (sequence, kv head, split) programs for two per SM, but no
+    more splits than chunks of MIN_SPLIT_KEYS in the longest sequence the block table can hold."""
+    wanted = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_KEYS), MAX_SPLITS))
+
+
+def _check(op: str, q, k_cache, v_cache, out, block_tables):
+    dtypes = {q.dtype, k_cache.dtype, v_cache.dtype, out.dtype}
+    if len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
+        raise TypeError(f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for q, the caches and the output, "
+                        f"got {sorted(map(str, dtypes))}")
+    # Kernels index the head dim (and a table row) with stride 1, everything else through strides.
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("block_tables", block_tables)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"zoo::{op}: {name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"  # the default; only float32 inputs read it
+
+
+def _tiles(q: torch.Tensor) -> tuple[int, int, int]:
+    # (query tile rows, key tile rows, head-dim block). Key tiles of at most 16 KiB keep K and V
+    # double-buffered in shared memory for every head size; 128-query tiles where Q fits beside
+    # them (half types up to D=128). The interpreter (CPU tensors) gets small tiles, so the tests'
+    # short sequences still cross tile boundaries.
+    block_d = triton.next_power_of_2(q.shape[-1])
+    if not q.is_cuda:
+        return 16, 16, block_d
+    row_bytes = block_d * q.element_size()
+    return (128 if row_bytes <= 256 else 64), max(16, min(64, 16384 // row_bytes)), block_d
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
+                                  num_splits: int | None = None) -> None:
+    """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D]; ``num_splits`` defaults to
+    ``decode_num_splits``."""
+    _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    group = num_heads // num_kv_heads
+    _, block_n, block_d = _tiles(q)
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        scale * math.log2(math.e), sliding_window or NO_WINDOW,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q),
+        num_warps=4, num_stages=2,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                                   scale, sliding_window, out) -> None:
+    """Writes zoo::paged_prefill_attention(q, ...) into ``out`` [N, Hq, D], reading every key and
+    value (the new tokens' too) from the cache."""
+    _check("paged_prefill_attention", q, k_cache, v_cache, out, block_tables)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_m, block_n, block_d = _tiles(q)
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * math.log2(math.e), sliding_window or NO_WINDOW,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q),
+        num_warps=8 if block_m == 128 else 4, num_stages=2,
+    )

@@ -1,0 +1,307 @@
+"""Triton kernels behind zoo's elementwise ops: the ``cuda`` kernels of the ops in this package.
+
+Each kernel has a plain launcher (``rms_norm_triton``, ...) that the op's CUDA registration calls
+and that the tests call on CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton,
+so the op files import it only inside their CUDA kernels: ``import ops_cuda`` never needs triton.
+
+Kernels compute in float32 and round to the activation dtype wherever the PyTorch reference
+rounds (HuggingFace's order of operations), so fp16/bf16 results agree with the reference to
+about one unit in the last place. Launch grids depend on shapes only and outputs are allocated
+with ``torch.empty``: every op can be captured in a CUDA graph.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_dtype(op: str, *tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
+        raise TypeError(f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for all inputs, got {sorted(map(str, dtypes))}")
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    # Kernels index the last dim with stride 1 and every other dim through its stride.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _num_warps(block: int) -> int:
+    return min(max(block // 512, 1), 16)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    # Round a float32 value to `dtype` and back: where the reference materialises an intermediate.
+    return x.to(dtype).to(tl.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm, with the residual add fused in
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
+    rows_per_outer, hidden, eps,
+    x_stride_m, x_stride_r, res_stride_m, res_stride_r,
+    out_stride_m, out_stride_r, sum_stride_m, sum_stride_r,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per row; rows are [M, R] (tokens x heads for q/k-norm, R = 1 otherwise).
+    row = tl.program_id(0).to(tl.int64)
+    m, r = row // rows_per_outer, row % rows_per_outer
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + m * x_stride_m + r * x_stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + m * res_stride_m + r * res_stride_r + cols, mask=mask, other=0.0)
+        x = _round(x + residual.to(tl.float32), dtype)  # the reference normalises the rounded sum
+        tl.store(summed_ptr + m * sum_stride_m + r * sum_stride_r + cols, x.to(dtype), mask=mask)
+    variance = tl.sum(x * x, axis=0) / hidden
+    normed = _round(x * tl.math.rsqrt(variance + eps), dtype)  # HF casts back before the weight
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = normed * weight
+    tl.store(out_ptr + m * out_stride_m + r * out_stride_r + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # [M, R, H] view of `t` as rows of its last dim; 3D inputs (q/k heads, possibly strided views
+    # of a fused qkv) keep their strides, other ranks are flattened (a copy only when they must).
+    t = _unit_stride(t)
+    return t if t.dim() == 3 else t.reshape(-1, 1, t.shape[-1])
+
+
+def _rms_norm_launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    rows_x, rows_out = _rows(x), _rows(out)
+    # Without a residual, the residual/summed arguments are unused: pass x and out in their place.
+    rows_res = _rows(residual) if residual is not None else rows_x
+    rows_sum = _rows(summed) if residual is not None else rows_out
+    block = triton.next_power_of_2(hidden)
+    m, r = rows_x.shape[:2]
+    _rms_norm_kernel[(m * r,)](
+        rows_x, rows_res, weight.contiguous(), rows_out, rows_sum,
+        r, hidden, eps,
+        rows_x.stride(0), rows_x.stride(1), rows_res.stride(0), rows_res.stride(1),
+        rows_out.stride(0), rows_out.stride(1), rows_sum.stride(0), rows_sum.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out, summed
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_dtype("rms_norm", x)
+    return _rms_norm_launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_dtype("fused_add_rms_norm", x, residual)
+    return _rms_norm_launch(x, residual, weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated activations
+# ---------------------------------------------------------------------------------------------
+
+# HuggingFace `hidden_act` names -> the kernel's formula.
+_KERNEL_ACTIVATIONS = {
+    "silu": "silu", "swish": "silu", "gelu": "gelu_erf",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu",
+}
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    # The formulas of PyTorch's CUDA kernels, in float32.
+    if ACTIVATION == "silu":
+        return x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == "gelu_erf":
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        # No tanh in core triton: from exp(-2|inner|), which cannot overflow.
+        e = tl.exp(-2.0 * tl.abs(inner))
+        tanh = (1.0 - e) / (1.0 + e)
+        return 0.5 * x * (1.0 + tl.where(inner < 0.0, -tanh, tanh))
+    else:  # relu; `where` rather than `maximum` so NaN propagates as in torch.relu
+        return tl.where(x < 0.0, 0.0, x)
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _round(_activation(gate, ACTIVATION), dtype) * up  # the reference rounds act(gate) first
+    tl.store(out_ptr + row * out_stride + cols, out.to(dtype), mask=mask)
+
+
+def act_and_mul_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
+    _check_dtype("act_and_mul", x)
+    if activation not in _KERNEL_ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(_KERNEL_ACTIVATIONS)}")
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    rows_x, rows_out = _unit_stride(x).reshape(-1, 2 * d), out.view(-1, d)
+    block = min(triton.next_power_of_2(d), 1024)
+    _act_and_mul_kernel[(rows_x.shape[0], triton.cdiv(d, block))](
+        rows_x, rows_out, d, rows_x.stride(0), rows_out.stride(0),
+        ACTIVATION=_KERNEL_ACTIVATIONS[activation], BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, token, h, num_heads, head_dim, rotary_dim, x_stride_t, x_stride_h, out_stride_t, out_stride_h,
+    cos1, sin1, cos2, sin2,
+    INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    # Rotates heads h ([BLOCK_H, 1]) of one token. Output channel i < half takes pair (x1, x2) = channels
+    # (i, i + half) in the neox layout, (2i, 2i + 1) in the interleaved one, and its partner goes to
+    # i + half: HF's rotate-half and DeepSeek-interleave formulas write the same output positions.
+    half = rotary_dim // 2
+    dtype = out_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    if INTERLEAVED:
+        in1, in2 = 2 * i, 2 * i + 1
+    else:
+        in1, in2 = i, i + half
+    # cos/sin as the activations' dtype, as the reference casts them.
+    cos1, sin1, cos2, sin2 = _round(cos1, dtype), _round(sin1, dtype), _round(cos2, dtype), _round(sin2, dtype)
+    src = x_ptr + token * x_stride_t + h * x_stride_h
+    dst = out_ptr + token * out_stride_t + h * out_stride_h
+    mask = (h < num_heads) & (i < half)
+    x1 = tl.load(src + in1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + in2, mask=mask, other=0.0).to(tl.float32)
+    # Each product rounded like the reference's, then the sum: bit-equal in fp16/bf16.
+    tl.store(dst + i, (_round(x1 * cos1, dtype) - _round(x2 * sin1, dtype)).to(dtype), mask=mask)
+    tl.store(dst + half + i, (_round(x2 * cos2, dtype) + _round(x1 * sin2, dtype)).to(dtype), mask=mask)
+    if BLOCK_PASS > 0:  # partial rotary: channels rotary_dim.. pass through
+        passed = rotary_dim + tl.arange(0, BLOCK_PASS)[None, :]
+        pass_mask = (h < num_heads) & (passed < head_dim)
+        tl.store(dst + passed, tl.load(src + passed, mask=pass_mask), mask=pass_mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    q_heads, k_heads, q_dim, k_dim, rotary_dim, cos_stride, sin_stride,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    # One program per (token, block of BLOCK_H heads), rotating those heads of both q and k.
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    half = rotary_dim // 2
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = i < half
+    cos1 = tl.load(cos_ptr + token * cos_stride + i, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * sin_stride + i, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # one angle per pair: the first half of the table
+        cos2, sin2 = cos1, sin1
+    else:
+        cos2 = tl.load(cos_ptr + token * cos_stride + half + i, mask=mask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + token * sin_stride + half + i, mask=mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token, h, q_heads, q_dim, rotary_dim, q_stride_t, q_stride_h, qo_stride_t, qo_stride_h,
+                  cos1, sin1, cos2, sin2, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+    _rotate_heads(k_ptr, k_out_ptr, token, h, k_heads, k_dim, rotary_dim, k_stride_t, k_stride_h, ko_stride_t, ko_stride_h,
+                  cos1, sin1, cos2, sin2, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+
+
+def apply_rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from ops_cuda.rotary import check_rotary_shapes
+
+    check_rotary_shapes(q, k, cos, sin)
+    _check_dtype("apply_rotary", q, k)
+    q, k, cos, sin = _unit_stride(q), _unit_stride(k), _unit_stride(cos), _unit_stride(sin)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    rotary_dim = cos.shape[-1]
+    block_half = triton.next_power_of_2(rotary_dim // 2)
+    pass_dim = max(q.shape[-1], k.shape[-1]) - rotary_dim
+    block_pass = triton.next_power_of_2(pass_dim) if pass_dim else 0
+    # Tiles of ~1024 pairs: wide loads, no register spills, and several programs per token.
+    max_heads = max(q.shape[1], k.shape[1])
+    block_h = min(max(1024 // block_half, 1), triton.next_power_of_2(max_heads))
+    _rotary_kernel[(q.shape[0], triton.cdiv(max_heads, block_h))](
+        q, k, q_out, k_out, cos, sin,
+        q.shape[1], k.shape[1], q.shape[2], k.shape[2], rotary_dim, cos.stride(0), sin.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=4,
+    )
+    return q_out, k_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged KV cache write
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_to_slot(
+    src_ptr, cache_ptr, token, block, offset, num_heads, head_dim,
+    src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_heads) & (d < head_dim)
+    values = tl.load(src_ptr + token * src_stride_t + h * src_stride_h + d, mask=mask)
+    dst = cache_ptr + block * cache_stride_b + offset * cache_stride_o + h * cache_stride_h + d
+    tl.store(dst, values, mask=mask)
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, num_heads, k_dim, v_dim,
+    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+    kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)  # one program per token
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block, offset = slot // block_size, slot % block_size
+    # A negative slot (padding of a captured batch) has no heads to write: every access is masked.
+    num_heads = tl.where(slot >= 0, num_heads, 0)
+    _copy_to_slot(k_ptr, k_cache_ptr, token, block, offset, num_heads, k_dim,
+                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_H, BLOCK_DK)
+    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, num_heads, v_dim,
+                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_H, BLOCK_DV)
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:  # written in place: no copy can stand in for it
+            raise ValueError(f"zoo::write_kv_cache needs {name} with a unit stride on its last dim, got strides {cache.stride()}")
+    k, v, slot_mapping = _unit_stride(k), _unit_stride(v), slot_mapping.contiguous()
+    num_heads = k.shape[1]
+    block_h = triton.next_power_of_2(num_heads)
+    block_dk, block_dv = triton.next_power_of_2(k.shape[2]), triton.next_power_of_2(v.shape[2])
+    _write_kv_cache_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], num_heads, k.shape[2], v.shape[2],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=_num_warps(block_h * max(block_dk, block_dv)),
+    )

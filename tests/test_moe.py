@@ -1,0 +1,300 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against HuggingFace, float32 on CPU: logits,
+greedy generation and the layer-by-layer diff, from checkpoints in both layouts (one tensor per expert as
+hub repos ship them, and transformers 5's stacked experts); the router, the experts op, strict loading."""
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers.activations import ACT2FN
+from transformers.models.mixtral import modeling_mixtral as hf_mixtral
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3_moe
+
+from layers import TopKRouter
+from loaders import CheckpointError
+from loaders.diff import diff_checkpoint
+from models import AutoModelForCausalLM
+from models.modeling_qwen3_moe import Qwen3MoeForCausalLM
+from ops_cuda import moe_experts
+from ops_cuda.moe import moe_experts_dense_reference
+from runtime import LLM, SamplingParams
+from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+from tests.test_errors import rewrite_tensors
+from tests.test_parity import TOLERANCE, assert_matches
+
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+
+VARIANTS = {
+    "qwen3_moe-norm_topk": tiny_config("qwen3_moe", **QWEN3_MOE, norm_topk_prob=True),
+    "qwen3_moe-no_norm_topk": tiny_config("qwen3_moe", **QWEN3_MOE, norm_topk_prob=False),
+    "qwen3_moe-sparse_step2": tiny_config("qwen3_moe", **QWEN3_MOE, decoder_sparse_step=2, num_hidden_layers=3),
+    "qwen3_moe-mlp_only_top3": tiny_config(
+        "qwen3_moe", **{**QWEN3_MOE, "num_experts_per_tok": 3}, mlp_only_layers=[1], num_hidden_layers=3,
+        norm_topk_prob=True,
+    ),
+    "qwen3_moe-window": tiny_config("qwen3_moe", **QWEN3_MOE, use_sliding_window=True, sliding_window=6),
+    "mixtral-window": tiny_config("mixtral", **MIXTRAL, sliding_window=7),
+    "mixtral-tied": tiny_config("mixtral", **MIXTRAL, tie_word_embeddings=True),
+    "qwen2_moe": tiny_config("qwen2_moe", **QWEN2_MOE),
+    "qwen2_moe-window-mlp_only": tiny_config(
+        "qwen2_moe", **QWEN2_MOE, norm_topk_prob=True, use_sliding_window=True, sliding_window=5, max_window_layers=2,
+        mlp_only_layers=[2], num_hidden_layers=3,
+    ),
+}
+LAYOUTS = ["per_expert", "stacked"]
+
+
+def per_expert_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's tensors as hub repos ship them: ``mlp.experts.{e}.{gate,up,down}_proj.weight``, or for
+    Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` and ``block_sparse_moe.gate.weight``."""
+    mixtral = model.config.model_type == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        experts = name.rpartition(".")[0]
+        if name.endswith(".experts.gate_up_proj"):
+            for e, stacked in enumerate(tensor):
+                tensors[f"{experts}.{e}.{gate}.weight"], tensors[f"{experts}.{e}.{up}.weight"] = stacked.chunk(2)
+        elif name.endswith(".experts.down_proj"):
+            for e, weight in enumerate(tensor):
+                tensors[f"{experts}.{e}.{down}.weight"] = weight
+        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            tensors[name] = tensor
+    if mixtral:
+        tensors = {name.replace(".mlp.", ".block_sparse_moe."): t for name, t in tensors.items()}
+    return {name: t.contiguous().clone() for name, t in tensors.items()}
+
+
+def write_checkpoint(model, path, layout: str):
+    if layout == "stacked":  # transformers 5 keeps its own module layout only when asked to
+        return save_checkpoint(model, path, save_original_format=False)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    save_file(per_expert_state_dict(model), path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture
+def make_moe_checkpoint(tmp_path):
+    def make(config, layout="per_expert"):
+        model = hf_model(config)
+        return write_checkpoint(model, tmp_path / layout, layout), model
+
+    return make
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_huggingface(variant, layout, make_moe_checkpoint, input_ids):
+    path, reference = make_moe_checkpoint(VARIANTS[variant], layout)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_wrong_router_is_caught(make_moe_checkpoint, input_ids):
+    """The tolerance sees a router mistake: a norm_topk_prob checkpoint run without renormalising."""
+    path, reference = make_moe_checkpoint(VARIANTS["qwen3_moe-norm_topk"])
+    fields = json.loads((path / "config.json").read_text())
+    fields["norm_topk_prob"] = False
+    (path / "config.json").write_text(json.dumps(fields))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe-sparse_step2", "mixtral-window", "qwen2_moe"])
+def test_save_pretrained_writes_the_per_expert_layout(variant, tmp_path):
+    """transformers 5.23's default ``save_pretrained`` converts back to the hub layout: the same tensors
+    as ``per_expert_state_dict`` (so both layouts the tests use are ones real checkpoints have)."""
+    from safetensors import safe_open
+
+    model = hf_model(VARIANTS[variant])
+    save_checkpoint(model, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(per_expert_state_dict(model))
+
+
+def test_layers_follow_the_config():
+    with torch.device("meta"):
+        layers = Qwen3MoeForCausalLM(VARIANTS["qwen3_moe-sparse_step2"]).model.layers
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [False, True, False]
+    with torch.device("meta"):
+        layers = Qwen3MoeForCausalLM(VARIANTS["qwen3_moe-mlp_only_top3"]).model.layers
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [True, False, True]
+    assert layers[0].mlp.gate.top_k == 3 and layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 64)
+
+
+# The router and the experts op on their own.
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_router_matches_hf_qwen3_moe(norm_topk_prob):
+    config = tiny_config("qwen3_moe", **QWEN3_MOE, norm_topk_prob=norm_topk_prob)
+    torch.manual_seed(0)
+    theirs = hf_qwen3_moe.Qwen3MoeTopKRouter(config)
+    theirs.weight.data.normal_(std=0.5)
+    ours = TopKRouter(64, 8, 2, renormalize=norm_topk_prob)
+    ours.weight.data.copy_(theirs.weight)
+    x = torch.randn(50, 64)
+    weights, ids = ours(x)
+    _, expected_weights, expected_ids = theirs(x)
+    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    sums = weights.sum(-1)
+    assert torch.allclose(sums, torch.ones(50)) if norm_topk_prob else bool((sums < 1).all())
+
+
+def test_router_matches_hf_mixtral_and_topk_then_softmax():
+    """Mixtral as HF runs it (softmax, top-k, renormalise) and as its reference code does (top-k of the
+    logits, softmax over those k): the same experts, weights within float32 rounding."""
+    config = tiny_config("mixtral", **MIXTRAL)
+    torch.manual_seed(0)
+    theirs = hf_mixtral.MixtralTopKRouter(config)
+    theirs.weight.data.normal_(std=0.5)
+    ours = TopKRouter(64, 8, 2, renormalize=True)
+    ours.weight.data.copy_(theirs.weight)
+    x = torch.randn(50, 64)
+    weights, ids = ours(x)
+    _, expected_weights, expected_ids = theirs(x)
+    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    top_logits, top_ids = F.linear(x, ours.weight).topk(2, dim=-1)
+    assert torch.equal(ids, top_ids)
+    assert (weights - top_logits.softmax(-1, dtype=torch.float32)).abs().max() < 1e-6
+
+
+def naive_moe(hidden, topk_weights, topk_ids, gate_up, down, activation):
+    """Token by token, expert by expert, in float64."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    act = ACT2FN[activation]
+    for t in range(hidden.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = topk_ids[t, k]
+            gate, up = (gate_up[e].double() @ hidden[t].double()).chunk(2)
+            out[t] += topk_weights[t, k].double() * (down[e].double() @ (act(gate) * up))
+    return out
+
+
+def routed(num_tokens, top_k, allowed, seed):
+    """topk ids drawn only from ``allowed`` experts (distinct per token), and softmax weights."""
+    rng = random.Random(seed)
+    ids = torch.tensor([rng.sample(allowed, top_k) for _ in range(num_tokens)], dtype=torch.int64)
+    ids = ids.view(num_tokens, top_k)  # [0, k] when there are no tokens
+    weights = torch.randn(num_tokens, top_k, generator=torch.Generator().manual_seed(seed)).softmax(-1)
+    return weights, ids
+
+
+@pytest.mark.parametrize("case", [
+    dict(tokens=37, top_k=2, allowed=[0, 2, 3, 6, 7]),  # experts 1, 4, 5 get no tokens, the others uneven
+    dict(tokens=20, top_k=1, allowed=[5]),  # every token on one expert
+    dict(tokens=1, top_k=3, allowed=list(range(8))),  # one token (a decode step)
+    dict(tokens=0, top_k=2, allowed=list(range(8))),  # nothing routed at all
+])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("form", ["op", "dense"])
+def test_experts_op_matches_naive_reference(case, activation, form):
+    """The op (grouped by expert) and its dense form (what runs under CUDA-graph capture)."""
+    torch.manual_seed(0)
+    num_experts, hidden_size, intermediate = 8, 64, 32
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden_size) * 0.15
+    down = torch.randn(num_experts, hidden_size, intermediate) * 0.15
+    hidden = torch.randn(case["tokens"], hidden_size)
+    weights, ids = routed(case["tokens"], case["top_k"], case["allowed"], seed=1)
+    op = moe_experts if form == "op" else moe_experts_dense_reference
+    ours = op(hidden, weights, ids, gate_up, down, activation)
+    expected = naive_moe(hidden, weights, ids, gate_up, down, activation)
+    assert ours.shape == hidden.shape and ours.dtype == hidden.dtype
+    if case["tokens"]:
+        assert (ours.double() - expected).abs().max() / expected.abs().max() < 1e-6
+
+
+def test_experts_op_is_a_checked_custom_op():
+    torch.manual_seed(0)
+    weights, ids = routed(9, 2, [0, 1, 3], seed=2)
+    args = (torch.randn(9, 16), weights, ids, torch.randn(4, 16, 16), torch.randn(4, 16, 8), "silu")
+    torch.library.opcheck(torch.ops.zoo.moe_experts.default, args, test_utils=("test_schema", "test_faketensor"))
+    bf16 = moe_experts(args[0].bfloat16(), weights, ids, args[3].bfloat16(), args[4].bfloat16(), "silu")
+    assert bf16.dtype == torch.bfloat16
+
+
+# Runtime, diff, loading errors.
+
+GENERATION = ["qwen3_moe-no_norm_topk", "mixtral-window", "qwen2_moe"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.mark.parametrize("variant", GENERATION)
+def test_greedy_matches_hf_generate(variant, make_moe_checkpoint):
+    path, reference = make_moe_checkpoint(VARIANTS[variant], "stacked" if variant.startswith("qwen3") else "per_expert")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    outputs = LLM(str(path), device="cpu", block_size=4).generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert output.error is None and output.token_ids == expected.tolist()
+
+
+TOKENS = torch.tensor([[5, 17, 3, 88, 42, 7, 1, 60, 23, 9, 14]])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("variant", ["qwen3_moe-sparse_step2", "mixtral-window"])
+def test_diff_rows_all_ok(variant, layout, make_moe_checkpoint):
+    path, _ = make_moe_checkpoint(VARIANTS[variant], layout)
+    rows = diff_checkpoint(path, input_ids=TOKENS)
+    layers = VARIANTS[variant].num_hidden_layers
+    assert [r.path for r in rows if r.path.endswith(".mlp")] == [f"model.layers.{i}.mlp" for i in range(layers)]
+    assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize("variant, dropped", [
+    ("qwen3_moe-norm_topk", "model.layers.1.mlp.experts.3.up_proj.weight"),
+    ("mixtral-window", "model.layers.0.block_sparse_moe.experts.5.w2.weight"),
+])
+def test_missing_expert_tensor_is_named(variant, dropped, make_moe_checkpoint):
+    path, _ = make_moe_checkpoint(VARIANTS[variant], "per_expert")
+    rewrite_tensors(path, lambda t: t.pop(dropped))
+    with pytest.raises(CheckpointError, match=rf"missing tensors: {dropped.replace('.', '[.]')}$"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_tensor_missing_in_every_spelling_names_them_all(make_moe_checkpoint):
+    path, _ = make_moe_checkpoint(VARIANTS["mixtral-window"], "per_expert")
+    rewrite_tensors(path, lambda t: t.pop("model.layers.1.block_sparse_moe.gate.weight"))
+    with pytest.raises(CheckpointError, match=(
+        r"missing tensors: model\.layers\.1\.mlp\.gate\.weight or model\.layers\.1\.block_sparse_moe\.gate\.weight$"
+    )):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_missing_stacked_tensor_is_named(make_moe_checkpoint):
+    path, _ = make_moe_checkpoint(VARIANTS["mixtral-window"], "stacked")
+    rewrite_tensors(path, lambda t: t.pop("model.layers.1.mlp.experts.down_proj"))
+    with pytest.raises(CheckpointError, match=(
+        r"missing tensors: model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight \(\+7 more\) or "
+        r"model\.layers\.1\.mlp\.experts\.down_proj or "
+        r"model\.layers\.1\.block_sparse_moe\.experts\.0\.w2\.weight \(\+7 more\)$"
+    )):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_both_layouts_at_once_is_an_error(make_moe_checkpoint):
+    """A layer stored twice (per expert and stacked) fills from the preferred layout; the other is unexpected."""
+    path, model = make_moe_checkpoint(VARIANTS["qwen3_moe-norm_topk"], "per_expert")
+    stacked = model.model.layers[0].mlp.experts.down_proj.detach().clone()
+    rewrite_tensors(path, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": stacked}))
+    unexpected = r"unexpected tensors.*: model\.layers\.0\.mlp\.experts\.down_proj \(model\.safetensors\)$"
+    with pytest.raises(CheckpointError, match=unexpected):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_wrong_expert_shape_is_named(make_moe_checkpoint):
+    path, _ = make_moe_checkpoint(VARIANTS["qwen3_moe-norm_topk"], "stacked")
+    rewrite_tensors(path, lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 32, 64)}))
+    expected = r"'model\.layers\.0\.mlp\.experts\.gate_up_proj'.*expected shape \(8, 64, 64\), got \(8, 32, 64\)"
+    with pytest.raises(CheckpointError, match=expected):
+        AutoModelForCausalLM.from_pretrained(path)

@@ -1,0 +1,326 @@
+"""The paged attention ops' Triton kernels against their PyTorch references, and the triton
+attention backend against the torch one.
+
+Without a GPU the launchers run on CPU tensors in Triton's interpreter (tiny shapes, float32 and
+float16: the interpreter's bfloat16 tl.dot is wrong). On a GPU the ``gpu`` tests run the ops on
+CUDA in every kernel dtype over model-sized shapes, inside a captured CUDA graph, and through the
+runtime end to end.
+
+Every case keeps the cache's unused slots NaN, so a kernel that reads past a sequence's length,
+or into a padding row's table, poisons its output.
+"""
+
+import os
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+if not torch.cuda.is_available():  # the interpreter is chosen when a kernel is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from layers import Attention, AttentionMetadata  # noqa: E402
+from layers.attention import TorchAttentionBackend, TritonAttentionBackend, select_backend  # noqa: E402
+from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+from ops_cuda import paged_attention_triton  # noqa: E402
+from ops_cuda.paged_attention_triton import (  # noqa: E402
+    decode_num_splits,
+    paged_decode_attention_triton,
+    paged_prefill_attention_triton,
+)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+
+# Largest difference allowed relative to the float32 reference's largest magnitude: float32 is
+# exact math up to summation order; half types round p before the P @ V product and the output.
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def assert_close(ours: torch.Tensor, reference: torch.Tensor, tol: float):
+    assert ours.shape == reference.shape and torch.isfinite(ours).all()
+    error = (ours.float() - reference.float()).abs().max().item()
+    assert error <= tol * reference.abs().max().item(), error
+
+
+class PagedBatch:
+    """Sequences with ``context_lens`` cached tokens and ``query_lens`` new ones, their keys and
+    values (new tokens' included) in a cache of randomly permuted blocks, unused slots NaN. A
+    sequence of length 0 is a padding row: its table points at never-written blocks."""
+
+    def __init__(self, context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                 device="cpu", seed=0):
+        gen = torch.Generator().manual_seed(seed)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        width = max(-(-n // block_size) for n in seq_lens) + 1  # wider than any sequence needs
+        num_blocks = len(seq_lens) * width + 2
+        self.block_tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
+        self.block_tables = self.block_tables.view(len(seq_lens), width).to(torch.int32).to(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        ks, vs = [], []
+        for i, n in enumerate(seq_lens):
+            k, v = randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)
+            slots = self.block_tables[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n, device=device) % block_size
+            write_kv_cache_reference(k, v, self.k_cache, self.v_cache, slots)
+            ks.append(k[context_lens[i]:])
+            vs.append(v[context_lens[i]:])
+        self.k, self.v = torch.cat(ks), torch.cat(vs)  # the new tokens'
+        self.q = randn(sum(query_lens), num_heads, head_dim)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        starts = torch.tensor([0] + query_lens).cumsum(0)
+        self.query_start_loc = starts.to(torch.int32).to(device)
+        self.query_lens, self.context_lens = query_lens, context_lens
+        self.scale = head_dim**-0.5
+
+    def decode_args(self, sliding_window, q=None):
+        return (self.q if q is None else q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                self.scale, sliding_window)
+
+    def prefill_args(self, sliding_window):
+        return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, max(self.query_lens), self.scale, sliding_window)
+
+    def reference_decode(self, sliding_window):
+        args = [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in self.decode_args(sliding_window)]
+        return paged_decode_attention_reference(*args)
+
+    def reference_prefill(self, sliding_window):
+        args = [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in self.prefill_args(sliding_window)]
+        return paged_prefill_attention_reference(*args)
+
+
+def decode_batch(seq_lens, *shape, **kwargs):
+    # A padding row (length 0) has no query token of its own in the cache: context 0, query 0,
+    # but the op still gets a query row for it.
+    batch = PagedBatch([max(n - 1, 0) for n in seq_lens], [min(n, 1) for n in seq_lens], *shape, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    batch.q = torch.randn(len(seq_lens), *batch.q.shape[1:], generator=gen).to(batch.q)
+    return batch
+
+
+def run_decode(batch, sliding_window, num_splits=None):
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention_triton(*batch.decode_args(sliding_window), out, num_splits=num_splits)
+    return out
+
+
+def run_prefill(batch, sliding_window):
+    q, _, _, *rest = batch.prefill_args(sliding_window)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention_triton(q, *rest, out)
+    return out
+
+
+# --- CPU: the Triton kernels in the interpreter --------------------------------------------------
+
+GEOMETRIES = {"d16-block4": (16, 4), "d32-block16": (32, 16)}
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_decode_kernel_interpreted(dtype, geometry, sliding_window):
+    head_dim, block_size = GEOMETRIES[geometry]
+    # Lengths: past a block boundary, one token, a padding row, exactly two blocks.
+    batch = decode_batch([2 * block_size + 3, 1, 0, 2 * block_size], 4, 2, head_dim, block_size, dtype)
+    reference = batch.reference_decode(sliding_window)
+    assert reference[2].eq(0).all()
+    for num_splits in (1, 3):  # 3 splits leave short sequences' later splits empty
+        assert_close(run_decode(batch, sliding_window, num_splits), reference, TOL[dtype])
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
+    head_dim, block_size = GEOMETRIES[geometry]
+    # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query.
+    batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, head_dim, block_size, dtype)
+    assert_close(run_prefill(batch, sliding_window), batch.reference_prefill(sliding_window), TOL[dtype])
+
+
+def test_decode_reference_is_plain_attention():
+    # The reference against attention written out by hand, one sequence at a time.
+    batch = decode_batch([7, 1, 0, 12], 4, 2, 16, 4, torch.float32)
+    out = paged_decode_attention_reference(*batch.decode_args(4))
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        if n == 0:
+            assert out[i].eq(0).all()
+            continue
+        slots = batch.block_tables[i, torch.arange(n) // 4].long() * 4 + torch.arange(n) % 4
+        keys = batch.k_cache.flatten(0, 1)[slots].repeat_interleave(2, dim=1)[-4:]  # window 4, GQA
+        values = batch.v_cache.flatten(0, 1)[slots].repeat_interleave(2, dim=1)[-4:]
+        weights = torch.einsum("hd,thd->ht", batch.q[i], keys).mul(batch.scale).softmax(-1)
+        torch.testing.assert_close(out[i], torch.einsum("ht,thd->hd", weights, values))
+
+
+def test_ops_default_to_the_references_and_pass_opcheck():
+    batch = PagedBatch([0, 6], [5, 3], 4, 2, 16, 4, torch.float32)
+    assert torch.equal(paged_prefill_attention(*batch.prefill_args(3)), paged_prefill_attention_reference(*batch.prefill_args(3)))
+    torch.library.opcheck(paged_prefill_attention, batch.prefill_args(3))
+    batch = decode_batch([5, 0, 9], 4, 2, 16, 4, torch.float32)
+    assert torch.equal(paged_decode_attention(*batch.decode_args(0)), paged_decode_attention_reference(*batch.decode_args(0)))
+    torch.library.opcheck(paged_decode_attention, batch.decode_args(0))
+
+
+def test_num_splits_fill_the_gpu_from_shapes(monkeypatch):
+    monkeypatch.setattr(paged_attention_triton, "_num_sms", lambda device: 132)  # an H100/H200
+    cuda = torch.device("cuda")
+    assert decode_num_splits(1, 8, 4096, cuda) == 33  # two programs per SM
+    assert decode_num_splits(1, 8, 512, cuda) == 8  # capped by 64-key chunks of the longest sequence
+    assert decode_num_splits(16, 8, 1024, cuda) == 3
+    assert decode_num_splits(64, 8, 4096, cuda) == 1  # the batch alone fills the GPU
+
+
+def test_select_backend():
+    assert isinstance(select_backend(None, "cpu"), TorchAttentionBackend)
+    assert select_backend(None, "cpu").name == "torch"
+    assert isinstance(select_backend("triton", "cpu"), TritonAttentionBackend)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        select_backend("flash", "cpu")
+
+
+def mixed_step(dtype, device="cpu", sliding_window=None):
+    """A layer stub with a cache, and a flat step of two prefills (one after cached context) then
+    two decodes, with k/v of the new tokens not yet in the cache."""
+    batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device)
+    new = torch.cat([torch.arange(c, c + q) for c, q in zip(batch.context_lens, batch.query_lens)])
+    seq = torch.repeat_interleave(torch.arange(4), torch.tensor(batch.query_lens))
+    slots = batch.block_tables.cpu()[seq, new // 4].long() * 4 + new % 4
+    layer = types.SimpleNamespace(kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window)
+    metadata = AttentionMetadata(
+        query_lens=batch.query_lens, context_lens=batch.context_lens, slot_mapping=slots.to(device),
+        block_tables=batch.block_tables, num_decodes=2, seq_lens=batch.seq_lens, query_start_loc=batch.query_start_loc,
+    )
+    return layer, batch, metadata
+
+
+def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    out = torch.empty_like(q)
+    paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out)
+    return out
+
+
+def prefill_via_launcher(q, k, v, *args):
+    out = torch.empty_like(q)
+    paged_prefill_attention_triton(q, *args, out)
+    return out
+
+
+@interpreter
+def test_triton_backend_splits_a_mixed_step(monkeypatch):
+    # The backend's slicing of the stream and metadata, with the interpreted kernels behind the ops.
+    monkeypatch.setattr(TritonAttentionBackend, "decode", staticmethod(decode_via_launcher))
+    monkeypatch.setattr(TritonAttentionBackend, "prefill", staticmethod(prefill_via_launcher))
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4)
+        outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
+    assert_close(outs[1], outs[0], TOL[torch.float32])
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+SHAPES = {"32q-8kv-d128": (32, 8, 128), "9q-3kv-d64": (9, 3, 64), "16q-16kv-d128": (16, 16, 128)}
+GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("sliding_window", [0, 1000])
+def test_decode_kernel_cuda(dtype, shape, sliding_window):
+    batch = decode_batch([1, 16, 0, 777, 3001, 2053], *SHAPES[shape], 16, dtype, "cuda")
+    reference = batch.reference_decode(sliding_window)
+    for num_splits in (None, 1, 7):
+        assert_close(run_decode(batch, sliding_window, num_splits), reference, TOL[dtype])
+    assert_close(paged_decode_attention(*batch.decode_args(sliding_window)), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("sliding_window", [0, 1000])
+def test_prefill_kernel_cuda(dtype, shape, sliding_window):
+    # A long fresh prompt, a chunk after unaligned context, one query after long context, odd tails.
+    batch = PagedBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *SHAPES[shape], 16, dtype, "cuda")
+    reference = batch.reference_prefill(sliding_window)
+    assert_close(run_prefill(batch, sliding_window), reference, TOL[dtype])
+    assert_close(paged_prefill_attention(*batch.prefill_args(sliding_window)), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_op_replays_in_cuda_graph():
+    batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda")
+    args = batch.decode_args(0)
+    batch.seq_lens.copy_(torch.tensor([5, 300, 0, 1025]))
+    paged_decode_attention(*args)  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(*args)
+    # New data in the captured buffers: lengths, tables (rows rotated), queries.
+    batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
+    batch.block_tables.copy_(batch.block_tables.roll(1, 0))
+    batch.q.copy_(torch.randn_like(batch.q))
+    expected = paged_decode_attention(*args)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert_close(out, batch.reference_decode(0), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_backend_matches_torch_backend_cuda(dtype):
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        layer, batch, metadata = mixed_step(dtype, "cuda", sliding_window=4)
+        outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
+    assert_close(outs[1], outs[0], TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+def test_runtime_tokens_equal_across_backends(name, tmp_path):
+    from runtime import LLM
+    from tests.conftest import hf_model, save_checkpoint, tiny_config
+    from tests.test_runtime import GREEDY, prompts
+
+    config = tiny_config("llama") if name == "llama" else tiny_config("mistral", sliding_window=6)
+    path = save_checkpoint(hf_model(config), tmp_path)
+    batch = prompts(8, seed=4)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        # Small batches of tokens: prompts are prefilled in chunks after cached context.
+        llm = LLM(str(path), device="cuda", num_blocks=256, max_num_batched_tokens=24, enforce_eager=True)
+        for module in llm.model.modules():
+            if isinstance(module, Attention):
+                module.backend = select_backend(backend, "cuda")
+        outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert all(o.error is None for o in outputs)
+        tokens[backend] = [o.token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]

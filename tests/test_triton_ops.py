@@ -1,0 +1,327 @@
+"""zoo's Triton kernels against the ops' PyTorch references.
+
+Without a GPU, the launchers run on CPU tensors in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before the kernels are defined). On a GPU, the ``gpu`` tests run the registered
+ops on CUDA tensors: eagerly, with their outputs' memory poisoned with NaN, and inside a captured
+CUDA graph.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm, write_kv_cache  # noqa: E402
+from ops_cuda import triton_kernels as kernels  # noqa: E402
+from ops_cuda.activation import act_and_mul_reference  # noqa: E402
+from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
+from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+
+EPS = 1e-6
+# Largest difference allowed, relative to the reference's largest magnitude. The interpreter
+# computes in numpy (exactly rounded); compiled GPU code uses approximate exp/div/rsqrt.
+INTERPRETER_TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
+GPU_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def assert_close(ours: torch.Tensor, reference: torch.Tensor, tol: float):
+    assert ours.shape == reference.shape and ours.dtype == reference.dtype
+    scale = reference.abs().max().float().item()
+    torch.testing.assert_close(ours.float(), reference.float(), rtol=tol, atol=tol * scale)
+
+
+def rope_table(positions: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The layout layers.RotaryEmbedding produces: cos/sin of cat(freqs, freqs), float32.
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def qkv_views(n: int, q_heads: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
+    # q/k/v as the attention layer gets them: strided views into one fused projection output.
+    qkv = torch.randn(n, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(n, q_heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+
+
+def norm_inputs(case: str, dtype, device="cpu"):
+    if case == "strided_heads":  # q-norm over head_dim on a view of a fused qkv
+        return qkv_views(5, 4, 2, 24, dtype, device)[0]
+    shape = {"rows": (5, 72), "one_row": (1, 72), "heads": (5, 3, 24)}[case]
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def kv_cache_case(dtype, device="cpu"):
+    # 6 tokens over a cache of 3 blocks of 4 slots; two padding tokens (slot -1); k and v as
+    # strided views of a fused qkv.
+    _, k, v = qkv_views(6, 4, 2, 24, dtype, device)
+    cache = torch.randn(3, 4, 2, 24, dtype=dtype, device=device)
+    slots = torch.tensor([0, 5, -1, 11, 2, -1], device=device)
+    return k, v, cache, cache.clone(), slots
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the launchers under Triton's interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("case", ["rows", "one_row", "heads", "strided_heads"])
+def test_rms_norm_interpreted(case, dtype):
+    torch.manual_seed(0)
+    x = norm_inputs(case, dtype)
+    weight = torch.randn(x.shape[-1], dtype=dtype)
+    assert_close(kernels.rms_norm_triton(x, weight, EPS), rms_norm_reference(x, weight, EPS), INTERPRETER_TOL[dtype])
+
+
+@interpreter
+def test_rms_norm_weight_dtype_promotes_interpreted():
+    # float16 activations with a float32 weight give float32, as in the reference.
+    torch.manual_seed(0)
+    x, weight = torch.randn(5, 72, dtype=torch.float16), torch.randn(72)
+    assert_close(kernels.rms_norm_triton(x, weight, EPS), rms_norm_reference(x, weight, EPS), 1e-6)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("case", ["rows", "one_row", "heads", "strided_heads"])
+def test_fused_add_rms_norm_interpreted(case, dtype):
+    torch.manual_seed(0)
+    x, residual = norm_inputs(case, dtype), norm_inputs(case, dtype)
+    weight = torch.randn(x.shape[-1], dtype=dtype)
+    normed, summed = kernels.fused_add_rms_norm_triton(x, residual, weight, EPS)
+    assert torch.equal(summed, residual + x)
+    assert_close(normed, rms_norm_reference(residual + x, weight, EPS), INTERPRETER_TOL[dtype])
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("shape", [(5, 2 * 40), (2, 3, 2 * 36)])
+def test_act_and_mul_interpreted(shape, activation, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 4).to(dtype)  # wide enough to reach the saturated ends of each activation
+    assert_close(kernels.act_and_mul_triton(x, activation), act_and_mul_reference(x, activation), INTERPRETER_TOL[dtype])
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [24, 16, 8], ids=["full", "partial16", "partial8"])
+def test_apply_rotary_interpreted(rotary_dim, interleaved, dtype):
+    torch.manual_seed(0)
+    q, k, _ = qkv_views(5, 4, 2, 24, dtype)
+    cos, sin = rope_table(torch.tensor([0, 1, 7, 30, 1000]), rotary_dim)
+    ours = kernels.apply_rotary_triton(q, k, cos, sin, interleaved)
+    reference = apply_rotary_reference(q, k, cos, sin, interleaved)
+    for mine, theirs in zip(ours, reference):
+        assert_close(mine, theirs, INTERPRETER_TOL[dtype])
+
+
+@interpreter
+def test_apply_rotary_any_table_interpreted():
+    # The neox kernel reads both halves of cos/sin, so it follows the reference on any table.
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 1, 16)
+    cos, sin = torch.randn(3, 16), torch.randn(3, 16)
+    for mine, theirs in zip(kernels.apply_rotary_triton(q, k, cos, sin), apply_rotary_reference(q, k, cos, sin)):
+        assert_close(mine, theirs, 1e-6)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+def test_write_kv_cache_interpreted(dtype):
+    torch.manual_seed(0)
+    k, v, k_cache, v_cache, slots = kv_cache_case(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_reference(k, v, expected_k, expected_v, slots)
+    kernels.write_kv_cache_triton(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@interpreter
+def test_write_kv_cache_head_dims_differ_interpreted():
+    # k and v may have different head dims (MLA without absorption: 192 vs 128).
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 2, 24), torch.randn(3, 2, 16)
+    k_cache, v_cache = torch.zeros(2, 4, 2, 24), torch.zeros(2, 4, 2, 16)
+    slots = torch.tensor([7, -1, 1], dtype=torch.int32)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_reference(k, v, expected_k, expected_v, slots)
+    kernels.write_kv_cache_triton(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_importing_ops_does_not_import_triton():
+    code = "import sys, ops_cuda; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the registered ops on CUDA tensors, eager and under CUDA-graph capture
+# ---------------------------------------------------------------------------------------------
+
+
+def as_tuple(outputs) -> tuple:
+    return () if outputs is None else outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def run_poisoned(op, *args):
+    """op(*args) on memory poisoned with NaN, so that an output element left unwritten reads NaN.
+
+    The op runs once to learn its outputs' sizes; NaN-filled blocks of those sizes are then freed
+    right before the second run, and PyTorch's caching allocator hands them to its torch.empty outputs.
+    """
+    outputs = op(*args)
+    poison = [torch.full_like(t, float("nan")) for t in as_tuple(outputs)]
+    del poison
+    return op(*args)
+
+
+def replay_in_graph(op, *args) -> tuple[torch.Tensor, ...]:
+    """Captures op(*args) in a CUDA graph, replays it twice, checks both replays agree; returns the outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and load the kernel outside the capture
+        op(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = as_tuple(op(*args))
+    graph.replay()
+    first = [t.clone() for t in outputs]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(first, outputs))
+    return outputs
+
+
+GPU_NORM_CASES = {
+    "rows": lambda dtype: torch.randn(37, 5120 + 72, dtype=dtype, device="cuda"),
+    "one_row": lambda dtype: torch.randn(1, 4096, dtype=dtype, device="cuda"),
+    "many_rows": lambda dtype: torch.randn(4099, 896, dtype=dtype, device="cuda"),
+    "odd_hidden": lambda dtype: torch.randn(5, 72, dtype=dtype, device="cuda"),
+    "strided_heads": lambda dtype: qkv_views(33, 32, 8, 128, dtype, "cuda")[1],
+}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_TOL)
+@pytest.mark.parametrize("case", GPU_NORM_CASES)
+def test_rms_norm_gpu(case, dtype):
+    torch.manual_seed(0)
+    x, residual = GPU_NORM_CASES[case](dtype), GPU_NORM_CASES[case](dtype)
+    weight = torch.randn(x.shape[-1], dtype=dtype, device="cuda")
+    assert_close(run_poisoned(rms_norm, x, weight, EPS), rms_norm_reference(x, weight, EPS), GPU_TOL[dtype])
+    normed, summed = run_poisoned(fused_add_rms_norm, x, residual, weight, EPS)
+    expected_normed, expected_summed = fused_add_rms_norm_reference(x, residual, weight, EPS)
+    assert torch.equal(summed, expected_summed)
+    assert_close(normed, expected_normed, GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_TOL)
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("shape", [(1, 2 * 14336), (300, 2 * 1000 + 2), (2, 3, 2 * 36)])
+def test_act_and_mul_gpu(shape, activation, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(shape, device="cuda") * 4).to(dtype)
+    assert_close(run_poisoned(act_and_mul, x, activation), act_and_mul_reference(x, activation), GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_TOL)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize(
+    "n, q_heads, kv_heads, head_dim, rotary_dim",
+    [(1, 32, 8, 128, 128), (4097, 32, 8, 128, 128), (37, 28, 4, 128, 64), (5, 16, 1, 64, 64), (9, 6, 2, 80, 32)],
+)
+def test_apply_rotary_gpu(n, q_heads, kv_heads, head_dim, rotary_dim, interleaved, dtype):
+    torch.manual_seed(0)
+    q, k, _ = qkv_views(n, q_heads, kv_heads, head_dim, dtype, "cuda")
+    cos, sin = rope_table(torch.randint(0, 32768, (n,), device="cuda"), rotary_dim)
+    ours = run_poisoned(apply_rotary, q, k, cos, sin, interleaved)
+    for mine, theirs in zip(ours, apply_rotary_reference(q, k, cos, sin, interleaved)):
+        assert_close(mine, theirs, GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_TOL)
+def test_write_kv_cache_gpu(dtype):
+    torch.manual_seed(0)
+    n, kv_heads, head_dim, block_size, num_blocks = 300, 8, 128, 16, 64
+    _, k, v = qkv_views(n, 32, kv_heads, head_dim, dtype, "cuda")
+    # NaN caches: a slot the kernel misses, or a padding token it writes, shows against the reference.
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    v_cache = k_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:n]
+    slots[::7] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_reference(k, v, expected_k, expected_v, slots)
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+
+
+def gpu_op_cases() -> dict:
+    """name -> (op, reference, args): one bf16 call of each op, shaped like a decode batch of 33."""
+    q, k, v = qkv_views(33, 32, 8, 128, torch.bfloat16, "cuda")
+    x = torch.randn(33, 4096, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(4096, dtype=torch.bfloat16, device="cuda")
+    cos, sin = rope_table(torch.arange(33, device="cuda"), 64)
+    k_cache, v_cache = torch.zeros(2, 8, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(33, device="cuda")
+    slots[-3:] = -1  # padding rows of a captured batch
+    return {
+        "rms_norm": (rms_norm, rms_norm_reference, (x, weight, EPS)),
+        "qk_norm": (rms_norm, rms_norm_reference, (q, weight[:128], EPS)),
+        "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_reference, (x, x * 0.5, weight, EPS)),
+        "act_and_mul": (act_and_mul, act_and_mul_reference, (x, "silu")),
+        "apply_rotary": (apply_rotary, apply_rotary_reference, (q, k, cos, sin, False)),
+        "apply_rotary_interleaved": (apply_rotary, apply_rotary_reference, (q, k, cos, sin, True)),
+        "write_kv_cache": (write_kv_cache, write_kv_cache_reference, (k, v, k_cache, v_cache, slots)),
+    }
+
+
+OP_CASES = ["rms_norm", "qk_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "apply_rotary_interleaved", "write_kv_cache"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", OP_CASES)
+def test_ops_in_cuda_graph(name):
+    torch.manual_seed(0)
+    op, reference, args = gpu_op_cases()[name]
+    if op is write_kv_cache:  # compare the caches it wrote in place
+        k, v, k_cache, v_cache, slots = args
+        expected_k, expected_v = k_cache.clone(), v_cache.clone()
+        reference(k, v, expected_k, expected_v, slots)
+        replay_in_graph(op, *args)
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+        return
+    for mine, theirs in zip(replay_in_graph(op, *args), as_tuple(reference(*args))):
+        assert_close(mine, theirs, GPU_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", OP_CASES)
+def test_fake_kernels_match_cuda_kernels(name):
+    # torch.compile traces with the fake kernels: they must give the CUDA kernels' shapes, dtypes and strides.
+    op, _, args = gpu_op_cases()[name]
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
