@@ -77,7 +77,8 @@ def bench_decode(batch: int, seq_len: int, iters: int) -> dict:
     ms = {
         "triton": device_ms(lambda: paged_decode_attention(*args), iters),
         "torch": device_ms(lambda: paged_decode_attention_reference(*args), iters),
-        "sdpa": device_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True), iters),
+        "sdpa": device_ms(lambda: F.scaled_dot_product_attention(
+            q[:, :, None], keys, values, scale=scale, enable_gqa=True), iters),
     }
     kv_bytes = 2 * batch * seq_len * NUM_KV_HEADS * HEAD_DIM * keys.element_size()
     return {"batch": batch, "seq_len": seq_len, "us": {k: v * 1e3 for k, v in ms.items()},
@@ -96,10 +97,12 @@ def bench_prefill(batch: int, seq_len: int, iters: int) -> dict:
     args = (flat_q, flat_k, flat_v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_len, scale, 0)
     ms = {
         "triton": device_ms(lambda: paged_prefill_attention(*args), iters),
-        "sdpa": device_ms(lambda: F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True), iters),
+        "sdpa": device_ms(lambda: F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=True), iters),
     }
     flops = 2 * batch * NUM_HEADS * HEAD_DIM * seq_len * seq_len  # causal half of 4 * T^2 * H * D
-    return {"batch": batch, "seq_len": seq_len, "ms": ms, "tflop_s": {k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()}}
+    return {"batch": batch, "seq_len": seq_len, "ms": ms,
+            "tflop_s": {k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()}}
 
 
 def markdown(decode: list[dict], prefill: list[dict], header: str) -> str:
@@ -130,7 +133,8 @@ def main():
     prefill = [bench_prefill(b, 4096, args.iters) for b in (1, 4)]
     device = torch.cuda.get_device_name()
     header = (f"Attention kernels, Llama-3.1-8B shape (Hq {NUM_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, bf16, "
-              f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, torch {torch.__version__}, triton {triton.__version__}")
+              f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "
+              f"torch {torch.__version__}, triton {triton.__version__}")
     print(markdown(decode, prefill, header))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "date": str(datetime.date.today()),

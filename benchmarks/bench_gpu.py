@@ -8,7 +8,8 @@ decode         batch-1 decode latency, Llama-3.1-8B shape (random bf16 weights),
                measured here with a device-to-device copy).
 throughput     nano-vllm's workload: Qwen3-0.6B shape, 256 requests of random tokens, input and
                output lengths U[100, 1024], EOS ignored: output tokens/s, zoo vs HF generate_batch.
-throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requests as --requests.
+throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requests as the KV cache
+               holds at once (at most --requests-8b).
 prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
                peak measured here.
 """
@@ -156,12 +157,16 @@ def zoo_8b():
     return model_from_hf(random_hf(LLAMA_8B))
 
 
-def throughput_8b(results, requests):
+def throughput_8b(results, max_requests):
+    """As many 1000/1000 requests as the KV cache holds at once: all run concurrently, none is preempted."""
     model = zoo_8b()
     torch.cuda.empty_cache()
+    llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=8192)
+    blocks = llm.engine.block_manager.num_blocks
+    requests = min(max_requests, blocks // llm.engine.block_manager.blocks_needed(2000))
+    llm.engine.scheduler.max_num_seqs = requests
     prompts = workload(requests, 1000, 1000, LLAMA_8B["vocab_size"])[0]
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
-    llm = LLM(model, max_num_seqs=min(requests, 512), max_model_len=2048, max_num_batched_tokens=8192)
     llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -169,7 +174,6 @@ def throughput_8b(results, requests):
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    blocks = llm.engine.block_manager.num_blocks
     results["throughput_8b"] = dict(tokens_per_s=tokens / seconds, requests=requests, seconds=seconds,
                                     kv_blocks=blocks, preemptions=llm.engine.scheduler.num_preemptions)
     print(f"throughput 8B 1000/1000: {tokens / seconds:.0f} output tok/s ({requests} requests, {seconds:.1f} s, "
@@ -201,7 +205,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="all", choices=["all", "decode", "throughput", "throughput-8b", "prefill"])
     parser.add_argument("--hf-requests", type=int, default=256, help="requests HF generate_batch runs (throughput)")
-    parser.add_argument("--requests-8b", type=int, default=512)
+    parser.add_argument("--requests-8b", type=int, default=512, help="at most this many (throughput-8b)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

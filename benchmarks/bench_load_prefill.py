@@ -8,7 +8,8 @@ Rows of the table (float32 on the CPU throughout):
                                             written once with HF ``save_pretrained`` into --workdir
                                             (default: <system temp dir>/zoo-bench) and reused after
   c. prefill 512 tokens, batch 1            zoo ``m(ids)`` vs HF ``hf(input_ids=ids, use_cache=False).logits``
-                                            on the SmolLM2 model, under ``torch.inference_mode()``
+                                            on the SmolLM2 model, random token ids (seed 0), under
+                                            ``torch.inference_mode()``
 
 How it is measured:
 
@@ -22,9 +23,10 @@ How it is measured:
   user waits for. The same subprocess then loads the checkpoint a second time: the "loaded again"
   row, the loader's own work without any one-off cost. zoo and HF subprocesses alternate; each row
   is the median over --load-repeats subprocesses.
-  Note on the safetensors rows: HF returns parameters backed by a (copy-on-write) memory map of
-  the file, so the pages are read on first use, after its timer; zoo copies every weight into its
-  own storage (fusing q/k/v and gate/up) inside its timer.
+  Note on the safetensors rows: parameters that are one checkpoint tensor as stored come back as
+  copy-on-write memory maps of the file on both sides, read on first use, after the timer. HF's
+  Llama has only such parameters; zoo copies its fused q/k/v and gate/up weights (about half of
+  this checkpoint's bytes) into its own storage inside its timer.
 * Prefill: one subprocess loads both models (untimed), runs each forward once as a warm-up, then
   times --repeats forwards of each, zoo and HF alternating, and reports each side's median. The
   max abs difference of the two sides' logits is printed under the table.
@@ -272,8 +274,8 @@ def main():
     print(f"\nloads: median of {args.load_repeats} fresh subprocesses per side, timing only from_pretrained "
           f"(torch/transformers/zoo imported beforehand, OS file cache warm); 'first' includes the lazy imports "
           f"and one-off set-up a library does on its first load, 'again' is a second load in the same process")
-    print("safetensors: HF's parameters are copy-on-write memory maps of the file, read on first use after its "
-          "timer; zoo copies (and fuses) every weight into its own storage inside its timer")
+    print("safetensors: unfused parameters are copy-on-write memory maps of the file on both sides (read on first "
+          "use, after the timer); zoo also copies its fused q/k/v and gate/up weights inside its timer")
     print(f"prefill: logits max |zoo - HF| = {rows[-1]['max_abs_diff_logits']:.2e}")
 
     if args.json:

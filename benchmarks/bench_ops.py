@@ -58,7 +58,8 @@ def cases(dtype):
     qkv = randn(8192, (32 + 2 * 8) * 128)
     q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
     q, k = q.view(8192, 32, 128), k.view(8192, 8, 128)
-    yield "rms_norm (q-norm)", "[8192, 32, 128] strided", rms_norm, rms_norm_reference, (q, randn(128), EPS), 2 * q.numel() * size
+    yield ("rms_norm (q-norm)", "[8192, 32, 128] strided", rms_norm, rms_norm_reference,
+           (q, randn(128), EPS), 2 * q.numel() * size)
 
     cos, sin = rope_table(8192, 128)
     for interleaved in (False, True):
@@ -70,11 +71,12 @@ def cases(dtype):
 
     for n in (4096, 1):
         x = randn(n, 2 * 14336)
-        yield "act_and_mul (silu)", f"[{n}, 2 x 14336]", act_and_mul, act_and_mul_reference, (x, "silu"), 3 * n * 14336 * size
+        yield ("act_and_mul (silu)", f"[{n}, 2 x 14336]", act_and_mul, act_and_mul_reference,
+               (x, "silu"), 3 * n * 14336 * size)
 
     n, heads, head_dim, block_size = 8192, 8, 128, 16
     k, v = randn(n, heads, head_dim), randn(n, heads, head_dim)
-    k_cache, v_cache = (torch.zeros(n // block_size + 1, block_size, heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    k_cache, v_cache = torch.zeros(2, n // block_size + 1, block_size, heads, head_dim, dtype=dtype, device="cuda")
     slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda")[:n]
     yield ("write_kv_cache", f"{n} tokens x {heads} x {head_dim}", write_kv_cache, write_kv_cache_reference,
            (k, v, k_cache, v_cache, slots), 4 * k.numel() * size + slots.numel() * 8)
@@ -116,7 +118,8 @@ def main():
 
     print(f"zoo ops vs PyTorch reference, {args.dtype}, {datetime.date.today().isoformat()}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n")
-    print("| op | shape | zoo µs | zoo GB/s | torch µs | torch GB/s | speedup | zoo µs in graph | torch µs in graph | max abs diff |")
+    print("| op | shape | zoo µs | zoo GB/s | torch µs | torch GB/s | speedup "
+          "| zoo µs in graph | torch µs in graph | max abs diff |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['op']} | {r['shape']} | {r['zoo_us']:.1f} | {r['zoo_gbps']:.0f} | {r['torch_us']:.1f} | "

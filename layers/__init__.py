@@ -1,6 +1,12 @@
 """Shared building blocks of zoo's models. Nothing here imports models, loaders or runtime."""
 
-from layers.attention import Attention, AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend, select_backend
+from layers.attention import (
+    Attention,
+    AttentionMetadata,
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+    select_backend,
+)
 from layers.embedding import LMHead, VocabEmbedding
 from layers.linear import Linear, MergedLinear
 from layers.mlp import GatedMLP
@@ -11,6 +17,6 @@ from layers.weights import OneOf, Shard
 
 __all__ = [
     "Attention", "AttentionMetadata", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "RMSNorm",
-    "OneOf", "RotaryEmbedding", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend", "TritonAttentionBackend", "VocabEmbedding",
-    "rope_parameters", "select_backend",
+    "OneOf", "RotaryEmbedding", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
+    "TritonAttentionBackend", "VocabEmbedding", "rope_parameters", "select_backend",
 ]

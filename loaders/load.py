@@ -1,7 +1,10 @@
 """The one generic loader: build the model on the meta device, check the checkpoint against the
-model's declarations, materialise every parameter once in the target dtype/device, fill it."""
+model's declarations, materialise every parameter once in the target dtype/device, fill it.
+A checkpoint tensor that already is a whole parameter in the target dtype on the CPU becomes that
+parameter as read, with no copy (``keepable``)."""
 
 import re
+from collections import Counter
 
 import torch
 from torch import nn
@@ -26,8 +29,10 @@ def load_model(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu"
         model = model_class(config)
     checkpoint = open_checkpoint(source, config)
     plan = plan_loading(model, checkpoint)
-    materialize(model, dtype, torch.device(device))
-    fill(model, checkpoint, plan, progress)
+    device = torch.device(device)
+    kept = keepable(checkpoint, plan, dtype, device)
+    materialize(model, dtype, device, skip={plan[name][0] for name in kept})
+    fill(model, checkpoint, plan, progress, keep=kept)
     return model.eval()
 
 
@@ -127,12 +132,35 @@ def _listing(title: str, names: list[str], checkpoint: dict[str, TensorRef] | No
     return f"{title}: {', '.join(shown)}{more}"
 
 
-def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace every meta parameter by uninitialised storage, once per shared parameter; move
-    computed buffers (they were built on the CPU) to the device."""
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def keepable(checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], dtype, device) -> set[str]:
+    """The checkpoint tensors ``fill`` keeps as their parameter instead of copying them: each fills
+    a whole parameter alone (not a shard of a fused or stacked one), is stored in the target dtype,
+    and the target is the CPU. A safetensors tensor kept this way is a copy-on-write map of its
+    file, read on first use (as HuggingFace's loader does): the file must not be overwritten in
+    place while the model lives."""
+    if device.type != "cpu":
+        return set()
+    shards = Counter(param_name for param_name, _ in targets.values())
+    return {
+        name for name, (param_name, index) in targets.items()
+        if index == () and shards[param_name] == 1 and name in checkpoint
+        and _TORCH_DTYPES.get(checkpoint[name].dtype) == dtype
+    }
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip: set[str] = frozenset()) -> None:
+    """Replace every meta parameter by uninitialised storage, once per shared parameter, except the
+    parameters named in ``skip`` (``fill`` gives them the checkpoint's tensor); move computed
+    buffers (they were built on the CPU) to the device."""
     replaced: dict[int, nn.Parameter] = {}
+    skipped = {id(model.get_parameter(name)) for name in skip}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) in skipped:
+                continue
             if id(param) not in replaced:
                 replaced[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
             setattr(module, name, replaced[id(param)])
@@ -141,12 +169,39 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
 
 
 @torch.no_grad()
-def fill(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], progress=None):
+def fill(
+    model: nn.Module,
+    checkpoint: dict[str, TensorRef],
+    targets: dict[str, tuple[str, tuple]],
+    progress=None,
+    keep: set[str] = frozenset(),
+):
+    """Copy every checkpoint tensor into its place; a tensor named in ``keep`` (see ``keepable``)
+    becomes its parameter as read, in every module that shares that parameter."""
     names = [name for name in checkpoint if name in targets]
     total = sum(checkpoint[name].nbytes for name in names)
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
+    holders = _holders(model) if keep else {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show) as bar:
         for name in names:
             param_name, index = targets[name]
-            model.get_parameter(param_name)[index].copy_(checkpoint[name].load())
+            if name in keep:
+                ref = checkpoint[name]
+                tensor = ref.load().to(_TORCH_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
+                if tuple(tensor.shape) != ref.shape:
+                    raise CheckpointError(f"tensor {name!r} in {ref.file}: read with shape {tuple(tensor.shape)}, declared {ref.shape}")
+                kept = nn.Parameter(tensor, requires_grad=False)
+                for module, local_name in holders[id(model.get_parameter(param_name))]:
+                    setattr(module, local_name, kept)
+            else:
+                model.get_parameter(param_name)[index].copy_(checkpoint[name].load())
             bar.update(checkpoint[name].nbytes)
+
+
+def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every (module, attribute name) that holds it (two for a tied embedding)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for local_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(param), []).append((module, local_name))
+    return holders

@@ -2,7 +2,9 @@
 
 Each op is a ``torch.library`` custom op in the ``zoo`` namespace. Its default kernel is a
 pure-PyTorch reference (used on CPU and as the test oracle); GPU kernels register for the
-``cuda`` dispatch key on top of it.
+``cuda`` dispatch key on top of it. The Triton kernels of the elementwise ops (norms, rotary,
+gated activations, KV-cache write) live in ``ops_cuda.triton_kernels``, imported only when a CUDA
+kernel first runs: ``import ops_cuda`` never imports triton.
 """
 
 from ops_cuda.activation import ACTIVATIONS, act_and_mul

@@ -48,7 +48,8 @@ def fused_add_rms_norm(
 @fused_add_rms_norm.register_fake
 def _(x, residual, weight, eps):
     summed_dtype = torch.promote_types(x.dtype, residual.dtype)
-    return x.new_empty(x.shape, dtype=torch.promote_types(summed_dtype, weight.dtype)), x.new_empty(x.shape, dtype=summed_dtype)
+    normed_dtype = torch.promote_types(summed_dtype, weight.dtype)
+    return x.new_empty(x.shape, dtype=normed_dtype), x.new_empty(x.shape, dtype=summed_dtype)
 
 
 @fused_add_rms_norm.register_kernel("cuda")

@@ -7,8 +7,8 @@ only inside its CUDA kernels: ``import ops_cuda`` never needs triton.
 Keys and values are read from the paged cache a row at a time through the block table, so any
 block size works and a key tile may span several blocks. Scores and the softmax are float32 and
 use exp2 (the scale carries the log2(e) factor). Float32 inputs multiply in full float32
-(``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers depend on shapes only, never on data: both ops can be
-captured in a CUDA graph.
+(``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers
+depend on shapes only, never on data: both ops can be captured in a CUDA graph.
 """
 
 import functools
@@ -22,7 +22,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
 NO_WINDOW = 1 << 30
-# Scores start at this floor rather than -inf so a row that sees no key in a tile stays finite.
+# The running max starts here, not at -inf: a row that has seen no visible key yet then rescales
+# by exp2(0) rather than exp2(-inf - -inf) = NaN.
 SCORE_FLOOR = tl.constexpr(-1.0e30)
 # A decode split below this many keys costs more (its q load and partial write) than it saves.
 MIN_SPLIT_KEYS = 64
@@ -210,16 +211,31 @@ def _dot_precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # the default; only float32 inputs read it
 
 
-def _tiles(q: torch.Tensor) -> tuple[int, int, int]:
-    # (query tile rows, key tile rows, head-dim block). Key tiles of at most 16 KiB keep K and V
-    # double-buffered in shared memory for every head size; 128-query tiles where Q fits beside
-    # them (half types up to D=128). The interpreter (CPU tensors) gets small tiles, so the tests'
-    # short sequences still cross tile boundaries.
+# Tile shapes. The interpreter (CPU tensors) gets small tiles so the tests' short sequences still
+# cross tile boundaries. On the GPU, half types multiply on tensor cores: key tiles of at most
+# 16 KiB keep K and V double-buffered in shared memory. Float32 ("ieee") dots run on FMA units
+# with their operands in registers: smaller tiles, chosen so no head size up to 256 spills.
+
+
+def _decode_tiles(q: torch.Tensor) -> tuple[int, int]:
+    """(key tile rows, head-dim block) of the decode kernel."""
+    block_d = triton.next_power_of_2(q.shape[-1])
+    if not q.is_cuda or q.dtype == torch.float32:
+        return 16, block_d
+    return max(16, min(64, 16384 // (block_d * q.element_size()))), block_d
+
+
+def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
+    """(query tile rows, key tile rows, head-dim block, warps) of the prefill kernel."""
     block_d = triton.next_power_of_2(q.shape[-1])
     if not q.is_cuda:
-        return 16, 16, block_d
+        return 16, 16, block_d, 4
+    if q.dtype == torch.float32:
+        return 32, (32 if block_d <= 128 else 16), block_d, 8
     row_bytes = block_d * q.element_size()
-    return (128 if row_bytes <= 256 else 64), max(16, min(64, 16384 // row_bytes)), block_d
+    if row_bytes <= 256:  # up to D=128: 128-query tiles fit beside the key tiles
+        return 128, 64, block_d, 8
+    return 64, max(16, 16384 // row_bytes), block_d, 4
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
@@ -232,14 +248,14 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
-    _, block_n, block_d = _tiles(q)
+    block_n, block_d = _decode_tiles(q)
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         scale * math.log2(math.e), sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q),
@@ -259,14 +275,14 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, 
     _check("paged_prefill_attention", q, k_cache, v_cache, out, block_tables)
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    block_m, block_n, block_d = _tiles(q)
+    block_m, block_n, block_d, num_warps = _prefill_tiles(q)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * math.log2(math.e), sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q),
-        num_warps=8 if block_m == 128 else 4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )

@@ -12,7 +12,9 @@ def check_rotary_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
         )
     if rotary_dim % 2 or rotary_dim > min(q.shape[-1], k.shape[-1]):
-        raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim (q {q.shape[-1]}, k {k.shape[-1]})")
+        raise ValueError(
+            f"rotary_dim {rotary_dim} must be even and at most head_dim (q {q.shape[-1]}, k {k.shape[-1]})"
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

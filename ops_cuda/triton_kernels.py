@@ -20,7 +20,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _check_dtype(op: str, *tensors: torch.Tensor) -> None:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
-        raise TypeError(f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for all inputs, got {sorted(map(str, dtypes))}")
+        raise TypeError(
+            f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for all inputs, got {sorted(map(str, dtypes))}"
+        )
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -220,10 +222,12 @@ def _rotary_kernel(
     else:
         cos2 = tl.load(cos_ptr + token * cos_stride + half + i, mask=mask, other=0.0).to(tl.float32)
         sin2 = tl.load(sin_ptr + token * sin_stride + half + i, mask=mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, h, q_heads, q_dim, rotary_dim, q_stride_t, q_stride_h, qo_stride_t, qo_stride_h,
-                  cos1, sin1, cos2, sin2, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
-    _rotate_heads(k_ptr, k_out_ptr, token, h, k_heads, k_dim, rotary_dim, k_stride_t, k_stride_h, ko_stride_t, ko_stride_h,
-                  cos1, sin1, cos2, sin2, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+    _rotate_heads(q_ptr, q_out_ptr, token, h, q_heads, q_dim, rotary_dim,
+                  q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, cos1, sin1, cos2, sin2,
+                  INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+    _rotate_heads(k_ptr, k_out_ptr, token, h, k_heads, k_dim, rotary_dim,
+                  k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, cos1, sin1, cos2, sin2,
+                  INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
 
 
 def apply_rotary_triton(
@@ -294,7 +298,9 @@ def write_kv_cache_triton(
 ) -> None:
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:  # written in place: no copy can stand in for it
-            raise ValueError(f"zoo::write_kv_cache needs {name} with a unit stride on its last dim, got strides {cache.stride()}")
+            raise ValueError(
+                f"zoo::write_kv_cache needs {name} with a unit stride on its last dim, got strides {cache.stride()}"
+            )
     k, v, slot_mapping = _unit_stride(k), _unit_stride(v), slot_mapping.contiguous()
     num_heads = k.shape[1]
     block_h = triton.next_power_of_2(num_heads)

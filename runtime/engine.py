@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from layers import Attention
+from layers.attention import select_backend
 from runtime.block_manager import BlockManager
 from runtime.model_runner import KVCache, ModelRunner
 from runtime.sampler import sample
@@ -38,7 +40,7 @@ class Engine:
     def __init__(self, model, tokenizer, generation_eos: list[int], *, max_num_seqs: int, max_model_len: int,
                  block_size: int, num_blocks: int | None, kv_cache_gib: float | None, gpu_memory_utilization: float,
                  max_num_batched_tokens: int | None, enable_chunked_prefill: bool, enable_prefix_caching: bool,
-                 use_cuda_graphs: bool):
+                 attention_backend: str | None, enforce_eager: bool):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = set(generation_eos)
@@ -50,11 +52,19 @@ class Engine:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
             )
-        dtype = next(model.parameters()).dtype
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        backend = select_backend(attention_backend, device)
+        for layer in model.modules():
+            if isinstance(layer, Attention):
+                layer.backend = backend
+        # Graphs capture the decode step: it must not sync with the host (the triton backend does
+        # not; the reference backend and dynamic rope do).
+        use_cuda_graphs = (device.type == "cuda" and not enforce_eager and backend.name == "triton"
+                           and model.model.rotary_emb.rope_type != "dynamic")
         if num_blocks is None:
             num_blocks = self._blocks_for_budget(block_size, dtype, kv_cache_gib, gpu_memory_utilization,
                                                  max_num_seqs, max_num_batched_tokens)
-        self.kv_cache = KVCache(model, num_blocks, block_size, dtype, next(model.parameters()).device)
+        self.kv_cache = KVCache(model, num_blocks, block_size, dtype, device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         self.runner = ModelRunner(model, self.kv_cache, max_num_seqs, max_model_len, use_cuda_graphs)
@@ -97,7 +107,7 @@ class Engine:
             return output
         seq = Sequence(request_id, output.prompt_token_ids, params)
         seq.seed_generator(self.runner.device)
-        output.logprobs = seq.logprobs
+        output.token_ids, output.logprobs = seq.output_token_ids, seq.logprobs
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return output
@@ -144,7 +154,7 @@ class Engine:
             seq.num_computed_tokens += count
             self.block_manager.cache_full_blocks(seq)
         for seq, token in zip(sampling, sample(logits, sampling)):
-            seq.token_ids.append(token)
+            seq.append(token)
             self._check_stop(seq, token)
             if seq.status == Status.FINISHED:
                 self.scheduler.finish(seq)
@@ -153,29 +163,39 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        output = self.outputs[seq.request_id]
-        output.token_ids = seq.output_token_ids
-        previous_length = len(output.text)
-        if self.tokenizer is not None:
-            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish("stop")
-            return
-        for stop in params.stop:
+        elif params.stop and self._cut_at_stop_string(seq):
+            seq.finish("stop")
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        output = self.outputs[seq.request_id]
+        previous_length = len(output.text)
+        output.text = self.decode(seq.output_token_ids)
+        for stop in seq.params.stop:
             # Only text this token added can complete a stop string.
             start = output.text.find(stop, max(0, previous_length - len(stop) + 1))
             if start >= 0:
                 output.text = output.text[:start]
-                seq.finish("stop")
-                return
-        if len(output.token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish("length")
+                return True
+        return False
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def refresh_text(self, output: RequestOutput) -> None:
+        """Decode a running request's text so far (streaming); finished ones have theirs."""
+        if not output.finished:
+            output.text = self.decode(output.token_ids)
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         output = self.outputs[seq.request_id]
-        output.token_ids = seq.output_token_ids
         output.num_cached_tokens = seq.num_cached_tokens
         if seq.status == Status.FINISHED:
+            if not (seq.finish_reason == "stop" and seq.params.stop):  # else the stop string already cut it
+                output.text = self.decode(seq.output_token_ids)
             output.finish_reason, output.error = seq.finish_reason, seq.error
             del self.sequences[seq.request_id]
         return output

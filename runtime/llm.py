@@ -58,14 +58,15 @@ class LLM:
     built (then without a tokenizer unless one is given; ``dtype``/``device`` are the model's). The KV cache has
     ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_gib`` holds (CPU;
     default 1 GiB) or, on CUDA, as fit in ``gpu_memory_utilization`` of the device after a
-    profiling forward. On CUDA, decode steps replay CUDA graphs unless ``enforce_eager``.
+    profiling forward. ``attention_backend``: "torch" (the reference) or "triton" (the default on
+    CUDA). With the triton backend, decode steps replay CUDA graphs unless ``enforce_eager``.
     """
 
     def __init__(self, model, dtype="float32", device=None, *, max_num_seqs: int = 64, max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, enforce_eager: bool = False,
-                 tokenizer=None):
+                 attention_backend: str | None = None, tokenizer=None):
         from models import AutoModelForCausalLM, CausalLM
 
         if isinstance(model, CausalLM):
@@ -84,7 +85,7 @@ class LLM:
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
             gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
-            use_cuda_graphs=torch.device(device).type == "cuda" and not enforce_eager,
+            attention_backend=attention_backend, enforce_eager=enforce_eager,
         )
         self._next_id = 0
 
@@ -127,6 +128,7 @@ class LLM:
                 yield StreamDelta(index_of[output.request_id], [], "", output.finish_reason, output.error)
         while self.engine.has_unfinished():
             for output in self.engine.step():
+                self.engine.refresh_text(output)
                 rid = output.request_id
                 text = output.text if output.finished else _settled(output.text)
                 yield StreamDelta(index_of[rid], output.token_ids[sent_tokens[rid]:], text[sent_text[rid]:],

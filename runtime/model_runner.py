@@ -1,6 +1,7 @@
 """Runs the model on a scheduled step: the KV cache pools, the flat batch and its metadata, and
 the CUDA graphs that replay decode steps."""
 
+import numpy as np
 import torch
 
 from layers import Attention, AttentionMetadata
@@ -45,7 +46,9 @@ class StepInputs:
                 self.logits_rows.append(len(self.input_ids) - 1)
                 self.sampled.append(seq)
         # One fixed table width for every step: kernels see the same shapes eagerly and in graphs.
-        self.block_tables = [seq.block_table + [0] * (table_width - len(seq.block_table)) for seq, _ in scheduled]
+        self.block_tables = np.zeros((len(scheduled), table_width), dtype=np.int32)
+        for row, (seq, _) in zip(self.block_tables, scheduled):
+            row[: len(seq.block_table)] = seq.block_table
         self.seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens)]
         self.num_decodes = sum(1 for item in scheduled if is_decode(*item))
 
@@ -62,7 +65,7 @@ class StepInputs:
             starts.append(starts[-1] + count)
         metadata = AttentionMetadata(
             query_lens=self.query_lens, context_lens=self.context_lens, slot_mapping=tensor(self.slots),
-            block_tables=tensor(self.block_tables, torch.int32), num_decodes=self.num_decodes,
+            block_tables=torch.from_numpy(self.block_tables).to(device), num_decodes=self.num_decodes,
             seq_lens=tensor(self.seq_lens, torch.int32), query_start_loc=tensor(starts, torch.int32),
         )
         return tensor(self.input_ids), tensor(self.positions), metadata, tensor(self.logits_rows)
@@ -125,7 +128,7 @@ class DecodeGraphs:
         self.positions[:size].copy_(torch.tensor(step.positions + [0] * pad), non_blocking=True)
         self.slots[:size].copy_(torch.tensor(step.slots + [-1] * pad), non_blocking=True)
         self.seq_lens[:size].copy_(torch.tensor(step.seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n].copy_(torch.tensor(step.block_tables, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:n].copy_(torch.from_numpy(step.block_tables), non_blocking=True)
         self.graphs[size].replay()
         return self.logits[size][:n]
 

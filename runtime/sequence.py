@@ -20,6 +20,7 @@ class Sequence:
         self.request_id = request_id
         self.params = params
         self.token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []  # the generated ids; the request's output shares this list
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.num_cached_tokens = 0  # of those, how many the prefix cache supplied at admission
@@ -43,9 +44,9 @@ class Sequence:
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = Status.FINISHED

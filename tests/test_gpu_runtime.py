@@ -22,20 +22,31 @@ SMALL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidde
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.02)
 
 
+def top1_and_kl(ours, theirs):
+    ours, theirs = ours.float(), theirs.float()
+    agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), theirs.log_softmax(-1), log_target=True, reduction="none")
+    return agreement, kl.sum(-1).mean().item()
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_bf16_top1_agrees_with_hf(model_type):
+    """256 teacher-forced positions. HF-initialised random weights leave the logits nearly tied, so
+    bf16 rounding flips some argmaxes in HF itself: its eager and sdpa paths agree on ~98% (run
+    benchmarks/bf16_agreement.py). zoo must agree with HF as well as HF agrees with itself."""
     reference = random_hf(tiny_config(model_type, **SMALL))
     model = model_from_hf(reference)
     torch.manual_seed(1)
-    input_ids = torch.randint(0, 4096, (2, 128), device="cuda")  # 256 teacher-forced positions
+    input_ids = torch.randint(0, 4096, (2, 128), device="cuda")
     with torch.no_grad():
-        ours, theirs = model(input_ids).float(), reference(input_ids).logits.float()
-    agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), theirs.log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item() / input_ids.shape[1]
-    print(f"{model_type}: top-1 agreement {agreement:.4f}, KL {kl:.2e}")
-    assert agreement >= 0.99
-    assert kl < 1e-3
+        reference.config._attn_implementation = "eager"
+        eager = reference(input_ids).logits
+        reference.config._attn_implementation = "sdpa"
+        agreement, kl = top1_and_kl(model(input_ids), reference(input_ids).logits)
+        floor, floor_kl = top1_and_kl(eager, reference(input_ids).logits)
+    print(f"{model_type}: zoo vs HF top-1 {agreement:.4f} KL {kl:.2e}; HF eager vs sdpa {floor:.4f} KL {floor_kl:.2e}")
+    assert agreement >= floor - 0.01
+    assert kl <= 2 * floor_kl
 
 
 def test_runtime_bf16_matches_hf_generate_mostly():

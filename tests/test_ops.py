@@ -129,6 +129,7 @@ def fake_kernel_cases():
     q = torch.randn(5, 8 * 24)[:, : 4 * 24].view(5, 4, 24)  # a strided view, as from a qkv split
     k = torch.randn(5, 2, 24)
     cos, sin = rope_table(torch.arange(5), 16)
+    caches, slots = torch.zeros(2, 2, 4, 2, 24), torch.tensor([0, 3, -1, 7, 5])
     return {
         "rms_norm": (rms_norm, (x, weight, 1e-6)),
         "rms_norm_heads": (rms_norm, (q, torch.randn(24), 1e-6)),
@@ -136,7 +137,7 @@ def fake_kernel_cases():
         "act_and_mul": (act_and_mul, (x, "silu")),
         "apply_rotary": (apply_rotary, (q, k, cos, sin)),
         "apply_rotary_interleaved": (apply_rotary, (q, k, cos, sin, True)),
-        "write_kv_cache": (write_kv_cache, (k, k.clone(), torch.zeros(2, 4, 2, 24), torch.zeros(2, 4, 2, 24), torch.tensor([0, 3, -1, 7, 5]))),
+        "write_kv_cache": (write_kv_cache, (k, k.clone(), caches[0], caches[1], slots)),
     }
 
 

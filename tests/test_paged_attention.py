@@ -21,8 +21,14 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():  # the interpreter is chosen when a kernel is defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from layers import Attention, AttentionMetadata  # noqa: E402
-from layers.attention import TorchAttentionBackend, TritonAttentionBackend, select_backend  # noqa: E402
+from layers import (  # noqa: E402
+    Attention,
+    AttentionMetadata,
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+    select_backend,
+)
+from ops_cuda import paged_attention_triton  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
@@ -30,7 +36,6 @@ from ops_cuda.paged_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
-from ops_cuda import paged_attention_triton  # noqa: E402
 from ops_cuda.paged_attention_triton import (  # noqa: E402
     decode_num_splits,
     paged_decode_attention_triton,
@@ -75,7 +80,8 @@ class PagedBatch:
         ks, vs = [], []
         for i, n in enumerate(seq_lens):
             k, v = randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)
-            slots = self.block_tables[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n, device=device) % block_size
+            positions = torch.arange(n, device=device)
+            slots = self.block_tables[i, positions // block_size].long() * block_size + positions % block_size
             write_kv_cache_reference(k, v, self.k_cache, self.v_cache, slots)
             ks.append(k[context_lens[i]:])
             vs.append(v[context_lens[i]:])
@@ -87,21 +93,23 @@ class PagedBatch:
         self.query_lens, self.context_lens = query_lens, context_lens
         self.scale = head_dim**-0.5
 
-    def decode_args(self, sliding_window, q=None):
-        return (self.q if q is None else q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+    def decode_args(self, sliding_window):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
                 self.scale, sliding_window)
 
     def prefill_args(self, sliding_window):
         return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
                 self.query_start_loc, max(self.query_lens), self.scale, sliding_window)
 
-    def reference_decode(self, sliding_window):
-        args = [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in self.decode_args(sliding_window)]
-        return paged_decode_attention_reference(*args)
+    def reference_decode(self, sliding_window):  # in float32, from the same (rounded) inputs
+        return paged_decode_attention_reference(*_float32(self.decode_args(sliding_window)))
 
     def reference_prefill(self, sliding_window):
-        args = [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in self.prefill_args(sliding_window)]
-        return paged_prefill_attention_reference(*args)
+        return paged_prefill_attention_reference(*_float32(self.prefill_args(sliding_window)))
+
+
+def _float32(args):
+    return [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in args]
 
 
 def decode_batch(seq_lens, *shape, **kwargs):
@@ -172,12 +180,12 @@ def test_decode_reference_is_plain_attention():
 
 
 def test_ops_default_to_the_references_and_pass_opcheck():
-    batch = PagedBatch([0, 6], [5, 3], 4, 2, 16, 4, torch.float32)
-    assert torch.equal(paged_prefill_attention(*batch.prefill_args(3)), paged_prefill_attention_reference(*batch.prefill_args(3)))
-    torch.library.opcheck(paged_prefill_attention, batch.prefill_args(3))
-    batch = decode_batch([5, 0, 9], 4, 2, 16, 4, torch.float32)
-    assert torch.equal(paged_decode_attention(*batch.decode_args(0)), paged_decode_attention_reference(*batch.decode_args(0)))
-    torch.library.opcheck(paged_decode_attention, batch.decode_args(0))
+    args = PagedBatch([0, 6], [5, 3], 4, 2, 16, 4, torch.float32).prefill_args(3)
+    assert torch.equal(paged_prefill_attention(*args), paged_prefill_attention_reference(*args))
+    torch.library.opcheck(paged_prefill_attention, args)
+    args = decode_batch([5, 0, 9], 4, 2, 16, 4, torch.float32).decode_args(0)
+    assert torch.equal(paged_decode_attention(*args), paged_decode_attention_reference(*args))
+    torch.library.opcheck(paged_decode_attention, args)
 
 
 def test_num_splits_fill_the_gpu_from_shapes(monkeypatch):
@@ -199,12 +207,16 @@ def test_select_backend():
 
 def mixed_step(dtype, device="cpu", sliding_window=None):
     """A layer stub with a cache, and a flat step of two prefills (one after cached context) then
-    two decodes, with k/v of the new tokens not yet in the cache."""
+    two decodes, the new tokens' slots still NaN: the backend must write k/v before attending."""
     batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device)
     new = torch.cat([torch.arange(c, c + q) for c, q in zip(batch.context_lens, batch.query_lens)])
     seq = torch.repeat_interleave(torch.arange(4), torch.tensor(batch.query_lens))
     slots = batch.block_tables.cpu()[seq, new // 4].long() * 4 + new % 4
-    layer = types.SimpleNamespace(kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window)
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.flatten(0, 1)[slots.to(device)] = float("nan")
+    layer = types.SimpleNamespace(
+        kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window
+    )
     metadata = AttentionMetadata(
         query_lens=batch.query_lens, context_lens=batch.context_lens, slot_mapping=slots.to(device),
         block_tables=batch.block_tables, num_decodes=2, seq_lens=batch.seq_lens, query_start_loc=batch.query_start_loc,

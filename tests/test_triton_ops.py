@@ -54,20 +54,11 @@ def qkv_views(n: int, q_heads: int, kv_heads: int, head_dim: int, dtype, device=
     return q.view(n, q_heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
 
 
-def norm_inputs(case: str, dtype, device="cpu"):
+def norm_inputs(case: str, dtype):
     if case == "strided_heads":  # q-norm over head_dim on a view of a fused qkv
-        return qkv_views(5, 4, 2, 24, dtype, device)[0]
+        return qkv_views(5, 4, 2, 24, dtype)[0]
     shape = {"rows": (5, 72), "one_row": (1, 72), "heads": (5, 3, 24)}[case]
-    return torch.randn(shape, dtype=dtype, device=device)
-
-
-def kv_cache_case(dtype, device="cpu"):
-    # 6 tokens over a cache of 3 blocks of 4 slots; two padding tokens (slot -1); k and v as
-    # strided views of a fused qkv.
-    _, k, v = qkv_views(6, 4, 2, 24, dtype, device)
-    cache = torch.randn(3, 4, 2, 24, dtype=dtype, device=device)
-    slots = torch.tensor([0, 5, -1, 11, 2, -1], device=device)
-    return k, v, cache, cache.clone(), slots
+    return torch.randn(shape, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +134,11 @@ def test_apply_rotary_any_table_interpreted():
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 def test_write_kv_cache_interpreted(dtype):
     torch.manual_seed(0)
-    k, v, k_cache, v_cache, slots = kv_cache_case(dtype)
+    # 6 tokens over 3 blocks of 4 slots, two of them padding (slot -1); k/v strided views of a qkv.
+    _, k, v = qkv_views(6, 4, 2, 24, dtype)
+    k_cache = torch.randn(3, 4, 2, 24, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.tensor([0, 5, -1, 11, 2, -1])
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     write_kv_cache_reference(k, v, expected_k, expected_v, slots)
     kernels.write_kv_cache_triton(k, v, k_cache, v_cache, slots)
@@ -298,7 +293,9 @@ def gpu_op_cases() -> dict:
     }
 
 
-OP_CASES = ["rms_norm", "qk_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "apply_rotary_interleaved", "write_kv_cache"]
+OP_CASES = [
+    "rms_norm", "qk_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "apply_rotary_interleaved", "write_kv_cache",
+]
 
 
 @pytest.mark.gpu
