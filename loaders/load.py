@@ -30,7 +30,7 @@ def load_model(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu"
     checkpoint = open_checkpoint(source, config)
     plan = plan_loading(model, checkpoint)
     device = torch.device(device)
-    kept = keepable(checkpoint, plan, dtype, device)
+    kept = keepable(model, checkpoint, plan, dtype, device)
     materialize(model, dtype, device, skip={plan[name][0] for name in kept})
     fill(model, checkpoint, plan, progress, keep=kept)
     return model.eval()
@@ -135,12 +135,13 @@ def _listing(title: str, names: list[str], checkpoint: dict[str, TensorRef] | No
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def keepable(checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], dtype, device) -> set[str]:
+def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], dtype,
+             device) -> set[str]:
     """The checkpoint tensors ``fill`` keeps as their parameter instead of copying them: each fills
     a whole parameter alone (not a shard of a fused or stacked one), is stored in the target dtype,
-    and the target is the CPU. A safetensors tensor kept this way is a copy-on-write map of its
-    file, read on first use (as HuggingFace's loader does): the file must not be overwritten in
-    place while the model lives."""
+    the target is the CPU, and the owning module lays out no storage of its own (``empty_parameter``).
+    A safetensors tensor kept this way is a copy-on-write map of its file, read on first use (as
+    HuggingFace's loader does): the file must not be overwritten in place while the model lives."""
     if device.type != "cpu":
         return set()
     shards = Counter(param_name for param_name, _ in targets.values())
@@ -148,6 +149,7 @@ def keepable(checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tup
         name for name, (param_name, index) in targets.items()
         if index == () and shards[param_name] == 1 and name in checkpoint
         and _TORCH_DTYPES.get(checkpoint[name].dtype) == dtype
+        and not hasattr(model.get_submodule(param_name.rpartition(".")[0]), "empty_parameter")
     }
 
 
@@ -162,7 +164,9 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip
             if id(param) in skipped:
                 continue
             if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+                storage = (module.empty_parameter(name, dtype, device) if hasattr(module, "empty_parameter")
+                           else torch.empty(param.shape, dtype=dtype, device=device))
+                replaced[id(param)] = nn.Parameter(storage, requires_grad=False)
             setattr(module, name, replaced[id(param)])
         for name, buffer in module.named_buffers(recurse=False):
             setattr(module, name, buffer.to(device))

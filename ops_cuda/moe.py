@@ -3,6 +3,10 @@
 Experts are stacked as HuggingFace transformers 5 stores them: ``gate_up [E, 2 * I, H]`` (gate rows
 first, then up) and ``down [E, H, I]``. A token's output is the sum over its top-k experts of
 ``weight * down_e(act(gate_e(x)) * up_e(x))``.
+
+On CUDA the op runs grouped GEMMs (``ops_cuda/moe_cuda.py``): bf16 on sm90/sm100 with H and I multiples of
+8; other dtypes, devices and shapes run the reference below, whose grouped form reads the expert loads on
+the host and so under CUDA-graph capture switches to its dense form.
 """
 
 import torch
@@ -70,3 +74,16 @@ def moe_experts(
 @moe_experts.register_fake
 def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
     return torch.empty_like(hidden)
+
+
+@moe_experts.register_kernel("cuda")
+def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
+    # triton (and the grouped-GEMM path) are imported only where a kernel runs
+    from ops_cuda.moe_cuda import grouped_mm_supported, moe_experts_grouped_mm
+
+    if not grouped_mm_supported(hidden, gate_up, down):
+        # torch._grouped_mm's fast kernel is bf16-only (sm90/sm100) and needs 16-byte-aligned rows; for
+        # anything else it loops over the groups after copying the offsets to the host, which is what
+        # the reference does already (and the reference has a capturable dense form).
+        return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+    return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, gate_up, down, activation)

@@ -1,0 +1,295 @@
+"""Qwen3-30B-A3B-shaped MoE, random bf16 weights, one GPU: zoo against HF transformers and the roofline.
+
+One run, about 6 minutes on an H200, most of it HF's: its first static-cache generate compiles, and
+generate_batch takes ~1000 decode steps at HF's step time whatever --hf-requests is.
+
+    python3 benchmarks/bench_moe.py                         # decode + throughput, Markdown table at the end
+    python3 benchmarks/bench_moe.py --hf-decode none        # skip HF's static-cache generate (its first call compiles)
+    python3 benchmarks/bench_moe.py --json moe.json         # also write the figures
+
+decode      batch 1, 128-token prompt, 256 new tokens (greedy, EOS ignored): zoo (CUDA graphs) ms/token as
+            (time for 256 tokens - time for 1) / 255, against the active-weight roofline: the bytes of weight
+            one decode step reads (attention, norms, router, top-k of the experts per layer, lm_head, one
+            embedding row) over the HBM bandwidth measured here (4 GiB device-to-device copy). HF generate
+            with a static cache (auto-compiled by transformers) is timed the same way when it runs.
+throughput  1000 input / 1000 output tokens per request (random ids, EOS ignored): zoo's LLM with as many
+            requests as its KV cache holds at once (at most --requests), HF generate_batch (continuous
+            batching) on the first --hf-requests of them; output tokens per second.
+
+Memory (the model is ~61 GB in bf16): the random HF model is built on the GPU, converted with
+loaders.in_memory.model_from_hf and deleted for zoo's runs; it is rebuilt (same seed, same weights) for HF's.
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import hbm_bandwidth, sync_time, workload  # noqa: E402
+from loaders.in_memory import model_from_hf  # noqa: E402
+from runtime import LLM, SamplingParams  # noqa: E402
+
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+PROMPT_LEN, DECODE_TOKENS = 128, 256
+IN_LEN, OUT_LEN = 1000, 1000
+START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - START:6.0f} s] {message}", flush=True)
+
+
+def random_hf():
+    fields = dict(QWEN3_30B_A3B)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return model
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 30):.1f} GiB"
+
+
+def active_weight_bytes(model) -> tuple[int, int]:
+    """(bytes one decode step reads, bytes of all weights): stacked experts count top_k / num_experts of
+    themselves, the embedding one row, everything else in full."""
+    config = model.config
+    fraction = config.num_experts_per_tok / config.num_experts
+    active = total = 0
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * param.element_size()
+        total += nbytes
+        if "embed_tokens" in name:
+            active += param.shape[-1] * param.element_size()
+        elif ".experts." in name:
+            active += nbytes * fraction
+        else:
+            active += nbytes
+    return int(active), total
+
+
+def short_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+# -- zoo ----------------------------------------------------------------------------------------
+
+
+def zoo_decode(results, model, prompt):
+    llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+
+    def run(n):
+        out = llm.generate([prompt], params(n), use_tqdm=False)
+        assert out[0].error is None and len(out[0].token_ids) == n, out[0].error
+
+    ms = (sync_time(lambda: run(DECODE_TOKENS)) - sync_time(lambda: run(1))) / (DECODE_TOKENS - 1) * 1e3
+    results["decode"]["zoo_ms_per_token"] = ms
+    roofline = results["decode"]["roofline_ms"]
+    log(f"zoo decode: {ms:.2f} ms/token (CUDA graphs), {roofline / ms:.0%} of the {roofline:.2f} ms roofline")
+
+
+def zoo_throughput(results, model, max_requests):
+    llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=8192,
+              enable_prefix_caching=False)
+    blocks = llm.engine.block_manager.num_blocks
+    requests = min(max_requests, blocks // llm.engine.block_manager.blocks_needed(IN_LEN + OUT_LEN))
+    llm.engine.scheduler.max_num_seqs = requests
+    log(f"zoo LLM ready: {blocks} KV blocks, {requests} concurrent requests of {IN_LEN}+{OUT_LEN} tokens")
+    prompts = workload(requests, IN_LEN, IN_LEN, QWEN3_30B_A3B["vocab_size"])[0]
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=OUT_LEN, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert all(o.error is None for o in outputs), next(o.error for o in outputs if o.error)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    results["throughput"].update(zoo_tokens_per_s=tokens / seconds, zoo_requests=requests, zoo_seconds=seconds,
+                                 zoo_kv_blocks=blocks, zoo_preemptions=llm.engine.scheduler.num_preemptions)
+    log(f"zoo throughput: {tokens / seconds:.0f} output tok/s ({requests} requests, {tokens} tokens, {seconds:.1f} s, "
+        f"{llm.engine.scheduler.num_preemptions} preemptions)")
+    return prompts
+
+
+# -- HF -----------------------------------------------------------------------------------------
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def hf_decode(results, reference, prompt, mode):
+    if mode == "none":
+        results["decode"]["hf"] = "n/a (skipped: --hf-decode none)"
+        return
+    ids = torch.tensor([prompt], device="cuda")
+    cache = dict(cache_implementation="static") if mode == "static" else {}
+
+    def run(n):
+        with torch.inference_mode():
+            out = reference.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **cache)
+        assert out.shape[1] == len(prompt) + n, out.shape
+
+    try:
+        compiles = " (transformers compiles the decode step)" if mode == "static" else ""
+        log(f"HF generate, {mode} cache: first call{compiles}")
+        first = timed(lambda: run(DECODE_TOKENS))
+        many = min(timed(lambda: run(DECODE_TOKENS)) for _ in range(2))
+        one = min(timed(lambda: run(1)) for _ in range(3))
+        ms = (many - one) / (DECODE_TOKENS - 1) * 1e3
+        results["decode"].update(hf_ms_per_token=ms, hf_first_call_s=first, hf=f"{mode} cache")
+        log(f"HF decode ({mode} cache): {ms:.2f} ms/token (first call {first:.0f} s)")
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        results["decode"]["hf"] = f"n/a ({mode} cache: {short_error(exc)})"
+        log(f"HF decode failed: {short_error(exc)}")
+
+
+def hf_throughput(results, reference, prompts, hf_requests):
+    subset = prompts[:hf_requests]
+    config = transformers.GenerationConfig(max_new_tokens=OUT_LEN, min_new_tokens=OUT_LEN, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    warm = transformers.GenerationConfig(max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+                                         pad_token_id=0)
+    log(f"HF generate_batch: {len(subset)} requests x {OUT_LEN} tokens (~{OUT_LEN} decode steps whatever the count: "
+        f"the longest part of the run)")
+    try:
+        reference.generate_batch(inputs=subset[:4], generation_config=warm)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = reference.generate_batch(inputs=subset, generation_config=config)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.generated_tokens) for o in out.values())
+        results["throughput"].update(hf_tokens_per_s=tokens / seconds, hf_requests=len(subset), hf_seconds=seconds,
+                                     hf_tokens=tokens)
+        log(f"HF generate_batch: {tokens / seconds:.0f} output tok/s ({len(subset)} requests, {tokens} tokens, "
+            f"{seconds:.1f} s)")
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        results["throughput"]["hf"] = f"n/a ({short_error(exc)})"
+        log(f"HF generate_batch failed: {short_error(exc)}")
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def table(results) -> str:
+    d, t = results["decode"], results["throughput"]
+    zoo_ms, hf_ms = d.get("zoo_ms_per_token"), d.get("hf_ms_per_token")
+    zoo_decode = f"{zoo_ms:.2f}" if zoo_ms else "n/a"
+    hf_decode = f"{hf_ms:.2f} ({d['hf']}, first call {d['hf_first_call_s']:.0f} s)" if hf_ms else d.get("hf", "n/a")
+    roofline = (f"roofline {d['roofline_ms']:.2f} ms ({d['active_weight_gb']:.2f} GB of active weights at "
+                f"{d['hbm_tb_s']:.2f} TB/s)")
+    if zoo_ms:
+        roofline += f"; zoo at {d['roofline_ms'] / zoo_ms:.0%} of it"
+    zoo_tps, hf_tps = t.get("zoo_tokens_per_s"), t.get("hf_tokens_per_s")
+    zoo_throughput = f"{zoo_tps:.0f} ({t['zoo_requests']} requests)" if zoo_tps else "n/a"
+    hf_throughput = f"{hf_tps:.0f} ({t['hf_requests']} requests)" if hf_tps else t.get("hf", "n/a")
+    ratio = f"zoo / HF = {zoo_tps / hf_tps:.1f}x" if zoo_tps and hf_tps else ""
+    return "\n".join([
+        f"Qwen3-30B-A3B shape (48 layers, 128 experts, top-8; random bf16 weights, {d['total_weight_gb']:.1f} GB). "
+        f"{results['date']}, {results['device']}, torch {results['torch']}, transformers {results['transformers']}, "
+        f"HF experts implementation: {results.get('hf_experts_implementation')}.",
+        "",
+        "| measurement | zoo | HF transformers | notes |",
+        "|---|---|---|---|",
+        f"| decode, batch 1, {PROMPT_LEN}-token prompt, {DECODE_TOKENS} new tokens (ms/token) | {zoo_decode} | "
+        f"{hf_decode} | {roofline} |",
+        f"| throughput, {IN_LEN} in / {OUT_LEN} out (output tok/s) | {zoo_throughput} | {hf_throughput} | {ratio} |",
+    ])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="all", choices=["all", "decode", "throughput"])
+    parser.add_argument("--hf-decode", default="static", choices=["static", "dynamic", "none"],
+                        help="HF generate's cache for the decode timing (static: transformers compiles it)")
+    parser.add_argument("--requests", type=int, default=256, help="zoo: at most this many concurrent requests")
+    parser.add_argument("--hf-requests", type=int, default=64, help="HF generate_batch: the first this many requests")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "transformers": transformers.__version__, "decode": {}, "throughput": {}}
+    print({k: v for k, v in results.items() if isinstance(v, str)}, flush=True)
+    decode, throughput = args.task in ("all", "decode"), args.task in ("all", "throughput")
+    prompt = torch.randint(0, QWEN3_30B_A3B["vocab_size"], (PROMPT_LEN,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+
+    def save():
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+
+    # zoo: build the HF model, convert, drop the HF copy (two copies are ~122 GB).
+    reference = random_hf()
+    results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
+    model = model_from_hf(reference)
+    del reference
+    free_memory()
+    active, total = active_weight_bytes(model)
+    log(f"zoo model ready: {total / 1e9:.1f} GB of weights, {active / 1e9:.2f} GB read per decode step; "
+        f"{gib(torch.cuda.memory_allocated())} allocated")
+    bandwidth = hbm_bandwidth()
+    free_memory()
+    results["decode"].update(roofline_ms=active / bandwidth * 1e3, active_weight_gb=active / 1e9,
+                             total_weight_gb=total / 1e9, hbm_tb_s=bandwidth / 1e12)
+    log(f"HBM bandwidth {bandwidth / 1e12:.2f} TB/s: roofline {active / bandwidth * 1e3:.2f} ms/token")
+    prompts = None
+    if decode:
+        zoo_decode(results, model, prompt)
+        free_memory()  # the LLM (KV cache, graphs) went with the function's frame
+        save()
+    if throughput:
+        prompts = zoo_throughput(results, model, args.requests)
+        free_memory()
+        save()
+    del model
+    free_memory()
+
+    # HF: the same weights again (same seed), its decode, then its throughput last.
+    reference = random_hf()
+    log(f"HF model ready ({results['hf_experts_implementation']} experts)")
+    if decode:
+        hf_decode(results, reference, prompt, args.hf_decode)
+        torch._dynamo.reset()  # drop the compiled decode step (and its CUDA graphs)
+        free_memory()
+        save()
+    if throughput:
+        hf_throughput(results, reference, prompts, args.hf_requests)
+        save()
+    del reference
+    free_memory()
+
+    print("\n" + table(results), flush=True)
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""The CUDA kernel of ``zoo::moe_experts`` (grouped GEMMs, ``ops_cuda/moe_cuda.py``) against the op's
+PyTorch reference: uneven expert loads, experts without tokens, one expert for all, one token, none;
+buffers poisoned with NaN; under CUDA-graph capture with the routing changed between replays; and a
+tiny Qwen3-MoE through the runtime giving the same greedy tokens eagerly and with CUDA graphs.
+
+bf16 on sm90/sm100 takes the grouped-GEMM path; fp16 (and fp32, and other devices) run the reference,
+which the fp16 cases check the dispatch does.
+"""
+
+import random
+
+import pytest
+import torch
+
+from ops_cuda import moe_experts
+from ops_cuda.moe import moe_experts_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# Largest difference allowed, relative to the reference's largest magnitude: the last rounding to bf16 alone
+# is up to half a unit in the last place (2^-8 relative); two roundings that differ give one or two units
+# at the largest values. fp16 runs the reference itself eagerly (equal); its dense captured form differs
+# in the summation order only (a unit in the last place is 2^-10 relative in fp16).
+TOL = {torch.bfloat16: 1.6e-2, torch.float16: 5e-3}
+
+
+def fast_path_device() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.float()
+    return ((ours.float() - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
+def experts(num_experts, hidden_size, intermediate, dtype, seed=0):
+    """gate_up [E, 2I, H], down [E, H, I] scaled so every intermediate is of order one."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden_size, device="cuda", generator=g) / hidden_size**0.5
+    down = torch.randn(num_experts, hidden_size, intermediate, device="cuda", generator=g) / intermediate**0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def routed(num_tokens, top_k, allowed, seed):
+    """topk ids drawn only from ``allowed`` experts (distinct per token), and softmax weights (float32)."""
+    rng = random.Random(seed)
+    ids = torch.tensor([rng.sample(allowed, top_k) for _ in range(num_tokens)], dtype=torch.int64)
+    ids = ids.view(num_tokens, top_k)
+    weights = torch.randn(num_tokens, top_k, generator=torch.Generator().manual_seed(seed)).softmax(-1)
+    return weights.cuda(), ids.cuda()
+
+
+def router(num_tokens, num_experts, top_k, seed, skew=2.0):
+    """As the model's router picks them: softmax of random logits (some experts favoured), top-k, renormalised."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=g)
+    logits += skew * torch.randn(num_experts, device="cuda", generator=g)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def poison_allocator():
+    """Fills cached blocks of PyTorch's CUDA allocator (small and large pools) with NaN and frees them, so
+    the op's torch.empty buffers start as NaN: a row it forgets to write shows in the output (or, for its
+    index buffers, as an out-of-range read)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # drop the cached blocks of earlier runs, which hold finite values
+    mib = 1 << 20
+    sizes = [mib] * 64 + [4 * mib] * 16 + [32 * mib] * 8 + [256 * mib] * 2 + [1024 * mib]
+    poison = [torch.full((size // 4,), float("nan"), dtype=torch.float32, device="cuda") for size in sizes]
+    torch.cuda.synchronize()
+    del poison
+
+
+def run_poisoned(*args):
+    poison_allocator()
+    out = moe_experts(*args)
+    torch.cuda.synchronize()
+    return out
+
+
+def check(hidden, weights, ids, gate_up, down, activation):
+    """The op (NaN-poisoned buffers) against the reference in the same dtype and in float32."""
+    ours = run_poisoned(hidden, weights, ids, gate_up, down, activation)
+    assert ours.shape == hidden.shape and ours.dtype == hidden.dtype
+    if hidden.shape[0] == 0:
+        return
+    assert not ours.isnan().any(), "NaN in the output: a buffer row read before it was written"
+    reference = moe_experts_reference(hidden, weights, ids, gate_up, down, activation)
+    exact = moe_experts_reference(hidden.float(), weights, ids, gate_up.float(), down.float(), activation)
+    dtype = hidden.dtype
+    if dtype == torch.float16:  # the dispatch sends fp16 to the reference itself
+        assert torch.equal(ours, reference)
+    error, reference_error = relative_error(ours, reference), relative_error(reference, exact)
+    ours_exact = relative_error(ours, exact)
+    print(f"{dtype} tokens={hidden.shape[0]}: vs reference {error:.1e}, vs float32 {ours_exact:.1e} "
+          f"(reference vs float32 {reference_error:.1e})")
+    assert error < TOL[dtype] and ours_exact < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not fast_path_device(), reason="torch's grouped GEMM kernel needs sm90/sm100")
+def test_bf16_takes_the_grouped_gemm_path(monkeypatch):
+    from ops_cuda.moe_cuda import grouped_mm_supported
+
+    gate_up, down = experts(8, 64, 32, torch.bfloat16)
+    hidden = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    assert grouped_mm_supported(hidden, gate_up, down)
+    assert not grouped_mm_supported(hidden.half(), gate_up.half(), down.half())
+    assert not grouped_mm_supported(hidden.float(), gate_up.float(), down.float())
+    unaligned_up, unaligned_down = experts(8, 64, 36, torch.bfloat16)  # I = 36: rows of 72 bytes
+    assert not grouped_mm_supported(hidden, unaligned_up, unaligned_down)
+
+    calls = []
+    grouped_mm = torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    weights, ids = routed(5, 2, list(range(8)), seed=0)
+    moe_experts(hidden, weights, ids, gate_up, down, "silu")
+    assert calls == [(8, 64, 64), (8, 32, 64)]  # gate_up^T [E, H, 2I], down^T [E, I, H]
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the reference
+# ---------------------------------------------------------------------------------------------
+
+CASES = {
+    "uneven": dict(tokens=37, top_k=2, allowed=[0, 2, 3, 6, 7, 11, 15]),  # 9 of 16 experts get no tokens
+    "one_expert": dict(tokens=20, top_k=1, allowed=[5]),  # every token on expert 5
+    "last_expert_only": dict(tokens=9, top_k=1, allowed=[15]),  # every group but the last empty
+    "one_token": dict(tokens=1, top_k=4, allowed=list(range(16))),  # a decode step
+    "many_tokens": dict(tokens=700, top_k=4, allowed=list(range(16))),  # groups of ~175 rows: the large tiles
+    "no_tokens": dict(tokens=0, top_k=2, allowed=list(range(16))),
+}
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference(case, dtype, activation):
+    spec = CASES[case]
+    gate_up, down = experts(16, 256, 128, dtype)
+    hidden = torch.randn(spec["tokens"], 256, device="cuda").to(dtype)
+    weights, ids = routed(spec["tokens"], spec["top_k"], spec["allowed"], seed=1)
+    check(hidden, weights, ids, gate_up, down, activation)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_qwen3_30b_a3b_layer_shape(tokens):
+    """128 experts of 2048 -> 768 -> 2048, top-8 (one layer of Qwen3-30B-A3B): a decode step, a small
+    batch (most experts empty or with one row) and a prefill chunk (~256 rows per expert)."""
+    gate_up, down = experts(128, 2048, 768, torch.bfloat16)
+    hidden = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    weights, ids = router(tokens, 128, 8, seed=tokens)
+    check(hidden, weights, ids, gate_up, down, "silu")
+
+
+def test_int32_ids_strided_hidden_and_unaligned_shapes():
+    gate_up, down = experts(16, 256, 128, torch.bfloat16)
+    rows = torch.randn(40, 512, device="cuda", dtype=torch.bfloat16)
+    weights, ids = router(40, 16, 4, seed=3)
+    check(rows[:, :256], weights, ids.int(), gate_up, down, "silu")  # a strided view, int32 ids
+    gate_up, down = experts(16, 256, 36, torch.bfloat16)  # I = 36: not 16-byte rows, the reference runs
+    expected = moe_experts_reference(rows[:, :256], weights, ids, gate_up, down, "silu")
+    assert torch.equal(moe_experts(rows[:, :256], weights, ids, gate_up, down, "silu"), expected)
+
+
+def test_fake_kernel_matches_cuda_kernel():
+    gate_up, down = experts(16, 256, 128, torch.bfloat16)
+    weights, ids = routed(9, 2, [0, 1, 3], seed=2)
+    args = (torch.randn(9, 256, device="cuda", dtype=torch.bfloat16), weights, ids, gate_up, down, "silu")
+    torch.library.opcheck(torch.ops.zoo.moe_experts.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_captured_graph_follows_the_routing(dtype):
+    """Captured once; the hidden states and the routing rewritten in place before each replay (uneven, all
+    on a few experts, one expert per token): every replay equals the eager op on the same inputs, and a
+    replay repeated gives the same output. bf16 (grouped GEMMs): bit-identical to eager; fp16 (the reference,
+    dense under capture): within rounding."""
+    num_tokens, top_k = 48, 4
+    gate_up, down = experts(16, 256, 128, dtype)
+    hidden = torch.randn(num_tokens, 256, device="cuda").to(dtype)
+    weights, ids = router(num_tokens, 16, top_k, seed=0)
+    args = (hidden, weights, ids, gate_up, down, "silu")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and load the kernels outside the capture
+        moe_experts(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(*args)
+
+    routings = [
+        router(num_tokens, 16, top_k, seed=1),
+        routed(num_tokens, top_k, [1, 4, 9, 12, 13], seed=2),  # 11 experts empty
+        routed(num_tokens, top_k, [2, 3, 5, 7], seed=3),  # every token on the same 4 experts
+        router(num_tokens, 16, top_k, seed=4, skew=8.0),
+    ]
+    for step, (new_weights, new_ids) in enumerate(routings):
+        hidden.copy_(torch.randn(num_tokens, 256, device="cuda").to(dtype))
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        out.fill_(float("nan"))
+        graph.replay()
+        replayed = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out), f"routing {step}: two replays differ"
+        eager = moe_experts(*args)
+        assert not replayed.isnan().any()
+        if dtype == torch.bfloat16:
+            error = relative_error(replayed, eager)
+            assert torch.equal(replayed, eager), f"routing {step}: replay differs from eager by {error:.1e}"
+        else:
+            assert relative_error(replayed, eager) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# A model through the runtime
+# ---------------------------------------------------------------------------------------------
+
+
+def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
+    import transformers
+
+    from loaders.in_memory import model_from_hf
+    from runtime import LLM, SamplingParams
+    from tests.conftest import tiny_config
+
+    config = tiny_config(
+        "qwen3_moe", vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=256, norm_topk_prob=True, max_position_embeddings=2048, initializer_range=0.02,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = model_from_hf(reference)
+    del reference
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (3, 17, 64, 200, 9)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eager = LLM(model, max_num_seqs=8, max_model_len=512, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    graphed_llm = LLM(model, max_num_seqs=8, max_model_len=512)
+    assert graphed_llm.engine.runner.graphs is not None
+    graphed = graphed_llm.generate(prompts, params, use_tqdm=False)
+    again = graphed_llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None and len(o.token_ids) == 40 for o in eager)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert [o.token_ids for o in again] == [o.token_ids for o in eager]
