@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct (the embedded GGUF, float32), 16 prompts x 64 new tokens, greedy, EOS
 ignored on both sides so both produce exactly 16 x 64 tokens. HF runs the 16 prompts as one
-left-padded batch (its fastest form here), with its default cache. Each side is timed after
-one untimed warm-up run; the median of --repeats runs is reported.
+left-padded batch (its fastest form here), with its default cache. After one untimed warm-up
+run each, the two take turns --repeats times (a noisy neighbour slows both alike); the medians
+are reported.
 
     .venv/bin/python benchmarks/bench_generate.py
 """
@@ -30,21 +31,24 @@ TOPICS = ["the sea", "a mountain", "the city at night", "an old library", "a rob
           "a cat", "coffee", "the desert", "a train journey", "winter", "a garden", "the stars", "music", "rain"]
 
 
-def timed(run, repeats):
-    run()  # warm-up
-    times = []
+def timed_alternately(runs, repeats):
+    """Median seconds of each run; the runs take turns so that a noisy neighbour slows all alike."""
+    for run in runs:
+        run()  # warm-up
+    times = [[] for _ in runs]
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for run, spent in zip(runs, times):
+            start = time.perf_counter()
+            run()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) for spent in times]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -60,9 +64,6 @@ def main():
         outputs = llm.generate(chats, params, use_tqdm=False)
         assert sum(len(o.token_ids) for o in outputs) == new_tokens
 
-    zoo_seconds = timed(run_zoo, args.repeats)
-    del llm
-
     reference = load_reference(path, torch.float32, "cpu")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     width = max(len(c) for c in chats)
@@ -76,7 +77,7 @@ def main():
                                      max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, pad_token_id=pad)
         assert out.shape == (args.prompts, width + args.max_tokens)
 
-    hf_seconds = timed(run_hf, args.repeats)
+    zoo_seconds, hf_seconds = timed_alternately([run_zoo, run_hf], args.repeats)
 
     results = {
         "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "torch": torch.__version__,

@@ -6,9 +6,11 @@ import torch
 def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
     # k/v: [N, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset.
     # Slot -1 marks a padding token of a captured batch: nothing is written for it.
-    valid = slot_mapping >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[valid]] = k[valid]
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[valid]] = v[valid]
+    if not bool((slot_mapping >= 0).all()):  # padding is rare outside graphs: select only then
+        valid = slot_mapping >= 0
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
 
 @torch.library.custom_op("zoo::write_kv_cache", mutates_args=("k_cache", "v_cache"))
