@@ -37,8 +37,9 @@ def sdpa(q, k, v, mask, scale):
 def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """[S, length, H, D]: keys (or values) 0..length-1 of each sequence, read through its block table."""
     blocks = -(-length // cache.shape[1])
-    gathered = cache[block_tables[:, :blocks]]
-    return gathered.reshape(gathered.shape[0], -1, *cache.shape[2:])[:, :length]
+    # index_select over the flattened table: several times faster than advanced indexing on CPU
+    gathered = cache.index_select(0, block_tables[:, :blocks].reshape(-1).long())
+    return gathered.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -54,10 +55,14 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     t = torch.arange(length, device=q.device)[None, :]
     lens = seq_lens[:, None].long()
     filled = t < lens
-    # Slots past a sequence's length hold whatever the cache held (torch.empty, freed blocks):
-    # zero them, or a NaN there would leak through its zero attention weight.
-    keys = gather_cache(k_cache, block_tables, length).masked_fill(~filled[..., None, None], 0)
-    values = gather_cache(v_cache, block_tables, length).masked_fill(~filled[..., None, None], 0)
+    # Padding positions read the sequence's first key, which was written, and are masked out: a
+    # slot past a sequence's length may hold anything (torch.empty, a freed block), even NaN,
+    # which would leak through a zero attention weight.
+    positions = torch.where(filled, t, 0)
+    block_size = k_cache.shape[1]
+    slots = (block_tables.long().gather(1, positions // block_size) * block_size + positions % block_size).view(-1)
+    keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots).view(*positions.shape, *k_cache.shape[2:])
+    values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots).view(*positions.shape, *v_cache.shape[2:])
     mask = filled & (t > lens - 1 - sliding_window) if sliding_window else filled
     out = sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
     return torch.where(seq_lens[:, None, None] > 0, out, 0)  # padding rows (length 0) attend nothing
