@@ -64,9 +64,8 @@ def test_runtime_bf16_matches_hf_generate_mostly():
     assert matched >= 0.75 * 16 * len(prompts)
 
 
-def test_cuda_graphs_give_the_eager_tokens():
-    reference = random_hf(tiny_config("qwen3", **SMALL, head_dim=64))
-    model = model_from_hf(reference)
+def assert_graphs_give_the_eager_tokens(model):
+    """Greedy tokens of prompts of assorted lengths: eager, then through CUDA graphs twice."""
     torch.manual_seed(3)
     prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (3, 17, 64, 200, 9)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -75,8 +74,13 @@ def test_cuda_graphs_give_the_eager_tokens():
     assert graphed_llm.engine.runner.graphs is not None
     graphed = graphed_llm.generate(prompts, params, use_tqdm=False)
     again = graphed_llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None and len(o.token_ids) == 40 for o in eager)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert [o.token_ids for o in again] == [o.token_ids for o in eager]
+
+
+def test_cuda_graphs_give_the_eager_tokens():
+    assert_graphs_give_the_eager_tokens(model_from_hf(random_hf(tiny_config("qwen3", **SMALL, head_dim=64))))
 
 
 def test_graph_replayed_twice_gives_the_same_logits():

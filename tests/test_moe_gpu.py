@@ -240,8 +240,8 @@ def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
     import transformers
 
     from loaders.in_memory import model_from_hf
-    from runtime import LLM, SamplingParams
     from tests.conftest import tiny_config
+    from tests.test_gpu_runtime import assert_graphs_give_the_eager_tokens
 
     config = tiny_config(
         "qwen3_moe", vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -253,14 +253,4 @@ def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
         reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     model = model_from_hf(reference)
     del reference
-    torch.manual_seed(3)
-    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (3, 17, 64, 200, 9)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    eager = LLM(model, max_num_seqs=8, max_model_len=512, enforce_eager=True).generate(prompts, params, use_tqdm=False)
-    graphed_llm = LLM(model, max_num_seqs=8, max_model_len=512)
-    assert graphed_llm.engine.runner.graphs is not None
-    graphed = graphed_llm.generate(prompts, params, use_tqdm=False)
-    again = graphed_llm.generate(prompts, params, use_tqdm=False)
-    assert all(o.error is None and len(o.token_ids) == 40 for o in eager)
-    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
-    assert [o.token_ids for o in again] == [o.token_ids for o in eager]
+    assert_graphs_give_the_eager_tokens(model)
