@@ -65,7 +65,7 @@ def main():
         assert sum(len(o.token_ids) for o in outputs) == new_tokens
 
     reference = load_reference(path, torch.float32, "cpu")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = llm.tokenizer
     width = max(len(c) for c in chats)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in chats])

@@ -2,7 +2,7 @@
 
 import json
 
-from loaders.checkpoint import CheckpointError, Source
+from loaders.checkpoint import CheckpointError, Source, resolve_source
 
 
 def load_config(source: Source):
@@ -21,3 +21,14 @@ def load_config(source: Source):
         return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file, trust_remote_code=False)
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for bad configs
         raise CheckpointError(f"{source.path}: transformers cannot build a config from it ({exc})") from exc
+
+
+def load_tokenizer(path_or_repo_id):
+    """transformers' tokenizer of the checkpoint (GGUF included), or None when it has none."""
+    import transformers
+
+    source = resolve_source(path_or_repo_id)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from loaders.checkpoint import resolve_source
+from loaders.config import load_tokenizer
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Germany is"
 
@@ -41,13 +42,9 @@ def load_reference(path_or_repo_id, dtype: torch.dtype, device):
 
 
 def tokenize(path_or_repo_id, prompt: str) -> torch.Tensor:
-    import transformers
-
-    source = resolve_source(path_or_repo_id)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
-    except Exception as exc:
-        raise ValueError(f"{source.path}: no usable tokenizer ({exc}); pass token ids instead of a prompt") from exc
+    tokenizer = load_tokenizer(path_or_repo_id)
+    if tokenizer is None:
+        raise ValueError(f"{resolve_source(path_or_repo_id).path}: no usable tokenizer; pass token ids instead of a prompt")
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 

@@ -91,12 +91,6 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple]], l
     return targets, missing
 
 
-def declared_shards(model: nn.Module, checkpoint=None) -> dict[str, tuple[str, tuple]]:
-    """checkpoint tensor name -> (parameter name, index into it), in the layouts ``checkpoint``
-    holds (the preferred layouts without one)."""
-    return choose_layouts(declared_layouts(model), checkpoint or {})[0]
-
-
 def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, tuple[str, tuple]]:
     """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem."""
     targets, missing = choose_layouts(declared_layouts(model), checkpoint)

@@ -22,19 +22,6 @@ class StreamDelta:
     error: str | None = None
 
 
-def load_tokenizer(path_or_repo_id):
-    """transformers' tokenizer of the checkpoint (GGUF included), or None when it has none."""
-    import transformers
-
-    from loaders import resolve_source
-
-    source = resolve_source(path_or_repo_id)
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-
-
 def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     """The EOS ids HuggingFace's generate stops at: generation_config.json, else the model config."""
     import transformers
@@ -67,6 +54,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, enforce_eager: bool = False,
                  attention_backend: str | None = None, tokenizer=None):
+        from loaders import load_tokenizer
         from models import AutoModelForCausalLM, CausalLM
 
         if isinstance(model, CausalLM):

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from loaders import CheckpointError, load_config, resolve_source
-from loaders.load import declared_shards
+from loaders.load import choose_layouts, declared_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import relative_error
 from tests.gguf_writer import SHAPE, TYPES, T, llama_cpp_permute, write_llama_gguf
@@ -35,7 +35,7 @@ def case(request, tmp_path_factory):
 
 def zoo_weight(model, name: str) -> torch.Tensor:
     """The slice of zoo's (possibly fused) parameter that the checkpoint tensor ``name`` fills."""
-    param, index = declared_shards(model)[name]
+    param, index = choose_layouts(declared_layouts(model), {})[0][name]
     return model.get_parameter(param)[index]
 
 
