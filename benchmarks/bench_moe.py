@@ -1,12 +1,23 @@
-"""Qwen3-30B-A3B-shaped MoE, random bf16 weights, one GPU: zoo against HF transformers and the roofline.
+"""Qwen3-30B-A3B-shaped MoE, random bf16 weights, one GPU: zoo against HF transformers and the roofline,
+and the two CUDA kernels of zoo's experts op against each other.
 
 One run, about 6 minutes on an H200, most of it HF's: its first static-cache generate compiles, and
 generate_batch takes ~1000 decode steps at HF's step time whatever --hf-requests is.
 
-    python3 benchmarks/bench_moe.py                         # decode + throughput, Markdown table at the end
+    python3 benchmarks/bench_moe.py                         # kernels + decode + throughput, Markdown tables
+    python3 benchmarks/bench_moe.py --task kernels          # the experts op alone (no model built)
     python3 benchmarks/bench_moe.py --hf-decode none        # skip HF's static-cache generate (its first call compiles)
     python3 benchmarks/bench_moe.py --json moe.json         # also write the figures
 
+kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
+            bf16; router-like routing: softmax top-8 of random logits, some experts favoured), for 1 to 4096
+            tokens: the grouped-GEMM kernel (ops_cuda/moe_cuda.py) and the Triton fused-MoE kernel
+            (ops_cuda/moe_triton.py), each called directly, and the one the op's dispatch picks
+            (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS comes from this table). Time per call: the median of CUDA
+            graph replays (CUDA events) of one call on each of KERNEL_LAYERS weight copies in turn, as the
+            model's layers run, so the experts are read from HBM and not from L2; achieved weight bandwidth:
+            the bytes of the distinct experts the routing touches over that time; max |diff|: against the
+            op's PyTorch reference in bf16.
 decode      batch 1, 128-token prompt, 256 new tokens (greedy, EOS ignored): zoo (CUDA graphs) ms/token as
             (time for 256 tokens - time for 1) / 255, against the active-weight roofline: the bytes of weight
             one decode step reads (attention, norms, router, top-k of the experts per layer, lm_head, one
@@ -24,18 +35,22 @@ import argparse
 import datetime
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import hbm_bandwidth, sync_time, workload  # noqa: E402
+from layers.moe import Experts  # noqa: E402
 from loaders.in_memory import model_from_hf  # noqa: E402
+from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 QWEN3_30B_A3B = dict(
@@ -45,6 +60,9 @@ QWEN3_30B_A3B = dict(
     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
 PROMPT_LEN, DECODE_TOKENS = 128, 256
+KERNEL_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+KERNEL_LAYERS = 8  # weight copies the timed graph runs through: 8 x 1.2 GB, far over the 50 MB L2
+KERNEL_REPLAYS = 20
 IN_LEN, OUT_LEN = 1000, 1000
 START = time.perf_counter()
 
@@ -95,10 +113,105 @@ def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
+# -- the experts op's kernels -------------------------------------------------------------------
+
+
+def graph_us(fn) -> float:
+    """Median µs of fn() over CUDA-graph replays timed with CUDA events (one eager call first compiles)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()  # warm-up
+    times = []
+    for _ in range(KERNEL_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return statistics.median(times)
+
+
+def kernels(results):
+    from ops_cuda.moe_cuda import grouped_mm_supported, moe_experts_grouped_mm
+    from ops_cuda.moe_triton import moe_experts_triton
+
+    hidden_size, intermediate = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["moe_intermediate_size"]
+    num_experts, top_k = QWEN3_30B_A3B["num_experts"], QWEN3_30B_A3B["num_experts_per_tok"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layer_weights = [
+        (torch.randn(num_experts, 2 * intermediate, hidden_size, device="cuda", generator=g, dtype=torch.bfloat16)
+         / hidden_size**0.5,
+         torch.randn(num_experts, hidden_size, intermediate, device="cuda", generator=g, dtype=torch.bfloat16)
+         / intermediate**0.5)
+        for _ in range(KERNEL_LAYERS)
+    ]
+    expert_bytes = (3 * intermediate * hidden_size) * 2  # gate, up and down of one expert, bf16
+    paths = {"triton": moe_experts_triton}
+    if grouped_mm_supported(torch.empty(1, hidden_size, device="cuda", dtype=torch.bfloat16), *layer_weights[0]):
+        paths = {"grouped_mm": moe_experts_grouped_mm, **paths}
+    log(f"kernels: {', '.join(paths)} on {KERNEL_LAYERS} layers of {num_experts} experts "
+        f"({num_experts * expert_bytes / 1e9:.2f} GB each)")
+    rows = []
+    for tokens in KERNEL_TOKENS:
+        hidden = torch.randn(tokens, hidden_size, device="cuda", generator=g, dtype=torch.bfloat16)
+        logits = torch.randn(tokens, num_experts, device="cuda", generator=g)
+        logits += 2.0 * torch.randn(num_experts, device="cuda", generator=g)  # some experts favoured
+        weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        touched = ids.unique().numel()
+        reference = moe_experts_reference(hidden, weights, ids, *layer_weights[0], "silu").float()
+        row = dict(tokens=tokens, pairs=ids.numel(), experts=touched, weight_mb=touched * expert_bytes / 1e6,
+                   dispatch=cuda_kernel(hidden, ids, *layer_weights[0], "silu"))
+        for name, kernel in paths.items():
+            diff = (kernel(hidden, weights, ids, *layer_weights[0], "silu").float() - reference).abs().max().item()
+            us = graph_us(lambda: [kernel(hidden, weights, ids, *layer, "silu") for layer in layer_weights]) / KERNEL_LAYERS
+            row[name] = dict(us=us, gb_s=touched * expert_bytes / us / 1e3, max_diff=diff)
+        rows.append(row)
+        log(f"kernels: {tokens} tokens: " + ", ".join(f"{name} {row[name]['us']:.1f} µs" for name in paths))
+    results["kernels"] = rows
+    del layer_weights
+    free_memory()
+
+
+def kernels_table(results) -> str:
+    rows = results["kernels"]
+    names = [name for name in ("grouped_mm", "triton") if name in rows[0]]
+    header = "| tokens | pairs | experts touched | their weights (MB) | " + " | ".join(
+        f"{name} µs | {name} GB/s | {name} max \\|diff\\|" for name in names) + " | dispatch picks |"
+    lines = [
+        f"zoo::moe_experts, Qwen3-30B-A3B expert shapes (128 experts, top-8, 2048 -> 768 -> 2048, bf16). "
+        f"{results['date']}, {results['device']}, torch {results['torch']}, triton {results['triton']}; "
+        f"HBM copy bandwidth {results['hbm_tb_s']:.2f} TB/s.",
+        "",
+        header,
+        "|" + "---|" * (5 + 3 * len(names)),
+    ]
+    for row in rows:
+        cells = [str(row["tokens"]), str(row["pairs"]), str(row["experts"]), f"{row['weight_mb']:.0f}"]
+        for name in names:
+            cells += [f"{row[name]['us']:.1f}", f"{row[name]['gb_s']:.0f}", f"{row[name]['max_diff']:.1e}"]
+        lines.append("| " + " | ".join(cells) + f" | {row['dispatch']} |")
+    return "\n".join(lines)
+
+
 # -- zoo ----------------------------------------------------------------------------------------
 
 
+def decode_moe_kernel(model) -> str:
+    """The kernel zoo::moe_experts's dispatch runs at batch-1 decode (one token, top-k pairs)."""
+    experts = next(m for m in model.modules() if isinstance(m, Experts))
+    hidden = torch.zeros(1, experts.gate_up_proj.shape[2], dtype=experts.gate_up_proj.dtype, device="cuda")
+    ids = torch.zeros(1, QWEN3_30B_A3B["num_experts_per_tok"], dtype=torch.int64, device="cuda")
+    return cuda_kernel(hidden, ids, experts.gate_up_proj, experts.down_proj, experts.hidden_act)
+
+
 def zoo_decode(results, model, prompt):
+    results["decode"]["moe_kernel"] = decode_moe_kernel(model)
     llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
     params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
 
@@ -109,7 +222,8 @@ def zoo_decode(results, model, prompt):
     ms = (sync_time(lambda: run(DECODE_TOKENS)) - sync_time(lambda: run(1))) / (DECODE_TOKENS - 1) * 1e3
     results["decode"]["zoo_ms_per_token"] = ms
     roofline = results["decode"]["roofline_ms"]
-    log(f"zoo decode: {ms:.2f} ms/token (CUDA graphs), {roofline / ms:.0%} of the {roofline:.2f} ms roofline")
+    log(f"zoo decode: {ms:.2f} ms/token (CUDA graphs, experts: {results['decode']['moe_kernel']} kernel), "
+        f"{roofline / ms:.0%} of the {roofline:.2f} ms roofline")
 
 
 def zoo_throughput(results, model, max_requests):
@@ -209,7 +323,7 @@ def table(results) -> str:
     roofline = (f"roofline {d['roofline_ms']:.2f} ms ({d['active_weight_gb']:.2f} GB of active weights at "
                 f"{d['hbm_tb_s']:.2f} TB/s)")
     if zoo_ms:
-        roofline += f"; zoo at {d['roofline_ms'] / zoo_ms:.0%} of it"
+        roofline += f"; zoo at {d['roofline_ms'] / zoo_ms:.0%} of it (experts: {d['moe_kernel']} kernel)"
     zoo_tps, hf_tps = t.get("zoo_tokens_per_s"), t.get("hf_tokens_per_s")
     zoo_throughput = f"{zoo_tps:.0f} ({t['zoo_requests']} requests)" if zoo_tps else "n/a"
     hf_throughput = f"{hf_tps:.0f} ({t['hf_requests']} requests)" if hf_tps else t.get("hf", "n/a")
@@ -229,7 +343,7 @@ def table(results) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="all", choices=["all", "decode", "throughput"])
+    parser.add_argument("--task", default="all", choices=["all", "kernels", "decode", "throughput"])
     parser.add_argument("--hf-decode", default="static", choices=["static", "dynamic", "none"],
                         help="HF generate's cache for the decode timing (static: transformers compiles it)")
     parser.add_argument("--requests", type=int, default=256, help="zoo: at most this many concurrent requests")
@@ -237,7 +351,8 @@ def main():
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "transformers": transformers.__version__, "decode": {}, "throughput": {}}
+               "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+               "decode": {}, "throughput": {}}
     print({k: v for k, v in results.items() if isinstance(v, str)}, flush=True)
     decode, throughput = args.task in ("all", "decode"), args.task in ("all", "throughput")
     prompt = torch.randint(0, QWEN3_30B_A3B["vocab_size"], (PROMPT_LEN,),
@@ -246,6 +361,17 @@ def main():
     def save():
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
+
+    bandwidth = hbm_bandwidth()
+    free_memory()
+    results["hbm_tb_s"] = bandwidth / 1e12
+    log(f"HBM bandwidth {bandwidth / 1e12:.2f} TB/s")
+    if args.task in ("all", "kernels"):
+        kernels(results)
+        print("\n" + kernels_table(results) + "\n", flush=True)
+        save()
+    if not (decode or throughput):
+        return
 
     # zoo: build the HF model, convert, drop the HF copy (two copies are ~122 GB).
     reference = random_hf()
@@ -256,11 +382,9 @@ def main():
     active, total = active_weight_bytes(model)
     log(f"zoo model ready: {total / 1e9:.1f} GB of weights, {active / 1e9:.2f} GB read per decode step; "
         f"{gib(torch.cuda.memory_allocated())} allocated")
-    bandwidth = hbm_bandwidth()
-    free_memory()
     results["decode"].update(roofline_ms=active / bandwidth * 1e3, active_weight_gb=active / 1e9,
                              total_weight_gb=total / 1e9, hbm_tb_s=bandwidth / 1e12)
-    log(f"HBM bandwidth {bandwidth / 1e12:.2f} TB/s: roofline {active / bandwidth * 1e3:.2f} ms/token")
+    log(f"roofline {active / bandwidth * 1e3:.2f} ms/token")
     prompts = None
     if decode:
         zoo_decode(results, model, prompt)
@@ -287,6 +411,8 @@ def main():
     del reference
     free_memory()
 
+    if "kernels" in results:
+        print("\n" + kernels_table(results), flush=True)
     print("\n" + table(results), flush=True)
     save()
 

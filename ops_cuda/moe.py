@@ -4,9 +4,12 @@ Experts are stacked as HuggingFace transformers 5 stores them: ``gate_up [E, 2 *
 first, then up) and ``down [E, H, I]``. A token's output is the sum over its top-k experts of
 ``weight * down_e(act(gate_e(x)) * up_e(x))``.
 
-On CUDA the op runs grouped GEMMs (``ops_cuda/moe_cuda.py``): bf16 on sm90/sm100 with H and I multiples of
-8; other dtypes, devices and shapes run the reference below, whose grouped form reads the expert loads on
-the host and so under CUDA-graph capture switches to its dense form.
+On CUDA the pairs are grouped by expert, then run through one of two grouped-GEMM kernels, chosen by
+the number of (token, slot) pairs (``GROUPED_MM_MIN_PAIRS``, set by measurement): the Triton fused-MoE kernel
+(``ops_cuda/moe_triton.py``; fp16, bf16, fp32), which reads only the experts that have tokens, or PyTorch's
+grouped GEMM (``ops_cuda/moe_cuda.py``; bf16 on sm90/sm100 with H and I multiples of 8). Anything neither
+takes runs the reference below, whose grouped form reads the expert loads on the host and so under
+CUDA-graph capture switches to its dense form.
 """
 
 import torch
@@ -76,14 +79,38 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
     return torch.empty_like(hidden)
 
 
+# From this many (token, slot) pairs on, torch._grouped_mm's CUTLASS kernel runs the experts; below it the
+# Triton fused-MoE kernel does, whose small tiles read only the active experts' weights (at batch-1 decode
+# 8 of 128 experts on Qwen3-30B-A3B) where grouped_mm runs its 64-row tiles over every group.
+# Measured on the H200 with `python3 benchmarks/bench_moe.py --task kernels` (2026-11-29, torch 2.11,
+# triton 3.6; E=128, top-8, H=2048, I=768, bf16), µs triton / grouped_mm: 8 pairs 39.5 / 68.5,
+# 128 pairs 104.5 / 150.8, 2048 pairs 252.4 / 246.4, 8192 pairs 358.2 / 423.6, 32768 pairs 1145 / 836.
+# Triton wins or ties up to 8192 pairs and loses by 27% at 32768: the switch sits between the two.
+GROUPED_MM_MIN_PAIRS = 16384
+
+
+def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
+    """Which kernel the op's CUDA dispatch runs on these inputs: "grouped_mm", "triton" or "reference"."""
+    # triton (and the grouped-GEMM path) are imported only where a kernel runs
+    from ops_cuda.moe_cuda import grouped_mm_supported
+    from ops_cuda.moe_triton import triton_supported
+
+    if topk_ids.numel() >= GROUPED_MM_MIN_PAIRS and grouped_mm_supported(hidden, gate_up, down):
+        return "grouped_mm"
+    if triton_supported(hidden, gate_up, down, activation):
+        return "triton"
+    return "reference"
+
+
 @moe_experts.register_kernel("cuda")
 def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
-    # triton (and the grouped-GEMM path) are imported only where a kernel runs
-    from ops_cuda.moe_cuda import grouped_mm_supported, moe_experts_grouped_mm
+    from ops_cuda.moe_cuda import moe_experts_grouped_mm
+    from ops_cuda.moe_triton import moe_experts_triton
 
-    if not grouped_mm_supported(hidden, gate_up, down):
-        # torch._grouped_mm's fast kernel is bf16-only (sm90/sm100) and needs 16-byte-aligned rows; for
-        # anything else it loops over the groups after copying the offsets to the host, which is what
-        # the reference does already (and the reference has a capturable dense form).
-        return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
-    return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, gate_up, down, activation)
+    kernel = cuda_kernel(hidden, topk_ids, gate_up, down, activation)
+    if kernel == "grouped_mm":
+        return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, gate_up, down, activation)
+    if kernel == "triton":
+        return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation)
+    # Other or mixed dtypes, unknown activations: the reference (which raises where F.linear or the lookup does).
+    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)

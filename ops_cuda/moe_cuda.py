@@ -1,6 +1,8 @@
-"""The CUDA kernel of ``zoo::moe_experts``: the (token, slot) pairs sorted by expert, the experts' two
-matmuls as PyTorch's grouped GEMM (``torch._grouped_mm``, CUTLASS on sm90/sm100), two small Triton
-kernels around them.
+"""The grouped-GEMM kernel of ``zoo::moe_experts``: the (token, slot) pairs sorted by expert, the experts'
+two matmuls as PyTorch's grouped GEMM (``torch._grouped_mm``, CUTLASS on sm90/sm100), two small Triton
+kernels around them. The op's dispatch (``ops_cuda/moe.py``) runs it from ``GROUPED_MM_MIN_PAIRS`` pairs
+on; below that the Triton fused-MoE kernel (``ops_cuda/moe_triton.py``) runs, sharing this file's sort
+of the pairs (``sort_pairs_by_expert``) and its combine (``moe_combine``).
 
     sorted_ids, order = topk_ids.flatten().sort(stable=True)   # pairs in expert order
     offsets = searchsorted(sorted_ids, 0..E-1, right=True)      # int32 end of each expert's rows
@@ -16,8 +18,8 @@ over k in a fixed order, not a scatter-add: results do not depend on atomics or 
 token.
 
 What ``torch._grouped_mm`` (torch 2.8 onward, same schema through 2.13) needs for its fast path, from
-``aten/src/ATen/native/cuda/GroupedBlas.cpp`` and ``GroupedMMUtils.h``; anything else falls back to
-the op's PyTorch reference (``grouped_mm_supported``):
+``aten/src/ATen/native/cuda/GroupedBlas.cpp`` and ``GroupedMMUtils.h``; the dispatch sends anything
+else to the Triton kernel (``grouped_mm_supported``):
 - bf16 operands and output (no ``out_dtype``), on a device of compute capability 9.x or 10.x. Other
   dtypes or devices take ``_grouped_mm_fallback``, which copies the offsets to the host: a sync per
   call, and not capturable.
@@ -61,9 +63,9 @@ def _transposable(weight: torch.Tensor) -> bool:
 
 
 def grouped_mm_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the grouped-GEMM kernel takes these inputs (else the op runs its PyTorch reference)."""
+    """Whether the grouped-GEMM kernel takes these inputs (else the op runs the Triton kernel)."""
     if not (hidden.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
-        return False  # fp16 / fp32: torch would loop over matmuls after a host sync, as the reference does
+        return False  # fp16 / fp32: torch would loop over matmuls after a host sync
     if not (hidden.is_cuda and _has_grouped_gemm_kernel(hidden.device.index)):
         return False
     num_experts, two_i, hidden_size = gate_up.shape
@@ -78,6 +80,16 @@ def grouped_mm_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torc
         and _transposable(gate_up)
         and _transposable(down)
     )
+
+
+def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [P]: the pair indices t * top_k + k grouped by expert, offsets [E] int32: the end of each
+    expert's run in ``order``, i.e. the number of pairs routed to experts 0..e). Shared by both kernels."""
+    # Stable, so the rows of one expert keep token order (not needed for the result: each row of a
+    # GEMM depends on its own input row only; it keeps every launch's data layout reproducible).
+    sorted_ids, order = topk_ids.reshape(-1).sort(stable=True)
+    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=topk_ids.device)
+    return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,15 +185,10 @@ def moe_experts_grouped_mm(
 ) -> torch.Tensor:
     """``zoo::moe_experts`` with grouped GEMMs; the caller checks ``grouped_mm_supported`` first."""
     num_tokens, hidden_size = hidden.shape
-    top_k, num_experts = topk_ids.shape[1], gate_up.shape[0]
+    top_k = topk_ids.shape[1]
     if num_tokens == 0:  # a static shape: no launch has anything to do
         return hidden.new_zeros(num_tokens, hidden_size)
-    # Stable, so the rows of one expert keep token order (not needed for the result: each row of a
-    # GEMM depends on its own input row only; it keeps every launch's data layout reproducible).
-    sorted_ids, order = topk_ids.reshape(-1).sort(stable=True)
-    experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=hidden.device)
-    # offsets[e] = pairs routed to experts 0..e: the cumulative group ends grouped_mm takes (int32).
-    offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    order, offsets = sort_pairs_by_expert(topk_ids, gate_up.shape[0])
     x, position = moe_permute(hidden, order, top_k)
     h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)  # [P, 2I], bf16 (fp32 accumulate)
     h = act_and_mul(h, activation)  # [P, I]

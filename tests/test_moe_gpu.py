@@ -1,10 +1,10 @@
-"""The CUDA kernel of ``zoo::moe_experts`` (grouped GEMMs, ``ops_cuda/moe_cuda.py``) against the op's
-PyTorch reference: uneven expert loads, experts without tokens, one expert for all, one token, none;
-buffers poisoned with NaN; under CUDA-graph capture with the routing changed between replays; and a
-tiny Qwen3-MoE through the runtime giving the same greedy tokens eagerly and with CUDA graphs.
-
-bf16 on sm90/sm100 takes the grouped-GEMM path; fp16 (and fp32, and other devices) run the reference,
-which the fp16 cases check the dispatch does.
+"""The CUDA kernels of ``zoo::moe_experts`` against the op's PyTorch reference: the grouped GEMMs
+(``ops_cuda/moe_cuda.py``, bf16 on sm90/sm100) and the Triton fused-MoE kernel (``ops_cuda/moe_triton.py``,
+fp16 and bf16 here; float32 and the CPU interpreter in ``tests/test_moe_triton.py``), each forced through
+the dispatch's threshold: uneven expert loads, experts without tokens, one expert for all, one token, none;
+Qwen3-30B-A3B layer shapes; buffers poisoned with NaN; under CUDA-graph capture with the routing changed
+between replays; and a tiny Qwen3-MoE through the runtime giving the same greedy tokens eagerly and with
+CUDA graphs. The dispatch itself: which kernel runs for which dtype, shape and number of pairs.
 """
 
 import random
@@ -12,20 +12,30 @@ import random
 import pytest
 import torch
 
+import ops_cuda.moe
 from ops_cuda import moe_experts
-from ops_cuda.moe import moe_experts_reference
+from ops_cuda.moe import GROUPED_MM_MIN_PAIRS, cuda_kernel, moe_experts_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 # Largest difference allowed, relative to the reference's largest magnitude: the last rounding to bf16 alone
 # is up to half a unit in the last place (2^-8 relative); two roundings that differ give one or two units
-# at the largest values. fp16 runs the reference itself eagerly (equal); its dense captured form differs
-# in the summation order only (a unit in the last place is 2^-10 relative in fp16).
+# at the largest values. The same in fp16, whose unit in the last place is 2^-10 relative (with margin).
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 5e-3}
+# (dtype, kernel) pairs the tests force through the dispatch: grouped_mm takes bf16 only.
+KERNELS = [(torch.bfloat16, "grouped_mm"), (torch.bfloat16, "triton"), (torch.float16, "triton")]
+KERNEL_IDS = ["bf16-grouped_mm", "bf16-triton", "fp16-triton"]
 
 
 def fast_path_device() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
+
+
+def force_kernel(monkeypatch, kernel: str) -> None:
+    """Moves the dispatch's threshold so that ``kernel`` runs whatever the number of pairs."""
+    if kernel == "grouped_mm" and not fast_path_device():
+        pytest.skip("torch's grouped GEMM kernel needs sm90/sm100")
+    monkeypatch.setattr(ops_cuda.moe, "GROUPED_MM_MIN_PAIRS", 0 if kernel == "grouped_mm" else 1 << 62)
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
@@ -79,8 +89,10 @@ def run_poisoned(*args):
     return out
 
 
-def check(hidden, weights, ids, gate_up, down, activation):
-    """The op (NaN-poisoned buffers) against the reference in the same dtype and in float32."""
+def check(hidden, weights, ids, gate_up, down, activation, kernel):
+    """The op (NaN-poisoned buffers) against the reference in the same dtype and in float32, after
+    checking that the dispatch runs ``kernel``."""
+    assert cuda_kernel(hidden, ids, gate_up, down, activation) == kernel
     ours = run_poisoned(hidden, weights, ids, gate_up, down, activation)
     assert ours.shape == hidden.shape and ours.dtype == hidden.dtype
     if hidden.shape[0] == 0:
@@ -89,11 +101,9 @@ def check(hidden, weights, ids, gate_up, down, activation):
     reference = moe_experts_reference(hidden, weights, ids, gate_up, down, activation)
     exact = moe_experts_reference(hidden.float(), weights, ids, gate_up.float(), down.float(), activation)
     dtype = hidden.dtype
-    if dtype == torch.float16:  # the dispatch sends fp16 to the reference itself
-        assert torch.equal(ours, reference)
     error, reference_error = relative_error(ours, reference), relative_error(reference, exact)
     ours_exact = relative_error(ours, exact)
-    print(f"{dtype} tokens={hidden.shape[0]}: vs reference {error:.1e}, vs float32 {ours_exact:.1e} "
+    print(f"{kernel} {dtype} tokens={hidden.shape[0]}: vs reference {error:.1e}, vs float32 {ours_exact:.1e} "
           f"(reference vs float32 {reference_error:.1e})")
     assert error < TOL[dtype] and ours_exact < TOL[dtype]
 
@@ -103,18 +113,27 @@ def check(hidden, weights, ids, gate_up, down, activation):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not fast_path_device(), reason="torch's grouped GEMM kernel needs sm90/sm100")
-def test_bf16_takes_the_grouped_gemm_path(monkeypatch):
-    from ops_cuda.moe_cuda import grouped_mm_supported
-
+def test_dispatch_picks_the_kernel():
+    """grouped_mm from GROUPED_MM_MIN_PAIRS pairs on, for what it takes (bf16 on sm90/sm100, 16-byte rows);
+    the Triton kernel below that and for what grouped_mm does not take; the reference for mixed dtypes."""
     gate_up, down = experts(8, 64, 32, torch.bfloat16)
-    hidden = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
-    assert grouped_mm_supported(hidden, gate_up, down)
-    assert not grouped_mm_supported(hidden.half(), gate_up.half(), down.half())
-    assert not grouped_mm_supported(hidden.float(), gate_up.float(), down.float())
+    few = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    many = torch.randn(GROUPED_MM_MIN_PAIRS, 64, device="cuda", dtype=torch.bfloat16)  # top-1: a pair per token
+    few_ids, many_ids = routed(5, 2, list(range(8)), seed=0)[1], routed(len(many), 1, list(range(8)), seed=0)[1]
+    large = "grouped_mm" if fast_path_device() else "triton"
+    assert cuda_kernel(few, few_ids, gate_up, down, "silu") == "triton"
+    assert cuda_kernel(many, many_ids, gate_up, down, "silu") == large
+    assert cuda_kernel(many[:-1], many_ids[:-1], gate_up, down, "silu") == "triton"  # one pair short
+    for dtype in (torch.float16, torch.float32):
+        assert cuda_kernel(many.to(dtype), many_ids, gate_up.to(dtype), down.to(dtype), "silu") == "triton"
     unaligned_up, unaligned_down = experts(8, 64, 36, torch.bfloat16)  # I = 36: rows of 72 bytes
-    assert not grouped_mm_supported(hidden, unaligned_up, unaligned_down)
+    assert cuda_kernel(many, many_ids, unaligned_up, unaligned_down, "silu") == "triton"
+    assert cuda_kernel(many.half(), many_ids, gate_up, down, "silu") == "reference"
 
+
+@pytest.mark.skipif(not fast_path_device(), reason="torch's grouped GEMM kernel needs sm90/sm100")
+def test_grouped_gemm_path_passes_the_transposed_weights(monkeypatch):
+    force_kernel(monkeypatch, "grouped_mm")
     calls = []
     grouped_mm = torch._grouped_mm
 
@@ -123,8 +142,9 @@ def test_bf16_takes_the_grouped_gemm_path(monkeypatch):
         return grouped_mm(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_grouped_mm", counting)
+    gate_up, down = experts(8, 64, 32, torch.bfloat16)
     weights, ids = routed(5, 2, list(range(8)), seed=0)
-    moe_experts(hidden, weights, ids, gate_up, down, "silu")
+    moe_experts(torch.randn(5, 64, device="cuda", dtype=torch.bfloat16), weights, ids, gate_up, down, "silu")
     assert calls == [(8, 64, 64), (8, 32, 64)]  # gate_up^T [E, H, 2I], down^T [E, I, H]
 
 
@@ -143,40 +163,51 @@ CASES = {
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference(case, dtype, activation):
+def test_matches_reference(case, dtype, kernel, activation, monkeypatch):
+    force_kernel(monkeypatch, kernel)
     spec = CASES[case]
     gate_up, down = experts(16, 256, 128, dtype)
     hidden = torch.randn(spec["tokens"], 256, device="cuda").to(dtype)
     weights, ids = routed(spec["tokens"], spec["top_k"], spec["allowed"], seed=1)
-    check(hidden, weights, ids, gate_up, down, activation)
+    check(hidden, weights, ids, gate_up, down, activation, kernel)
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 4096])
-def test_qwen3_30b_a3b_layer_shape(tokens):
-    """128 experts of 2048 -> 768 -> 2048, top-8 (one layer of Qwen3-30B-A3B): a decode step, a small
-    batch (most experts empty or with one row) and a prefill chunk (~256 rows per expert)."""
-    gate_up, down = experts(128, 2048, 768, torch.bfloat16)
-    hidden = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300, 4096])
+def test_qwen3_30b_a3b_layer_shape(tokens, dtype, kernel, monkeypatch):
+    """128 experts of 2048 -> 768 -> 2048, top-8 (one layer of Qwen3-30B-A3B): decode steps (most experts
+    empty or with one row; the Triton kernel's 16-row blocks up to 256 tokens) and prefill chunks (its
+    64-row blocks; ~256 rows per expert at 4096 tokens)."""
+    force_kernel(monkeypatch, kernel)
+    gate_up, down = experts(128, 2048, 768, dtype)
+    hidden = torch.randn(tokens, 2048, device="cuda", dtype=dtype)
     weights, ids = router(tokens, 128, 8, seed=tokens)
-    check(hidden, weights, ids, gate_up, down, "silu")
+    check(hidden, weights, ids, gate_up, down, "silu", kernel)
 
 
-def test_int32_ids_strided_hidden_and_unaligned_shapes():
-    gate_up, down = experts(16, 256, 128, torch.bfloat16)
-    rows = torch.randn(40, 512, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
+def test_int32_ids_and_strided_hidden(dtype, kernel, monkeypatch):
+    force_kernel(monkeypatch, kernel)
+    gate_up, down = experts(16, 256, 128, dtype)
+    rows = torch.randn(40, 512, device="cuda", dtype=dtype)
     weights, ids = router(40, 16, 4, seed=3)
-    check(rows[:, :256], weights, ids.int(), gate_up, down, "silu")  # a strided view, int32 ids
-    gate_up, down = experts(16, 256, 36, torch.bfloat16)  # I = 36: not 16-byte rows, the reference runs
-    expected = moe_experts_reference(rows[:, :256], weights, ids, gate_up, down, "silu")
-    assert torch.equal(moe_experts(rows[:, :256], weights, ids, gate_up, down, "silu"), expected)
+    check(rows[:, :256], weights, ids.int(), gate_up, down, "silu", kernel)  # a strided view, int32 ids
 
 
-def test_fake_kernel_matches_cuda_kernel():
-    gate_up, down = experts(16, 256, 128, torch.bfloat16)
+def test_unaligned_shapes_run_the_triton_kernel():
+    gate_up, down = experts(16, 256, 36, torch.bfloat16)  # I = 36: not 16-byte rows, grouped_mm cannot
+    weights, ids = router(40, 16, 4, seed=3)
+    check(torch.randn(40, 256, device="cuda", dtype=torch.bfloat16), weights, ids, gate_up, down, "silu", "triton")
+
+
+@pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
+def test_fake_kernel_matches_cuda_kernel(dtype, kernel, monkeypatch):
+    force_kernel(monkeypatch, kernel)
+    gate_up, down = experts(16, 256, 128, dtype)
     weights, ids = routed(9, 2, [0, 1, 3], seed=2)
-    args = (torch.randn(9, 256, device="cuda", dtype=torch.bfloat16), weights, ids, gate_up, down, "silu")
+    args = (torch.randn(9, 256, device="cuda", dtype=dtype), weights, ids, gate_up, down, "silu")
     torch.library.opcheck(torch.ops.zoo.moe_experts.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -185,12 +216,12 @@ def test_fake_kernel_matches_cuda_kernel():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_captured_graph_follows_the_routing(dtype):
+@pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
+def test_captured_graph_follows_the_routing(dtype, kernel, monkeypatch):
     """Captured once; the hidden states and the routing rewritten in place before each replay (uneven, all
-    on a few experts, one expert per token): every replay equals the eager op on the same inputs, and a
-    replay repeated gives the same output. bf16 (grouped GEMMs): bit-identical to eager; fp16 (the reference,
-    dense under capture): within rounding."""
+    on a few experts, one expert per token): every replay is bit-identical to the eager op on the same
+    inputs, and a replay repeated gives the same output."""
+    force_kernel(monkeypatch, kernel)
     num_tokens, top_k = 48, 4
     gate_up, down = experts(16, 256, 128, dtype)
     hidden = torch.randn(num_tokens, 256, device="cuda").to(dtype)
@@ -224,11 +255,8 @@ def test_captured_graph_follows_the_routing(dtype):
         assert torch.equal(replayed, out), f"routing {step}: two replays differ"
         eager = moe_experts(*args)
         assert not replayed.isnan().any()
-        if dtype == torch.bfloat16:
-            error = relative_error(replayed, eager)
-            assert torch.equal(replayed, eager), f"routing {step}: replay differs from eager by {error:.1e}"
-        else:
-            assert relative_error(replayed, eager) < TOL[dtype]
+        error = relative_error(replayed, eager)
+        assert torch.equal(replayed, eager), f"routing {step}: replay differs from eager by {error:.1e}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,255 @@
+"""The Triton fused-MoE kernel of ``zoo::moe_experts``: each expert's rows in blocks of BLOCK_M, each
+block one tiled GEMM against its expert's weights only, so a decode step reads the weights of the experts
+its tokens picked and nothing else (the grouped GEMM of ``moe_cuda.py`` runs 64-row tiles over every
+group). The idea is vLLM's ``fused_moe``; the code is zoo's own.
+
+    order, offsets = sort_pairs_by_expert(topk_ids)      # shared with the grouped-GEMM kernel
+    align:   each expert's run of pairs padded to a multiple of BLOCK_M rows; per row the pair it
+             holds (or "none"), per block its expert (or "none"), per pair the row it landed on
+    gate_up: h[row] = act(gate_e x) * up_e x, x the hidden row of the row's token   [rows, I]
+    down:    y[row] = down_e h[row]                                                  [rows, H]
+    combine: out[t] = sum_k w[t, k] * y[row of (t, k)], float32, k in order          (moe_cuda.moe_combine)
+
+The buffers are sized for the worst case, P pairs on min(E, P) experts each padding up to BLOCK_M - 1
+rows, so every shape and grid depends on P only and nothing is read back to the host: the op runs
+under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed return at once.
+
+Numerics follow the reference: both GEMMs accumulate in float32 and round to the activation dtype, as
+``F.linear`` does; the activation-and-mul epilogue is the ``act_and_mul`` kernel's formula and rounding
+(``triton_kernels._activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ops_cuda.moe_cuda import moe_combine, sort_pairs_by_expert
+from ops_cuda.triton_kernels import _KERNEL_ACTIVATIONS, KERNEL_DTYPES, _activation, _round
+
+
+class Tiles(NamedTuple):
+    block_m: int  # rows per block: one expert's tokens; a block with fewer is padded
+    block_n: int  # output columns per program (the gate_up kernel reads 2 * block_n weight rows)
+    block_k: int  # reduction step
+    num_warps: int
+    num_stages: int
+
+
+# Decode and small batches, the experts with a few rows each: 16 rows (tl.dot's smallest) wastes the
+# least on padding, and narrow N tiles spread one expert's weights over many programs, so a handful of
+# experts still keeps every SM streaming weights (I=768: 24 gate_up and 64 down programs per block).
+SMALL_TILES = Tiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
+# Prefill, tens of rows or more per expert: each weight tile is reused over 64 rows. Shared memory per
+# stage (8 KiB of rows + 16 KiB of gate and up weights in bf16) fits three stages on any sm80+ GPU;
+# float32 halves block_k to stay within the same bytes.
+LARGE_TILES = Tiles(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+# The interpreter (CPU tensors, tests only): the smallest tiles, so tiny shapes span several of them.
+INTERPRETER_TILES = {tiles: tiles._replace(block_n=16, block_k=16) for tiles in (SMALL_TILES, LARGE_TILES)}
+# Small tiles while the average expert's rows fill at most one small block.
+SMALL_TILES_MAX_ROWS_PER_EXPERT = SMALL_TILES.block_m
+
+
+def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int) -> Tiles:
+    tiles = SMALL_TILES if num_pairs <= SMALL_TILES_MAX_ROWS_PER_EXPERT * num_experts else LARGE_TILES
+    if not hidden.is_cuda:
+        return INTERPRETER_TILES[tiles]
+    return tiles._replace(block_k=tiles.block_k // 2) if hidden.dtype == torch.float32 else tiles
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks the padded layout can need: at most min(E, P) experts have pairs, each padding its run up
+    to a multiple of block_m, so sum ceil(count / block_m) <= (P + min(E, P) * (block_m - 1)) / block_m."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str) -> bool:
+    """Whether ``moe_experts_triton`` takes these inputs (else the op runs its PyTorch reference)."""
+    return (
+        hidden.dtype == gate_up.dtype == down.dtype
+        and hidden.dtype in KERNEL_DTYPES
+        and activation in _KERNEL_ACTIVATIONS
+        and hidden.dim() == 2
+        and gate_up.shape[2] == down.shape[1] == hidden.shape[1]
+        and gate_up.shape[1] == 2 * down.shape[2]
+        and gate_up.shape[0] == down.shape[0]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_align_kernel(
+    offsets_ptr, order_ptr, row_pair_ptr, pair_row_ptr, block_expert_ptr, num_experts, num_pairs, num_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # Program e < E lays out expert e's rows; program E marks the blocks after the last expert's as
+    # unused. Every program recomputes the padded run lengths from the E offsets (a few hundred values)
+    # rather than waiting on a prefix sum from another launch.
+    expert = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    ends = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
+    starts = tl.load(offsets_ptr + experts - 1, mask=(experts > 0) & (experts < num_experts), other=0)
+    counts = ends - starts
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first_row = tl.sum(tl.where(experts < expert, padded, 0))  # for program E: all the rows in use
+    if expert < num_experts:
+        start = tl.sum(tl.where(experts == expert, starts, 0))
+        count = tl.sum(tl.where(experts == expert, counts, 0))
+        for offset in range(0, count, BLOCK_M):
+            rows = offset + tl.arange(0, BLOCK_M)
+            holds_pair = rows < count
+            pairs = tl.load(order_ptr + start + rows, mask=holds_pair, other=num_pairs)  # num_pairs: padding
+            tl.store(row_pair_ptr + first_row + rows, pairs.to(tl.int32))
+            tl.store(pair_row_ptr + pairs, (first_row + rows).to(tl.int32), mask=holds_pair)
+            tl.store(block_expert_ptr + (first_row + offset) // BLOCK_M, expert)
+    else:
+        for first_block in range(first_row // BLOCK_M, num_blocks, BLOCK_E):
+            blocks = first_block + tl.arange(0, BLOCK_E)
+            tl.store(block_expert_ptr + blocks, tl.full([BLOCK_E], -1, tl.int32), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    hidden_ptr, gate_up_ptr, row_pair_ptr, block_expert_ptr, h_ptr,
+    num_pairs, hidden_size, intermediate,
+    hidden_stride, w_stride_e, w_stride_n, w_stride_k, h_stride,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program (block, n): columns n*BLOCK_N.. of h for the block's rows: the gate and up tiles side by
+    # side over the hidden size, then act(gate) * up, each rounded where the reference rounds.
+    block = tl.program_id(0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(row_pair_ptr + rows)
+    row_ok = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < intermediate
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + ks[None, :]
+    # [BLOCK_K, BLOCK_N] tiles of the expert's gate rows and of its up rows (I rows further), transposed.
+    gate_ptrs = gate_up_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
+    up_ptrs = gate_ptrs + intermediate * w_stride_n
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, hidden_size, BLOCK_K):
+        k_ok = ks < hidden_size - k
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
+        up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * w_stride_k
+        up_ptrs += BLOCK_K * w_stride_k
+    dtype = h_ptr.dtype.element_ty
+    h = _round(_activation(_round(gate, dtype), ACTIVATION), dtype) * _round(up, dtype)
+    tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, down_ptr, row_pair_ptr, block_expert_ptr, y_ptr,
+    num_pairs, hidden_size, intermediate,
+    h_stride, w_stride_e, w_stride_n, w_stride_k, y_stride,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program (block, n): columns n*BLOCK_N.. of y = h down_e^T for the block's rows. Padding rows of h
+    # were never written: they are read as zeros and their outputs not stored.
+    block = tl.program_id(0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = tl.load(row_pair_ptr + rows) < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden_size
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None] * h_stride + ks[None, :]
+    w_ptrs = down_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, intermediate, BLOCK_K):
+        k_ok = ks < intermediate - k
+        h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * w_stride_k
+    out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+class Layout(NamedTuple):
+    row_pair: torch.Tensor  # [blocks * block_m] int32: the pair each row holds, num_pairs for padding
+    pair_row: torch.Tensor  # [P] int32: the row each pair landed on
+    block_expert: torch.Tensor  # [blocks] int32: each block's expert, -1 for unused blocks
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
+    """The (token, slot) pairs in expert order, each expert's run padded to a multiple of block_m rows."""
+    num_pairs = topk_ids.numel()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    order, offsets = sort_pairs_by_expert(topk_ids, num_experts)
+    device = topk_ids.device
+    layout = Layout(
+        row_pair=torch.empty(num_blocks * block_m, dtype=torch.int32, device=device),
+        pair_row=torch.empty(num_pairs, dtype=torch.int32, device=device),
+        block_expert=torch.empty(num_blocks, dtype=torch.int32, device=device),
+    )
+    _moe_align_kernel[(num_experts + 1,)](
+        offsets, order, *layout, num_experts, num_pairs, num_blocks,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4,
+    )
+    return layout
+
+
+def moe_experts_triton(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """``zoo::moe_experts`` with the fused-MoE kernels; the caller checks ``triton_supported`` first."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, intermediate = gate_up.shape[0], down.shape[2]
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:  # a static shape: no launch has anything to do
+        return hidden.new_zeros(num_tokens, hidden_size)
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    num_pairs = topk_ids.numel()
+    tiles = tiles_for(hidden, num_pairs, num_experts)
+    layout = moe_align(topk_ids, num_experts, tiles.block_m)
+    num_blocks, rows = layout.block_expert.shape[0], layout.row_pair.shape[0]
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
+    launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+    h = torch.empty(rows, intermediate, dtype=hidden.dtype, device=hidden.device)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(intermediate, tiles.block_n))](
+        hidden, gate_up, layout.row_pair, layout.block_expert, h,
+        num_pairs, hidden_size, intermediate,
+        hidden.stride(0), *gate_up.stride(), h.stride(0),
+        TOP_K=top_k, ACTIVATION=_KERNEL_ACTIVATIONS[activation], **launch,
+    )
+    y = torch.empty(rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, tiles.block_n))](
+        h, down, layout.row_pair, layout.block_expert, y,
+        num_pairs, hidden_size, intermediate,
+        h.stride(0), *down.stride(), y.stride(0), **launch,
+    )
+    return moe_combine(y, layout.pair_row, topk_weights, hidden.dtype)

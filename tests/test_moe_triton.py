@@ -1,0 +1,186 @@
+"""The Triton fused-MoE kernel of ``zoo::moe_experts`` (``ops_cuda/moe_triton.py``) against the op's
+PyTorch reference.
+
+Without a GPU the launcher runs on CPU tensors in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1): tiny experts (H=32, I=16..24) in float32 and float16 (the interpreter's bfloat16
+tl.dot is wrong), both tile sizes, uneven loads, experts without tokens, runs that are not a multiple of
+the block, and the padded layout itself. On a GPU the ``gpu`` tests here check the layout and float32;
+the op-level GPU tests (bf16 and fp16 on Qwen3-30B-A3B shapes, NaN-poisoned buffers, CUDA-graph replay)
+run both kernels of the dispatch, this one included, in ``tests/test_moe_gpu.py``.
+"""
+
+import os
+import random
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ops_cuda.moe import moe_experts_reference  # noqa: E402
+from ops_cuda.moe_triton import (  # noqa: E402
+    INTERPRETER_TILES,
+    LARGE_TILES,
+    SMALL_TILES,
+    max_blocks,
+    moe_align,
+    moe_experts_triton,
+    tiles_for,
+)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+
+# Largest difference allowed, relative to the reference's largest magnitude. float32: the same math in
+# another summation order. float16: both round the GEMM outputs and the activation to float16 at the same
+# points; where one rounding falls the other way, a unit in the last place (2^-11 relative) propagates.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+NUM_EXPERTS, HIDDEN = 8, 32
+
+
+def experts(num_experts, hidden_size, intermediate, dtype, device="cpu", seed=0):
+    """gate_up [E, 2I, H], down [E, H, I] scaled so every intermediate is of order one."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden_size, device=device, generator=g) / hidden_size**0.5
+    down = torch.randn(num_experts, hidden_size, intermediate, device=device, generator=g) / intermediate**0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def routed(num_tokens, top_k, allowed, seed=0, device="cpu"):
+    """topk ids drawn only from ``allowed`` experts (distinct per token), and softmax weights (float32)."""
+    rng = random.Random(seed)
+    ids = torch.tensor([rng.sample(allowed, top_k) for _ in range(num_tokens)], dtype=torch.int64)
+    weights = torch.randn(num_tokens, top_k, generator=torch.Generator().manual_seed(seed)).softmax(-1)
+    return weights.to(device), ids.view(num_tokens, top_k).to(device)
+
+
+def assert_close(ours, reference, tol):
+    assert ours.shape == reference.shape and ours.dtype == reference.dtype
+    error = (ours.float() - reference.float()).abs().max().item()
+    assert error <= tol * reference.float().abs().max().item(), error
+
+
+# name -> (tokens, top_k, experts the routing may pick) on NUM_EXPERTS experts
+CASES = {
+    "uneven": (11, 2, [0, 2, 3, 6]),  # 4 of 8 experts get no tokens, the others uneven runs
+    "one_expert_17_rows": (17, 1, [5]),  # one run of 17 rows: a full block and one of a single row
+    "last_expert_only": (3, 1, [7]),  # every run but the last empty
+    "one_token": (1, 2, list(range(8))),  # a decode step
+    "every_expert": (6, 4, list(range(8))),
+    "large_tiles": (70, 2, [0, 1, 3, 4, 6]),  # 140 pairs > 16 per expert: the 64-row blocks
+}
+
+
+def check_layout(topk_ids, num_experts, block_m):
+    layout = moe_align(topk_ids, num_experts, block_m)
+    num_pairs = topk_ids.numel()
+    row_pair, pair_row, block_expert = (t.cpu().long() for t in layout)
+    expert_of_pair = topk_ids.reshape(-1).cpu().long()
+    assert block_expert.shape[0] == max_blocks(num_pairs, num_experts, block_m)
+    assert torch.equal(row_pair[pair_row], torch.arange(num_pairs)), "pair -> row -> pair is not the identity"
+    used = block_expert >= 0
+    assert used.sum() == sum(-(-int(c) // block_m) for c in torch.bincount(expert_of_pair, minlength=num_experts))
+    assert used[: used.sum()].all(), "unused blocks must come after every expert's blocks"
+    assert (block_expert[used].diff() >= 0).all(), "blocks in expert order"
+    for block in torch.nonzero(used).flatten().tolist():
+        pairs = row_pair[block * block_m : (block + 1) * block_m]
+        real = pairs[pairs < num_pairs]
+        assert real.numel() > 0 and (expert_of_pair[real] == block_expert[block]).all()
+        assert (pairs[real.numel() :] == num_pairs).all(), "padding only at the end of an expert's run"
+        assert (real.diff() > 0).all(), "an expert's pairs in token order"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the launcher under Triton's interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tiles_follow_the_rows_per_expert():
+    on_gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # tiles_for reads these two only
+    assert tiles_for(on_gpu, 8, 128) == SMALL_TILES  # Qwen3-30B-A3B decode: 1 token x top-8
+    assert tiles_for(on_gpu, 16 * 128, 128) == SMALL_TILES
+    assert tiles_for(on_gpu, 16 * 128 + 1, 128) == LARGE_TILES
+    float32_on_gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    assert tiles_for(float32_on_gpu, 8, 128) == SMALL_TILES._replace(block_k=SMALL_TILES.block_k // 2)
+    assert tiles_for(torch.empty(0), 8, 128) == INTERPRETER_TILES[SMALL_TILES]
+
+
+@interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_layout_interpreted(case):
+    tokens, top_k, allowed = CASES[case]
+    block_m = tiles_for(torch.empty(0), tokens * top_k, NUM_EXPERTS).block_m
+    check_layout(routed(tokens, top_k, allowed)[1], NUM_EXPERTS, block_m)
+
+
+@interpreter
+def test_layout_worst_case_fills_every_block_interpreted():
+    # 8 pairs, 2 on each of 4 experts, blocks of 16: every expert pads 14 rows, all max_blocks blocks used.
+    ids = torch.tensor([[0, 1], [2, 3], [3, 2], [1, 0]])
+    assert max_blocks(8, 4, 16) == 4
+    check_layout(ids, 4, 16)
+    assert (moe_align(ids, 4, 16).block_expert == torch.arange(4, dtype=torch.int32)).all()
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_interpreted(case, dtype):
+    tokens, top_k, allowed = CASES[case]
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, 24, dtype)  # I = 24: a partial N tile
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    weights, ids = routed(tokens, top_k, allowed, seed=2)
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu")
+    assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, "silu"), TOL[dtype])
+
+
+@interpreter
+@pytest.mark.parametrize("activation", ["gelu", "gelu_pytorch_tanh", "gelu_new", "relu"])
+def test_activations_interpreted(activation):
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, 16, torch.float32)
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)) * 3  # reach the activations' tails
+    weights, ids = routed(5, 2, list(range(8)), seed=3)
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, activation)
+    assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, activation), TOL[torch.float32])
+
+
+@interpreter
+def test_int32_ids_strided_hidden_and_no_tokens_interpreted():
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, 16, torch.float16)
+    rows = torch.randn(9, 2 * HIDDEN, generator=torch.Generator().manual_seed(1)).half()
+    hidden = rows[:, HIDDEN:]  # a strided view
+    weights, ids = routed(9, 3, list(range(8)), seed=4)
+    ours = moe_experts_triton(hidden, weights, ids.int(), gate_up, down, "silu")
+    assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, "silu"), TOL[torch.float16])
+    empty = moe_experts_triton(hidden[:0], weights[:0], ids[:0], gate_up, down, "silu")
+    assert empty.shape == (0, HIDDEN) and empty.dtype == torch.float16
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled kernels (the op's bf16 / fp16 cases are in tests/test_moe_gpu.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 300, 4096])
+def test_layout_gpu(tokens):
+    """The Qwen3-30B-A3B routing shape (128 experts, top-8): a decode step, small and large tiles."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 128, device="cuda", generator=g) + 2 * torch.randn(128, device="cuda", generator=g)
+    ids = logits.topk(8, dim=-1).indices
+    check_layout(ids, 128, tiles_for(logits.bfloat16(), ids.numel(), 128).block_m)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 37, 700])
+def test_float32_matches_reference_gpu(tokens):
+    """float32 multiplies in full float32 ("ieee", not TF32): the reference's math, in another order."""
+    gate_up, down = experts(16, 256, 128, torch.float32, device="cuda")
+    hidden = torch.randn(tokens, 256, device="cuda")
+    weights, ids = routed(tokens, 4, [0, 2, 3, 6, 7, 11, 15], seed=tokens, device="cuda")  # 9 experts empty
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu")
+    assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, "silu"), TOL[torch.float32])
