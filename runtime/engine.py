@@ -9,7 +9,7 @@ from layers import Attention
 from layers.attention import select_backend
 from runtime.block_manager import BlockManager
 from runtime.model_runner import KVCache, ModelRunner
-from runtime.sampler import sample
+from runtime.sampler import sample_tokens
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, Status
@@ -65,9 +65,9 @@ class Engine:
             num_blocks = self._blocks_for_budget(block_size, dtype, kv_cache_gib, gpu_memory_utilization,
                                                  max_num_seqs, max_num_batched_tokens)
         self.kv_cache = KVCache(model, num_blocks, block_size, dtype, device)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, max_num_seqs, max_model_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, max_num_seqs, max_model_len, use_cuda_graphs)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, use_cuda_graphs)
         self.outputs: dict[int, RequestOutput] = {}
         self.sequences: dict[int, Sequence] = {}
 
@@ -150,18 +150,20 @@ class Engine:
         if not scheduled:
             return changed
         logits, sampling = self.runner.run(scheduled)
+        tokens = sample_tokens(logits, sampling)
+        # What does not depend on the new tokens is done while the device computes them.
         for seq, count in scheduled:
             seq.num_computed_tokens += count
-            self.block_manager.cache_full_blocks(seq)
-        for seq, token in zip(sampling, sample(logits, sampling)):
+        self.block_manager.cache_full_blocks(seq for seq, _ in scheduled)
+        for seq, token in zip(sampling, tokens.tolist()):
             seq.append(token)
-            self._check_stop(seq, token)
-            if seq.status == Status.FINISHED:
+            if self._stops(seq, token):
                 self.scheduler.finish(seq)
             changed.append(self._finish_output(seq))
         return changed
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _stops(self, seq: Sequence, token: int) -> bool:
+        """Whether the token ends the sequence; if so, it is finished with the reason."""
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish("stop")
@@ -169,6 +171,9 @@ class Engine:
             seq.finish("stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
+        else:
+            return False
+        return True
 
     def _cut_at_stop_string(self, seq: Sequence) -> bool:
         output = self.outputs[seq.request_id]

@@ -98,6 +98,8 @@ class LLM:
         with tqdm(total=len(outputs), initial=done, desc="Generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 changed = self.engine.step()
+                if bar.disable:  # the bar's figures cost a pass over all outputs: only when it shows
+                    continue
                 generated += sum(1 for o in changed if o.error is None)
                 finished = sum(o.finished for o in outputs)
                 bar.update(finished - done)

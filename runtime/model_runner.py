@@ -1,11 +1,12 @@
 """Runs the model on a scheduled step: the KV cache pools, the flat batch and its metadata, and
 the CUDA graphs that replay decode steps."""
 
+from itertools import chain
+
 import numpy as np
 import torch
 
 from layers import Attention, AttentionMetadata
-from runtime.scheduler import is_decode
 from runtime.sequence import Sequence
 
 
@@ -29,44 +30,69 @@ class KVCache:
 
 
 class StepInputs:
-    """The flat batch of one step as host lists; ``to_device`` turns it into the model's arguments."""
+    """The flat batch of one step as host arrays; ``to_device`` turns it into the model's arguments.
 
-    def __init__(self, scheduled: list[tuple[Sequence, int]], block_size: int, table_width: int):
-        self.input_ids, self.positions, self.slots, self.logits_rows = [], [], [], []
-        self.query_lens, self.context_lens, self.sampled = [], [], []
-        for seq, count in scheduled:
-            start = seq.num_computed_tokens
-            span = range(start, start + count)
-            self.input_ids.extend(seq.token_ids[start : start + count])
-            self.positions.extend(span)
-            self.slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in span)
-            self.query_lens.append(count)
-            self.context_lens.append(start)
-            if start + count == seq.num_tokens:
-                self.logits_rows.append(len(self.input_ids) - 1)
-                self.sampled.append(seq)
+    ``scheduled`` lists prefills before decodes. A step where every sequence brings one token
+    (decodes: most steps) is built per sequence in Python; a step with longer spans (prefill
+    chunks) per token with numpy. The block tables are a gather of the block manager's rows.
+    """
+
+    def __init__(self, scheduled: list[tuple[Sequence, int]], block_tables: np.ndarray, block_size: int):
+        seqs = [seq for seq, _ in scheduled]
+        self.query_lens = [count for _, count in scheduled]
+        self.context_lens = [seq.num_computed_tokens for seq in seqs]
         # One fixed table width for every step: kernels see the same shapes eagerly and in graphs.
-        self.block_tables = np.zeros((len(scheduled), table_width), dtype=np.int32)
-        for row, (seq, _) in zip(self.block_tables, scheduled):
-            row[: len(seq.block_table)] = seq.block_table
-        self.seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens)]
-        self.num_decodes = sum(1 for item in scheduled if is_decode(*item))
+        self.block_tables = block_tables[[seq.table_row for seq in seqs]]
+        if sum(self.query_lens) == len(seqs):
+            self._one_token_each(seqs, block_size)
+        else:
+            self._token_spans(seqs, block_size)
+
+    def _one_token_each(self, seqs: list[Sequence], block_size: int) -> None:
+        starts = self.context_lens
+        self.input_ids = np.array([seq.token_ids[p] for seq, p in zip(seqs, starts)], dtype=np.int64)
+        self.positions = np.array(starts, dtype=np.int64)
+        self.slots = np.array([seq.block_table[p // block_size] * block_size + p % block_size
+                               for seq, p in zip(seqs, starts)], dtype=np.int64)
+        self.seq_lens = np.array(starts, dtype=np.int32) + 1
+        self.query_start_loc = np.arange(len(seqs) + 1, dtype=np.int32)
+        # A sequence samples once its last token is computed.
+        samples = [p + 1 == seq.num_tokens for seq, p in zip(seqs, starts)]
+        self.logits_rows = np.flatnonzero(samples)
+        self.sampled = [seq for seq, sampling in zip(seqs, samples) if sampling]
+        self.num_decodes = len(starts) - starts.count(0)  # is_decode: one token after cached ones
+
+    def _token_spans(self, seqs: list[Sequence], block_size: int) -> None:
+        counts = np.array(self.query_lens, dtype=np.int64)
+        starts = np.array(self.context_lens, dtype=np.int64)
+        ends = np.cumsum(counts)  # where each sequence's new tokens end in the stream
+        new_tokens = (seq.token_ids[start : start + count]
+                      for seq, start, count in zip(seqs, self.context_lens, self.query_lens))
+        self.input_ids = np.fromiter(chain.from_iterable(new_tokens), dtype=np.int64, count=int(ends[-1]))
+        self.positions = np.arange(ends[-1]) + np.repeat(starts - (ends - counts), counts)
+        owner = np.repeat(np.arange(len(seqs)), counts)  # the sequence of each token
+        blocks = self.block_tables[owner, self.positions // block_size].astype(np.int64)
+        self.slots = blocks * block_size + self.positions % block_size
+        self.seq_lens = (starts + counts).astype(np.int32)
+        self.query_start_loc = np.concatenate(([0], ends)).astype(np.int32)
+        # A sequence samples once its last token is computed.
+        samples = np.array([seq.num_tokens for seq in seqs]) == starts + counts
+        self.logits_rows = ends[samples] - 1
+        self.sampled = [seq for seq, sampling in zip(seqs, samples.tolist()) if sampling]
+        self.num_decodes = int(np.count_nonzero((counts == 1) & (starts > 0)))  # is_decode of each
 
     @property
     def decode_only(self) -> bool:
         return self.num_decodes == len(self.query_lens)
 
     def to_device(self, device):
-        def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device)
 
-        starts = [0]
-        for count in self.query_lens:
-            starts.append(starts[-1] + count)
         metadata = AttentionMetadata(
             query_lens=self.query_lens, context_lens=self.context_lens, slot_mapping=tensor(self.slots),
-            block_tables=torch.from_numpy(self.block_tables).to(device), num_decodes=self.num_decodes,
-            seq_lens=tensor(self.seq_lens, torch.int32), query_start_loc=tensor(starts, torch.int32),
+            block_tables=tensor(self.block_tables), num_decodes=self.num_decodes, seq_lens=tensor(self.seq_lens),
+            query_start_loc=tensor(self.query_start_loc),
         )
         return tensor(self.input_ids), tensor(self.positions), metadata, tensor(self.logits_rows)
 
@@ -76,7 +102,8 @@ class DecodeGraphs:
 
     A step of n decodes replays the smallest graph of at least n rows; the inputs and metadata
     live in buffers allocated once and rewritten in place, padding rows write nothing and read
-    nothing (slot -1, length 0).
+    nothing (slot -1, length 0). A step writes its inputs into pinned host copies of those
+    buffers and sends them over in two asynchronous copies, one of int64s and one of int32s.
     """
 
     def __init__(self, model, max_batch: int, table_width: int, device: torch.device):
@@ -85,12 +112,20 @@ class DecodeGraphs:
         self.sizes = sorted({min(size, max_batch) for size in sizes})
         largest = self.sizes[-1]
 
-        def buffer(*shape, dtype=torch.long):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.input_ids, self.positions, self.slots = buffer(largest), buffer(largest), buffer(largest)
-        self.seq_lens = buffer(largest, dtype=torch.int32)
-        self.block_tables = buffer(largest, table_width, dtype=torch.int32)
+        # Two buffers, each sent in one copy a step: int64 ids, positions and slots; int32 lengths,
+        # then table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
+        self.table_start = -(-largest // 16) * 16
+        self.longs = torch.zeros(3, self.table_start, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slots = self.longs[:, :largest]
+        self.ints = torch.zeros(self.table_start + largest * table_width, dtype=torch.int32, device=device)
+        self.seq_lens = self.ints[:largest]
+        self.block_tables = self.ints[self.table_start :].view(largest, table_width)
+        self.staged_longs = torch.zeros_like(self.longs, device="cpu").pin_memory()
+        self.staged_ints = torch.zeros_like(self.ints, device="cpu").pin_memory()
+        self.host_longs = self.staged_longs.numpy()
+        self.host_seq_lens = self.staged_ints.numpy()[:largest]
+        self.host_block_tables = self.staged_ints.numpy()[self.table_start :].reshape(largest, table_width)
+        self.copied = torch.cuda.Event()  # completes when a step's copies have read the staged buffers
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -123,30 +158,41 @@ class DecodeGraphs:
     def run(self, step: StepInputs) -> torch.Tensor:
         n = len(step.input_ids)
         size = next(s for s in self.sizes if s >= n)
-        pad = size - n
-        self.input_ids[:size].copy_(torch.tensor(step.input_ids + [0] * pad), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(step.positions + [0] * pad), non_blocking=True)
-        self.slots[:size].copy_(torch.tensor(step.slots + [-1] * pad), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(step.seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n].copy_(torch.from_numpy(step.block_tables), non_blocking=True)
+        self.copied.synchronize()  # the previous step's copies have read the staged buffers
+        for staged, values, padding in zip(self.host_longs, (step.input_ids, step.positions, step.slots), (0, 0, -1)):
+            staged[:n] = values
+            staged[n:size] = padding
+        self.host_seq_lens[:n] = step.seq_lens
+        self.host_seq_lens[n:size] = 0
+        self.host_block_tables[:n] = step.block_tables
+        ints_used = self.table_start + step.block_tables.size  # every length, the first n table rows
+        self.longs.copy_(self.staged_longs, non_blocking=True)
+        self.ints[:ints_used].copy_(self.staged_ints[:ints_used], non_blocking=True)
+        self.copied.record()
         self.graphs[size].replay()
-        return self.logits[size][:n]
+        logits = self.logits[size][:n]
+        if len(step.sampled) == n:
+            return logits
+        # A one-token chunk of a longer prompt is a decode to attention, but samples nothing.
+        return logits[torch.from_numpy(step.logits_rows).to(logits.device)]
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, max_num_seqs: int, max_model_len: int, use_cuda_graphs: bool):
+    def __init__(self, model, kv_cache: KVCache, block_tables: np.ndarray, use_cuda_graphs: bool):
+        """``block_tables``: the block manager's, a row per sequence that holds blocks; as many rows as
+        sequences can run at once."""
         self.model = model
         self.kv_cache = kv_cache
+        self.block_tables = block_tables
         self.device = next(model.parameters()).device
-        self.table_width = -(-max_model_len // kv_cache.block_size)
-        self.graphs = DecodeGraphs(model, max_num_seqs, self.table_width, self.device) if use_cuda_graphs else None
+        max_num_seqs, table_width = block_tables.shape
+        self.graphs = DecodeGraphs(model, max_num_seqs, table_width, self.device) if use_cuda_graphs else None
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Float32 logits [len(sampled), vocab] for the sequences that sample this step."""
-        step = StepInputs(scheduled, self.kv_cache.block_size, self.table_width)
+        """Logits [len(sampled), vocab], in the model's dtype, for the sequences that sample this step."""
+        step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size)
         if self.graphs is not None and step.decode_only and self.graphs.fits(len(step.input_ids)):
-            return self.graphs.run(step).float(), step.sampled
+            return self.graphs.run(step), step.sampled
         input_ids, positions, metadata, logits_rows = step.to_device(self.device)
-        logits = self.model(input_ids, positions, metadata, logits_indices=logits_rows)
-        return logits.float(), step.sampled
+        return self.model(input_ids, positions, metadata, logits_indices=logits_rows), step.sampled

@@ -3,8 +3,8 @@ penalties, temperature, top-k, top-p, min-p, then greedy argmax or a draw.
 
 Draws use the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` picks token i with
 probability p_i, needs no cumulative sum, and stays on the logits' device: the only host sync of
-a step is reading the chosen ids. A seeded request draws its noise from its own generator, so
-its tokens do not depend on what else is in the batch.
+a step is reading the chosen ids, which ``sample_tokens`` leaves to its caller. A seeded request
+draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
 """
 
 import torch
@@ -48,16 +48,25 @@ def _exponential_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of ``logits`` [len(seqs), vocab] (float32); records logprobs where asked."""
-    raw = logits
+    """One token per row of ``logits`` [len(seqs), vocab]; records logprobs where asked."""
+    return sample_tokens(logits, seqs).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``sample``, with the ids left on the logits' device: reading them waits for the device."""
+    if all(seq.argmax_only for seq in seqs):
+        # Straight on the model's dtype: a float32 copy would change no value and no order.
+        return logits.argmax(-1)
     penalised = [i for i, seq in enumerate(seqs) if seq.params.penalised]
+    drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    wants_logprobs = [i for i, seq in enumerate(seqs) if seq.logprobs is not None]
+    raw = logits = logits.float()
     if penalised:
         logits = logits.clone()
         for i in penalised:
             apply_penalties(logits[i], seqs[i])
     tokens = logits.argmax(-1)
 
-    drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if drawn:
         def setting(name, dtype):
             return torch.tensor([getattr(seqs[i].params, name) for i in drawn], dtype=dtype, device=logits.device)
@@ -68,10 +77,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         noise = _exponential_noise([seqs[i] for i in drawn], logits.shape[-1], logits.device)
         tokens[drawn] = (probs / noise).argmax(-1)
 
-    wants_logprobs = [i for i, seq in enumerate(seqs) if seq.logprobs is not None]
     if wants_logprobs:
         _record_logprobs(raw[wants_logprobs].log_softmax(-1), tokens[wants_logprobs], [seqs[i] for i in wants_logprobs])
-    return tokens.tolist()
+    return tokens
 
 
 def _record_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -55,7 +55,7 @@ class Scheduler:
         """(sequence, new tokens) for the next step, prefills before decodes; and the sequences
         that had to be failed because they cannot fit the cache even alone."""
         budget = self.max_num_batched_tokens
-        scheduled, failed = [], []
+        prefills, decodes, failed = [], [], []
 
         # Running sequences first, oldest first; the newest are preempted to make room.
         index = 0
@@ -78,7 +78,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append((seq, count))
+                (decodes if is_decode(seq, count) else prefills).append((seq, count))
                 budget -= count
                 index += 1
 
@@ -94,10 +94,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            scheduled.append((seq, count))
+            (decodes if is_decode(seq, count) else prefills).append((seq, count))
             budget -= count
         # Prefills first, then decodes: the layout AttentionMetadata describes.
-        return sorted(scheduled, key=lambda item: is_decode(*item)), failed
+        return prefills + decodes, failed
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -25,11 +25,14 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.num_cached_tokens = 0  # of those, how many the prefix cache supplied at admission
         self.block_table: list[int] = []
+        self.table_row: int | None = None  # its row of the block manager's block_tables while it holds blocks
         self.block_hashes: list[int] = []  # prefix-cache keys of the leading full blocks
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Greedy, unpenalised, no logprobs: its token is the logits' argmax and nothing more (most requests).
+        self.argmax_only = params.greedy and not params.penalised and params.logprobs is None
         self.generator: torch.Generator | None = None  # a seeded request's own, on the model's device
 
     def seed_generator(self, device: torch.device) -> None:

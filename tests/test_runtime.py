@@ -87,6 +87,35 @@ def test_preemption_changes_nothing(checkpoints):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
+def test_block_table_rows_follow_the_sequences(checkpoints):
+    """The rows of the block manager's table, which the model reads, equal each sequence's block
+    table after every step: through prefix-cache hits, preemption, and rows that finished
+    sequences hand on."""
+    path, _ = checkpoints["llama"]
+    shared = prompts(1, seed=14, low=12, high=12)[0]
+    batch = [shared + tail for tail in prompts(8, seed=15, low=1, high=20)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    roomy = token_ids(llm(path).generate(batch, params, use_tqdm=False))
+    tight = llm(path, num_blocks=20, max_num_seqs=4)
+    engine, manager = tight.engine, tight.engine.block_manager
+    outputs = [engine.add_request(i, prompt, params) for i, prompt in enumerate(batch)]
+    rows_used = set()
+    while engine.has_unfinished():
+        engine.step()
+        holding = [seq for seq in engine.sequences.values() if seq.block_table]
+        rows = [seq.table_row for seq in holding]
+        assert None not in rows and len(set(rows)) == len(rows)
+        rows_used.update(rows)
+        for seq in holding:
+            row = manager.block_tables[seq.table_row]
+            assert row[: len(seq.block_table)].tolist() == seq.block_table and not row[len(seq.block_table) :].any()
+        assert all(seq.table_row is None for seq in engine.sequences.values() if not seq.block_table)
+        assert not manager.block_tables[manager.free_rows].any()
+    assert token_ids(outputs) == roomy
+    assert engine.scheduler.num_preemptions > 0 and any(o.num_cached_tokens for o in outputs)
+    assert len(rows_used) <= 4 and sorted(manager.free_rows) == [0, 1, 2, 3]
+
+
 def test_request_alone_equals_request_in_batch(checkpoints):
     path, _ = checkpoints["qwen2"]
     batch = prompts(7, seed=5)
