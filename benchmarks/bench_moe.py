@@ -347,7 +347,7 @@ def main():
     parser.add_argument("--hf-decode", default="static", choices=["static", "dynamic", "none"],
                         help="HF generate's cache for the decode timing (static: transformers compiles it)")
     parser.add_argument("--requests", type=int, default=256, help="zoo: at most this many concurrent requests")
-    parser.add_argument("--hf-requests", type=int, default=64, help="HF generate_batch: the first this many requests")
+    parser.add_argument("--hf-requests", type=int, default=64, help="HF generate_batch: the first this many requests (0: skip it)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
@@ -397,6 +397,10 @@ def main():
     del model
     free_memory()
 
+    hf_decodes, hf_throughputs = decode and args.hf_decode != "none", throughput and args.hf_requests > 0
+    if not (hf_decodes or hf_throughputs):
+        print("\n" + table(results), flush=True)
+        return
     # HF: the same weights again (same seed), its decode, then its throughput last.
     reference = random_hf()
     log(f"HF model ready ({results['hf_experts_implementation']} experts)")
@@ -405,7 +409,7 @@ def main():
         torch._dynamo.reset()  # drop the compiled decode step (and its CUDA graphs)
         free_memory()
         save()
-    if throughput:
+    if hf_throughputs:
         hf_throughput(results, reference, prompts, args.hf_requests)
         save()
     del reference

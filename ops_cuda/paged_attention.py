@@ -48,24 +48,31 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
     # q: [B, Hq, D] -> [B, Hq, D]. All sequences in one SDPA call, their keys padded to a common length.
+    batch, num_blocks = block_tables.shape
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
     if _capturing(seq_lens):  # no host sync inside a CUDA graph: pad to the whole table width
-        length = block_tables.shape[1] * k_cache.shape[1]
+        length = num_blocks * block_size
     else:  # pad only to the longest sequence (the table may be much wider)
         length = max(int(seq_lens.max()), 1)
-    t = torch.arange(length, device=q.device)[None, :]
-    lens = seq_lens[:, None].long()
+    t = torch.arange(length, device=q.device)
+    lens = seq_lens[:, None]
     filled = t < lens
+    blocks = -(-length // block_size)
+    slots = block_tables[:, :blocks, None].long() * block_size + torch.arange(block_size, device=q.device)
+    slots = slots.view(batch, -1)[:, :length]
     # Padding positions read the sequence's first key, which was written, and are masked out: a
     # slot past a sequence's length may hold anything (torch.empty, a freed block), even NaN,
     # which would leak through a zero attention weight.
-    positions = torch.where(filled, t, 0)
-    block_size = k_cache.shape[1]
-    slots = (block_tables.long().gather(1, positions // block_size) * block_size + positions % block_size).view(-1)
-    keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots).view(*positions.shape, *k_cache.shape[2:])
-    values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots).view(*positions.shape, *v_cache.shape[2:])
+    slots = torch.where(filled, slots, slots[:, :1]).view(-1)
+    keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots).view(batch, length, kv_heads, head_dim)
+    values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots).view(batch, length, kv_heads, head_dim)
     mask = filled & (t > lens - 1 - sliding_window) if sliding_window else filled
-    out = sdpa(q[:, None], keys, values, mask[:, None, None, :], scale)[:, 0]
-    return torch.where(seq_lens[:, None, None] > 0, out, 0)  # padding rows (length 0) attend nothing
+    # GQA without repeating keys: the query heads that share a KV head are that head's query rows.
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, kv_heads, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale,
+    ).reshape(q.shape)
+    return torch.where(lens[:, :, None] > 0, out, 0)  # padding rows (length 0) attend nothing
 
 
 def paged_prefill_attention_reference(

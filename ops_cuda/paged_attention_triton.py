@@ -41,6 +41,27 @@ def _load_kv_tile(cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys,
 
 
 @triton.jit
+def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+                     table_stride, kv_head, keys, key_ok, dims, dim_ok, scale_log2,
+                     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+                     BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # One online-softmax step: the rows of q over one tile of keys, `visible` [rows or 1, keys] of them.
+    # Returns the updated running max, softmax mass and unnormalised output.
+    k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                      k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    total = total * rescale + tl.sum(p, 1)
+    v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                      v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, total, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, window,
@@ -76,18 +97,12 @@ def _decode_split_kernel(
     for tile in range(start, end, BLOCK_N):
         keys = tile + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                          k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        total = total * rescale + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                          v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, total, acc = _attend_key_tile(
+            q, running_max, total, acc, key_ok[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+            table_stride, kv_head, keys, key_ok, dims, dim_ok, scale_log2,
+            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+            BLOCK_SIZE, DOT_PRECISION,
+        )
 
     # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
     has_keys = total > 0
@@ -163,20 +178,14 @@ def _prefill_kernel(
     for key_tile in range(begin, end, BLOCK_N):
         keys = key_tile + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                          k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (key_ok[None, :] & (keys[None, :] <= positions[:, None])
                    & (keys[None, :] > positions[:, None] - window))
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        total = total * rescale + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                          v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, total, acc = _attend_key_tile(
+            q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+            table_stride, kv_head, keys, key_ok, dims, dim_ok, scale_log2,
+            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+            BLOCK_SIZE, DOT_PRECISION,
+        )
 
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
