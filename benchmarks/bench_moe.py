@@ -7,6 +7,7 @@ generate_batch takes ~1000 decode steps at HF's step time whatever --hf-requests
     python3 benchmarks/bench_moe.py                         # kernels + decode + throughput, Markdown tables
     python3 benchmarks/bench_moe.py --task kernels          # the experts op alone (no model built)
     python3 benchmarks/bench_moe.py --hf-decode none        # skip HF's static-cache generate (its first call compiles)
+    python3 benchmarks/bench_moe.py --hf-requests 0         # skip HF's generate_batch (~4 minutes)
     python3 benchmarks/bench_moe.py --json moe.json         # also write the figures
 
 kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
