@@ -1,15 +1,21 @@
 """GGUF files (llama.cpp): tensors renamed to HuggingFace's names and dequantised to float32.
 
 The config comes from the GGUF metadata through transformers (see ``loaders.config``); here
-only the tensors are read. llama.cpp's converter permutes the rows of Llama's q/k projections
-for its interleaved rotary layout; ``unpermute`` restores HuggingFace's rotate-half layout.
+only the tensors are read, by this module's own header reader (``read_gguf``). llama.cpp's
+converter permutes the rows of Llama's q/k projections for its interleaved rotary layout;
+``unpermute`` restores HuggingFace's rotate-half layout.
 """
 
+import math
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
 
 from loaders.checkpoint import CheckpointError, TensorRef
 
@@ -58,23 +64,175 @@ def unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_architecture(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    return bytes(field.parts[-1]).decode() if field is not None else "<missing>"
+# The header is read here rather than with gguf-py's GGUFReader, which builds a numpy view for
+# every element of the metadata arrays (a tokenizer's 49k tokens and merges take seconds).
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)  # version 1 had 32-bit counts and lengths
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_SCALARS = {
+    GGUFValueType.UINT8: struct.Struct("<B"),
+    GGUFValueType.INT8: struct.Struct("<b"),
+    GGUFValueType.UINT16: struct.Struct("<H"),
+    GGUFValueType.INT16: struct.Struct("<h"),
+    GGUFValueType.UINT32: _U32,
+    GGUFValueType.INT32: struct.Struct("<i"),
+    GGUFValueType.FLOAT32: struct.Struct("<f"),
+    GGUFValueType.BOOL: struct.Struct("<?"),
+    GGUFValueType.UINT64: _U64,
+    GGUFValueType.INT64: struct.Struct("<q"),
+    GGUFValueType.FLOAT64: struct.Struct("<d"),
+}
 
 
-def open_reader(path: Path):
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor of a GGUF file. ``data`` is its stored bytes, a read-only view into the mapped file
+    shaped [*shape[:-1], bytes per row], the form ``gguf.quants.dequantize`` takes."""
 
+    name: str
+    shape: tuple[int, ...]  # numpy's order, slowest-varying dimension first
+    ggml_type: GGMLQuantizationType
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    architecture: str  # "<missing>" when the metadata has no general.architecture
+    tensors: list[GGUFTensor]
+
+
+class _Header:
+    """A cursor over the little-endian header at the start of the mapped file."""
+
+    def __init__(self, path: Path, buffer: memoryview):
+        self.path, self.buffer, self.offset = path, buffer, 0
+
+    def take(self, size: int) -> int:
+        """Step over ``size`` bytes; return where they start."""
+        start, self.offset = self.offset, self.offset + size
+        if self.offset > len(self.buffer):
+            raise CheckpointError(
+                f"{self.path}: truncated GGUF file: its header runs past the end of the file "
+                f"({size} bytes at byte {start} of {len(self.buffer)})"
+            )
+        return start
+
+    def read(self, scalar: struct.Struct):
+        return scalar.unpack_from(self.buffer, self.take(scalar.size))[0]
+
+    def raw(self, size: int) -> bytes:
+        start = self.take(size)
+        return bytes(self.buffer[start : self.offset])
+
+    def raw_string(self) -> bytes:
+        return self.raw(self.read(_U64))
+
+    def string(self) -> str:
+        raw = self.raw_string()
+        try:
+            return raw.decode()
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{self.path}: damaged GGUF header: the string {raw[:40]!r} is not UTF-8") from exc
+
+    def skip_value(self, value_type: int) -> None:
+        if value_type in _SCALARS:
+            self.take(_SCALARS[value_type].size)
+        elif value_type == GGUFValueType.STRING:
+            self.take(self.read(_U64))
+        elif value_type == GGUFValueType.ARRAY:
+            item_type, count = self.read(_U32), self.read(_U64)
+            if item_type in _SCALARS:
+                self.take(count * _SCALARS[item_type].size)
+            elif item_type == GGUFValueType.STRING:
+                self._skip_strings(count)
+            else:
+                for _ in range(count):
+                    self.skip_value(item_type)
+        else:
+            raise CheckpointError(f"{self.path}: damaged GGUF header: unknown metadata value type {value_type}")
+
+    def _skip_strings(self, count: int) -> None:
+        # a tight loop: a tokenizer's vocabulary and merges are tens of thousands of strings each
+        buffer, offset, unpack_length = self.buffer, self.offset, _U64.unpack_from
+        try:
+            for _ in range(count):
+                offset += _U64.size + unpack_length(buffer, offset)[0]
+        except struct.error:  # a length to read past the end of the file
+            offset = len(buffer) + 1
+        self.take(offset - self.offset)  # reports strings that run past the end
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """The architecture and tensors of a GGUF file; a damaged file is a CheckpointError naming it."""
     try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises bare ValueErrors/struct errors on damage
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    except ValueError as exc:  # numpy cannot map an empty file
         raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from exc
+    header = _Header(path, memoryview(data))
+    magic = header.raw(len(_MAGIC))
+    if magic != _MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file (its magic is {magic!r}, not {_MAGIC!r})")
+    version = header.read(_U32)
+    if version not in _VERSIONS:
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in _VERSIONS:
+            raise CheckpointError(f"{path}: big-endian GGUF files are not supported")
+        raise CheckpointError(f"{path}: GGUF version {version} is not supported (zoo reads versions 2 and 3)")
+    tensor_count, kv_count = header.read(_U64), header.read(_U64)
+
+    architecture, alignment = "<missing>", GGUF_DEFAULT_ALIGNMENT
+    for _ in range(kv_count):
+        key = header.raw_string()
+        value_type = header.read(_U32)
+        if key == b"general.architecture" and value_type == GGUFValueType.STRING:
+            architecture = header.string()
+        elif key == b"general.alignment":
+            if value_type != GGUFValueType.UINT32:
+                raise CheckpointError(f"{path}: general.alignment has value type {value_type}, not UINT32")
+            alignment = header.read(_U32)
+            if alignment == 0 or alignment & (alignment - 1):
+                raise CheckpointError(f"{path}: general.alignment {alignment} is not a power of two")
+        else:
+            header.skip_value(value_type)
+
+    infos = []
+    for _ in range(tensor_count):
+        name = header.string()
+        n_dims = header.read(_U32)
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise CheckpointError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+        dims = struct.unpack_from(f"<{n_dims}Q", header.buffer, header.take(n_dims * _U64.size))
+        raw_type = header.read(_U32)
+        if raw_type not in GGML_QUANT_SIZES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unknown GGML type {raw_type}")
+        infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(raw_type), header.read(_U64)))
+
+    data_start = header.offset + -header.offset % alignment  # the next multiple of alignment
+    tensors, names = [], set()
+    for name, shape, ggml_type, offset in infos:
+        if name in names:
+            raise CheckpointError(f"{path}: tensor {name!r} appears twice")
+        names.add(name)
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        if shape[-1] % block_size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has rows of {shape[-1]} elements, not whole {ggml_type.name} blocks of {block_size}"
+            )
+        row_bytes = shape[-1] // block_size * type_size
+        start = data_start + offset
+        end = start + math.prod(shape[:-1]) * row_bytes
+        if end > len(data):
+            raise CheckpointError(
+                f"{path}: truncated GGUF file: tensor {name!r} ends at byte {end}, past the end of the file ({len(data)} bytes)"
+            )
+        tensors.append(GGUFTensor(name, shape, ggml_type, data[start:end].reshape(*shape[:-1], row_bytes)))
+    return GGUFFile(architecture, tensors)
 
 
 def gguf_tensors(path: Path, config) -> dict[str, TensorRef]:
-    reader = open_reader(path)
-    architecture = gguf_architecture(reader)
+    gguf_file = read_gguf(path)
+    architecture = gguf_file.architecture
     if architecture not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: {list(ARCHITECTURES)}")
     permuted_heads = {}
@@ -83,27 +241,24 @@ def gguf_tensors(path: Path, config) -> dict[str, TensorRef]:
         permuted_heads = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": config.num_key_value_heads or heads}
 
     tensors: dict[str, TensorRef] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
         heads = next((h for suffix, h in permuted_heads.items() if name.endswith(suffix)), None)
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         tensors[name] = TensorRef(
-            name, shape, "F32", path, _reader(tensor, shape, heads, path), int(np.prod(shape)) * 4
+            name, tensor.shape, "F32", path, _reader(tensor, heads, path), math.prod(tensor.shape) * 4
         )
     return tensors
 
 
-def _reader(tensor, shape, heads, path):
+def _reader(tensor: GGUFTensor, heads, path):
     def load() -> torch.Tensor:
-        from gguf.quants import dequantize
-
         try:
-            weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            weight = dequantize(tensor.data, tensor.ggml_type).reshape(tensor.shape)
         except NotImplementedError as exc:
             raise CheckpointError(
-                f"{path}: tensor {tensor.name!r} has GGML type {tensor.tensor_type.name}, which cannot be dequantised"
+                f"{path}: tensor {tensor.name!r} has GGML type {tensor.ggml_type.name}, which cannot be dequantised"
             ) from exc
         if heads is not None:
             weight = unpermute(weight, heads)

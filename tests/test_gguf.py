@@ -11,6 +11,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from loaders import CheckpointError, load_config, resolve_source
+from loaders.gguf_file import gguf_tensors, read_gguf
 from loaders.load import choose_layouts, declared_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import relative_error
@@ -91,6 +92,17 @@ def test_qk_dequantised_and_unpermuted(case, proj, tensor):
         assert torch.equal(actual, hf.get_parameter(hf_name))
 
 
+def test_reader_matches_gguf_py(case):
+    """zoo's header reader finds the same tensors as gguf-py's GGUFReader, down to the stored bytes."""
+    _, path, *_ = case
+    expected, actual = GGUFReader(str(path)).tensors, read_gguf(path).tensors
+    assert [t.name for t in actual] == [t.name for t in expected]
+    for ours, theirs in zip(actual, expected):
+        assert ours.shape == tuple(reversed(theirs.shape.tolist()))
+        assert ours.ggml_type == theirs.tensor_type
+        assert ours.data.tobytes() == theirs.data.tobytes()
+
+
 def test_tied_embeddings(tmp_path):
     """No output.weight (how llama.cpp stores tied embeddings): lm_head shares embed_tokens."""
     path = tmp_path / "tied.gguf"
@@ -119,6 +131,44 @@ def test_truncated_file(good_file, tmp_path):
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"cannot build a config from it \(cannot reshape array") as err:
         AutoModelForCausalLM.from_pretrained(str(path))
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "cut, message",
+    [
+        ("metadata", "its header runs past the end of the file"),
+        ("tensor infos", "its header runs past the end of the file"),
+        ("tensor data", "tensor '.*' ends at byte"),
+    ],
+)
+def test_truncated_file_in_zoo_reader(good_file, tmp_path, cut, message):
+    """zoo's own reader, given a file cut anywhere, reports the cut against the file."""
+    data = good_file.read_bytes()
+    end = {
+        "metadata": 64,
+        "tensor infos": data.index(b"output_norm.weight") + 4,  # inside the last tensor's name
+        "tensor data": len(data) // 2,
+    }[cut]
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[:end])
+    config = load_config(resolve_source(good_file))
+    with pytest.raises(CheckpointError, match=f"truncated GGUF file: {message}") as err:
+        gguf_tensors(path, config)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "version, message",
+    [((1).to_bytes(4, "little"), "GGUF version 1 is not supported"), ((3).to_bytes(4, "big"), "big-endian")],
+)
+def test_unsupported_gguf_version(good_file, tmp_path, version, message):
+    data = bytearray(good_file.read_bytes())
+    data[4:8] = version  # the version follows the 4-byte magic
+    path = tmp_path / "version.gguf"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=message) as err:
+        read_gguf(path)
     assert str(path) in str(err.value)
 
 
