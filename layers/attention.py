@@ -12,7 +12,7 @@ from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
-from ops_cuda import apply_rotary, write_kv_cache
+from ops_cuda.calls import apply_rotary, write_kv_cache
 from ops_cuda.paged_attention import (
     attention_mask,
     paged_decode_attention,

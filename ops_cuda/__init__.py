@@ -4,7 +4,8 @@ Each op is a ``torch.library`` custom op in the ``zoo`` namespace. Its default k
 pure-PyTorch reference (used on CPU and as the test oracle); GPU kernels register for the
 ``cuda`` dispatch key on top of it. The Triton kernels of the elementwise ops (norms, rotary,
 gated activations, KV-cache write) live in ``ops_cuda.triton_kernels``, imported only when a CUDA
-kernel first runs: ``import ops_cuda`` never imports triton.
+kernel first runs: ``import ops_cuda`` never imports triton. Layers call the ops through
+``ops_cuda.calls``, which runs the references directly on CPU tensors.
 """
 
 from ops_cuda.activation import ACTIVATIONS, act_and_mul
