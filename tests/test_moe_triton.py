@@ -9,7 +9,6 @@ the op-level GPU tests (bf16 and fp16 on Qwen3-30B-A3B shapes, NaN-poisoned buff
 run both kernels of the dispatch, this one included, in ``tests/test_moe_gpu.py``.
 """
 
-import os
 import random
 import types
 
@@ -28,10 +27,8 @@ from ops_cuda.moe_triton import (  # noqa: E402
     moe_experts_triton,
     tiles_for,
 )
+from tests.marks import interpreter, requires_cuda  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
 
 # Largest difference allowed, relative to the reference's largest magnitude. float32: the same math in
 # another summation order. float16: both round the GEMM outputs and the activation to float16 at the same

@@ -41,10 +41,8 @@ from ops_cuda.paged_attention_triton import (  # noqa: E402
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
 )
+from tests.marks import interpreter, requires_cuda  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
 
 # Largest difference allowed relative to the float32 reference's largest magnitude: float32 is
 # exact math up to summation order; half types round p before the P @ V product and the output.
@@ -255,7 +253,7 @@ GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 @pytest.mark.gpu
-@needs_cuda
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("sliding_window", [0, 1000])
@@ -268,7 +266,7 @@ def test_decode_kernel_cuda(dtype, shape, sliding_window):
 
 
 @pytest.mark.gpu
-@needs_cuda
+@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("sliding_window", [0, 1000])
@@ -281,7 +279,7 @@ def test_prefill_kernel_cuda(dtype, shape, sliding_window):
 
 
 @pytest.mark.gpu
-@needs_cuda
+@requires_cuda
 def test_decode_op_replays_in_cuda_graph():
     batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda")
     args = batch.decode_args(0)
@@ -304,7 +302,7 @@ def test_decode_op_replays_in_cuda_graph():
 
 
 @pytest.mark.gpu
-@needs_cuda
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_triton_backend_matches_torch_backend_cuda(dtype):
     outs = []
@@ -315,7 +313,7 @@ def test_triton_backend_matches_torch_backend_cuda(dtype):
 
 
 @pytest.mark.gpu
-@needs_cuda
+@requires_cuda
 @pytest.mark.parametrize("name", ["llama", "mistral-window"])
 def test_runtime_tokens_equal_across_backends(name, tmp_path):
     from runtime import LLM

@@ -21,10 +21,8 @@ from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
+from tests.marks import interpreter, requires_cuda  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
 
 EPS = 1e-6
 # Largest difference allowed, relative to the reference's largest magnitude. The interpreter
