@@ -32,9 +32,8 @@ class KVCache:
 class StepInputs:
     """The flat batch of one step as host arrays; ``to_device`` turns it into the model's arguments.
 
-    ``scheduled`` lists prefills before decodes. A step where every sequence brings one token
-    (decodes: most steps) is built per sequence in Python; a step with longer spans (prefill
-    chunks) per token with numpy. The block tables are a gather of the block manager's rows.
+    ``scheduled`` lists prefills before decodes. The per-token arrays are built with numpy, the
+    block tables are a gather of the block manager's rows.
     """
 
     def __init__(self, scheduled: list[tuple[Sequence, int]], block_tables: np.ndarray, block_size: int):
@@ -43,26 +42,6 @@ class StepInputs:
         self.context_lens = [seq.num_computed_tokens for seq in seqs]
         # One fixed table width for every step: kernels see the same shapes eagerly and in graphs.
         self.block_tables = block_tables[[seq.table_row for seq in seqs]]
-        if sum(self.query_lens) == len(seqs):
-            self._one_token_each(seqs, block_size)
-        else:
-            self._token_spans(seqs, block_size)
-
-    def _one_token_each(self, seqs: list[Sequence], block_size: int) -> None:
-        starts = self.context_lens
-        self.input_ids = np.array([seq.token_ids[p] for seq, p in zip(seqs, starts)], dtype=np.int64)
-        self.positions = np.array(starts, dtype=np.int64)
-        self.slots = np.array([seq.block_table[p // block_size] * block_size + p % block_size
-                               for seq, p in zip(seqs, starts)], dtype=np.int64)
-        self.seq_lens = np.array(starts, dtype=np.int32) + 1
-        self.query_start_loc = np.arange(len(seqs) + 1, dtype=np.int32)
-        # A sequence samples once its last token is computed.
-        samples = [p + 1 == seq.num_tokens for seq, p in zip(seqs, starts)]
-        self.logits_rows = np.flatnonzero(samples)
-        self.sampled = [seq for seq, sampling in zip(seqs, samples) if sampling]
-        self.num_decodes = len(starts) - starts.count(0)  # is_decode: one token after cached ones
-
-    def _token_spans(self, seqs: list[Sequence], block_size: int) -> None:
         counts = np.array(self.query_lens, dtype=np.int64)
         starts = np.array(self.context_lens, dtype=np.int64)
         ends = np.cumsum(counts)  # where each sequence's new tokens end in the stream

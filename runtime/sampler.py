@@ -54,7 +54,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """``sample``, with the ids left on the logits' device: reading them waits for the device."""
-    if all(seq.argmax_only for seq in seqs):
+    if all(seq.params.argmax_only for seq in seqs):
         # Straight on the model's dtype: a float32 copy would change no value and no order.
         return logits.argmax(-1)
     penalised = [i for i, seq in enumerate(seqs) if seq.params.penalised]

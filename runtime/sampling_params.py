@@ -43,6 +43,11 @@ class SamplingParams:
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy, unpenalised, no logprobs: the token is the logits' argmax and nothing more (most requests)."""
+        return self.greedy and not self.penalised and self.logprobs is None
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first invalid field."""
         checks = [

@@ -31,8 +31,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        # Greedy, unpenalised, no logprobs: its token is the logits' argmax and nothing more (most requests).
-        self.argmax_only = params.greedy and not params.penalised and params.logprobs is None
         self.generator: torch.Generator | None = None  # a seeded request's own, on the model's device
 
     def seed_generator(self, device: torch.device) -> None:
