@@ -175,9 +175,11 @@ def throughput_8b(results, max_requests):
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     results["throughput_8b"] = dict(tokens_per_s=tokens / seconds, requests=requests, seconds=seconds,
-                                    kv_blocks=blocks, preemptions=llm.engine.scheduler.num_preemptions)
+                                    kv_blocks=blocks, preemptions=llm.engine.scheduler.num_preemptions,
+                                    steps_run_ahead=llm.engine.num_steps_run_ahead)
     print(f"throughput 8B 1000/1000: {tokens / seconds:.0f} output tok/s ({requests} requests, {seconds:.1f} s, "
-          f"{blocks} KV blocks, {llm.engine.scheduler.num_preemptions} preemptions)", flush=True)
+          f"{blocks} KV blocks, {llm.engine.scheduler.num_preemptions} preemptions, "
+          f"{llm.engine.num_steps_run_ahead} steps run ahead of the host)", flush=True)
     del llm, model
     torch.cuda.empty_cache()
 

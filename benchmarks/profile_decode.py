@@ -24,6 +24,9 @@ from loaders.in_memory import model_from_hf  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 
+HOST_GAP_US = 10
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64)
@@ -47,11 +50,25 @@ def main():
         llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
     kernels = defaultdict(lambda: [0.0, 0])
+    intervals = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             entry = kernels[event.name[:90]]
             entry[0] += event.time_range.elapsed_us()
             entry[1] += 1
+            intervals.append((event.time_range.start, event.time_range.end))
+    # Idle time between consecutive GPU activities: short gaps are the launch gaps inside a graph,
+    # long ones the device waiting on the host.
+    intervals.sort()
+    gaps, busy_until = [], intervals[0][1]
+    for start, end in intervals[1:]:
+        gaps.append(max(0.0, start - busy_until))
+        busy_until = max(busy_until, end)
+    tokens = args.steps + 1
+    short = sum(g for g in gaps if g < HOST_GAP_US)
+    long = [g for g in gaps if g >= HOST_GAP_US]
+    print(f"GPU idle per token: {short / tokens:.1f} µs in gaps under {HOST_GAP_US} µs (between kernels), "
+          f"{sum(long) / tokens:.1f} µs in {len(long)} longer gaps (waiting on the host)")
     gpu_us = sum(total for total, _ in kernels.values())
     roofline_ms = weight_bytes / bandwidth * 1e3
     print(f"{args.steps + 1} tokens (one prefill): {wall_ms / (args.steps + 1):.3f} ms/token wall; "

@@ -1,6 +1,7 @@
 """The engine: requests in, one scheduled model step at a time, tokens and text out."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class LaunchedStep:
+    """A step on the device: what it computes, who samples, and what waits for the sampled ids."""
+
+    scheduled: list[tuple[Sequence, int]]
+    sampled: list[Sequence]
+    token_ids: Callable[[], list[int]]
 
 
 class Engine:
@@ -70,6 +80,8 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, use_cuda_graphs)
         self.outputs: dict[int, RequestOutput] = {}
         self.sequences: dict[int, Sequence] = {}
+        self.launched: LaunchedStep | None = None
+        self.num_steps_run_ahead = 0
 
     def _blocks_for_budget(self, block_size, dtype, kv_cache_gib, utilization, max_num_seqs, max_tokens) -> int:
         """On CUDA: what is free after a profiling forward, times ``utilization``; on CPU an explicit
@@ -139,24 +151,64 @@ class Engine:
             raise ValueError("stop strings need a tokenizer, and the model has none")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.launched is not None or self.scheduler.has_unfinished()
 
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs that changed."""
+        """Schedule and launch one step, and take in the tokens of the one before it; return the
+        outputs that changed.
+
+        When the next step is every running sequence decoding (``_can_run_ahead``), it is launched
+        before the previous step's tokens reach the host: the device reads them where they are, and
+        the host's bookkeeping for one step overlaps the device's work on the next. Otherwise the
+        previous step is taken in first.
+        """
+        changed = []
+        if self.launched is not None:
+            if self._can_run_ahead(self.launched):
+                self.num_steps_run_ahead += 1
+            else:
+                changed += self._take_in(self.launched)
+                self.launched = None
         scheduled, failed = self.scheduler.schedule()
-        changed = [self._finish_output(seq) for seq in failed]
-        if not scheduled:
-            return changed
-        logits, sampling = self.runner.run(scheduled)
-        tokens = sample_tokens(logits, sampling)
-        # What does not depend on the new tokens is done while the device computes them.
+        changed += [self._finish_output(seq) for seq in failed]
+        launched = self._launch(scheduled) if scheduled else None
+        if self.launched is not None:
+            changed += self._take_in(self.launched)
+        self.launched = launched
+        return changed
+
+    def _can_run_ahead(self, launched: LaunchedStep) -> bool:
+        # Penalties and logprobs need each step's tokens on the host; a sequence that surely ends
+        # with the pending token must not be scheduled again.
+        for seq in launched.sampled:
+            params = seq.params
+            if params.penalised or seq.logprobs is not None:
+                return False
+            if len(seq.output_token_ids) + seq.num_pending >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                return False
+        return self.scheduler.next_step_is_plain_decode()
+
+    def _launch(self, scheduled: list[tuple[Sequence, int]]) -> LaunchedStep:
+        logits, sampled = self.runner.run(scheduled)
+        tokens = sample_tokens(logits, sampled)
         for seq, count in scheduled:
             seq.num_computed_tokens += count
-        self.block_manager.cache_full_blocks(seq for seq, _ in scheduled)
-        for seq, token in zip(sampling, tokens.tolist()):
-            seq.append(token)
+        for seq in sampled:
+            seq.append_pending()
+        return LaunchedStep(scheduled, sampled, self.runner.keep_sampled(tokens, sampled))
+
+    def _take_in(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Resolve a launched step's pending tokens, key the blocks they fill, end the sequences they stop."""
+        # A sequence that ended on an earlier token was computed ahead for nothing.
+        resolved = [(seq, token) for seq, token in zip(launched.sampled, launched.token_ids())
+                    if seq.status != Status.FINISHED]
+        for seq, token in resolved:
+            seq.resolve(token)
+        self.block_manager.cache_full_blocks(seq for seq, _ in launched.scheduled)
+        changed = []
+        for seq, token in resolved:
             if self._stops(seq, token):
                 self.scheduler.finish(seq)
             changed.append(self._finish_output(seq))

@@ -1,13 +1,14 @@
 """Runs the model on a scheduled step: the KV cache pools, the flat batch and its metadata, and
 the CUDA graphs that replay decode steps."""
 
+from collections.abc import Callable
 from itertools import chain
 
 import numpy as np
 import torch
 
 from layers import Attention, AttentionMetadata
-from runtime.sequence import Sequence
+from runtime.sequence import PENDING, Sequence
 
 
 class KVCache:
@@ -36,7 +37,10 @@ class StepInputs:
     block tables are a gather of the block manager's rows.
     """
 
-    def __init__(self, scheduled: list[tuple[Sequence, int]], block_tables: np.ndarray, block_size: int):
+    def __init__(self, scheduled: list[tuple[Sequence, int]], block_tables: np.ndarray, block_size: int,
+                 sampled_rows: dict[Sequence, int]):
+        """``sampled_rows``: each sequence's row among the previous step's sampled ids, where a
+        pending input token is read from (``sources``)."""
         seqs = [seq for seq, _ in scheduled]
         self.query_lens = [count for _, count in scheduled]
         self.context_lens = [seq.num_computed_tokens for seq in seqs]
@@ -50,6 +54,10 @@ class StepInputs:
         self.input_ids = np.fromiter(chain.from_iterable(new_tokens), dtype=np.int64, count=int(ends[-1]))
         self.positions = np.arange(ends[-1]) + np.repeat(starts - (ends - counts), counts)
         owner = np.repeat(np.arange(len(seqs)), counts)  # the sequence of each token
+        self.sources = np.zeros_like(self.input_ids)
+        pending = np.flatnonzero(self.input_ids == PENDING)
+        if pending.size:
+            self.sources[pending] = [sampled_rows[seqs[i]] for i in owner[pending]]
         blocks = self.block_tables[owner, self.positions // block_size].astype(np.int64)
         self.slots = blocks * block_size + self.positions % block_size
         self.seq_lens = (starts + counts).astype(np.int32)
@@ -73,7 +81,12 @@ class StepInputs:
             block_tables=tensor(self.block_tables), num_decodes=self.num_decodes, seq_lens=tensor(self.seq_lens),
             query_start_loc=tensor(self.query_start_loc),
         )
-        return tensor(self.input_ids), tensor(self.positions), metadata, tensor(self.logits_rows)
+        return tensor(self.input_ids), tensor(self.sources), tensor(self.positions), metadata, tensor(self.logits_rows)
+
+
+def fill_pending(input_ids: torch.Tensor, sources: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
+    """The input ids, with each pending one read from the previous step's sampled ids on the device."""
+    return torch.where(input_ids == PENDING, sampled_ids[sources], input_ids)
 
 
 class DecodeGraphs:
@@ -83,19 +96,21 @@ class DecodeGraphs:
     live in buffers allocated once and rewritten in place, padding rows write nothing and read
     nothing (slot -1, length 0). A step writes its inputs into pinned host copies of those
     buffers and sends them over in two asynchronous copies, one of int64s and one of int32s.
+    Pending input ids are read inside the graph from ``sampled_ids``.
     """
 
-    def __init__(self, model, max_batch: int, table_width: int, device: torch.device):
+    def __init__(self, model, max_batch: int, table_width: int, sampled_ids: torch.Tensor, device: torch.device):
         self.model = model
+        self.sampled_ids = sampled_ids
         sizes = [1, 2, 4, 8] + list(range(16, max_batch + 16, 16))
         self.sizes = sorted({min(size, max_batch) for size in sizes})
         largest = self.sizes[-1]
 
-        # Two buffers, each sent in one copy a step: int64 ids, positions and slots; int32 lengths,
-        # then table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
+        # Two buffers, each sent in one copy a step: int64 ids, their sources, positions and slots;
+        # int32 lengths, then table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
         self.table_start = -(-largest // 16) * 16
-        self.longs = torch.zeros(3, self.table_start, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slots = self.longs[:, :largest]
+        self.longs = torch.zeros(4, self.table_start, dtype=torch.long, device=device)
+        self.input_ids, self.sources, self.positions, self.slots = self.longs[:, :largest]
         self.ints = torch.zeros(self.table_start + largest * table_width, dtype=torch.int32, device=device)
         self.seq_lens = self.ints[:largest]
         self.block_tables = self.ints[self.table_start :].view(largest, table_width)
@@ -116,7 +131,8 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size], num_decodes=size, seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
         )
-        return self.input_ids[:size], self.positions[:size], metadata
+        input_ids = fill_pending(self.input_ids[:size], self.sources[:size], self.sampled_ids)
+        return input_ids, self.positions[:size], metadata
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -138,7 +154,8 @@ class DecodeGraphs:
         n = len(step.input_ids)
         size = next(s for s in self.sizes if s >= n)
         self.copied.synchronize()  # the previous step's copies have read the staged buffers
-        for staged, values, padding in zip(self.host_longs, (step.input_ids, step.positions, step.slots), (0, 0, -1)):
+        arrays = (step.input_ids, step.sources, step.positions, step.slots)
+        for staged, values, padding in zip(self.host_longs, arrays, (0, 0, 0, -1)):
             staged[:n] = values
             staged[n:size] = padding
         self.host_seq_lens[:n] = step.seq_lens
@@ -165,13 +182,41 @@ class ModelRunner:
         self.block_tables = block_tables
         self.device = next(model.parameters()).device
         max_num_seqs, table_width = block_tables.shape
-        self.graphs = DecodeGraphs(model, max_num_seqs, table_width, self.device) if use_cuda_graphs else None
+        # The last step's sampled ids stay on the device for the next step's pending inputs; on
+        # their way to the host they go through two pinned buffers, used by turns.
+        self.sampled_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        self.sampled_rows: dict[Sequence, int] = {}
+        if self.device.type == "cuda":
+            self.host_ids = [torch.zeros(max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
+            self.host_ids_ready = [torch.cuda.Event() for _ in range(2)]
+            self.turn = 0
+        self.graphs = (DecodeGraphs(model, max_num_seqs, table_width, self.sampled_ids, self.device)
+                       if use_cuda_graphs else None)
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [len(sampled), vocab], in the model's dtype, for the sequences that sample this step."""
-        step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size)
+        step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size, self.sampled_rows)
         if self.graphs is not None and step.decode_only and self.graphs.fits(len(step.input_ids)):
             return self.graphs.run(step), step.sampled
-        input_ids, positions, metadata, logits_rows = step.to_device(self.device)
+        input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device)
+        input_ids = fill_pending(input_ids, sources, self.sampled_ids)
         return self.model(input_ids, positions, metadata, logits_indices=logits_rows), step.sampled
+
+    def keep_sampled(self, tokens: torch.Tensor, seqs: list[Sequence]) -> Callable[[], list[int]]:
+        """Keep a step's sampled ids on the device for the next step, and start their copy to the
+        host. Returns what waits for that copy and gives the ids."""
+        self.sampled_ids[: len(seqs)] = tokens
+        self.sampled_rows = {seq: row for row, seq in enumerate(seqs)}
+        if self.device.type != "cuda":
+            return tokens.tolist
+        host, ready = self.host_ids[self.turn][: len(seqs)], self.host_ids_ready[self.turn]
+        self.turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        ready.record()
+
+        def wait_for_ids() -> list[int]:
+            ready.synchronize()
+            return host.tolist()
+
+        return wait_for_ids

@@ -150,6 +150,28 @@ def test_stop_token_ids_and_max_tokens(checkpoints):
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
 
 
+def test_tokens_sampled_ahead_of_a_stop_are_dropped(checkpoints):
+    # Decodes run ahead of the host: the step after a stop token is already launched when the
+    # host sees it. Its token must not reach the output, and the cache must stay right.
+    path, reference = checkpoints["llama"]
+    engine = llm(path)
+    batch = prompts(4, seed=10, low=5, high=20)
+    free = token_ids(engine.generate(batch, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                     use_tqdm=False))
+    assert engine.engine.num_steps_run_ahead > 0
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[ids[3 + i]])
+              for i, ids in enumerate(free)]
+    stopped = token_ids(engine.generate(batch, params, use_tqdm=False))
+    assert stopped == [ids[: ids.index(ids[3 + i]) + 1] for i, ids in enumerate(free)]
+    # Each prompt with its stopped output, now served from the prefix cache, continues like HF.
+    continued = [p + ids for p, ids in zip(batch, stopped)]
+    outputs = token_ids(engine.generate(continued, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                        use_tqdm=False))
+    for prompt, output in zip(continued, outputs):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert output == expected[0, len(prompt):].tolist()
+
+
 def test_logprobs_are_the_models(checkpoints):
     path, reference = checkpoints["qwen3"]
     prompt = prompts(1, seed=9)[0]

@@ -51,8 +51,10 @@ def test_min_p_matches_hf(min_p):
 def test_repetition_penalty_matches_hf():
     x = logits(4)
     seq = Sequence(0, [3, 7, 7, 11], SamplingParams(repetition_penalty=1.3))
-    seq.append(20)
-    seq.append(3)
+    seq.append_pending()
+    seq.resolve(20)
+    seq.append_pending()
+    seq.resolve(3)
     expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seq.token_ids]), x[None].clone())[0]
     assert torch.allclose(apply_penalties(x.clone(), seq), expected, rtol=0, atol=1e-6)
 
@@ -61,7 +63,8 @@ def test_presence_and_frequency_penalties_count_output_only():
     x = logits(5)
     seq = Sequence(0, [1, 2], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
     for token in (4, 4, 9):
-        seq.append(token)
+        seq.append_pending()
+        seq.resolve(token)
     out = apply_penalties(x.clone(), seq)
     expected = x.clone()
     expected[4] -= 0.5 + 2 * 0.25
