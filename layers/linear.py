@@ -1,10 +1,10 @@
 """Linear layers, plain and fused from several HuggingFace projections."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from layers.weights import Shard, parent_of
+from ops_cuda.calls import linear
 
 
 class Linear(nn.Module):
@@ -18,7 +18,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def empty_parameter(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Storage for a parameter when the loader materialises it. On the CPU the [out, in] weight

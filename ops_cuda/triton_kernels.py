@@ -1,4 +1,5 @@
-"""Triton kernels behind zoo's elementwise ops: the ``cuda`` kernels of the ops in this package.
+"""Triton kernels behind zoo's elementwise ops and single-row matmul: the ``cuda`` kernels of the
+ops in this package.
 
 Each kernel has a plain launcher (``rms_norm_triton``, ...) that the op's CUDA registration calls
 and that the tests call on CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton,
@@ -311,3 +312,47 @@ def write_kv_cache_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=_num_warps(block_h * max(block_dk, block_dv)),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Matrix-vector product
+# ---------------------------------------------------------------------------------------------
+
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 8, 512, 4  # the fastest of benchmarks/bench_gemv.py's sweep
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # BLOCK_N weight rows per program. Products accumulate elementwise in float32 and are summed
+    # once at the end; the weight is read once, past the cache (nothing else will reuse it).
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(row_starts + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _check_dtype("gemv", x, weight, *(() if bias is None else (bias,)))
+    n, k = weight.shape
+    if x.numel() != k:
+        raise ValueError(f"zoo::gemv multiplies one row: x has shape {tuple(x.shape)} for a weight of {k} columns")
+    weight, row = _unit_stride(weight), x.reshape(k).contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+        row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
+        num_warps=GEMV_WARPS,
+    )
+    return out

@@ -15,9 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm, write_kv_cache  # noqa: E402
+from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, gemv, rms_norm, write_kv_cache  # noqa: E402
+from ops_cuda import calls  # noqa: E402
 from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
+from ops_cuda.gemv import gemv_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
@@ -29,6 +31,9 @@ EPS = 1e-6
 # computes in numpy (exactly rounded); compiled GPU code uses approximate exp/div/rsqrt.
 INTERPRETER_TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
 GPU_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# A matrix-vector product accumulates in float32 and rounds once: half a unit of the output dtype
+# (float32's sums differ from the reference's in order only).
+GEMV_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 
 
 def assert_close(ours: torch.Tensor, reference: torch.Tensor, tol: float):
@@ -50,6 +55,16 @@ def qkv_views(n: int, q_heads: int, kv_heads: int, head_dim: int, dtype, device=
     qkv = torch.randn(n, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
     q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     return q.view(n, q_heads, head_dim), k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+
+
+def gemv_inputs(n: int, k: int, lead: tuple, bias: bool, dtype, device="cpu"):
+    x = torch.randn(*lead, k, device=device).to(dtype)
+    weight = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    return x, weight, torch.randn(n, device=device).to(dtype) if bias else None
+
+
+def exact_gemv(x, weight, bias):
+    return gemv_reference(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def norm_inputs(case: str, dtype):
@@ -159,6 +174,22 @@ def test_write_kv_cache_head_dims_differ_interpreted():
 def test_importing_ops_does_not_import_triton():
     code = "import sys, ops_cuda; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("n, k, lead", [(37, 100, (1,)), (16, 1030, (1, 1)), (8, 512, ())])
+def test_gemv_interpreted(n, k, lead, bias, dtype):
+    torch.manual_seed(0)
+    x, weight, b = gemv_inputs(n, k, lead, bias, dtype)
+    assert_close(kernels.gemv_triton(x, weight, b), exact_gemv(x, weight, b), GEMV_TOL[dtype])
+
+
+@interpreter
+def test_gemv_takes_one_row_interpreted():
+    with pytest.raises(ValueError, match=r"zoo::gemv multiplies one row: x has shape \(2, 8\)"):
+        kernels.gemv_triton(torch.randn(2, 8), torch.randn(4, 8), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,6 +302,30 @@ def test_write_kv_cache_gpu(dtype):
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 1003), (128256, 64)])
+def test_gemv_gpu(n, k, bias, dtype):
+    torch.manual_seed(0)
+    x, weight, b = gemv_inputs(n, k, (1,), bias, dtype, "cuda")
+    assert_close(run_poisoned(gemv, x, weight, b), exact_gemv(x, weight, b), GEMV_TOL[dtype])
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_linear_sends_single_rows_to_gemv(monkeypatch):
+    torch.manual_seed(0)
+    x, weight, bias = gemv_inputs(300, 256, (4,), True, torch.bfloat16, "cuda")
+    sent = []
+    monkeypatch.setattr(calls, "gemv", lambda *args: sent.append(args) or gemv(*args))
+    assert torch.equal(calls.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    assert not sent
+    assert torch.equal(calls.linear(x[:1], weight, bias), gemv(x[:1], weight, bias))
+    assert len(sent) == 1
+
+
 def gpu_op_cases() -> dict:
     """name -> (op, reference, args): one bf16 call of each op, shaped like a decode batch of 33."""
     q, k, v = qkv_views(33, 32, 8, 128, torch.bfloat16, "cuda")
@@ -288,11 +343,13 @@ def gpu_op_cases() -> dict:
         "apply_rotary": (apply_rotary, apply_rotary_reference, (q, k, cos, sin, False)),
         "apply_rotary_interleaved": (apply_rotary, apply_rotary_reference, (q, k, cos, sin, True)),
         "write_kv_cache": (write_kv_cache, write_kv_cache_reference, (k, v, k_cache, v_cache, slots)),
+        "gemv": (gemv, exact_gemv, gemv_inputs(4096, 4096, (1,), True, torch.bfloat16, "cuda")),
     }
 
 
 OP_CASES = [
     "rms_norm", "qk_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "apply_rotary_interleaved", "write_kv_cache",
+    "gemv",
 ]
 
 

@@ -1,0 +1,91 @@
+"""Where the 8B 1000/1000 throughput run's time goes: the prefill phase against the decode phase,
+decode steps early, midway and late, and the kernels of a few decode steps midway.
+
+Same workload as ``bench_gpu.py --task throughput-8b`` (Llama-3.1-8B shape, random bf16 weights,
+as many 1000-token prompts as the KV cache holds at once, 1000 greedy tokens each, EOS ignored),
+stepping the engine by hand and timing each step.
+
+    python3 benchmarks/profile_throughput.py
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import LLAMA_8B, workload, zoo_8b  # noqa: E402
+from runtime import LLM, SamplingParams  # noqa: E402
+
+
+def kernel_table(prof, steps: int, rows: int = 14) -> None:
+    kernels = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name[:80]] += event.time_range.elapsed_us()
+    total = sum(kernels.values())
+    print(f"GPU busy {total / steps / 1e3:.2f} ms per step")
+    print("| kernel | ms per step | share |")
+    print("|---|---:|---:|")
+    for name, us in sorted(kernels.items(), key=lambda item: -item[1])[:rows]:
+        print(f"| {name} | {us / steps / 1e3:.2f} | {us / total:.1%} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-requests", type=int, default=512)
+    parser.add_argument("--profile-steps", type=int, default=4)
+    args = parser.parse_args()
+
+    llm = LLM(zoo_8b(), max_num_seqs=args.max_requests, max_model_len=2048, max_num_batched_tokens=8192)
+    engine = llm.engine
+    requests = min(args.max_requests, engine.block_manager.num_blocks // engine.block_manager.blocks_needed(2000))
+    engine.scheduler.max_num_seqs = requests
+    llm.generate(workload(4, 1000, 1000, LLAMA_8B["vocab_size"])[0], SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(workload(requests, 1000, 1000, LLAMA_8B["vocab_size"])[0]):
+        engine.add_request(10_000 + i, prompt, params)
+
+    torch.cuda.synchronize()
+    start = last = time.perf_counter()
+    prefill_s, decode_steps, prof = 0.0, [], None
+    while engine.has_unfinished():
+        if prof is None and len(decode_steps) == 500:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.profile_steps):
+                    engine.step()
+                torch.cuda.synchronize()
+            last = time.perf_counter()
+            continue
+        engine.step()
+        now = time.perf_counter()
+        launched = engine.launched
+        if launched is not None and all(count == 1 for _, count in launched.scheduled):
+            decode_steps.append(now - last)
+        else:
+            prefill_s += now - last
+        last = now
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    tokens = requests * 1000
+    print(f"{requests} requests x 1000 tokens: {total:.1f} s, {tokens / total:.0f} output tok/s "
+          f"({engine.num_steps_run_ahead} steps run ahead)")
+    print(f"steps with prefill tokens: {prefill_s:.1f} s; decode-only steps: {sum(decode_steps):.1f} s "
+          f"over {len(decode_steps)} steps (the {args.profile_steps} profiled ones not counted)")
+    for label, part in (("first 100", decode_steps[:100]), ("middle 100", decode_steps[450:550]),
+                        ("last 100", decode_steps[-100:])):
+        print(f"decode step, {label}: median {statistics.median(part) * 1e3:.2f} ms")
+    print(f"\nkernels of {args.profile_steps} decode steps midway:")
+    kernel_table(prof, args.profile_steps)
+
+
+if __name__ == "__main__":
+    main()
