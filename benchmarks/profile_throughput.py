@@ -1,5 +1,6 @@
 """Where the 8B 1000/1000 throughput run's time goes: the prefill phase against the decode phase,
-decode steps early, midway and late, and the kernels of a few decode steps midway.
+decode steps early, midway and late, and the kernels of a few decode steps midway and of two
+steps of the prefill phase.
 
 Same workload as ``bench_gpu.py --task throughput-8b`` (Llama-3.1-8B shape, random bf16 weights,
 as many 1000-token prompts as the KV cache holds at once, 1000 greedy tokens each, EOS ignored),
@@ -56,8 +57,16 @@ def main():
 
     torch.cuda.synchronize()
     start = last = time.perf_counter()
-    prefill_s, decode_steps, prof = 0.0, [], None
+    prefill_s, decode_steps, prof, prefill_prof, steps = 0.0, [], None, None, 0
     while engine.has_unfinished():
+        if prefill_prof is None and steps == 20:
+            with profile(activities=[ProfilerActivity.CUDA]) as prefill_prof:
+                for _ in range(2):
+                    engine.step()
+                torch.cuda.synchronize()
+            last = time.perf_counter()
+            continue
+        steps += 1
         if prof is None and len(decode_steps) == 500:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.profile_steps):
@@ -85,6 +94,8 @@ def main():
         print(f"decode step, {label}: median {statistics.median(part) * 1e3:.2f} ms")
     print(f"\nkernels of {args.profile_steps} decode steps midway:")
     kernel_table(prof, args.profile_steps)
+    print("\nkernels of 2 steps of the prefill phase (8192 tokens each, prompt chunks and decodes):")
+    kernel_table(prefill_prof, 2)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops_cuda.triton_kernels import begin_after_previous, pdl
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
@@ -69,7 +71,9 @@ def _decode_split_kernel(
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
     # Writes each head's normalised partial output and its log2-sum-exp2.
@@ -118,7 +122,9 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin_after_previous(PDL)
     # Stage 2. Program (sequence, query head): the splits' partial outputs weighted by their
     # share of the softmax mass.
     seq = tl.program_id(0)
@@ -268,12 +274,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, PDL=pdl(q), launch_pdl=pdl(q),
     )
     _decode_reduce_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, PDL=pdl(q), launch_pdl=pdl(q),
     )
 
 

@@ -11,6 +11,8 @@ about one unit in the last place. Launch grids depend on shapes only and outputs
 with ``torch.empty``: every op can be captured in a CUDA graph.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,28 @@ def _num_warps(block: int) -> int:
     return min(max(block // 512, 1), 16)
 
 
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and later): a
+    kernel is started while the one before it drains, and waits for its results inside
+    (``begin_after_previous``). A decode step is a chain of short kernels: this hides their starts."""
+    return t.is_cuda and _compute_capability(t.device)[0] >= 9
+
+
+@functools.cache
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@triton.jit
+def begin_after_previous(PDL: tl.constexpr):
+    # Under PDL the previous kernel may still be running: wait for all of its writes before this
+    # kernel reads or writes activations (weights, never written, may be read before), then let
+    # the next kernel start. Every program waits, so a finished kernel implies a finished predecessor.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit
 def _round(x, dtype: tl.constexpr):
     # Round a float32 value to `dtype` and back: where the reference materialises an intermediate.
@@ -52,8 +76,9 @@ def _rms_norm_kernel(
     rows_per_outer, hidden, eps,
     x_stride_m, x_stride_r, res_stride_m, res_stride_r,
     out_stride_m, out_stride_r, sum_stride_m, sum_stride_r,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    begin_after_previous(PDL)
     # One program per row; rows are [M, R] (tokens x heads for q/k-norm, R = 1 otherwise).
     row = tl.program_id(0).to(tl.int64)
     m, r = row // rows_per_outer, row % rows_per_outer
@@ -94,7 +119,7 @@ def _rms_norm_launch(x, residual, weight, eps):
         r, hidden, eps,
         rows_x.stride(0), rows_x.stride(1), rows_res.stride(0), rows_res.stride(1),
         rows_out.stride(0), rows_out.stride(1), rows_sum.stride(0), rows_sum.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block), PDL=pdl(x), launch_pdl=pdl(x),
     )
     return out, summed
 
@@ -140,7 +165,9 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride,
+                        ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    begin_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -161,7 +188,7 @@ def act_and_mul_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
     block = min(triton.next_power_of_2(d), 1024)
     _act_and_mul_kernel[(rows_x.shape[0], triton.cdiv(d, block))](
         rows_x, rows_out, d, rows_x.stride(0), rows_out.stride(0),
-        ACTIVATION=_KERNEL_ACTIVATIONS[activation], BLOCK=block, num_warps=4,
+        ACTIVATION=_KERNEL_ACTIVATIONS[activation], BLOCK=block, num_warps=4, PDL=pdl(x), launch_pdl=pdl(x),
     )
     return out
 
@@ -209,8 +236,10 @@ def _rotary_kernel(
     q_heads, k_heads, q_dim, k_dim, rotary_dim, cos_stride, sin_stride,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h,
     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (token, block of BLOCK_H heads), rotating those heads of both q and k.
+    begin_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     half = rotary_dim // 2
@@ -253,6 +282,7 @@ def apply_rotary_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=4,
+        PDL=pdl(q), launch_pdl=pdl(q),
     )
     return q_out, k_out
 
@@ -281,8 +311,9 @@ def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, num_heads, k_dim, v_dim,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
-    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
+    begin_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)  # one program per token
     slot = tl.load(slot_ptr + token).to(tl.int64)
     block, offset = slot // block_size, slot % block_size
@@ -311,6 +342,7 @@ def write_kv_cache_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=_num_warps(block_h * max(block_dk, block_dv)),
+        PDL=pdl(k), launch_pdl=pdl(k),
     )
 
 
@@ -322,20 +354,29 @@ GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 8, 512, 4  # the fastest of benchmarks/
 
 
 @triton.jit
+def _weight_tile(row_starts, row_ok, cols, K):
+    # Read once, past the cache: nothing else will reuse it.
+    return tl.load(row_starts + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_N weight rows per program. Products accumulate elementwise in float32 and are summed
-    # once at the end; the weight is read once, past the cache (nothing else will reuse it).
+    # once at the end. The first weight tile is read before waiting for the previous kernel.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
+    cols = tl.arange(0, BLOCK_K)
+    w = _weight_tile(row_starts, row_ok, cols, K)
+    begin_after_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        w = tl.load(row_starts + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+        if start > 0:
+            w = _weight_tile(row_starts, row_ok, cols, K)
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -353,6 +394,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
         row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=GEMV_WARPS,
+        num_warps=GEMV_WARPS, PDL=pdl(x), launch_pdl=pdl(x),
     )
     return out
