@@ -157,11 +157,11 @@ def zoo_8b():
     return model_from_hf(random_hf(LLAMA_8B))
 
 
-def throughput_8b(results, max_requests):
+def throughput_8b(results, max_requests, batched_tokens):
     """As many 1000/1000 requests as the KV cache holds at once: all run concurrently, none is preempted."""
     model = zoo_8b()
     torch.cuda.empty_cache()
-    llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=8192)
+    llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=batched_tokens)
     blocks = llm.engine.block_manager.num_blocks
     requests = min(max_requests, blocks // llm.engine.block_manager.blocks_needed(2000))
     llm.engine.scheduler.max_num_seqs = requests
@@ -178,6 +178,7 @@ def throughput_8b(results, max_requests):
                                     kv_blocks=blocks, preemptions=llm.engine.scheduler.num_preemptions,
                                     steps_run_ahead=llm.engine.num_steps_run_ahead)
     print(f"throughput 8B 1000/1000: {tokens / seconds:.0f} output tok/s ({requests} requests, {seconds:.1f} s, "
+          f"{batched_tokens} tokens per step, "
           f"{blocks} KV blocks, {llm.engine.scheduler.num_preemptions} preemptions, "
           f"{llm.engine.num_steps_run_ahead} steps run ahead of the host)", flush=True)
     del llm, model
@@ -208,6 +209,7 @@ def main():
     parser.add_argument("--task", default="all", choices=["all", "decode", "throughput", "throughput-8b", "prefill"])
     parser.add_argument("--hf-requests", type=int, default=256, help="requests HF generate_batch runs (throughput)")
     parser.add_argument("--requests-8b", type=int, default=512, help="at most this many (throughput-8b)")
+    parser.add_argument("--batched-tokens-8b", type=int, default=8192, help="tokens per step (throughput-8b)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
@@ -220,7 +222,7 @@ def main():
         elif task == "throughput":
             throughput(results, args.hf_requests)
         elif task == "throughput-8b":
-            throughput_8b(results, args.requests_8b)
+            throughput_8b(results, args.requests_8b, args.batched_tokens_8b)
         else:
             prefill(results)
         if args.json:

@@ -10,6 +10,7 @@ sequences) 6% slower, measured by alternating the two ways within one process.
 import torch.nn.functional as F
 
 from ops_cuda import activation, kv_cache, moe, norm, rotary
+from ops_cuda.argmax import argmax as argmax_op, argmax_reference
 from ops_cuda.gemv import GEMV_DTYPES, gemv
 
 
@@ -27,6 +28,7 @@ apply_rotary = _reference_on_cpu(rotary.apply_rotary, rotary.apply_rotary_refere
 act_and_mul = _reference_on_cpu(activation.act_and_mul, activation.act_and_mul_reference)
 write_kv_cache = _reference_on_cpu(kv_cache.write_kv_cache, kv_cache.write_kv_cache_reference)
 moe_experts = _reference_on_cpu(moe.moe_experts, moe.moe_experts_reference)
+argmax = _reference_on_cpu(argmax_op, argmax_reference)
 
 
 def linear(x, weight, bias=None):

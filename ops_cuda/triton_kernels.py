@@ -1,5 +1,5 @@
-"""Triton kernels behind zoo's elementwise ops and single-row matmul: the ``cuda`` kernels of the
-ops in this package.
+"""Triton kernels behind zoo's elementwise ops, single-row matmul and argmax: the ``cuda`` kernels
+of the ops in this package.
 
 Each kernel has a plain launcher (``rms_norm_triton``, ...) that the op's CUDA registration calls
 and that the tests call on CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton,
@@ -395,5 +395,63 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
         num_warps=GEMV_WARPS, PDL=pdl(x), launch_pdl=pdl(x),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Argmax over the vocabulary
+# ---------------------------------------------------------------------------------------------
+
+ARGMAX_CHUNK = 4096
+
+
+@triton.jit
+def _argmax_chunks_kernel(x_ptr, values_ptr, indices_ptr, V, x_stride, num_chunks,
+                          CHUNK: tl.constexpr, PDL: tl.constexpr):
+    # Program (row, chunk): the chunk's largest value and its first index.
+    begin_after_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    value, index = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(values_ptr + row * num_chunks + chunk, value)
+    tl.store(indices_ptr + row * num_chunks + chunk, chunk * CHUNK + index)
+
+
+@triton.jit
+def _argmax_rows_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    # Program per row: the first chunk holding the row's largest value holds its first index.
+    begin_after_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK_C)
+    ok = chunks < num_chunks
+    values = tl.load(values_ptr + row * num_chunks + chunks, mask=ok, other=float("-inf"))
+    indices = tl.load(indices_ptr + row * num_chunks + chunks, mask=ok, other=0)
+    _, best = tl.max(values, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.sum(tl.where(chunks == best, indices, 0), 0))
+
+
+def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
+    _check_dtype("argmax", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"zoo::argmax takes [rows, vocab] logits, got shape {tuple(logits.shape)}")
+    logits = _unit_stride(logits)
+    rows, vocab = logits.shape
+    chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    values = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(rows, num_chunks, dtype=torch.int64, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    _argmax_chunks_kernel[(rows, num_chunks)](
+        logits, values, indices, vocab, logits.stride(0), num_chunks,
+        CHUNK=chunk, num_warps=8, PDL=pdl(logits), launch_pdl=pdl(logits),
+    )
+    _argmax_rows_kernel[(rows,)](
+        values, indices, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+        PDL=pdl(logits), launch_pdl=pdl(logits),
     )
     return out

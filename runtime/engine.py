@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layers import Attention
+from layers import Attention, AttentionMetadata
 from layers.attention import select_backend
 from runtime.block_manager import BlockManager
 from runtime.model_runner import KVCache, ModelRunner
@@ -84,16 +84,22 @@ class Engine:
         self.num_steps_run_ahead = 0
 
     def _blocks_for_budget(self, block_size, dtype, kv_cache_gib, utilization, max_num_seqs, max_tokens) -> int:
-        """On CUDA: what is free after a profiling forward, times ``utilization``; on CPU an explicit
-        budget. Never more than max_num_seqs sequences of max_model_len tokens need."""
+        """On CUDA: what is free after a profiling forward of the largest step, times ``utilization``;
+        on CPU an explicit budget. Never more than max_num_seqs sequences of max_model_len tokens need."""
         per_block = KVCache.bytes_per_block(self.model, block_size, dtype)
         device = next(self.model.parameters()).device
         if kv_cache_gib is not None:
             budget = kv_cache_gib * (1 << 30)
         elif device.type == "cuda":
+            # The largest step: max_tokens new tokens, as prompts of at most max_model_len tokens.
+            length = min(max_tokens, self.max_model_len)
+            batch = -(-max_tokens // length)
+            positions = torch.arange(length, device=device).repeat(batch)
+            last_tokens = torch.arange(1, batch + 1, device=device) * length - 1
             torch.cuda.reset_peak_memory_stats(device)
             with torch.inference_mode():
-                self.model(torch.zeros(1, min(max_tokens, self.max_model_len), dtype=torch.long, device=device))
+                self.model(torch.zeros_like(positions), positions, AttentionMetadata.causal_prefill(batch, length),
+                           logits_indices=last_tokens)
             total = torch.cuda.mem_get_info(device)[1]
             budget = total * utilization - torch.cuda.max_memory_allocated(device)
         else:

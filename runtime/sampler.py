@@ -9,6 +9,7 @@ draws its noise from its own generator, so its tokens do not depend on what else
 
 import torch
 
+from ops_cuda.calls import argmax
 from runtime.sequence import Sequence
 
 
@@ -56,7 +57,7 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """``sample``, with the ids left on the logits' device: reading them waits for the device."""
     if all(seq.params.argmax_only for seq in seqs):
         # Straight on the model's dtype: a float32 copy would change no value and no order.
-        return logits.argmax(-1)
+        return argmax(logits)
     penalised = [i for i, seq in enumerate(seqs) if seq.params.penalised]
     drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     wants_logprobs = [i for i, seq in enumerate(seqs) if seq.logprobs is not None]
@@ -65,7 +66,7 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits = logits.clone()
         for i in penalised:
             apply_penalties(logits[i], seqs[i])
-    tokens = logits.argmax(-1)
+    tokens = argmax(logits)
 
     if drawn:
         def setting(name, dtype):
@@ -75,7 +76,7 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         probs = filter_logits(scaled, setting("top_k", torch.long), setting("top_p", torch.float32),
                               setting("min_p", torch.float32)).softmax(-1)
         noise = _exponential_noise([seqs[i] for i in drawn], logits.shape[-1], logits.device)
-        tokens[drawn] = (probs / noise).argmax(-1)
+        tokens[drawn] = argmax(probs / noise)
 
     if wants_logprobs:
         _record_logprobs(raw[wants_logprobs].log_softmax(-1), tokens[wants_logprobs], [seqs[i] for i in wants_logprobs])

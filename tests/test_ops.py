@@ -10,7 +10,9 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
 from transformers.models.llama import modeling_llama as hf_llama
 
 from layers import RotaryEmbedding
-from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, gemv, rms_norm, write_kv_cache
+from ops_cuda import (
+    ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gemv, rms_norm, write_kv_cache,
+)
 from tests.test_parity import VARIANTS
 
 
@@ -120,7 +122,7 @@ def test_unsupported_rope_type_is_named():
 
 
 def test_ops_are_registered_custom_ops():
-    for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "write_kv_cache", "gemv"):
+    for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "write_kv_cache", "gemv", "argmax"):
         assert hasattr(torch.ops.zoo, name)
 
 
@@ -139,6 +141,7 @@ def fake_kernel_cases():
         "apply_rotary_interleaved": (apply_rotary, (q, k, cos, sin, True)),
         "write_kv_cache": (write_kv_cache, (k, k.clone(), caches[0], caches[1], slots)),
         "gemv": (gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), None)),
+        "argmax": (argmax, (x,)),
         "gemv_bias": (gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), torch.randn(7, dtype=torch.float16))),
     }
 

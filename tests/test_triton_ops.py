@@ -15,10 +15,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, gemv, rms_norm, write_kv_cache  # noqa: E402
+from ops_cuda import (  # noqa: E402
+    ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gemv, rms_norm, write_kv_cache,
+)
 from ops_cuda import calls  # noqa: E402
 from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
+from ops_cuda.argmax import argmax_reference  # noqa: E402
 from ops_cuda.gemv import gemv_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
@@ -65,6 +68,16 @@ def gemv_inputs(n: int, k: int, lead: tuple, bias: bool, dtype, device="cpu"):
 
 def exact_gemv(x, weight, bias):
     return gemv_reference(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def logits_with_ties(rows: int, vocab: int, dtype, device="cpu") -> torch.Tensor:
+    # Each row's maximum planted at three places, so the first one must win; one row all -inf.
+    logits = torch.randn(rows, vocab, device=device).to(dtype)
+    for row in range(rows):
+        places = torch.randperm(vocab, generator=torch.Generator().manual_seed(row))[:3]
+        logits[row, places] = logits[row].max() + 1
+    logits[-1] = float("-inf")
+    return logits
 
 
 def norm_inputs(case: str, dtype):
@@ -192,6 +205,15 @@ def test_gemv_takes_one_row_interpreted():
         kernels.gemv_triton(torch.randn(2, 8), torch.randn(4, 8), None)
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("rows, vocab", [(3, 1000), (2, 9000), (1, 7)])
+def test_argmax_interpreted(rows, vocab, dtype):
+    torch.manual_seed(0)
+    logits = logits_with_ties(rows, vocab, dtype)
+    assert torch.equal(kernels.argmax_triton(logits), logits.argmax(-1))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the registered ops on CUDA tensors, eager and under CUDA-graph capture
 # ---------------------------------------------------------------------------------------------
@@ -202,13 +224,14 @@ def as_tuple(outputs) -> tuple:
 
 
 def run_poisoned(op, *args):
-    """op(*args) on memory poisoned with NaN, so that an output element left unwritten reads NaN.
+    """op(*args) on memory poisoned with NaN (-1 for integer outputs), so that an output element
+    left unwritten reads NaN (or -1).
 
-    The op runs once to learn its outputs' sizes; NaN-filled blocks of those sizes are then freed
+    The op runs once to learn its outputs' sizes; poisoned blocks of those sizes are then freed
     right before the second run, and PyTorch's caching allocator hands them to its torch.empty outputs.
     """
     outputs = op(*args)
-    poison = [torch.full_like(t, float("nan")) for t in as_tuple(outputs)]
+    poison = [torch.full_like(t, float("nan") if t.is_floating_point() else -1) for t in as_tuple(outputs)]
     del poison
     return op(*args)
 
@@ -326,6 +349,16 @@ def test_linear_sends_single_rows_to_gemv(monkeypatch):
     assert len(sent) == 1
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_TOL)
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (451, 151936), (5, 32000), (0, 100)])
+def test_argmax_gpu(rows, vocab, dtype):
+    torch.manual_seed(0)
+    logits = logits_with_ties(rows, vocab, dtype, "cuda") if rows else torch.randn(0, vocab, device="cuda").to(dtype)
+    assert torch.equal(run_poisoned(argmax, logits), logits.argmax(-1))
+
+
 def gpu_op_cases() -> dict:
     """name -> (op, reference, args): one bf16 call of each op, shaped like a decode batch of 33."""
     q, k, v = qkv_views(33, 32, 8, 128, torch.bfloat16, "cuda")
@@ -344,12 +377,13 @@ def gpu_op_cases() -> dict:
         "apply_rotary_interleaved": (apply_rotary, apply_rotary_reference, (q, k, cos, sin, True)),
         "write_kv_cache": (write_kv_cache, write_kv_cache_reference, (k, v, k_cache, v_cache, slots)),
         "gemv": (gemv, exact_gemv, gemv_inputs(4096, 4096, (1,), True, torch.bfloat16, "cuda")),
+        "argmax": (argmax, argmax_reference, (logits_with_ties(33, 128256, torch.bfloat16, "cuda"),)),
     }
 
 
 OP_CASES = [
     "rms_norm", "qk_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "apply_rotary_interleaved", "write_kv_cache",
-    "gemv",
+    "gemv", "argmax",
 ]
 
 
@@ -367,7 +401,10 @@ def test_ops_in_cuda_graph(name):
         assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
         return
     for mine, theirs in zip(replay_in_graph(op, *args), as_tuple(reference(*args))):
-        assert_close(mine, theirs, GPU_TOL[torch.bfloat16])
+        if theirs.dtype == torch.int64:  # indices
+            assert torch.equal(mine, theirs)
+        else:
+            assert_close(mine, theirs, GPU_TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
