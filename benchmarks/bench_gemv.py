@@ -17,7 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import hbm_bandwidth  # noqa: E402
+from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
 from ops_cuda import gemv  # noqa: E402
 from ops_cuda.triton_kernels import GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_WARPS, _gemv_kernel  # noqa: E402
 
@@ -41,25 +41,6 @@ def sweep_gemv(block_n, block_k, warps):
     return gemv
 
 
-def graph_time_us(step) -> float:
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     bandwidth = hbm_bandwidth()
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -76,7 +57,7 @@ def main():
         implementations.update({f"sweep {c[0]}x{c[1]} w{c[2]}": sweep_gemv(*c) for c in CONFIGS})
         for label, product in implementations.items():
             error = ((product(x, weights[0], out).float() - exact).abs().max() / exact.abs().max()).item()
-            us = graph_time_us(lambda: [product(x, w, out) for w in weights]) / len(weights)
+            us = graph_us(lambda: [product(x, w, out) for w in weights]) / len(weights)
             print(f"| {name} | {n} x {k} | {label} | {us:.1f} | {n * k * 2 / us / 1e6:.2f} | {error:.1e} |", flush=True)
 
 

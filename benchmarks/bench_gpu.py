@@ -62,6 +62,26 @@ def sync_time(fn, repeats=3):
     return statistics.median(times)
 
 
+def graph_us(fn, replays=20) -> float:
+    """Median µs of fn() over CUDA-graph replays timed with CUDA events (one eager call first compiles)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()  # warm-up
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del graph
+    return statistics.median(times)
+
+
 def hbm_bandwidth() -> float:
     """Bytes read + written per second by a 4 GiB device-to-device copy."""
     src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").normal_()

@@ -36,7 +36,6 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import hbm_bandwidth, sync_time, workload  # noqa: E402
+from bench_gpu import graph_us, hbm_bandwidth, sync_time, workload  # noqa: E402
 from layers.moe import Experts  # noqa: E402
 from loaders.in_memory import model_from_hf  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
@@ -63,7 +62,6 @@ QWEN3_30B_A3B = dict(
 PROMPT_LEN, DECODE_TOKENS = 128, 256
 KERNEL_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 KERNEL_LAYERS = 8  # weight copies the timed graph runs through: 8 x 1.2 GB, far over the 50 MB L2
-KERNEL_REPLAYS = 20
 IN_LEN, OUT_LEN = 1000, 1000
 START = time.perf_counter()
 
@@ -115,26 +113,6 @@ def short_error(exc: BaseException) -> str:
 
 
 # -- the experts op's kernels -------------------------------------------------------------------
-
-
-def graph_us(fn) -> float:
-    """Median µs of fn() over CUDA-graph replays timed with CUDA events (one eager call first compiles)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()  # warm-up
-    times = []
-    for _ in range(KERNEL_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times)
 
 
 def kernels(results):
