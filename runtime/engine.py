@@ -171,16 +171,14 @@ class Engine:
         previous step is taken in first.
         """
         changed = []
-        if self.launched is not None:
-            if self._can_run_ahead(self.launched):
-                self.num_steps_run_ahead += 1
-            else:
-                changed += self._take_in(self.launched)
-                self.launched = None
+        if self.launched is not None and not self._can_run_ahead(self.launched):
+            changed += self._take_in(self.launched)
+            self.launched = None
         scheduled, failed = self.scheduler.schedule()
         changed += [self._finish_output(seq) for seq in failed]
         launched = self._launch(scheduled) if scheduled else None
         if self.launched is not None:
+            self.num_steps_run_ahead += launched is not None
             changed += self._take_in(self.launched)
         self.launched = launched
         return changed
