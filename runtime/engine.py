@@ -225,7 +225,7 @@ class Engine:
             seq.finish("stop")
         elif params.stop and self._cut_at_stop_string(seq):
             seq.finish("stop")
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
             seq.finish("length")
         else:
             return False

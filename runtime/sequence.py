@@ -51,6 +51,10 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_resolved_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
 

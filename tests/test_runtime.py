@@ -172,6 +172,17 @@ def test_tokens_sampled_ahead_of_a_stop_are_dropped(checkpoints):
         assert output == expected[0, len(prompt):].tolist()
 
 
+def test_max_model_len_ends_generation_at_the_same_token(checkpoints):
+    # The last token that fits max_model_len is generated whether or not decodes run ahead.
+    path, _ = checkpoints["llama"]
+    batch = prompts(3, seed=11, low=6, high=12)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    outputs = llm(path, max_model_len=24).generate(batch, params, use_tqdm=False)
+    free = token_ids(llm(path).generate(batch, params, use_tqdm=False))
+    for prompt, output, unbounded in zip(batch, outputs, free):
+        assert output.token_ids == unbounded[: 24 - len(prompt)] and output.finish_reason == "length"
+
+
 def test_logprobs_are_the_models(checkpoints):
     path, reference = checkpoints["qwen3"]
     prompt = prompts(1, seed=9)[0]
