@@ -1,8 +1,9 @@
 """Host time per decode step of the runtime, with the model's compute taken out, on this CPU.
 
-On a GPU the decode step itself is one CUDA-graph replay; between reading one step's sampled ids
-and launching the next, the GPU waits on Python: the engine's bookkeeping, scheduling, building
-the next step's inputs, sampling, LLM.generate's loop. This measures that work, on the eager
+On a GPU the decode step itself is one CUDA-graph replay; the host's share of a step is the
+engine's bookkeeping, scheduling, building the next step's inputs, sampling, LLM.generate's loop.
+When decodes run ahead (``Engine.step``) it overlaps the GPU's work on the step before, and must
+stay under it; otherwise the GPU waits for all of it. This measures that work, on the eager
 (CPU) path: the copies to the device and the graph launch of the CUDA-graph path are left out.
 
 The model is a tiny Llama (real ``Attention`` modules, so the KV cache is built as usual) whose
