@@ -165,10 +165,10 @@ class Engine:
         """Schedule and launch one step, and take in the tokens of the one before it; return the
         outputs that changed.
 
-        When the next step is every running sequence decoding (``_can_run_ahead``), it is launched
-        before the previous step's tokens reach the host: the device reads them where they are, and
-        the host's bookkeeping for one step overlaps the device's work on the next. Otherwise the
-        previous step is taken in first.
+        When the next step cannot need the previous step's tokens on the host (``_can_run_ahead``:
+        nothing is preempted, no sampling setting reads them), it is launched before they get
+        there: the device reads them where they are, and the host's bookkeeping for one step
+        overlaps the device's work on the next. Otherwise the previous step is taken in first.
         """
         changed = []
         if self.launched is not None and not self._can_run_ahead(self.launched):
@@ -192,7 +192,7 @@ class Engine:
                 return False
             if len(seq.output_token_ids) + seq.num_pending >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 return False
-        return self.scheduler.next_step_is_plain_decode()
+        return self.scheduler.next_step_preempts_nothing()
 
     def _launch(self, scheduled: list[tuple[Sequence, int]]) -> LaunchedStep:
         logits, sampled = self.runner.run(scheduled)

@@ -99,18 +99,14 @@ class Scheduler:
         # Prefills first, then decodes: the layout AttentionMetadata describes.
         return prefills + decodes, failed
 
-    def next_step_is_plain_decode(self) -> bool:
-        """Whether the next step can only be every running sequence decoding its last token: nothing
-        waits to be admitted and the free blocks cover every block the decodes start, so nothing is
-        preempted. Such a step can be scheduled while the tokens it reads are still being sampled."""
-        if self.waiting:
-            return False
-        new_blocks = 0
-        for seq in self.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                return False
-            new_blocks += self.block_manager.blocks_needed(seq.num_tokens) > len(seq.block_table)
-        return new_blocks <= self.block_manager.num_free_blocks
+    def next_step_preempts_nothing(self) -> bool:
+        """Whether the free blocks cover all that the running sequences have left to compute, so
+        the next step preempts nothing (admitting a waiting sequence never preempts). Such a step
+        can be scheduled while the tokens it reads are still being sampled; a sequence preempted
+        then would have to be recomputed from tokens the host does not have yet."""
+        needed = sum(max(0, self.block_manager.blocks_needed(seq.num_tokens) - len(seq.block_table))
+                     for seq in self.running)
+        return needed <= self.block_manager.num_free_blocks
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
