@@ -1,9 +1,10 @@
 """GGUF files (llama.cpp): tensors renamed to HuggingFace's names and dequantised to float32.
 
-The config comes from the GGUF metadata through transformers (see ``loaders.config``); here
-only the tensors are read, by this module's own header reader (``read_gguf``). llama.cpp's
-converter permutes the rows of Llama's q/k projections for its interleaved rotary layout;
-``unpermute`` restores HuggingFace's rotate-half layout.
+This module reads the header itself (``read_gguf``): the metadata's scalars and strings, and
+where each tensor lies. The config is built from that metadata with transformers' own key
+mapping (``config_dict``, used by ``loaders.config``). llama.cpp's converter permutes the rows
+of Llama's q/k projections for its interleaved rotary layout; ``unpermute`` restores
+HuggingFace's rotate-half layout.
 """
 
 import math
@@ -101,6 +102,8 @@ class GGUFTensor:
 class GGUFFile:
     architecture: str  # "<missing>" when the metadata has no general.architecture
     tensors: list[GGUFTensor]
+    metadata: dict[str, object]  # the scalar and string values, by key
+    array_lengths: dict[str, int]  # the arrays' lengths, by key (their elements are not read)
 
 
 class _Header:
@@ -142,16 +145,20 @@ class _Header:
         elif value_type == GGUFValueType.STRING:
             self.take(self.read(_U64))
         elif value_type == GGUFValueType.ARRAY:
-            item_type, count = self.read(_U32), self.read(_U64)
-            if item_type in _SCALARS:
-                self.take(count * _SCALARS[item_type].size)
-            elif item_type == GGUFValueType.STRING:
-                self._skip_strings(count)
-            else:
-                for _ in range(count):
-                    self.skip_value(item_type)
+            item_type = self.read(_U32)
+            self.skip_items(item_type, self.read(_U64))
         else:
             raise CheckpointError(f"{self.path}: damaged GGUF header: unknown metadata value type {value_type}")
+
+    def skip_items(self, item_type: int, count: int) -> None:
+        """Step over the ``count`` elements of an array."""
+        if item_type in _SCALARS:
+            self.take(count * _SCALARS[item_type].size)
+        elif item_type == GGUFValueType.STRING:
+            self._skip_strings(count)
+        else:
+            for _ in range(count):
+                self.skip_value(item_type)
 
     def _skip_strings(self, count: int) -> None:
         # a tight loop: a tokenizer's vocabulary and merges are tens of thousands of strings each
@@ -181,20 +188,26 @@ def read_gguf(path: Path) -> GGUFFile:
         raise CheckpointError(f"{path}: GGUF version {version} is not supported (zoo reads versions 2 and 3)")
     tensor_count, kv_count = header.read(_U64), header.read(_U64)
 
-    architecture, alignment = "<missing>", GGUF_DEFAULT_ALIGNMENT
+    metadata, array_lengths = {}, {}
     for _ in range(kv_count):
-        key = header.raw_string()
+        key = header.string()
         value_type = header.read(_U32)
-        if key == b"general.architecture" and value_type == GGUFValueType.STRING:
-            architecture = header.string()
-        elif key == b"general.alignment":
-            if value_type != GGUFValueType.UINT32:
-                raise CheckpointError(f"{path}: general.alignment has value type {value_type}, not UINT32")
-            alignment = header.read(_U32)
-            if alignment == 0 or alignment & (alignment - 1):
-                raise CheckpointError(f"{path}: general.alignment {alignment} is not a power of two")
+        if key == "general.alignment" and value_type != GGUFValueType.UINT32:
+            raise CheckpointError(f"{path}: general.alignment has value type {value_type}, not UINT32")
+        if value_type in _SCALARS:
+            metadata[key] = header.read(_SCALARS[value_type])
+        elif value_type == GGUFValueType.STRING:
+            metadata[key] = header.string()
+        elif value_type == GGUFValueType.ARRAY:
+            item_type, array_lengths[key] = header.read(_U32), header.read(_U64)
+            header.skip_items(item_type, array_lengths[key])
         else:
-            header.skip_value(value_type)
+            raise CheckpointError(f"{path}: damaged GGUF header: unknown metadata value type {value_type}")
+    architecture = metadata.get("general.architecture")
+    architecture = architecture if isinstance(architecture, str) else "<missing>"
+    alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if alignment == 0 or alignment & (alignment - 1):
+        raise CheckpointError(f"{path}: general.alignment {alignment} is not a power of two")
 
     infos = []
     for _ in range(tensor_count):
@@ -227,7 +240,37 @@ def read_gguf(path: Path) -> GGUFFile:
                 f"{path}: truncated GGUF file: tensor {name!r} ends at byte {end}, past the end of the file ({len(data)} bytes)"
             )
         tensors.append(GGUFTensor(name, shape, ggml_type, data[start:end].reshape(*shape[:-1], row_bytes)))
-    return GGUFFile(architecture, tensors)
+    return GGUFFile(architecture, tensors, metadata, array_lengths)
+
+
+def config_dict(gguf: GGUFFile) -> dict | None:
+    """What transformers' ``load_gguf_checkpoint`` makes of the file's config: its key mapping
+    and defaults (``transformers.integrations.ggml``) applied to this module's header reading.
+    Its own reading goes through gguf-py's reader (seconds for a tokenizer's vocabulary). None
+    when the file needs more than the mapping: an array among the config's keys."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    architecture = gguf.architecture
+    # llama.cpp files Mistral under llama; transformers tells them apart by the model's name.
+    renamed = "mistral" if architecture == "llama" and gguf.metadata.get("general.name") == "mistral" else architecture
+
+    def config_key(key: str):
+        prefix, _, rest = key.replace(architecture, renamed).partition(".")
+        name = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        return None if name == -1 else name
+
+    if any(config_key(key) is not None for key in gguf.array_lengths):
+        return None
+    config = {"tie_word_embeddings": all(tensor.name != "output.weight" for tensor in gguf.tensors)}
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
+    for key, value in defaults.items():
+        config.setdefault(key, value)
+    for key, value in gguf.metadata.items():
+        if (name := config_key(key)) is not None:
+            config[name] = value.replace(architecture, renamed) if isinstance(value, str) else value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in gguf.array_lengths:
+        config["vocab_size"] = gguf.array_lengths["tokenizer.ggml.tokens"]
+    return config
 
 
 def gguf_tensors(path: Path, config) -> dict[str, TensorRef]:

@@ -103,6 +103,16 @@ def test_reader_matches_gguf_py(case):
         assert ours.data.tobytes() == theirs.data.tobytes()
 
 
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
+def test_config_equals_transformers(tmp_path, arch, tied):
+    """zoo builds a GGUF's config from the header it reads itself (``config_dict``): the same
+    config transformers builds from its own reading of the whole file."""
+    path = tmp_path / f"{arch}.gguf"
+    write_llama_gguf(path, T.F32, arch=arch, tied=tied)
+    theirs = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert load_config(resolve_source(path)).to_dict() == theirs.to_dict()
+
+
 def test_tied_embeddings(tmp_path):
     """No output.weight (how llama.cpp stores tied embeddings): lm_head shares embed_tokens."""
     path = tmp_path / "tied.gguf"
@@ -124,12 +134,12 @@ def good_file(tmp_path_factory):
 
 
 def test_truncated_file(good_file, tmp_path):
-    """The header survives the cut, the tensor data does not: gguf-py's reader fails already when
-    transformers reads the metadata for the config, before zoo's own reader opens the file."""
+    """The header survives the cut, the tensor data does not: zoo's reader, which reads the
+    header for the config, reports the first tensor that runs past the end."""
     path = tmp_path / "truncated.gguf"
     data = good_file.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"cannot build a config from it \(cannot reshape array") as err:
+    with pytest.raises(CheckpointError, match=r"truncated GGUF file: tensor '[\w.]+' ends at byte \d+, past the end") as err:
         AutoModelForCausalLM.from_pretrained(str(path))
     assert str(path) in str(err.value)
 

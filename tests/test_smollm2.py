@@ -3,7 +3,9 @@ loading the same file, through the model and through the runtime."""
 
 import pytest
 import torch
+import transformers
 
+from loaders import load_config, resolve_source
 from loaders.default_model import default_model_path
 from loaders.diff import load_reference
 from runtime import LLM, SamplingParams
@@ -30,6 +32,13 @@ def llm():
 @pytest.fixture(scope="module")
 def reference():
     return load_reference(default_model_path(), torch.float32, "cpu")
+
+
+def test_config_equals_transformers():
+    # zoo reads the config from the GGUF header itself (loaders.gguf_file.config_dict)
+    path = default_model_path()
+    theirs = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert load_config(resolve_source(path)).to_dict() == theirs.to_dict()
 
 
 def test_logits_match_huggingface(llm, reference):
