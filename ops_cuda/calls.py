@@ -32,7 +32,8 @@ argmax = _reference_on_cpu(argmax_op, argmax_reference)
 
 
 def linear(x, weight, bias=None):
-    """``F.linear``; on the GPU a single float16/bfloat16 row goes to zoo::gemv."""
-    if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES:
+    """``F.linear``; on the GPU a single float16/bfloat16 row goes to zoo::gemv, when the weight's
+    rows are contiguous (a CPU-loaded model moved to the GPU keeps its column-major weights)."""
+    if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -347,6 +347,9 @@ def test_linear_sends_single_rows_to_gemv(monkeypatch):
     assert not sent
     assert torch.equal(calls.linear(x[:1], weight, bias), gemv(x[:1], weight, bias))
     assert len(sent) == 1
+    column_major = weight.t().contiguous().t()  # a CPU-loaded Linear's layout, moved to the GPU
+    assert torch.equal(calls.linear(x[:1], column_major, bias), torch.nn.functional.linear(x[:1], column_major, bias))
+    assert len(sent) == 1
 
 
 @pytest.mark.gpu
