@@ -1,7 +1,9 @@
 """Where a batch-1 decode step's time goes on the GPU: the kernels of the captured graph, summed by
 name over the steps of one generation, next to the wall-clock time per step.
 
-Llama-3.1-8B shape, random bf16 weights, 128-token prompt, greedy, EOS ignored.
+Llama-3.1-8B shape, random bf16 weights, 128-token prompt, greedy, EOS ignored. On Hopper the
+decode chain's Triton kernels use programmatic dependent launch: each starts while the previous
+one still runs and waits inside, so their times here include those waits and overlap.
 
     python3 benchmarks/profile_decode.py                 # 64 decode steps
     python3 benchmarks/profile_decode.py --steps 128
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import LLAMA_8B, hbm_bandwidth, random_hf  # noqa: E402
 from loaders.in_memory import model_from_hf  # noqa: E402
+from ops_cuda.triton_kernels import pdl  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 
@@ -74,6 +77,8 @@ def main():
     print(f"{args.steps + 1} tokens (one prefill): {wall_ms / (args.steps + 1):.3f} ms/token wall; "
           f"GPU busy {gpu_us / 1e3 / (args.steps + 1):.3f} ms/token; roofline {roofline_ms:.3f} ms "
           f"({weight_bytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s)")
+    if pdl(next(model.parameters())):
+        print("programmatic dependent launch is on: Triton kernels' times include their wait for the kernel before")
     print("| kernel | µs per token | calls per token | share |")
     print("|---|---:|---:|---:|")
     for name, (total, calls) in sorted(kernels.items(), key=lambda item: -item[1][0])[:25]:
