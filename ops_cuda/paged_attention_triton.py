@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops_cuda.triton_kernels import begin_after_previous, pdl
+from ops_cuda.triton_kernels import begin_after_previous, pdl_launch
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -264,6 +264,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
     block_n, block_d = _decode_tiles(q)
+    launch = pdl_launch(q)
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -274,12 +275,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q),
-        num_warps=4, num_stages=2, PDL=pdl(q), launch_pdl=pdl(q),
+        num_warps=4, num_stages=2, **launch,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-        num_warps=4, PDL=pdl(q), launch_pdl=pdl(q),
+        num_warps=4, **launch,
     )
 
 

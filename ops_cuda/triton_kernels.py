@@ -44,6 +44,13 @@ def pdl(t: torch.Tensor) -> bool:
     return t.is_cuda and _compute_capability(t.device)[0] >= 9
 
 
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments of a kernel that begins with ``begin_after_previous``: its PDL flag and
+    the launch option together, so a kernel started early always waits for the one before."""
+    enabled = pdl(t)
+    return {"PDL": enabled, "launch_pdl": enabled}
+
+
 @functools.cache
 def _compute_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
@@ -119,7 +126,7 @@ def _rms_norm_launch(x, residual, weight, eps):
         r, hidden, eps,
         rows_x.stride(0), rows_x.stride(1), rows_res.stride(0), rows_res.stride(1),
         rows_out.stride(0), rows_out.stride(1), rows_sum.stride(0), rows_sum.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block), PDL=pdl(x), launch_pdl=pdl(x),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block), **pdl_launch(x),
     )
     return out, summed
 
@@ -188,7 +195,7 @@ def act_and_mul_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
     block = min(triton.next_power_of_2(d), 1024)
     _act_and_mul_kernel[(rows_x.shape[0], triton.cdiv(d, block))](
         rows_x, rows_out, d, rows_x.stride(0), rows_out.stride(0),
-        ACTIVATION=_KERNEL_ACTIVATIONS[activation], BLOCK=block, num_warps=4, PDL=pdl(x), launch_pdl=pdl(x),
+        ACTIVATION=_KERNEL_ACTIVATIONS[activation], BLOCK=block, num_warps=4, **pdl_launch(x),
     )
     return out
 
@@ -282,7 +289,7 @@ def apply_rotary_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=4,
-        PDL=pdl(q), launch_pdl=pdl(q),
+        **pdl_launch(q),
     )
     return q_out, k_out
 
@@ -342,7 +349,7 @@ def write_kv_cache_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=_num_warps(block_h * max(block_dk, block_dv)),
-        PDL=pdl(k), launch_pdl=pdl(k),
+        **pdl_launch(k),
     )
 
 
@@ -394,7 +401,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
         row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=GEMV_WARPS, PDL=pdl(x), launch_pdl=pdl(x),
+        num_warps=GEMV_WARPS, **pdl_launch(x),
     )
     return out
 
@@ -446,12 +453,11 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
+    launch = pdl_launch(logits)
     _argmax_chunks_kernel[(rows, num_chunks)](
-        logits, values, indices, vocab, logits.stride(0), num_chunks,
-        CHUNK=chunk, num_warps=8, PDL=pdl(logits), launch_pdl=pdl(logits),
+        logits, values, indices, vocab, logits.stride(0), num_chunks, CHUNK=chunk, num_warps=8, **launch,
     )
     _argmax_rows_kernel[(rows,)](
-        values, indices, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
-        PDL=pdl(logits), launch_pdl=pdl(logits),
+        values, indices, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1, **launch,
     )
     return out
