@@ -65,9 +65,9 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale_log2, window,
-    q_stride_b, q_stride_h, table_stride,
+    q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -76,7 +76,8 @@ def _decode_split_kernel(
     begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
-    # Writes each head's normalised partial output and its log2-sum-exp2.
+    # Writes each head's normalised partial output and its log2-sum-exp2; with one split, the
+    # output itself (no reduce stage).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,10 +113,15 @@ def _decode_split_kernel(
     has_keys = total > 0
     total = tl.where(has_keys, total, 1.0)
     out = acc / total[:, None]
-    lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
-    parts = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
-    tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(part_lse_ptr + parts, lse, mask=row_ok)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
+        parts = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
+        tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(part_lse_ptr + parts, lse, mask=row_ok)
 
 
 @triton.jit
@@ -265,18 +271,22 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     group = num_heads // num_kv_heads
     block_n, block_d = _decode_tiles(q)
     launch = pdl_launch(q)
-    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    # One split (a batch that fills the GPU by itself) writes the output directly.
+    part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
+    part_out = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         scale * math.log2(math.e), sliding_window or NO_WINDOW,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2, **launch,
     )
+    if num_splits == 1:
+        return
     _decode_reduce_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
