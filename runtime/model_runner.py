@@ -72,16 +72,58 @@ class StepInputs:
     def decode_only(self) -> bool:
         return self.num_decodes == len(self.query_lens)
 
-    def to_device(self, device):
-        def tensor(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(values).to(device)
-
+    def to_device(self, device, staging: "tuple[Staging, Staging] | None"):
+        """The model's arguments on ``device``: on CUDA sent through ``staging`` (int64s, int32s),
+        each dtype in one asynchronous copy, so the host can go on while the device works."""
+        longs = (self.input_ids, self.sources, self.positions, self.slots, self.logits_rows)
+        ints = (self.seq_lens, self.query_start_loc, self.block_tables)
+        if staging is None:
+            longs, ints = ([torch.from_numpy(a) for a in arrays] for arrays in (longs, ints))
+        else:
+            longs, ints = (buffers.send_arrays(arrays, device) for buffers, arrays in zip(staging, (longs, ints)))
+        input_ids, sources, positions, slots, logits_rows = longs
+        seq_lens, query_start_loc, block_tables = ints
         metadata = AttentionMetadata(
-            query_lens=self.query_lens, context_lens=self.context_lens, slot_mapping=tensor(self.slots),
-            block_tables=tensor(self.block_tables), num_decodes=self.num_decodes, seq_lens=tensor(self.seq_lens),
-            query_start_loc=tensor(self.query_start_loc),
+            query_lens=self.query_lens, context_lens=self.context_lens, slot_mapping=slots,
+            block_tables=block_tables, num_decodes=self.num_decodes, seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
         )
-        return tensor(self.input_ids), tensor(self.sources), tensor(self.positions), metadata, tensor(self.logits_rows)
+        return input_ids, sources, positions, metadata, logits_rows
+
+
+class Staging:
+    """A pinned host buffer that a step's inputs are packed into and sent to the device in one
+    asynchronous copy. A pageable copy would wait for the device to finish its earlier work; this
+    one lets the host build and launch step n+1 while step n runs. Packing waits only until the
+    previous copy has read the buffer."""
+
+    ALIGN = 16  # each packed array starts at a multiple of 16 elements, aligned for the kernels
+
+    def __init__(self, dtype: torch.dtype, numel: int = 0):
+        self.buffer = torch.zeros(numel, dtype=dtype).pin_memory()
+        self.copied = torch.cuda.Event()
+
+    def host(self, numel: int) -> np.ndarray:
+        """The first ``numel`` elements of the buffer, free to be written (grown when too small)."""
+        self.copied.synchronize()
+        if numel > self.buffer.numel():
+            self.buffer = torch.zeros(2 * numel, dtype=self.buffer.dtype).pin_memory()
+        return self.buffer.numpy()[:numel]
+
+    def send(self, out: torch.Tensor) -> None:
+        """Copy the first ``out.numel()`` packed elements into ``out`` without waiting for the device."""
+        out.view(-1).copy_(self.buffer[: out.numel()], non_blocking=True)
+        self.copied.record()
+
+    def send_arrays(self, arrays, device) -> list[torch.Tensor]:
+        """The arrays on the device, packed into one new tensor there."""
+        starts = np.cumsum([0] + [-(-a.size // self.ALIGN) * self.ALIGN for a in arrays])
+        host = self.host(int(starts[-1]))
+        for start, array in zip(starts, arrays):
+            host[start : start + array.size] = array.reshape(-1)
+        packed = torch.empty(int(starts[-1]), dtype=self.buffer.dtype, device=device)
+        self.send(packed)
+        return [packed[start : start + a.size].view(a.shape) for start, a in zip(starts, arrays)]
 
 
 def fill_pending(input_ids: torch.Tensor, sources: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
@@ -90,7 +132,7 @@ def fill_pending(input_ids: torch.Tensor, sources: torch.Tensor, sampled_ids: to
 
 
 class DecodeGraphs:
-    """Decode steps captured as CUDA graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to ``max_batch``.
+    """Decode steps captured as CUDA graphs for batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_batch``.
 
     A step of n decodes replays the smallest graph of at least n rows; the inputs and metadata
     live in buffers allocated once and rewritten in place, padding rows write nothing and read
@@ -102,7 +144,8 @@ class DecodeGraphs:
     def __init__(self, model, max_batch: int, table_width: int, sampled_ids: torch.Tensor, device: torch.device):
         self.model = model
         self.sampled_ids = sampled_ids
-        sizes = [1, 2, 4, 8] + list(range(16, max_batch + 16, 16))
+        # Steps of 8 rows: a batch pads by at most 7 rows, whose products cost as much as real ones.
+        sizes = [1, 2, 4] + list(range(8, max_batch + 8, 8))
         self.sizes = sorted({min(size, max_batch) for size in sizes})
         largest = self.sizes[-1]
 
@@ -114,12 +157,8 @@ class DecodeGraphs:
         self.ints = torch.zeros(self.table_start + largest * table_width, dtype=torch.int32, device=device)
         self.seq_lens = self.ints[:largest]
         self.block_tables = self.ints[self.table_start :].view(largest, table_width)
-        self.staged_longs = torch.zeros_like(self.longs, device="cpu").pin_memory()
-        self.staged_ints = torch.zeros_like(self.ints, device="cpu").pin_memory()
-        self.host_longs = self.staged_longs.numpy()
-        self.host_seq_lens = self.staged_ints.numpy()[:largest]
-        self.host_block_tables = self.staged_ints.numpy()[self.table_start :].reshape(largest, table_width)
-        self.copied = torch.cuda.Event()  # completes when a step's copies have read the staged buffers
+        self.staged_longs = Staging(torch.long, self.longs.numel())
+        self.staged_ints = Staging(torch.int32, self.ints.numel())
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -153,18 +192,18 @@ class DecodeGraphs:
     def run(self, step: StepInputs) -> torch.Tensor:
         n = len(step.input_ids)
         size = next(s for s in self.sizes if s >= n)
-        self.copied.synchronize()  # the previous step's copies have read the staged buffers
+        host_longs = self.staged_longs.host(self.longs.numel()).reshape(self.longs.shape)
         arrays = (step.input_ids, step.sources, step.positions, step.slots)
-        for staged, values, padding in zip(self.host_longs, arrays, (0, 0, 0, -1)):
+        for staged, values, padding in zip(host_longs, arrays, (0, 0, 0, -1)):
             staged[:n] = values
             staged[n:size] = padding
-        self.host_seq_lens[:n] = step.seq_lens
-        self.host_seq_lens[n:size] = 0
-        self.host_block_tables[:n] = step.block_tables
         ints_used = self.table_start + step.block_tables.size  # every length, the first n table rows
-        self.longs.copy_(self.staged_longs, non_blocking=True)
-        self.ints[:ints_used].copy_(self.staged_ints[:ints_used], non_blocking=True)
-        self.copied.record()
+        host_ints = self.staged_ints.host(ints_used)
+        host_ints[:n] = step.seq_lens
+        host_ints[n:size] = 0
+        host_ints[self.table_start :] = step.block_tables.reshape(-1)
+        self.staged_longs.send(self.longs)
+        self.staged_ints.send(self.ints[:ints_used])
         self.graphs[size].replay()
         logits = self.logits[size][:n]
         if len(step.sampled) == n:
@@ -190,6 +229,7 @@ class ModelRunner:
             self.host_ids = [torch.zeros(max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
             self.host_ids_ready = [torch.cuda.Event() for _ in range(2)]
             self.turn = 0
+        self.staging = (Staging(torch.long), Staging(torch.int32)) if self.device.type == "cuda" else None
         self.graphs = (DecodeGraphs(model, max_num_seqs, table_width, self.sampled_ids, self.device)
                        if use_cuda_graphs else None)
 
@@ -199,7 +239,7 @@ class ModelRunner:
         step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size, self.sampled_rows)
         if self.graphs is not None and step.decode_only and self.graphs.fits(len(step.input_ids)):
             return self.graphs.run(step), step.sampled
-        input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device)
+        input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device, self.staging)
         input_ids = fill_pending(input_ids, sources, self.sampled_ids)
         return self.model(input_ids, positions, metadata, logits_indices=logits_rows), step.sampled
 
