@@ -234,8 +234,10 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 # Tile shapes. The interpreter (CPU tensors) gets small tiles so the tests' short sequences still
 # cross tile boundaries. On the GPU, half types multiply on tensor cores: key tiles of at most
-# 16 KiB keep K and V double-buffered in shared memory. Float32 ("ieee") dots run on FMA units
-# with their operands in registers: smaller tiles, chosen so no head size up to 256 spills.
+# 16 KiB keep K and V double-buffered in shared memory; triple-buffered in decode, which only
+# streams them (1-2% faster at 450 x 1500 tokens, the same at 64 x 4096). Float32 ("ieee") dots
+# run on FMA units with their operands in registers: smaller tiles, chosen so no head size up to
+# 256 spills.
 
 
 def _decode_tiles(q: torch.Tensor) -> tuple[int, int]:
@@ -283,7 +285,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q),
-        num_warps=4, num_stages=2, **launch,
+        num_warps=4, num_stages=3, **launch,
     )
     if num_splits == 1:
         return
