@@ -131,6 +131,12 @@ def fill_pending(input_ids: torch.Tensor, sources: torch.Tensor, sampled_ids: to
     return torch.where(input_ids == PENDING, sampled_ids[sources], input_ids)
 
 
+def capture_sizes(max_batch: int) -> list[int]:
+    """The batch sizes decode graphs are captured for: 1, 2, 4, then every 8 rows up to ``max_batch``
+    (always included). A batch pads by at most 7 rows, whose products cost as much as real ones."""
+    return sorted({min(size, max_batch) for size in [1, 2, 4, *range(8, max_batch + 8, 8)]})
+
+
 class DecodeGraphs:
     """Decode steps captured as CUDA graphs for batch sizes 1, 2, 4, 8, 16, 24, ... up to ``max_batch``.
 
@@ -144,9 +150,7 @@ class DecodeGraphs:
     def __init__(self, model, max_batch: int, table_width: int, sampled_ids: torch.Tensor, device: torch.device):
         self.model = model
         self.sampled_ids = sampled_ids
-        # Steps of 8 rows: a batch pads by at most 7 rows, whose products cost as much as real ones.
-        sizes = [1, 2, 4] + list(range(8, max_batch + 8, 8))
-        self.sizes = sorted({min(size, max_batch) for size in sizes})
+        self.sizes = capture_sizes(max_batch)
         largest = self.sizes[-1]
 
         # Two buffers, each sent in one copy a step: int64 ids, their sources, positions and slots;

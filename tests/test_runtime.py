@@ -273,3 +273,16 @@ def test_soak_random_requests(checkpoints):
     for prompt, param, output in zip(batch, params, outputs):
         assert output.token_ids == token_ids(solo.generate([prompt], param, use_tqdm=False))[0]
         assert len(output.token_ids) == param.max_tokens
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8, 13, 450, 512])
+def test_every_batch_has_a_graph_padding_it_by_less_than_8_rows(max_batch):
+    from runtime.model_runner import capture_sizes
+
+    sizes = capture_sizes(max_batch)
+    assert sizes[-1] == max_batch and sizes == sorted(set(sizes))
+    for batch in range(1, max_batch + 1):
+        padded = next(size for size in sizes if size >= batch)
+        assert padded - batch < 8
+        if batch in (1, 2, 4) or batch % 8 == 0 or batch == max_batch:
+            assert padded == batch
