@@ -3,13 +3,16 @@
 2D weights are stored in the type under test, norms in F32; q/k rows carry llama.cpp's permutation.
 Types gguf-py can quantise go through ``gguf.quants.quantize``; Q4_K and Q6_K (which it cannot
 quantise) are random but valid raw blocks with small fp16 scales, so nothing dequantises to inf/nan.
+A file can carry a tiny tokenizer of either kind llama.cpp writes: byte-level BPE ("gpt2": Llama 3,
+Qwen, SmolLM) or sentencepiece ("llama": Llama 2, Mistral).
 """
 
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 T = GGMLQuantizationType
 TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
@@ -59,6 +62,40 @@ def stored(rng, rows: int, cols: int, qtype: GGMLQuantizationType) -> np.ndarray
     return quantize(rng.normal(0.0, 0.05, (rows, cols)).astype(np.float32), qtype)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# Pairs merged in this order, each of two tokens already in the vocabulary.
+PIECES = [("t", "h"), ("th", "e"), ("i", "n"), ("e", "r"), ("o", "n"), ("r", "e"), ("o", "r"), ("l", "d"),
+          ("w", "or"), ("wor", "ld"), ("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o")]
+
+
+def _add_tokenizer(writer: GGUFWriter, kind: str) -> None:
+    if kind == "gpt2":  # bytes spelled in GPT-2's alphabet, a word's leading space as "Ġ"
+        merges = [(a, b) for a, b in PIECES] + [("Ġ", "the"), ("Ġ", "world")]
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        tokens = list(bytes_to_unicode().values()) + [a + b for a, b in merges] + specials
+        types = [TokenType.NORMAL] * (len(tokens) - len(specials)) + [TokenType.CONTROL] * len(specials)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_merges([f"{a} {b}" for a, b in merges])
+        bos, eos, add_bos = tokens.index("<|im_start|>"), tokens.index("<|im_end|>"), False
+    else:  # sentencepiece: unk, bos, eos, 256 byte fallbacks, then pieces scored best-first
+        pieces = ["▁"] + [a + b for a, b in PIECES] + ["▁the", "▁world", "▁hello"]
+        pieces += sorted({c for piece in pieces for c in piece} - set(pieces))
+        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+        types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+        types += [TokenType.NORMAL] * len(pieces)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+        writer.add_unk_token_id(0)
+        bos, eos, add_bos = 1, 2, True
+    writer.add_token_list(tokens)
+    writer.add_token_types([int(t) for t in types])
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 def _add(writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:
     if data.dtype == np.uint8:  # the byte shape: add_tensor derives the element shape from it
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
@@ -67,9 +104,12 @@ def _add(writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizatio
 
 
 def write_llama_gguf(
-    path: Path, qtype: GGMLQuantizationType, *, arch: str = "llama", tied: bool = False, seed: int = 0
+    path: Path, qtype: GGMLQuantizationType, *, arch: str = "llama", tied: bool = False, seed: int = 0,
+    tokenizer: str | None = None,
 ) -> dict:
     """Write the file; return its 2D weights in stored form before the q/k permutation, by GGUF name.
+
+    ``tokenizer``: "gpt2" or "llama" adds a tokenizer of that kind to the metadata.
 
     ``tied``: no output.weight, which is how llama.cpp stores tied embeddings. q/k rows are permuted
     after quantising where the converter permutes before: the same bytes, since quantisation
@@ -87,6 +127,8 @@ def write_llama_gguf(
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(RMS_EPS)
     writer.add_vocab_size(s["vocab"])
+    if tokenizer is not None:
+        _add_tokenizer(writer, tokenizer)
 
     kv = s["kv_heads"] * HEAD_DIM
     shapes = {"token_embd.weight": (s["vocab"], s["hidden"])}

@@ -10,7 +10,8 @@ import transformers
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from loaders import CheckpointError, load_config, resolve_source
+from loaders import CheckpointError, load_config, load_tokenizer, resolve_source
+from loaders.config import _gguf_tokenizer_class
 from loaders.gguf_file import gguf_tensors, read_gguf
 from loaders.load import choose_layouts, declared_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
@@ -111,6 +112,46 @@ def test_config_equals_transformers(tmp_path, arch, tied):
     write_llama_gguf(path, T.F32, arch=arch, tied=tied)
     theirs = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     assert load_config(resolve_source(path)).to_dict() == theirs.to_dict()
+
+
+TOKENIZER_TEXTS = ["hello the world, the other world!", "  two leading spaces\tand a tab\n", "Ça va? 你好 1234",
+                   "<|im_start|>user\nhi<|im_end|>", "<s>hello</s>"]
+
+
+def assert_same_tokenizer(ours, theirs):
+    assert type(ours) is type(theirs)
+    for text in TOKENIZER_TEXTS:
+        ids = theirs(text).input_ids
+        assert ours(text).input_ids == ids
+        assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    assert ours.chat_template == theirs.chat_template
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tokenizer_equals_autotokenizer(tmp_path, arch, kind):
+    """zoo picks AutoTokenizer's class from its own config of the file (no second full read of the
+    file); the tokenizer is the same, byte-level BPE or sentencepiece, for each architecture."""
+    path = tmp_path / f"{arch}.gguf"
+    write_llama_gguf(path, T.F32, arch=arch, tokenizer=kind)
+    assert _gguf_tokenizer_class(resolve_source(path)) is not None  # the fast path is the one tested
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert_same_tokenizer(load_tokenizer(str(path)), theirs)
+
+
+def test_tokenizer_config_beside_the_file_goes_to_autotokenizer(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_llama_gguf(path, T.F32, tokenizer="gpt2")
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    assert _gguf_tokenizer_class(resolve_source(path)) is None
+    assert type(load_tokenizer(str(path))).__name__ == "GPT2Tokenizer"
+
+
+def test_file_without_tokenizer_has_none(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_llama_gguf(path, T.F32)
+    assert load_tokenizer(str(path)) is None
 
 
 def test_tied_embeddings(tmp_path):

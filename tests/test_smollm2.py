@@ -41,6 +41,18 @@ def test_config_equals_transformers():
     assert load_config(resolve_source(path)).to_dict() == theirs.to_dict()
 
 
+def test_tokenizer_equals_autotokenizer(llm):
+    """zoo's tokenizer of the file (its class picked from zoo's own config) is AutoTokenizer's."""
+    from tests.test_gguf import assert_same_tokenizer
+
+    path = default_model_path()
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert_same_tokenizer(llm.tokenizer, theirs)
+    conversation = [{"role": "user", "content": SENTENCE}]
+    assert llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+
 def test_logits_match_huggingface(llm, reference):
     input_ids = llm.tokenizer(SENTENCE, return_tensors="pt").input_ids
     assert input_ids.shape[1] > 15
