@@ -17,26 +17,33 @@ def load_config(source: Source):
             json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: malformed JSON ({exc})") from exc
-    # A GGUF file zoo reads: its config fields from zoo's header reader, in seconds less than
-    # transformers' own reading of the file (``loaders.gguf_file.config_dict``).
-    fields = _gguf_config_fields(source) if source.gguf_file is not None else None
     try:
-        if fields is not None:
-            config = AutoConfig.for_model(**fields)
-            config._name_or_path = str(source.directory)  # as from_pretrained records it
-            return config
-        return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file, trust_remote_code=False)
+        config = _gguf_config(source) if source.gguf_file is not None else None
+        if config is None:
+            config = AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file, trust_remote_code=False)
+        return config
+    except CheckpointError:  # zoo's GGUF reader names the damage itself
+        raise
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for bad configs
         raise CheckpointError(f"{source.path}: transformers cannot build a config from it ({exc})") from exc
 
 
-def _gguf_config_fields(source: Source) -> dict | None:
-    """None: an architecture zoo's GGUF reader does not take, or fields the mapping cannot give;
-    transformers then reads the file (and names what it cannot take)."""
+def _gguf_config(source: Source):
+    """The config of a GGUF file zoo's reader takes, from the header that reader reads: in
+    milliseconds, where transformers' own reading of the file takes seconds
+    (``loaders.gguf_file.config_dict``). None: an architecture zoo's reader does not take, or
+    fields the mapping cannot give; transformers then reads the file (and names what it cannot take)."""
+    from transformers import AutoConfig
+
     from loaders.gguf_file import ARCHITECTURES, config_dict, read_gguf
 
     gguf = read_gguf(source.path)
-    return config_dict(gguf) if gguf.architecture in ARCHITECTURES else None
+    fields = config_dict(gguf) if gguf.architecture in ARCHITECTURES else None
+    if fields is None:
+        return None
+    config = AutoConfig.for_model(**fields)
+    config._name_or_path = str(source.directory)  # as from_pretrained records it
+    return config
 
 
 def load_tokenizer(path_or_repo_id):
@@ -58,16 +65,12 @@ def _gguf_tokenizer_class(source: Source):
     in milliseconds. None, to let AutoTokenizer pick, in every other case."""
     if source.gguf_file is None or (source.directory / "tokenizer_config.json").exists():
         return None
-    fields = _gguf_config_fields(source)
-    if fields is None:
+    config = _gguf_config(source)
+    if config is None or getattr(config, "tokenizer_class", None):
         return None
-    from transformers import AutoConfig
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    config = AutoConfig.for_model(**fields)
-    if getattr(config, "tokenizer_class", None):
-        return None
     tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
     # Mistral's own backend depends on more than the config: AutoTokenizer decides.
     return None if tokenizer_class is None or tokenizer_class.__name__ == "MistralCommonBackend" else tokenizer_class
