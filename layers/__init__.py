@@ -8,7 +8,7 @@ from layers.attention import (
     select_backend,
 )
 from layers.embedding import LMHead, VocabEmbedding
-from layers.linear import Linear, MergedLinear
+from layers.linear import Linear, MergedLinear, pack_for_cpu_decode
 from layers.mlp import GatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
 from layers.norm import RMSNorm
@@ -18,5 +18,5 @@ from layers.weights import OneOf, Shard
 __all__ = [
     "Attention", "AttentionMetadata", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "RMSNorm",
     "OneOf", "RotaryEmbedding", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
-    "TritonAttentionBackend", "VocabEmbedding", "rope_parameters", "select_backend",
+    "TritonAttentionBackend", "VocabEmbedding", "pack_for_cpu_decode", "rope_parameters", "select_backend",
 ]

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops_cuda.calls import linear
+from ops_cuda.calls import PackedWeight, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -25,6 +25,7 @@ class LMHead(nn.Module):
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.packed: PackedWeight | None = None  # see layers.linear.pack_for_cpu_decode
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self.weight)
+        return linear(hidden_states, self.weight, packed=self.packed)

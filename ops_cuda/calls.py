@@ -7,6 +7,7 @@ is the custom op's Python dispatch, tens of µs a call, which made SmolLM2's CPU
 sequences) 6% slower, measured by alternating the two ways within one process.
 """
 
+import torch
 import torch.nn.functional as F
 
 from ops_cuda import activation, kv_cache, moe, norm, rotary
@@ -31,9 +32,42 @@ moe_experts = _reference_on_cpu(moe.moe_experts, moe.moe_experts_reference)
 argmax = _reference_on_cpu(argmax_op, argmax_reference)
 
 
-def linear(x, weight, bias=None):
+class PackedWeight:
+    """MKL's packed copy of a float32 CPU weight [out, in], for the few rows of a decode step.
+
+    ``F.linear`` has MKL pack the weight anew on every call; a weight packed once is read as it
+    is. The packed layout suits a number of rows: packed for 16, SmolLM2's products run 1.3-1.7x
+    faster than with ``F.linear`` at 4 to 16 rows, and slower at 48 and more
+    (``benchmarks/bench_cpu_linear.py``), so steps of more rows (prompt chunks, wide batches)
+    keep ``F.linear``. The pack is a copy: it stands for the weight only while that is
+    unchanged, and it costs the weight's memory again.
+    """
+
+    ROWS = 16
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, self.ROWS)
+        self.source = (weight.data_ptr(), weight._version)
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
+
+    def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.numel() <= self.ROWS * x.shape[-1] and (weight.data_ptr(), weight._version) == self.source
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkl._mkl_linear(rows, self.packed, weight, bias, rows.shape[0])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear(x, weight, bias=None, packed: PackedWeight | None = None):
     """``F.linear``; on the GPU a single float16/bfloat16 row goes to zoo::gemv, when the weight's
-    rows are contiguous (a CPU-loaded model moved to the GPU keeps its column-major weights)."""
+    rows are contiguous (a CPU-loaded model moved to the GPU keeps its column-major weights). On
+    the CPU, ``packed`` (the weight's ``PackedWeight``, if the runtime made one) serves few rows."""
+    if packed is not None and x.device.type == "cpu" and packed.serves(x, weight):
+        return packed.linear(x, weight, bias)
     if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)

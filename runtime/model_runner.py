@@ -7,7 +7,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from layers import Attention, AttentionMetadata
+from layers import Attention, AttentionMetadata, pack_for_cpu_decode
 from runtime.sequence import PENDING, Sequence
 
 
@@ -224,6 +224,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_tables = block_tables
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            pack_for_cpu_decode(model)
         max_num_seqs, table_width = block_tables.shape
         # The last step's sampled ids stay on the device for the next step's pending inputs; on
         # their way to the host they go through two pinned buffers, used by turns.

@@ -10,6 +10,7 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
 from transformers.models.llama import modeling_llama as hf_llama
 
 from layers import RotaryEmbedding
+from ops_cuda import calls
 from ops_cuda import (
     ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gemv, rms_norm, write_kv_cache,
 )
@@ -26,6 +27,27 @@ def test_rms_norm_matches_hf():
         out, summed = fused_add_rms_norm(x, residual, norm.weight, 1e-6)
         assert torch.equal(summed, x + residual)
         assert torch.equal(out, norm(x + residual))
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs MKL")
+def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64).t().contiguous().t(), torch.randn(96)  # column-major, as zoo loads it
+    packed = calls.PackedWeight(weight)
+    for shape in [(1, 64), (7, 64), (16, 64), (2, 8, 64)]:
+        x = torch.randn(shape)
+        assert packed.serves(x, weight)
+        out = calls.linear(x, weight, bias, packed)
+        assert out.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-6, atol=1e-5)
+    assert calls.linear(torch.randn(0, 64), weight, bias, packed).shape == (0, 96)
+    more_rows = torch.randn(17, 64)
+    assert not packed.serves(more_rows, weight)
+    assert torch.equal(calls.linear(more_rows, weight, bias, packed), torch.nn.functional.linear(more_rows, weight, bias))
+    weight.mul_(2)  # changed in place: the pack no longer stands for it
+    x = torch.randn(4, 64)
+    assert not packed.serves(x, weight)
+    assert torch.equal(calls.linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))

@@ -46,7 +46,11 @@ def token_ids(outputs):
 def test_greedy_matches_hf_generate(name, checkpoints):
     path, reference = checkpoints[name]
     batch = prompts()
-    outputs = llm(path).generate(batch, GREEDY, use_tqdm=False)
+    engine = llm(path)
+    if torch.backends.mkl.is_available():  # decode steps multiply by packed weights (ops_cuda.calls.PackedWeight)
+        model = engine.engine.runner.model
+        assert model.lm_head.packed is not None and model.model.layers[0].mlp.down_proj.packed is not None
+    outputs = engine.generate(batch, GREEDY, use_tqdm=False)
     for prompt, output in zip(batch, outputs):
         ids = torch.tensor([prompt])
         expected = reference.generate(ids, max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
