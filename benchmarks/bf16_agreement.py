@@ -61,6 +61,15 @@ def pytorch_ops():
             setattr(module, name, original)
 
 
+def in_float32(model):
+    # A copy cast parameter by parameter: HF refuses .float() on a model loaded from a GGUF file.
+    copied = copy.deepcopy(model)
+    for tensor in [*copied.parameters(), *copied.buffers()]:
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.float()
+    return copied
+
+
 @torch.no_grad()
 def report(name, reference, input_ids):
     model = model_from_hf(reference)
@@ -73,7 +82,7 @@ def report(name, reference, input_ids):
     ours = model(input_ids)
     with pytorch_ops():
         ours_pytorch_ops = model(input_ids)
-    float32 = copy.deepcopy(reference).float()(input_ids).logits
+    float32 = in_float32(reference)(input_ids).logits
     z, zk = compare(ours, sdpa)
     p, _ = compare(ours_pytorch_ops, sdpa)
     h, hk = compare(eager, sdpa)

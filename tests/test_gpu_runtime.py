@@ -32,8 +32,9 @@ def top1_and_kl(ours, theirs):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_bf16_top1_agrees_with_hf(model_type):
     """256 teacher-forced positions. HF-initialised random weights leave the logits nearly tied, so
-    bf16 rounding flips some argmaxes in HF itself: its eager and sdpa paths agree on ~98% (run
-    benchmarks/bf16_agreement.py). zoo must agree with HF as well as HF agrees with itself."""
+    one bf16 rounding that differs from HF's flips argmaxes: HF's own eager and sdpa paths agree
+    on ~98% (benchmarks/bf16_agreement.py). zoo's kernels round where HF's ops do, so zoo agrees
+    with HF's sdpa path on at least 99%, and never worse than HF agrees with itself."""
     reference = random_hf(tiny_config(model_type, **SMALL))
     model = model_from_hf(reference)
     torch.manual_seed(1)
@@ -45,6 +46,7 @@ def test_bf16_top1_agrees_with_hf(model_type):
         agreement, kl = top1_and_kl(model(input_ids), reference(input_ids).logits)
         floor, floor_kl = top1_and_kl(eager, reference(input_ids).logits)
     print(f"{model_type}: zoo vs HF top-1 {agreement:.4f} KL {kl:.2e}; HF eager vs sdpa {floor:.4f} KL {floor_kl:.2e}")
+    assert agreement >= 0.99
     assert agreement >= floor - 0.01
     assert kl <= 2 * floor_kl
 

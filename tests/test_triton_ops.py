@@ -143,7 +143,7 @@ def test_apply_rotary_interpreted(rotary_dim, interleaved, dtype):
     ours = kernels.apply_rotary_triton(q, k, cos, sin, interleaved)
     reference = apply_rotary_reference(q, k, cos, sin, interleaved)
     for mine, theirs in zip(ours, reference):
-        assert_close(mine, theirs, INTERPRETER_TOL[dtype])
+        assert torch.equal(mine, theirs)
 
 
 @interpreter
@@ -298,12 +298,14 @@ def test_act_and_mul_gpu(shape, activation, dtype):
     [(1, 32, 8, 128, 128), (4097, 32, 8, 128, 128), (37, 28, 4, 128, 64), (5, 16, 1, 64, 64), (9, 6, 2, 80, 32)],
 )
 def test_apply_rotary_gpu(n, q_heads, kv_heads, head_dim, rotary_dim, interleaved, dtype):
+    # Bit-equal, not merely close: a unit off in a sixth of the bf16 outputs (a fused multiply-add
+    # skipping a rounding) cost zoo's bf16 logits 2% of top-1 agreement with HF.
     torch.manual_seed(0)
     q, k, _ = qkv_views(n, q_heads, kv_heads, head_dim, dtype, "cuda")
     cos, sin = rope_table(torch.randint(0, 32768, (n,), device="cuda"), rotary_dim)
     ours = run_poisoned(apply_rotary, q, k, cos, sin, interleaved)
     for mine, theirs in zip(ours, apply_rotary_reference(q, k, cos, sin, interleaved)):
-        assert_close(mine, theirs, GPU_TOL[dtype])
+        assert torch.equal(mine, theirs)
 
 
 @pytest.mark.gpu
