@@ -15,7 +15,6 @@ flushed before every replay; the median of --iters replays is reported.
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_gpu import graph_us  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -35,21 +36,7 @@ L2_FLUSH_BYTES = 256 << 20
 
 
 def device_ms(fn, iters: int) -> float:
-    fn()  # compiles the kernels outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return graph_us(fn, iters, flush_l2_bytes=L2_FLUSH_BYTES) / 1e3
 
 
 def paged_cache(batch: int, seq_len: int):

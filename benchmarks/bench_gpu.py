@@ -62,16 +62,20 @@ def sync_time(fn, repeats=3):
     return statistics.median(times)
 
 
-def graph_us(fn, replays=20) -> float:
-    """Median µs of fn() over CUDA-graph replays timed with CUDA events (one eager call first compiles)."""
+def graph_us(fn, replays=20, flush_l2_bytes=0) -> float:
+    """Median µs of fn() over CUDA-graph replays timed with CUDA events (one eager call first compiles).
+    With ``flush_l2_bytes``, that many bytes are zeroed before each replay, so that fn reads its
+    inputs from HBM, not from the L2 cache the previous replay left them in."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
     graph.replay()  # warm-up
+    flush = torch.empty(flush_l2_bytes, dtype=torch.int8, device="cuda")
     times = []
     for _ in range(replays):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
