@@ -42,6 +42,23 @@ def token_ids(outputs):
     return [o.token_ids for o in outputs]
 
 
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs MKL")
+def test_weights_are_not_packed_where_the_copies_would_crowd_memory(checkpoints, monkeypatch):
+    import layers.linear
+
+    path, _ = checkpoints["llama"]
+    packed_llm = llm(path)
+    packed = [m.weight for m in packed_llm.engine.runner.model.modules() if getattr(m, "packed", None) is not None]
+    copies = sum(w.numel() * w.element_size() for w in packed)
+    monkeypatch.setattr(layers.linear, "available_memory", lambda: copies)  # the copies would take all of it
+    with pytest.warns(UserWarning, match="not packing the float32 weights"):
+        unpacked_llm = llm(path)
+    assert packed and all(m.packed is None for m in unpacked_llm.engine.runner.model.modules() if hasattr(m, "packed"))
+    batch = prompts(3)
+    assert token_ids(unpacked_llm.generate(batch, GREEDY, use_tqdm=False)) == token_ids(
+        packed_llm.generate(batch, GREEDY, use_tqdm=False))
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_greedy_matches_hf_generate(name, checkpoints):
     path, reference = checkpoints[name]
