@@ -36,8 +36,8 @@ class PackedWeight:
     """MKL's packed copy of a float32 CPU weight [out, in], for the few rows of a decode step.
 
     ``F.linear`` has MKL pack the weight anew on every call; a weight packed once is read as it
-    is. The packed layout suits a number of rows: packed for 16, SmolLM2's products run 1.3-1.7x
-    faster than with ``F.linear`` at 4 to 16 rows, and slower at 48 and more
+    is. The packed layout suits a number of rows: packed for 16, SmolLM2's products run 1.2-1.7x
+    faster than with ``F.linear`` at 8 to 16 rows, as fast at 1, and slower at 48 and more
     (``benchmarks/bench_cpu_linear.py``), so steps of more rows (prompt chunks, wide batches)
     keep ``F.linear``. The pack is a copy: it stands for the weight only while that is
     unchanged, and it costs the weight's memory again.
@@ -47,14 +47,20 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, self.ROWS)
-        self.source = (weight.data_ptr(), weight._version)
+        self.source = self._identity(weight)
+
+    @staticmethod
+    def _identity(weight: torch.Tensor) -> tuple:
+        # Storage and version counter: writing into the weight in place bumps the version. (A
+        # tensor made under inference_mode keeps no version; only its storage is checked.)
+        return weight.data_ptr(), None if weight.is_inference() else weight._version
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return x.numel() <= self.ROWS * x.shape[-1] and (weight.data_ptr(), weight._version) == self.source
+        return x.numel() <= self.ROWS * x.shape[-1] and self._identity(weight) == self.source
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

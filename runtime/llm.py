@@ -68,13 +68,16 @@ class LLM:
             checkpoint = model
         config_max = self.model.config.max_position_embeddings
         max_model_len = min(max_model_len or config_max, config_max)
-        self.engine = Engine(
-            self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend, enforce_eager=enforce_eager,
-        )
+        # The engine writes its buffers in place at every step, whether generate runs under
+        # inference_mode or not; made under inference_mode, they could not be written outside it.
+        with torch.inference_mode(False):
+            self.engine = Engine(
+                self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
+                gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+                attention_backend=attention_backend, enforce_eager=enforce_eager,
+            )
         self._next_id = 0
 
     def _add(self, prompts, sampling_params) -> list[RequestOutput]:

@@ -59,6 +59,15 @@ def test_weights_are_not_packed_where_the_copies_would_crowd_memory(checkpoints,
         packed_llm.generate(batch, GREEDY, use_tqdm=False))
 
 
+def test_llm_built_under_inference_mode_generates_outside_it(checkpoints):
+    path, _ = checkpoints["llama"]
+    with torch.inference_mode():
+        built_inside = llm(path)
+    batch = prompts(3)
+    assert token_ids(built_inside.generate(batch, GREEDY, use_tqdm=False)) == token_ids(
+        llm(path).generate(batch, GREEDY, use_tqdm=False))
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_greedy_matches_hf_generate(name, checkpoints):
     path, reference = checkpoints[name]
