@@ -1,5 +1,6 @@
 """The engine: requests in, one scheduled model step at a time, tokens and text out."""
 
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,7 +67,9 @@ class Engine:
         backend = select_backend(attention_backend, device)
         for layer in model.modules():
             if isinstance(layer, Attention):
-                layer.backend = backend
+                # A model runs in one engine at a time: the cache an earlier engine bound to the
+                # layers goes, or its memory would count as used when this one sizes its own.
+                layer.backend, layer.kv_cache = backend, None
         # Graphs capture the decode step: it must not sync with the host (the triton backend does
         # not; the reference backend and dynamic rope do).
         use_cuda_graphs = (device.type == "cuda" and not enforce_eager and backend.name == "triton"
@@ -91,6 +94,7 @@ class Engine:
         if kv_cache_gib is not None:
             budget = kv_cache_gib * (1 << 30)
         elif device.type == "cuda":
+            gc.collect()  # an earlier engine of this model, dropped but in a reference cycle, frees its cache
             # The largest step: max_tokens new tokens, as prompts of at most max_model_len tokens.
             length = min(max_tokens, self.max_model_len)
             batch = -(-max_tokens // length)

@@ -59,6 +59,36 @@ def test_weights_are_not_packed_where_the_copies_would_crowd_memory(checkpoints,
         packed_llm.generate(batch, GREEDY, use_tqdm=False))
 
 
+def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkpoints, monkeypatch):
+    # On CUDA the cache is sized by the free memory: the cache an earlier engine of the same model
+    # bound to its layers must be gone by then (the second LLM found 0 GiB free on the H200).
+    import gc
+    import weakref
+
+    from models import AutoModelForCausalLM
+    from runtime.engine import Engine
+
+    path, _ = checkpoints["llama"]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device="cpu")
+    first = LLM(model, block_size=4)
+    old_pool = weakref.ref(first.engine.kv_cache.pools[0][0])
+    expected = token_ids(first.generate(prompts(3), GREEDY, use_tqdm=False))
+    del first
+    bound_when_sized = []
+    sized = Engine._blocks_for_budget
+
+    def record(self, *args):
+        bound_when_sized.extend(m.kv_cache for m in self.model.modules() if hasattr(m, "kv_cache"))
+        return sized(self, *args)
+
+    monkeypatch.setattr(Engine, "_blocks_for_budget", record)
+    second = LLM(model, block_size=4)
+    gc.collect()
+    assert bound_when_sized and all(cache is None for cache in bound_when_sized)
+    assert old_pool() is None
+    assert token_ids(second.generate(prompts(3), GREEDY, use_tqdm=False)) == expected
+
+
 def test_llm_built_under_inference_mode_generates_outside_it(checkpoints):
     path, _ = checkpoints["llama"]
     with torch.inference_mode():
