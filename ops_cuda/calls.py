@@ -67,6 +67,15 @@ class PackedWeight:
         out = torch.ops.mkl._mkl_linear(rows, self.packed, weight, bias, rows.shape[0])
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def __reduce__(self):
+        # A copy or a pickle of the model leaves the pack behind (MKL's layout can be neither
+        # copied nor saved): the copy multiplies by its own weights unpacked.
+        return _no_pack, ()
+
+
+def _no_pack() -> None:
+    return None
+
 
 def linear(x, weight, bias=None, packed: PackedWeight | None = None):
     """``F.linear``; on the GPU a single float16/bfloat16 row goes to zoo::gemv, when the weight's

@@ -1,5 +1,8 @@
 """zoo's op references and rotary tables against HuggingFace's own functions."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 import transformers
@@ -48,6 +51,7 @@ def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied():
     x = torch.randn(4, 64)
     assert not packed.serves(x, weight)
     assert torch.equal(calls.linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
+    assert copy.deepcopy([packed]) == [None] and pickle.loads(pickle.dumps(packed)) is None  # copies leave it behind
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
