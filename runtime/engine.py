@@ -174,6 +174,9 @@ class Engine:
         there: the device reads them where they are, and the host's bookkeeping for one step
         overlaps the device's work on the next. Otherwise the previous step is taken in first.
         """
+        if not self.kv_cache.bound():
+            raise RuntimeError("this LLM's model has been taken over by a newer LLM, which bound its own KV cache "
+                               "to the model's layers: a model runs in one LLM at a time")
         changed = []
         if self.launched is not None and not self._can_run_ahead(self.launched):
             changed += self._take_in(self.launched)

@@ -24,6 +24,10 @@ class KVCache:
             layer.kv_cache = pool
             self.pools.append(pool)
 
+    def bound(self) -> bool:
+        """Whether the model's layers still hold these pools (a newer engine of the model rebinds them)."""
+        return all(layer.kv_cache is pool for layer, pool in zip(self.layers, self.pools))
+
     @staticmethod
     def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
         per_token = sum(2 * m.num_kv_heads * m.head_dim for m in model.modules() if isinstance(m, Attention))

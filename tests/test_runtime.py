@@ -89,6 +89,19 @@ def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkp
     assert token_ids(second.generate(prompts(3), GREEDY, use_tqdm=False)) == expected
 
 
+def test_an_llm_whose_model_a_newer_llm_took_over_says_so(checkpoints):
+    from models import AutoModelForCausalLM
+
+    path, _ = checkpoints["llama"]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device="cpu")
+    first = LLM(model, block_size=4)
+    second = LLM(model, block_size=4)
+    with pytest.raises(RuntimeError, match="taken over by a newer LLM"):
+        first.generate(prompts(2), GREEDY, use_tqdm=False)
+    assert token_ids(second.generate(prompts(2), GREEDY, use_tqdm=False)) == token_ids(
+        llm(path).generate(prompts(2), GREEDY, use_tqdm=False))
+
+
 def test_llm_built_under_inference_mode_generates_outside_it(checkpoints):
     path, _ = checkpoints["llama"]
     with torch.inference_mode():
