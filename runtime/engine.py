@@ -120,7 +120,6 @@ class Engine:
         """Queue one request. A bad one gets a finished output with the error, and nothing else changes."""
         text = prompt if isinstance(prompt, str) else None
         output = RequestOutput(request_id, text, [])
-        self.outputs[request_id] = output
         try:
             output.prompt_token_ids = self._prompt_ids(prompt)
             self._validate(output.prompt_token_ids, params)
@@ -130,9 +129,20 @@ class Engine:
         seq = Sequence(request_id, output.prompt_token_ids, params)
         seq.seed_generator(self.runner.device)
         output.token_ids, output.logprobs = seq.output_token_ids, seq.logprobs
+        self.outputs[request_id] = output
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return output
+
+    def abort(self, request_ids) -> None:
+        """Drop these requests where still unfinished: their blocks are freed and no later step
+        computes them (a step already launched computes them for nothing)."""
+        for request_id in request_ids:
+            seq = self.sequences.pop(request_id, None)
+            if seq is not None:
+                self.scheduler.abort(seq)
+                seq.finish("abort")
+                del self.outputs[request_id]
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -265,5 +275,5 @@ class Engine:
             if not (seq.finish_reason == "stop" and seq.params.stop):  # else the stop string already cut it
                 output.text = self.decode(seq.output_token_ids)
             output.finish_reason, output.error = seq.finish_reason, seq.error
-            del self.sequences[seq.request_id]
+            del self.sequences[seq.request_id], self.outputs[seq.request_id]  # the caller holds the output
         return output

@@ -1,5 +1,6 @@
 """``LLM``: offline generation with any registered model."""
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -98,7 +99,8 @@ class LLM:
         outputs = self._add(prompts, sampling_params)
         done = sum(o.finished for o in outputs)
         start, generated = time.perf_counter(), 0
-        with tqdm(total=len(outputs), initial=done, desc="Generating", disable=not use_tqdm) as bar:
+        with self._aborting_unfinished(outputs), \
+                tqdm(total=len(outputs), initial=done, desc="Generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 changed = self.engine.step()
                 if bar.disable:  # the bar's figures cost a pass over all outputs: only when it shows
@@ -110,23 +112,33 @@ class LLM:
                 bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}", refresh=False)
         return outputs
 
+    @contextlib.contextmanager
+    def _aborting_unfinished(self, outputs):
+        # A call left early (an exception, Ctrl-C, a stream its reader stopped reading) drops its
+        # unfinished requests: later calls must not compute them.
+        try:
+            yield
+        finally:
+            self.engine.abort([o.request_id for o in outputs if not o.finished])
+
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamDelta]:
         """Yield each request's new tokens and text as they are generated."""
         outputs = self._add(prompts, sampling_params)
         index_of = {o.request_id: i for i, o in enumerate(outputs)}
         sent_tokens = {o.request_id: 0 for o in outputs}
         sent_text = {o.request_id: 0 for o in outputs}
-        for output in outputs:
-            if output.finished:
-                yield StreamDelta(index_of[output.request_id], [], "", output.finish_reason, output.error)
-        while self.engine.has_unfinished():
-            for output in self.engine.step():
-                self.engine.refresh_text(output)
-                rid = output.request_id
-                text = output.text if output.finished else _settled(output.text)
-                yield StreamDelta(index_of[rid], output.token_ids[sent_tokens[rid]:], text[sent_text[rid]:],
-                                  output.finish_reason, output.error)
-                sent_tokens[rid], sent_text[rid] = len(output.token_ids), len(text)
+        with self._aborting_unfinished(outputs):
+            for output in outputs:
+                if output.finished:
+                    yield StreamDelta(index_of[output.request_id], [], "", output.finish_reason, output.error)
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    self.engine.refresh_text(output)
+                    rid = output.request_id
+                    text = output.text if output.finished else _settled(output.text)
+                    yield StreamDelta(index_of[rid], output.token_ids[sent_tokens[rid]:], text[sent_text[rid]:],
+                                      output.finish_reason, output.error)
+                    sent_tokens[rid], sent_text[rid] = len(output.token_ids), len(text)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""

@@ -111,3 +111,8 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence, running or waiting, and free its blocks."""
+        (self.running if seq in self.running else self.waiting).remove(seq)
+        self.block_manager.free_sequence(seq)

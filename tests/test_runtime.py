@@ -102,6 +102,42 @@ def test_an_llm_whose_model_a_newer_llm_took_over_says_so(checkpoints):
         llm(path).generate(prompts(2), GREEDY, use_tqdm=False))
 
 
+def test_a_stream_left_early_or_an_interrupted_call_leaves_nothing_running(checkpoints, monkeypatch):
+    path, _ = checkpoints["llama"]
+    engine = llm(path, num_blocks=64)
+    batch = prompts(4)
+    expected = token_ids(llm(path).generate(batch, GREEDY, use_tqdm=False))
+    free_blocks = engine.engine.block_manager.num_free_blocks
+
+    def nothing_left():
+        while engine.engine.has_unfinished():  # a step launched ahead is taken in, computing nothing new
+            assert engine.engine.step() == []
+        assert not engine.engine.sequences and not engine.engine.outputs
+        assert engine.engine.block_manager.num_free_blocks == free_blocks
+
+    for delta in engine.stream(prompts(3, seed=1), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)):
+        break  # the reader stops reading
+    nothing_left()
+    steps = 0
+    step = engine.engine.step
+
+    def interrupted_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts(3, seed=2), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    monkeypatch.setattr(engine.engine, "step", step)
+    nothing_left()
+    assert token_ids(engine.generate(batch, GREEDY, use_tqdm=False)) == expected
+    assert not engine.engine.sequences and not engine.engine.outputs  # finished requests are not kept either
+
+
 def test_llm_built_under_inference_mode_generates_outside_it(checkpoints):
     path, _ = checkpoints["llama"]
     with torch.inference_mode():
