@@ -135,7 +135,10 @@ class LLM:
                 for output in self.engine.step():
                     self.engine.refresh_text(output)
                     rid = output.request_id
-                    text = output.text if output.finished else _settled(output.text)
+                    if output.finished:
+                        text = output.text
+                    else:
+                        text = _settled(output.text, self.engine.sequences[rid].params.stop)
                     yield StreamDelta(index_of[rid], output.token_ids[sent_tokens[rid]:], text[sent_text[rid]:],
                                       output.finish_reason, output.error)
                     sent_tokens[rid], sent_text[rid] = len(output.token_ids), len(text)
@@ -153,6 +156,9 @@ class LLM:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def _settled(text: str) -> str:
-    # A trailing U+FFFD is a character whose bytes have not all arrived yet.
-    return text.rstrip("\ufffd")
+def _settled(text: str, stops: list[str]) -> str:
+    """The part of a running request's text that no later token changes. A trailing U+FFFD is a
+    character whose bytes have not all arrived yet; a tail that begins a stop string may be cut."""
+    text = text.rstrip("\ufffd")
+    held = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[: len(text) - held]

@@ -86,6 +86,14 @@ def test_stop_strings_cut_the_text(llm):
     assert " 8" in llm.tokenizer.decode(stopped.token_ids)
 
 
+def test_streamed_text_adds_up_to_the_text_a_stop_string_cut(llm):
+    # " 7, 8" arrives over several tokens: what the stream has sent must not include its start.
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop=[" 7, 8", "zzz"])
+    cut = llm.generate(["1, 2, 3, 4,"], params, use_tqdm=False)[0]
+    assert cut.text == " 5, 6,"
+    assert "".join(delta.text for delta in llm.stream(["1, 2, 3, 4,"], params)) == cut.text
+
+
 def test_chat_uses_the_template_and_stops_at_eos(llm):
     output = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0]
