@@ -85,12 +85,22 @@ def pack_for_cpu_decode(model: nn.Module) -> None:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory the system can still give (Linux's MemAvailable); None where unknown."""
+    """Bytes of memory this process can still get: Linux's MemAvailable, or less where a cgroup
+    (a container's memory limit, v2 or v1) leaves less. None where neither is known."""
+    limits = []
     try:
         with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            limits += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
     except OSError:
         pass
-    return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as limit, open(usage_file) as usage:
+                limit_text = limit.read().strip()
+                if limit_text != "max":
+                    limits.append(int(limit_text) - int(usage.read()))
+        except (OSError, ValueError):
+            continue
+    return min(limits, default=None)

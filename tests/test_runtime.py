@@ -147,6 +147,31 @@ def test_llm_built_under_inference_mode_generates_outside_it(checkpoints):
         llm(path).generate(batch, GREEDY, use_tqdm=False))
 
 
+@pytest.mark.parametrize("files, expected", [
+    ({"/proc/meminfo": "MemTotal: 8000 kB\nMemAvailable: 4000 kB\n"}, 4000 * 1024),
+    ({"/proc/meminfo": "MemAvailable: 4000 kB\n", "/sys/fs/cgroup/memory.max": "max\n",
+      "/sys/fs/cgroup/memory.current": "100\n"}, 4000 * 1024),
+    ({"/proc/meminfo": "MemAvailable: 4000 kB\n", "/sys/fs/cgroup/memory.max": "3000000\n",
+      "/sys/fs/cgroup/memory.current": "1000000\n"}, 2000000),
+    ({"/sys/fs/cgroup/memory/memory.limit_in_bytes": "5000\n", "/sys/fs/cgroup/memory/memory.usage_in_bytes": "1000\n"},
+     4000),
+    ({}, None),
+], ids=["meminfo", "cgroup-v2-unlimited", "cgroup-v2-limit", "cgroup-v1-limit", "unknown"])
+def test_available_memory_takes_the_tighter_of_the_system_and_its_container(files, expected, monkeypatch):
+    import builtins
+    import io
+
+    import layers.linear
+
+    def fake_open(path, *args, **kwargs):
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert layers.linear.available_memory() == expected
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_greedy_matches_hf_generate(name, checkpoints):
     path, reference = checkpoints[name]
