@@ -47,6 +47,19 @@ class LaunchedStep:
     token_ids: Callable[[], list[int]]
 
 
+def check_options(**options) -> None:
+    """Raise ValueError naming the first engine option out of its range (None: the default)."""
+    positive_ints = ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens")
+    for name in positive_ints:
+        value = options[name]
+        if value is not None and not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if options["kv_cache_gib"] is not None and not options["kv_cache_gib"] > 0:
+        raise ValueError(f"kv_cache_gib must be > 0, got {options['kv_cache_gib']!r}")
+    if not 0 < options["gpu_memory_utilization"] <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {options['gpu_memory_utilization']!r}")
+
+
 class Engine:
     def __init__(self, model, tokenizer, generation_eos: list[int], *, max_num_seqs: int, max_model_len: int,
                  block_size: int, num_blocks: int | None, kv_cache_gib: float | None, gpu_memory_utilization: float,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from runtime.engine import Engine, RequestOutput
+from runtime.engine import Engine, RequestOutput, check_options
 from runtime.sampling_params import SamplingParams
 
 
@@ -58,17 +58,20 @@ class LLM:
         from loaders import load_tokenizer
         from models import AutoModelForCausalLM, CausalLM
 
+        check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+                      num_blocks=num_blocks, kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
+                      max_num_batched_tokens=max_num_batched_tokens)  # before a model loads for minutes
+
         if isinstance(model, CausalLM):
             self.model, self.tokenizer, checkpoint = model, tokenizer, None
             device = next(model.parameters()).device
         else:
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype, device = _model_dtype(dtype), _model_device(device)
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
             self.tokenizer = tokenizer or load_tokenizer(model)
             checkpoint = model
         config_max = self.model.config.max_position_embeddings
-        max_model_len = min(max_model_len or config_max, config_max)
+        max_model_len = config_max if max_model_len is None else min(max_model_len, config_max)
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
         with torch.inference_mode(False):
@@ -154,6 +157,26 @@ class LLM:
     def chat_prompt(self, conversation: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _model_dtype(dtype) -> torch.dtype:
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype or its name (float32, bfloat16, float16), "
+                         f"got {dtype!r}")
+    return resolved
+
+
+def _model_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but this torch sees no CUDA device")
+    return device
 
 
 def _settled(text: str, stops: list[str]) -> str:

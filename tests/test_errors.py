@@ -125,3 +125,34 @@ def test_bad_input_ids(checkpoint):
         model(torch.tensor([[0, 97]]))
     with pytest.raises(ValueError, match=r"\[batch, seq_len\].*\(3,\)"):
         model(torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(dtype="bogus"), "dtype must be a floating-point torch dtype"),
+    (dict(dtype="int8"), "dtype must be a floating-point torch dtype"),
+    (dict(device="tpu9"), "device 'tpu9' is not a device torch knows"),
+    (dict(block_size=0), "block_size must be a positive integer, got 0"),
+    (dict(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
+    (dict(max_model_len=0), "max_model_len must be a positive integer, got 0"),
+    (dict(num_blocks=-1), "num_blocks must be a positive integer, got -1"),
+    (dict(max_num_batched_tokens=2.5), "max_num_batched_tokens must be a positive integer, got 2.5"),
+    (dict(kv_cache_gib=0), "kv_cache_gib must be > 0, got 0"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
+def test_bad_llm_options_are_named_before_the_model_loads(checkpoint, option, message, monkeypatch):
+    from runtime import LLM
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(checkpoint), **{"device": "cpu", **option})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is missing")
+def test_cuda_asked_for_without_cuda(checkpoint):
+    from runtime import LLM
+
+    with pytest.raises(ValueError, match="device 'cuda' asked for, but this torch sees no CUDA device"):
+        LLM(str(checkpoint), device="cuda")
