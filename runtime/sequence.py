@@ -44,7 +44,7 @@ class Sequence:
 
     def seed_generator(self, device: torch.device) -> None:
         if self.params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
+            self.generator = torch.Generator(device=device).manual_seed(int(self.params.seed))  # numpy ints too
 
     @property
     def num_tokens(self) -> int:

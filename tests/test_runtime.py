@@ -348,6 +348,12 @@ def test_bad_requests_fail_alone(checkpoints):
         "repetition_penalty must be > 0": ([5], SamplingParams(repetition_penalty=0.0)),
         "a prompt is a string or a list of token ids": ([1.5, 2], GREEDY),
         "stop strings need a tokenizer": ([5], SamplingParams(stop=["x"])),
+        "temperature must be a number, got 'hot'": ([5], SamplingParams(temperature="hot")),
+        "seed must be None or an integer": ([5], SamplingParams(seed="abc")),
+        "seed must be None or an integer in [-2**63, 2**64), got 1180591620717411303424": (
+            [5], SamplingParams(seed=2**70)),
+        "stop_token_ids must be integers in [0, 97), got [1.5]": ([5], SamplingParams(stop_token_ids=[1.5])),
+        "max_tokens must be a positive integer, got True": ([5], SamplingParams(max_tokens=True)),
     }
     batch = [good[0]] + [p for p, _ in bad.values()] + [good[1]]
     params = [GREEDY] + [s for _, s in bad.values()] + [GREEDY]
@@ -356,6 +362,18 @@ def test_bad_requests_fail_alone(checkpoints):
         assert output.finish_reason == "error" and output.error.startswith(f"request {i}: {message}"), output.error
     assert outputs[0].error is None and outputs[-1].error is None
     assert token_ids([outputs[0], outputs[-1]]) == token_ids(engine.generate(good, GREEDY, use_tqdm=False))
+
+
+def test_numpy_integers_and_tuples_are_valid_settings(checkpoints):
+    import numpy as np
+
+    path, _ = checkpoints["llama"]
+    engine = llm(path)
+    as_python = SamplingParams(max_tokens=5, temperature=0.8, seed=7, stop_token_ids=[3])
+    as_numpy = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.8), seed=np.int64(7),
+                              stop_token_ids=(np.int64(3),))
+    assert token_ids(engine.generate(prompts(2), as_numpy, use_tqdm=False)) == token_ids(
+        engine.generate(prompts(2), as_python, use_tqdm=False))
 
 
 def test_prompt_larger_than_the_cache_fails_alone(checkpoints):
