@@ -12,7 +12,7 @@ from layers.attention import select_backend
 from runtime.block_manager import BlockManager
 from runtime.model_runner import KVCache, ModelRunner
 from runtime.sampler import sample_tokens
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, is_integer
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, Status
 
@@ -162,9 +162,9 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("the model has no tokenizer: pass token ids instead of text")
             return self.tokenizer(prompt).input_ids
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(is_integer(t) for t in prompt):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
+        return [int(t) for t in prompt]
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

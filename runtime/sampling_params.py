@@ -56,27 +56,28 @@ class SamplingParams:
             if not _is_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         checks = [
-            (_is_int(self.max_tokens) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
+            (is_integer(self.max_tokens) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"),
+            (is_integer(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             # The range torch.Generator.manual_seed takes.
-            (self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}"),
+            (self.seed is None or (is_integer(self.seed) and -(2**63) <= self.seed < 2**64), f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}"),
             (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop!r}"),
-            (isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids), f"stop_token_ids must be integers in [0, {vocab_size}), got {self.stop_token_ids!r}"),
-            (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (isinstance(self.stop_token_ids, (list, tuple)) and all(is_integer(t) and 0 <= t < vocab_size for t in self.stop_token_ids), f"stop_token_ids must be integers in [0, {vocab_size}), got {self.stop_token_ids!r}"),
+            (self.logprobs is None or (is_integer(self.logprobs) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy's integers too
+def is_integer(value) -> bool:
+    """An integer, Python's or numpy's, and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:

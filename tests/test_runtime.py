@@ -364,7 +364,7 @@ def test_bad_requests_fail_alone(checkpoints):
     assert token_ids([outputs[0], outputs[-1]]) == token_ids(engine.generate(good, GREEDY, use_tqdm=False))
 
 
-def test_numpy_integers_and_tuples_are_valid_settings(checkpoints):
+def test_numpy_integers_and_tuples_are_valid_prompts_and_settings(checkpoints):
     import numpy as np
 
     path, _ = checkpoints["llama"]
@@ -372,7 +372,8 @@ def test_numpy_integers_and_tuples_are_valid_settings(checkpoints):
     as_python = SamplingParams(max_tokens=5, temperature=0.8, seed=7, stop_token_ids=[3])
     as_numpy = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.8), seed=np.int64(7),
                               stop_token_ids=(np.int64(3),))
-    assert token_ids(engine.generate(prompts(2), as_numpy, use_tqdm=False)) == token_ids(
+    numpy_prompts = [list(np.array(p, dtype=np.int64)) for p in prompts(2)]
+    assert token_ids(engine.generate(numpy_prompts, as_numpy, use_tqdm=False)) == token_ids(
         engine.generate(prompts(2), as_python, use_tqdm=False))
 
 
