@@ -19,9 +19,10 @@ PROGRESS_MIN_BYTES = 256 << 20
 _MAX_LISTED = 10
 
 
-def load_model(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu", progress: bool | None = None):
+def load_model(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu", progress: bool | None = None):
     from models import model_class_for
 
+    dtype, device = model_dtype(dtype), model_device(device)
     source = resolve_source(path_or_repo_id)
     config = load_config(source)
     model_class = model_class_for(config, str(source.path))
@@ -29,11 +30,30 @@ def load_model(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu"
         model = model_class(config)
     checkpoint = open_checkpoint(source, config)
     plan = plan_loading(model, checkpoint)
-    device = torch.device(device)
     kept = keepable(model, checkpoint, plan, dtype, device)
     materialize(model, dtype, device, skip={plan[name][0] for name in kept})
     fill(model, checkpoint, plan, progress, keep=kept)
     return model.eval()
+
+
+def model_dtype(dtype) -> torch.dtype:
+    """A torch floating dtype, given as one or by its name."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype or its name (float32, bfloat16, float16), "
+                         f"got {dtype!r}")
+    return resolved
+
+
+def model_device(device) -> torch.device:
+    """A torch device that this torch can use, given as one or by its name."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but this torch sees no CUDA device")
+    return device
 
 
 def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...]]:

@@ -46,8 +46,9 @@ def model_class_for(config, source: str = "checkpoint") -> type:
 
 class AutoModelForCausalLM:
     @staticmethod
-    def from_pretrained(path_or_repo_id, dtype: torch.dtype = torch.float32, device="cpu"):
-        """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id."""
+    def from_pretrained(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu"):
+        """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id, in ``dtype``
+        (a floating-point torch dtype or its name) on ``device``."""
         from loaders import load_model
 
         return load_model(path_or_repo_id, dtype=dtype, device=device)

@@ -66,7 +66,7 @@ class LLM:
             self.model, self.tokenizer, checkpoint = model, tokenizer, None
             device = next(model.parameters()).device
         else:
-            dtype, device = _model_dtype(dtype), _model_device(device)
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
             self.tokenizer = tokenizer or load_tokenizer(model)
             checkpoint = model
@@ -157,26 +157,6 @@ class LLM:
     def chat_prompt(self, conversation: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False).input_ids
-
-
-def _model_dtype(dtype) -> torch.dtype:
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch dtype or its name (float32, bfloat16, float16), "
-                         f"got {dtype!r}")
-    return resolved
-
-
-def _model_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} asked for, but this torch sees no CUDA device")
-    return device
 
 
 def _settled(text: str, stops: list[str]) -> str:

@@ -140,14 +140,21 @@ def test_bad_input_ids(checkpoint):
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
 ], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
 def test_bad_llm_options_are_named_before_the_model_loads(checkpoint, option, message, monkeypatch):
+    import loaders.load
     from runtime import LLM
 
     def no_loading(*args, **kwargs):
-        raise AssertionError("the model was loaded before the options were checked")
+        raise AssertionError("the checkpoint was opened before the options were checked")
 
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(loaders.load, "resolve_source", no_loading)
     with pytest.raises(ValueError, match=message):
         LLM(str(checkpoint), **{"device": "cpu", **option})
+
+
+def test_from_pretrained_takes_a_dtype_by_name_and_refuses_others(checkpoint):
+    assert next(AutoModelForCausalLM.from_pretrained(checkpoint, dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch dtype .* got torch.int8"):
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.int8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is missing")
