@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from runtime.engine import Engine, RequestOutput, check_options
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, is_integer
 
 
 @dataclass
@@ -85,7 +85,7 @@ class LLM:
         self._next_id = 0
 
     def _add(self, prompts, sampling_params) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)

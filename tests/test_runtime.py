@@ -375,6 +375,8 @@ def test_numpy_integers_and_tuples_are_valid_prompts_and_settings(checkpoints):
     numpy_prompts = [list(np.array(p, dtype=np.int64)) for p in prompts(2)]
     assert token_ids(engine.generate(numpy_prompts, as_numpy, use_tqdm=False)) == token_ids(
         engine.generate(prompts(2), as_python, use_tqdm=False))
+    one_prompt = engine.generate(numpy_prompts[0], as_numpy, use_tqdm=False)  # one prompt, not one per token
+    assert len(one_prompt) == 1 and one_prompt[0].prompt_token_ids == prompts(2)[0]
 
 
 def test_prompt_larger_than_the_cache_fails_alone(checkpoints):
