@@ -52,7 +52,7 @@ def check_options(**options) -> None:
     positive_ints = ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens")
     for name in positive_ints:
         value = options[name]
-        if value is not None and not (isinstance(value, int) and value > 0):
+        if value is not None and not (is_integer(value) and value > 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if options["kv_cache_gib"] is not None and not options["kv_cache_gib"] > 0:
         raise ValueError(f"kv_cache_gib must be > 0, got {options['kv_cache_gib']!r}")
