@@ -12,7 +12,7 @@ from layers.attention import select_backend
 from runtime.block_manager import BlockManager
 from runtime.model_runner import KVCache, ModelRunner
 from runtime.sampler import sample_tokens
-from runtime.sampling_params import SamplingParams, is_integer
+from runtime.sampling_params import SamplingParams, is_integer, is_number
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, Status
 
@@ -54,10 +54,11 @@ def check_options(**options) -> None:
         value = options[name]
         if value is not None and not (is_integer(value) and value > 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if options["kv_cache_gib"] is not None and not options["kv_cache_gib"] > 0:
-        raise ValueError(f"kv_cache_gib must be > 0, got {options['kv_cache_gib']!r}")
-    if not 0 < options["gpu_memory_utilization"] <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {options['gpu_memory_utilization']!r}")
+    gib, utilization = options["kv_cache_gib"], options["gpu_memory_utilization"]
+    if gib is not None and not (is_number(gib) and gib > 0):
+        raise ValueError(f"kv_cache_gib must be > 0, got {gib!r}")
+    if not (is_number(utilization) and 0 < utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
 
 
 class Engine:

@@ -53,7 +53,7 @@ class SamplingParams:
         """Raise ValueError naming the first invalid field."""
         numeric = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
         for name in numeric:
-            if not _is_number(getattr(self, name)):
+            if not is_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         checks = [
             (is_integer(self.max_tokens) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
@@ -80,5 +80,6 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """A real number, Python's or numpy's, and not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -137,6 +137,8 @@ def test_bad_input_ids(checkpoint):
     (dict(num_blocks=-1), "num_blocks must be a positive integer, got -1"),
     (dict(max_num_batched_tokens=2.5), "max_num_batched_tokens must be a positive integer, got 2.5"),
     (dict(kv_cache_gib=0), "kv_cache_gib must be > 0, got 0"),
+    (dict(kv_cache_gib="1"), "kv_cache_gib must be > 0, got '1'"),
+    (dict(block_size=True), "block_size must be a positive integer, got True"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
 ], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
 def test_bad_llm_options_are_named_before_the_model_loads(checkpoint, option, message, monkeypatch):
