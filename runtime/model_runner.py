@@ -1,6 +1,7 @@
 """Runs the model on a scheduled step: the KV cache pools, the flat batch and its metadata, and
 the CUDA graphs that replay decode steps."""
 
+import weakref
 from collections.abc import Callable
 from itertools import chain
 
@@ -23,6 +24,14 @@ class KVCache:
             pool = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             layer.kv_cache = pool
             self.pools.append(pool)
+        # When the engine goes, its cache goes with it, though the model it ran lives on.
+        weakref.finalize(self, KVCache._unbind, self.layers, self.pools)
+
+    @staticmethod
+    def _unbind(layers, pools) -> None:
+        for layer, pool in zip(layers, pools):
+            if layer.kv_cache is pool:  # not a newer engine's
+                layer.kv_cache = None
 
     def bound(self) -> bool:
         """Whether the model's layers still hold these pools (a newer engine of the model rebinds them)."""

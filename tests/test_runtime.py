@@ -89,6 +89,23 @@ def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkp
     assert token_ids(second.generate(prompts(3), GREEDY, use_tqdm=False)) == expected
 
 
+def test_an_llm_dropped_takes_its_kv_cache_with_it(checkpoints):
+    import gc
+    import weakref
+
+    from models import AutoModelForCausalLM
+
+    path, _ = checkpoints["llama"]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device="cpu")
+    engine = LLM(model, block_size=4)
+    engine.generate(prompts(2), GREEDY, use_tqdm=False)
+    pool = weakref.ref(engine.engine.kv_cache.pools[0][0])
+    del engine
+    gc.collect()
+    assert pool() is None
+    assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
+
+
 def test_an_llm_whose_model_a_newer_llm_took_over_says_so(checkpoints):
     from models import AutoModelForCausalLM
 
