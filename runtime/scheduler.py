@@ -113,6 +113,9 @@ class Scheduler:
         self.block_manager.free_sequence(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a sequence, running or waiting, and free its blocks."""
-        (self.running if seq in self.running else self.waiting).remove(seq)
+        """Drop a sequence, running or waiting, and free its blocks. (A call interrupted between
+        this scheduler's failing a sequence and the engine's taking note may abort it in neither.)"""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
         self.block_manager.free_sequence(seq)
