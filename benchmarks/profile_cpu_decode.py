@@ -53,7 +53,7 @@ def main():
     ):
         setattr(module, name, timed(getattr(module, name), label))
     backend = layers.attention.TorchAttentionBackend
-    backend.decode = staticmethod(timed(backend.decode, "decode attention"))
+    backend.attend_decodes = timed(backend.attend_decodes, "decode attention")
 
     llm = LLM(str(default_model_path()), dtype="float32", device="cpu", max_model_len=512)
     prompts = [llm.chat_prompt([{"role": "user", "content": f"Write a short poem about topic {i}."}])

@@ -5,7 +5,7 @@ computes q/k/v, applies q/k-norm and rotary, and hands them to an attention back
 with an ``AttentionMetadata`` that says how the stream splits into sequences.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,8 +15,9 @@ from layers.norm import RMSNorm
 from ops_cuda.calls import apply_rotary, write_kv_cache
 from ops_cuda.paged_attention import (
     attention_mask,
+    decode_attention_at_slots,
+    decode_key_slots,
     paged_decode_attention,
-    paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
     sdpa,
@@ -46,6 +47,9 @@ class AttentionMetadata:
     num_decodes: int = 0
     seq_lens: torch.Tensor | None = None  # [num_seqs] int32: context + new tokens of each sequence
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32: where each sequence's new tokens start
+    # What a backend derives from the fields above once per forward and every layer reads (the
+    # torch backend's decode key slots): a forward's metadata is built for it and not reused.
+    derived: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def causal_prefill(cls, batch_size: int, seq_len: int) -> "AttentionMetadata":
@@ -82,7 +86,6 @@ class TorchAttentionBackend:
 
     name = "torch"
     prefill = staticmethod(paged_prefill_attention_reference)
-    decode = staticmethod(paged_decode_attention_reference)
 
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]. Prefill tokens first, then one per decode.
@@ -100,11 +103,20 @@ class TorchAttentionBackend:
                 max(metadata.query_lens[:prefills]), layer.scale, window,
             ))
         if metadata.num_decodes:
-            out.append(self.decode(
-                q[tokens:], k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:],
-                layer.scale, window,
-            ))
+            out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window))
         return torch.cat(out) if len(out) > 1 else out[0]
+
+    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window) -> torch.Tensor:
+        # paged_decode_attention_reference in two parts. Where the decodes' keys are is the same in
+        # every layer: it is derived once per forward (a CPU decode step spent a fifth of its
+        # attention time deriving it again in each layer).
+        key = ("torch decode keys", k_cache.shape[1], window)
+        if key not in metadata.derived:
+            prefills = metadata.num_prefills
+            metadata.derived[key] = decode_key_slots(
+                metadata.block_tables[prefills:], metadata.seq_lens[prefills:], k_cache.shape[1], window
+            )
+        return decode_attention_at_slots(q, k_cache, v_cache, *metadata.derived[key], scale)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -114,6 +126,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
     name = "triton"
     prefill = staticmethod(paged_prefill_attention)
     decode = staticmethod(paged_decode_attention)
+
+    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window) -> torch.Tensor:
+        prefills = metadata.num_prefills
+        return self.decode(
+            q, k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:], scale, window
+        )
 
 
 BACKENDS = {backend.name: backend for backend in (TorchAttentionBackend, TritonAttentionBackend)}

@@ -46,33 +46,52 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
-    # q: [B, Hq, D] -> [B, Hq, D]. All sequences in one SDPA call, their keys padded to a common length.
+def decode_key_slots(block_tables, seq_lens, block_size, sliding_window):
+    """Where the keys of each decoding sequence are in the flattened cache, padded to a common
+    length: ([B, L] int64 slots, [B, L] bool mask of the keys each attends, and a [B, 1, 1] bool
+    of the rows that attend at all, or None when all do). The same for every layer of a forward
+    that shares the block size and window, so the torch backend derives it once per forward."""
     batch, num_blocks = block_tables.shape
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    if _capturing(seq_lens):  # no host sync inside a CUDA graph: pad to the whole table width
+    capturing = _capturing(seq_lens)
+    if capturing:  # no host sync inside a CUDA graph: pad to the whole table width
         length = num_blocks * block_size
     else:  # pad only to the longest sequence (the table may be much wider)
         length = max(int(seq_lens.max()), 1)
-    t = torch.arange(length, device=q.device)
+    t = torch.arange(length, device=seq_lens.device)
     lens = seq_lens[:, None]
     filled = t < lens
     blocks = -(-length // block_size)
-    slots = block_tables[:, :blocks, None].long() * block_size + torch.arange(block_size, device=q.device)
+    slots = block_tables[:, :blocks, None].long() * block_size + torch.arange(block_size, device=seq_lens.device)
     slots = slots.view(batch, -1)[:, :length]
     # Padding positions read the sequence's first key, which was written, and are masked out: a
     # slot past a sequence's length may hold anything (torch.empty, a freed block), even NaN,
     # which would leak through a zero attention weight.
-    slots = torch.where(filled, slots, slots[:, :1]).view(-1)
-    keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots).view(batch, length, kv_heads, head_dim)
-    values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots).view(batch, length, kv_heads, head_dim)
+    slots = torch.where(filled, slots, slots[:, :1])
     mask = filled & (t > lens - 1 - sliding_window) if sliding_window else filled
+    attending = lens[:, :, None] > 0
+    if not capturing and bool(attending.all()):
+        attending = None
+    return slots, mask, attending
+
+
+def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale):
+    # q: [B, Hq, D] -> [B, Hq, D]. All sequences in one SDPA call over the keys at their slots.
+    batch, length = slots.shape
+    kv_heads, head_dim = k_cache.shape[2:]
+    keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1)).view(batch, length, kv_heads, head_dim)
+    values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1)).view(batch, length, kv_heads, head_dim)
     # GQA without repeating keys: the query heads that share a KV head are that head's query rows.
     out = F.scaled_dot_product_attention(
         q.reshape(batch, kv_heads, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scale,
     ).reshape(q.shape)
-    return torch.where(lens[:, :, None] > 0, out, 0)  # padding rows (length 0) attend nothing
+    return out if attending is None else torch.where(attending, out, 0)  # padding rows (length 0) attend nothing
+
+
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    # q: [B, Hq, D] -> [B, Hq, D]
+    keys = decode_key_slots(block_tables, seq_lens, k_cache.shape[1], sliding_window)
+    return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale)
 
 
 def paged_prefill_attention_reference(

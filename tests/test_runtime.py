@@ -228,6 +228,25 @@ def test_prefix_cache_hits_change_nothing(checkpoints):
     assert again[4].num_cached_tokens == 12
 
 
+def test_torch_backend_derives_the_decode_keys_once_per_step(checkpoints, monkeypatch):
+    # Every layer reads the same slots; a step's metadata is new, so each step derives them anew.
+    import layers.attention
+
+    derived = []
+
+    def counted(block_tables, seq_lens, *args):
+        derived.append(seq_lens.tolist())
+        return decode_key_slots(block_tables, seq_lens, *args)
+
+    decode_key_slots = layers.attention.decode_key_slots
+    monkeypatch.setattr(layers.attention, "decode_key_slots", counted)
+    path, _ = checkpoints["llama"]
+    engine = llm(path, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert derived == [[4, 3], [5, 4], [6, 5]]  # three decode steps after the prefill, two layers each
+
+
 def test_preemption_changes_nothing(checkpoints):
     path, _ = checkpoints["llama"]
     batch = prompts(6, seed=4, low=12, high=30)
