@@ -1,13 +1,14 @@
-"""The products of a SmolLM2 decode step on this CPU: F.linear vs weights packed once for MKL.
+"""The products of a SmolLM2 decode step on this CPU: F.linear vs weights packed once (MKL for
+float32, oneDNN for bfloat16).
 
-SmolLM2-135M's 30 layers have four float32 products each (qkv 576->960, o 576->576, gate-up
-576->3072, down 1536->576), then the LM head (576->49152, the tied embedding): ~538 MB of
-weights, more than the caches hold. This times one pass over all 121 at several row counts (the
-sequences of a decode step), through ``F.linear`` on the weights as zoo lays them out (the layers'
+SmolLM2-135M's 30 layers have four products each (qkv 576->960, o 576->576, gate-up 576->3072,
+down 1536->576), then the LM head (576->49152, the tied embedding): ~538 MB of float32 weights,
+more than the caches hold. This times one pass over all 121 at several row counts (the sequences
+of a decode step), through ``F.linear`` on the weights as zoo lays them out (the layers'
 column-major, the head's row-major) and through ``ops_cuda.calls.PackedWeight`` (packed for 16
 rows, as the runtime packs them). Medians of --repeats passes; the weights are random.
 
-    .venv/bin/python benchmarks/bench_cpu_linear.py
+    .venv/bin/python benchmarks/bench_cpu_linear.py [--dtype bfloat16]
 """
 
 import argparse
@@ -31,12 +32,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8,16,24,32,48,64")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     torch.manual_seed(0)
     # Column-major, as zoo's loader lays out CPU weights.
-    weights = [torch.randn(inp, out).t() for _ in range(LAYERS) for out, inp in SHAPES]
-    weights.append(torch.randn(VOCAB, HIDDEN))
+    dtype = getattr(torch, args.dtype)
+    weights = [torch.randn(inp, out, dtype=dtype).t() for _ in range(LAYERS) for out, inp in SHAPES]
+    weights.append(torch.randn(VOCAB, HIDDEN, dtype=dtype))
     packs = [PackedWeight(w) for w in weights]
     megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
 
@@ -47,12 +50,12 @@ def main():
             pack.linear(x, weight, None) if packed else F.linear(x, weight)
         return (time.perf_counter() - start) * 1e3
 
-    print(f"{len(weights)} float32 products of SmolLM2's shapes ({megabytes:.0f} MB of weights), "
+    print(f"{len(weights)} {args.dtype} products of SmolLM2's shapes ({megabytes:.0f} MB of weights), "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; ms per pass, median of {args.repeats}")
     print("| rows | F.linear | packed for 16 rows | speed-up |")
     print("|---:|---:|---:|---:|")
     for rows in map(int, args.rows.split(",")):
-        inputs = {HIDDEN: torch.randn(rows, HIDDEN), INTERMEDIATE: torch.randn(rows, INTERMEDIATE)}
+        inputs = {HIDDEN: torch.randn(rows, HIDDEN, dtype=dtype), INTERMEDIATE: torch.randn(rows, INTERMEDIATE, dtype=dtype)}
         times = {}
         for packed in (False, True):
             one_pass(inputs, packed)  # warm-up

@@ -50,6 +50,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -57,7 +58,7 @@ def main():
     prompts = [f"Write a short poem about {TOPICS[i % len(TOPICS)]}." for i in range(args.prompts)]
     new_tokens = args.prompts * args.max_tokens
 
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(str(path), dtype=args.dtype, device="cpu", max_model_len=512, enable_prefix_caching=False)
     chats = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -65,7 +66,7 @@ def main():
         outputs = llm.generate(chats, params, use_tqdm=False)
         assert sum(len(o.token_ids) for o in outputs) == new_tokens
 
-    reference = load_reference(path, torch.float32, "cpu")
+    reference = load_reference(path, getattr(torch, args.dtype), "cpu")
     tokenizer = llm.tokenizer
     width = max(len(c) for c in chats)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -86,7 +87,7 @@ def main():
         "zoo_tokens_per_s": new_tokens / zoo_seconds, "hf_tokens_per_s": new_tokens / hf_seconds,
     }
     results["speedup"] = results["zoo_tokens_per_s"] / results["hf_tokens_per_s"]
-    print(f"SmolLM2-135M-Instruct float32, {args.prompts} prompts x {args.max_tokens} new tokens, greedy "
+    print(f"SmolLM2-135M-Instruct {args.dtype}, {args.prompts} prompts x {args.max_tokens} new tokens, greedy "
           f"({results['date']}, {results['cpus']} CPUs, torch {results['torch']}, transformers {results['transformers']})")
     print("| engine | tokens/s | seconds |")
     print("|---|---|---|")

@@ -65,17 +65,18 @@ class MergedLinear(Linear):
 
 
 def pack_for_cpu_decode(model: nn.Module) -> None:
-    """Gives each float32 CPU linear layer and LM head of ``model`` an MKL-packed copy of its weight,
-    which steps of few rows multiply by (``ops_cuda.calls.PackedWeight``). The runtime does this
-    when it runs a model on the CPU: SmolLM2 then generates 16 x 64 tokens ~1.25x faster. The
-    copies cost the weights' memory once more, so where they would take more than half of the
-    memory still available, nothing is packed and a warning says so."""
+    """Gives each float32 or bfloat16 CPU linear layer and LM head of ``model`` a packed copy of
+    its weight, which steps of few rows multiply by (``ops_cuda.calls.PackedWeight``). The runtime
+    does this when it runs a model on the CPU: SmolLM2's decode steps of 16 sequences then take
+    ~1.25x less time in float32, ~1.1x less in bfloat16. The copies cost the weights' memory once
+    more, so where they would take more than half of the memory still available, nothing is
+    packed and a warning says so."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, LMHead)) and PackedWeight.supports(m.weight)]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in modules)
     available = available_memory()
     if modules and available is not None and needed > available // 2:
         warnings.warn(
-            f"zoo: not packing the float32 weights for MKL: the packed copies ({needed / 2**30:.1f} GiB) would "
+            f"zoo: not packing the weights for the CPU's decode steps: the packed copies ({needed / 2**30:.1f} GiB) would "
             f"take more than half of the available memory ({available / 2**30:.1f} GiB); CPU decode steps "
             "run on the unpacked weights, slower", stacklevel=2,
         )

@@ -32,23 +32,30 @@ def test_rms_norm_matches_hf():
         assert torch.equal(out, norm(x + residual))
 
 
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs MKL")
-def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied(dtype):
     torch.manual_seed(0)
-    weight, bias = torch.randn(96, 64).t().contiguous().t(), torch.randn(96)  # column-major, as zoo loads it
+    weight = torch.randn(96, 64).t().contiguous().t().to(dtype)  # column-major, as zoo loads it
+    bias = torch.randn(96, dtype=dtype)
+    if not calls.PackedWeight.supports(weight):
+        pytest.skip(f"this CPU's torch packs no {dtype} weights")
     packed = calls.PackedWeight(weight)
     for shape in [(1, 64), (7, 64), (16, 64), (2, 8, 64)]:
-        x = torch.randn(shape)
+        x = torch.randn(shape, dtype=dtype)
         assert packed.serves(x, weight)
         out = calls.linear(x, weight, bias, packed)
-        assert out.shape == (*shape[:-1], 96)
-        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-6, atol=1e-5)
-    assert calls.linear(torch.randn(0, 64), weight, bias, packed).shape == (0, 96)
-    more_rows = torch.randn(17, 64)
+        assert out.shape == (*shape[:-1], 96) and out.dtype == dtype
+        reference = torch.nn.functional.linear(x, weight, bias)
+        if dtype == torch.bfloat16:  # oneDNN computes both: the same bits
+            assert torch.equal(out, reference)
+        else:  # MKL's packed product sums in another order
+            torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
+    assert calls.linear(torch.randn(0, 64, dtype=dtype), weight, bias, packed).shape == (0, 96)
+    more_rows = torch.randn(17, 64, dtype=dtype)
     assert not packed.serves(more_rows, weight)
     assert torch.equal(calls.linear(more_rows, weight, bias, packed), torch.nn.functional.linear(more_rows, weight, bias))
     weight.mul_(2)  # changed in place: the pack no longer stands for it
-    x = torch.randn(4, 64)
+    x = torch.randn(4, 64, dtype=dtype)
     assert not packed.serves(x, weight)
     assert torch.equal(calls.linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
     assert copy.deepcopy([packed]) == [None] and pickle.loads(pickle.dumps(packed)) is None  # copies leave it behind

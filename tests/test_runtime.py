@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from ops_cuda.calls import PackedWeight
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 
@@ -51,12 +52,30 @@ def test_weights_are_not_packed_where_the_copies_would_crowd_memory(checkpoints,
     packed = [m.weight for m in packed_llm.engine.runner.model.modules() if getattr(m, "packed", None) is not None]
     copies = sum(w.numel() * w.element_size() for w in packed)
     monkeypatch.setattr(layers.linear, "available_memory", lambda: copies)  # the copies would take all of it
-    with pytest.warns(UserWarning, match="not packing the float32 weights"):
+    with pytest.warns(UserWarning, match="not packing the weights"):
         unpacked_llm = llm(path)
     assert packed and all(m.packed is None for m in unpacked_llm.engine.runner.model.modules() if hasattr(m, "packed"))
     batch = prompts(3)
     assert token_ids(unpacked_llm.generate(batch, GREEDY, use_tqdm=False)) == token_ids(
         packed_llm.generate(batch, GREEDY, use_tqdm=False))
+
+
+def test_bfloat16_decode_steps_multiply_by_packed_weights_to_the_same_tokens(checkpoints, monkeypatch):
+    import layers.linear
+
+    path, _ = checkpoints["qwen3"]
+    packed_llm = llm(path, dtype="bfloat16")
+    model = packed_llm.engine.runner.model
+    if not PackedWeight.supports(model.lm_head.weight):
+        pytest.skip("this CPU's torch packs no bfloat16 weights")
+    assert model.lm_head.packed is not None and model.model.layers[0].self_attn.qkv_proj.packed is not None
+    monkeypatch.setattr(layers.linear, "available_memory", lambda: 0)
+    with pytest.warns(UserWarning, match="not packing the weights"):
+        unpacked_llm = llm(path, dtype="bfloat16")
+    batch = prompts(4)
+    # Up to 16 rows oneDNN's packed products are F.linear's bit for bit: the same tokens.
+    assert token_ids(packed_llm.generate(batch, GREEDY, use_tqdm=False)) == token_ids(
+        unpacked_llm.generate(batch, GREEDY, use_tqdm=False))
 
 
 def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkpoints, monkeypatch):
