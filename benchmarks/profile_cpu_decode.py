@@ -1,14 +1,14 @@
-"""Where a CPU decode step goes: SmolLM2 (the embedded GGUF, float32), 16 sequences decoding
-together, as in ``bench_generate.py``.
+"""Where a CPU decode step goes: SmolLM2 (the embedded GGUF, float32 or --dtype bfloat16), 16
+sequences decoding together, as in ``bench_generate.py``.
 
 Each op the layers call is wrapped in a timer (``time.perf_counter`` around the call, ~0.1 µs):
-the linears (the LM head is not among them: it is in "the rest"), the torch backend's decode
-attention, the norms, rotary, the KV-cache write and the gated activation. A profiler would add
-its own cost to each of the ~1,500 small ops of a step; timers add almost nothing. "The rest" is
-the step's wall time less the timed ops: the LM head, sampling, the engine, Python. The
-milliseconds are per step, averaged over --steps decode steps.
+the layers' linears, the LM head, the torch backend's decode attention, the norms, rotary, the
+KV-cache write, the gated activation and sampling. A profiler would add its own cost to each of
+the ~1,500 small ops of a step; timers add almost nothing. "The rest" is the step's wall time
+less the timed ops: the engine, the embedding, Python. The milliseconds are per step, averaged
+over --steps decode steps.
 
-    .venv/bin/python benchmarks/profile_cpu_decode.py
+    .venv/bin/python benchmarks/profile_cpu_decode.py [--dtype bfloat16]
 """
 
 import argparse
@@ -20,9 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import layers.attention  # noqa: E402
+import layers.embedding  # noqa: E402
 import layers.linear  # noqa: E402
 import layers.mlp  # noqa: E402
 import layers.norm  # noqa: E402
+import runtime.engine  # noqa: E402
 from loaders.default_model import default_model_path  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
@@ -43,6 +45,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     # The names each layer module calls the ops by.
@@ -52,10 +55,13 @@ def main():
         (layers.attention, "apply_rotary", "rotary"), (layers.attention, "write_kv_cache", "KV write"),
     ):
         setattr(module, name, timed(getattr(module, name), label))
+    head = layers.embedding.LMHead
+    head.forward = timed(head.forward, "LM head")
+    runtime.engine.sample_tokens = timed(runtime.engine.sample_tokens, "sampling")
     backend = layers.attention.TorchAttentionBackend
     backend.attend_decodes = timed(backend.attend_decodes, "decode attention")
 
-    llm = LLM(str(default_model_path()), dtype="float32", device="cpu", max_model_len=512)
+    llm = LLM(str(default_model_path()), dtype=args.dtype, device="cpu", max_model_len=512)
     prompts = [llm.chat_prompt([{"role": "user", "content": f"Write a short poem about topic {i}."}])
                for i in range(args.sequences)]
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
@@ -71,12 +77,12 @@ def main():
     for _ in range(args.steps):
         engine.step()
     step_ms = (time.perf_counter() - start) / args.steps * 1e3
-    print(f"SmolLM2 float32 decode step, {args.sequences} sequences: {step_ms:.1f} ms")
+    print(f"SmolLM2 {args.dtype} decode step, {args.sequences} sequences: {step_ms:.1f} ms")
     print("| part | ms per step |")
     print("|---|---:|")
     for label, seconds in sorted(spent.items(), key=lambda item: -item[1]):
         print(f"| {label} | {seconds / args.steps * 1e3:.2f} |")
-    print(f"| the rest (LM head, sampling, engine, Python) | {step_ms - sum(spent.values()) / args.steps * 1e3:.2f} |")
+    print(f"| the rest (engine, embedding, Python) | {step_ms - sum(spent.values()) / args.steps * 1e3:.2f} |")
 
 
 if __name__ == "__main__":
