@@ -1,13 +1,13 @@
 """Offline generation throughput on this CPU: zoo's runtime vs HuggingFace transformers' generate.
 
-SmolLM2-135M-Instruct (the embedded GGUF, float32), 16 prompts x 64 new tokens, greedy, EOS
-ignored on both sides so both produce exactly 16 x 64 tokens. HF runs the 16 prompts as one
-left-padded batch (its fastest form here), with its default cache. zoo runs with its prefix cache
-off: the timed runs repeat the same prompts, whose prefill a warm prefix cache would skip. After one untimed warm-up
-run each, the two take turns --repeats times (a noisy neighbour slows both alike); the medians
-are reported.
+SmolLM2-135M-Instruct (the embedded GGUF, float32 or --dtype bfloat16 on both sides), 16 prompts
+x 64 new tokens, greedy, EOS ignored on both sides so both produce exactly 16 x 64 tokens. HF
+runs the 16 prompts as one left-padded batch (its fastest form here), with its default cache. zoo
+runs with its prefix cache off: the timed runs repeat the same prompts, whose prefill a warm
+prefix cache would skip. After one untimed warm-up run each, the two take turns --repeats times
+(a noisy neighbour slows both alike); the medians are reported.
 
-    .venv/bin/python benchmarks/bench_generate.py
+    .venv/bin/python benchmarks/bench_generate.py [--dtype bfloat16]
 """
 
 import argparse
