@@ -50,18 +50,18 @@ class AttentionMetadata:
     # What a backend derives from the fields above once per forward and every layer reads (the
     # torch backend's decode key slots): a forward's metadata is built for it and not reused.
     derived: dict = field(default_factory=dict, repr=False)
+    # Counted once from the lists: a compiled forward that read the lists would be specialised to
+    # their length, and compiled again for every other batch size.
+    num_prefills: int = field(init=False)
+    num_prefill_tokens: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_prefills = len(self.query_lens) - self.num_decodes
+        self.num_prefill_tokens = sum(self.query_lens[: self.num_prefills])
 
     @classmethod
     def causal_prefill(cls, batch_size: int, seq_len: int) -> "AttentionMetadata":
         return cls(query_lens=[seq_len] * batch_size)
-
-    @property
-    def num_prefills(self) -> int:
-        return len(self.query_lens) - self.num_decodes
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.query_lens[: self.num_prefills])
 
 
 def _cache_free(q, k, v, metadata, scale, sliding_window):
@@ -102,7 +102,7 @@ class TorchAttentionBackend:
                 metadata.seq_lens[:prefills], metadata.query_start_loc[: prefills + 1],
                 max(metadata.query_lens[:prefills]), layer.scale, window,
             ))
-        if metadata.num_decodes:
+        if tokens < q.shape[0]:  # decodes follow; a shape, which a compiled graph leaves dynamic
             out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window))
         return torch.cat(out) if len(out) > 1 else out[0]
 

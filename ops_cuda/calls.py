@@ -5,6 +5,10 @@ fake tensors of tracing) it goes through its ``torch.library`` op, whose CUDA ke
 The op's default kernel is that same reference, so CPU results are unchanged: what the CPU skips
 is the custom op's Python dispatch, tens of µs a call, which made SmolLM2's CPU decode step (16
 sequences) 6% slower, measured by alternating the two ways within one process.
+
+When torch.compile traces a CPU model (``LLM(..., compile_decode=True)``), the references are traced
+too, so that inductor fuses their ops, except those that read values on the host (the KV write's
+padding check, MoE's group sizes): those stay their opaque op, whose CPU kernel runs the reference.
 """
 
 import torch
@@ -15,9 +19,10 @@ from ops_cuda.argmax import argmax as argmax_op, argmax_reference
 from ops_cuda.gemv import GEMV_DTYPES, gemv
 
 
-def _reference_on_cpu(op, reference):
+def _reference_on_cpu(op, reference, reads_host=False):
     def call(*args, **kwargs):
-        return (reference if args[0].device.type == "cpu" else op)(*args, **kwargs)
+        direct = args[0].device.type == "cpu" and not (reads_host and torch.compiler.is_compiling())
+        return (reference if direct else op)(*args, **kwargs)
 
     call.__name__, call.__doc__ = reference.__name__.removesuffix("_reference"), op.__doc__
     return call
@@ -27,8 +32,8 @@ rms_norm = _reference_on_cpu(norm.rms_norm, norm.rms_norm_reference)
 fused_add_rms_norm = _reference_on_cpu(norm.fused_add_rms_norm, norm.fused_add_rms_norm_reference)
 apply_rotary = _reference_on_cpu(rotary.apply_rotary, rotary.apply_rotary_reference)
 act_and_mul = _reference_on_cpu(activation.act_and_mul, activation.act_and_mul_reference)
-write_kv_cache = _reference_on_cpu(kv_cache.write_kv_cache, kv_cache.write_kv_cache_reference)
-moe_experts = _reference_on_cpu(moe.moe_experts, moe.moe_experts_reference)
+write_kv_cache = _reference_on_cpu(kv_cache.write_kv_cache, kv_cache.write_kv_cache_reference, reads_host=True)
+moe_experts = _reference_on_cpu(moe.moe_experts, moe.moe_experts_reference, reads_host=True)
 argmax = _reference_on_cpu(argmax_op, argmax_reference)
 
 
@@ -93,8 +98,9 @@ def _no_pack() -> None:
 def linear(x, weight, bias=None, packed: PackedWeight | None = None):
     """``F.linear``; on the GPU a single float16/bfloat16 row goes to zoo::gemv, when the weight's
     rows are contiguous (a CPU-loaded model moved to the GPU keeps its column-major weights). On
-    the CPU, ``packed`` (the weight's ``PackedWeight``, if the runtime made one) serves few rows."""
-    if packed is not None and x.device.type == "cpu" and packed.serves(x, weight):
+    the CPU, ``packed`` (the weight's ``PackedWeight``, if the runtime made one) serves few rows,
+    except in a graph torch.compile traces, where inductor packs the weights itself."""
+    if packed is not None and x.device.type == "cpu" and not torch.compiler.is_compiling() and packed.serves(x, weight):
         return packed.linear(x, weight, bias)
     if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1:
         return gemv(x, weight, bias)

@@ -42,8 +42,9 @@ def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -
     return gathered.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def _in_graph(t: torch.Tensor) -> bool:
+    # A CUDA graph being captured, or a graph torch.compile traces: no values can be read on the host.
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def decode_key_slots(block_tables, seq_lens, block_size, sliding_window):
@@ -52,8 +53,8 @@ def decode_key_slots(block_tables, seq_lens, block_size, sliding_window):
     of the rows that attend at all, or None when all do). The same for every layer of a forward
     that shares the block size and window, so the torch backend derives it once per forward."""
     batch, num_blocks = block_tables.shape
-    capturing = _capturing(seq_lens)
-    if capturing:  # no host sync inside a CUDA graph: pad to the whole table width
+    in_graph = _in_graph(seq_lens)
+    if in_graph:  # no host sync inside a graph: pad to the whole table width
         length = num_blocks * block_size
     else:  # pad only to the longest sequence (the table may be much wider)
         length = max(int(seq_lens.max()), 1)
@@ -69,7 +70,7 @@ def decode_key_slots(block_tables, seq_lens, block_size, sliding_window):
     slots = torch.where(filled, slots, slots[:, :1])
     mask = filled & (t > lens - 1 - sliding_window) if sliding_window else filled
     attending = lens[:, :, None] > 0
-    if not capturing and bool(attending.all()):
+    if not in_graph and bool(attending.all()):
         attending = None
     return slots, mask, attending
 

@@ -61,11 +61,28 @@ def check_options(**options) -> None:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
 
 
+def check_compilable(model, device: torch.device) -> None:
+    """Raise ValueError where ``compile_decode`` cannot apply: off the CPU, with rope scaling that
+    reads positions on the host, or with no C++ compiler for inductor's kernels."""
+    if device.type != "cpu":
+        raise ValueError(f"compile_decode is for models on the CPU; this one is on {device} "
+                         "(on CUDA, decode steps replay CUDA graphs)")
+    if model.model.rotary_emb.rope_type == "dynamic":
+        raise ValueError("compile_decode: the model's dynamic rope scaling reads positions on the host, "
+                         "which a compiled graph cannot; run it without compile_decode")
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # inductor says which compiler it looked for
+        raise ValueError(f"compile_decode needs a C++ compiler to build inductor's kernels: {exc}") from exc
+
+
 class Engine:
     def __init__(self, model, tokenizer, generation_eos: list[int], *, max_num_seqs: int, max_model_len: int,
                  block_size: int, num_blocks: int | None, kv_cache_gib: float | None, gpu_memory_utilization: float,
                  max_num_batched_tokens: int | None, enable_chunked_prefill: bool, enable_prefix_caching: bool,
-                 attention_backend: str | None, enforce_eager: bool):
+                 attention_backend: str | None, enforce_eager: bool, compile_decode: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = set(generation_eos)
@@ -88,13 +105,16 @@ class Engine:
         # not; the reference backend and dynamic rope do).
         use_cuda_graphs = (device.type == "cuda" and not enforce_eager and backend.name == "triton"
                            and model.model.rotary_emb.rope_type != "dynamic")
+        if compile_decode:
+            check_compilable(model, device)
         if num_blocks is None:
             num_blocks = self._blocks_for_budget(block_size, dtype, kv_cache_gib, gpu_memory_utilization,
                                                  max_num_seqs, max_num_batched_tokens)
         self.kv_cache = KVCache(model, num_blocks, block_size, dtype, device)
         self.block_manager = BlockManager(num_blocks, block_size, max_num_seqs, max_model_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, use_cuda_graphs)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, use_cuda_graphs,
+                                  compile_decode)
         self.outputs: dict[int, RequestOutput] = {}
         self.sequences: dict[int, Sequence] = {}
         self.launched: LaunchedStep | None = None

@@ -1,5 +1,5 @@
-"""Runs the model on a scheduled step: the KV cache pools, the flat batch and its metadata, and
-the CUDA graphs that replay decode steps."""
+"""Runs the model on a scheduled step: the KV cache pools, the flat batch and its metadata, the
+CUDA graphs that replay decode steps, and the compiled CPU decode step."""
 
 import weakref
 from collections.abc import Callable
@@ -7,8 +7,10 @@ from itertools import chain
 
 import numpy as np
 import torch
+import torch._inductor.config as inductor_config
 
 from layers import Attention, AttentionMetadata, pack_for_cpu_decode
+from ops_cuda.calls import PackedWeight
 from runtime.sequence import PENDING, Sequence
 
 
@@ -229,15 +231,76 @@ class DecodeGraphs:
         return logits[torch.from_numpy(step.logits_rows).to(logits.device)]
 
 
+class CompiledDecode:
+    """CPU decode steps of up to 16 sequences (fewer if ``max_batch`` is smaller), run through
+    ``torch.compile`` (inductor, the weights frozen into the graph).
+
+    Eager PyTorch dispatches the small ops between a layer's matrix products (norms, rotary,
+    SiLU-and-mul, the attention's gathers) one by one, each slowed by the caches the products
+    have just flushed; inductor fuses them into a few C++ loops. The graph is compiled once, at
+    start, for 16 rows: with a fixed row count inductor multiplies by weights packed for MKL, as
+    ``PackedWeight`` does (for a dynamic one it takes oneDNN's, slower in float32), so a smaller
+    batch runs padded, its padding rows writing and reading nothing (slot -1, length 0). Larger
+    batches run eagerly. The block-table width is dynamic; the table is cut to the blocks the
+    longest sequence uses, since in a graph the attention reads keys up to its width, and to two
+    blocks at least (dynamo would specialise a width of 1).
+    """
+
+    MIN_BLOCKS = 2
+
+    def __init__(self, model, max_batch: int, block_size: int, sampled_ids: torch.Tensor):
+        self.rows = min(PackedWeight.ROWS, max_batch)
+        self.block_size = block_size
+        self.sampled_ids = sampled_ids
+        self.forward = torch.compile(model, fullgraph=True)
+        rows, nothing = self.rows, np.zeros(self.rows, dtype=np.int64)
+        # Compiled here, by a step that writes and reads nothing. (With freezing set through
+        # torch.compile's options instead, the graph multiplied by unpacked weights, aten::mm.)
+        with torch.inference_mode(), inductor_config.patch(freezing=True):
+            self.forward(*self._arguments(nothing, nothing, nothing, np.full(rows, -1), nothing.astype(np.int32),
+                                          np.zeros((rows, self.MIN_BLOCKS), dtype=np.int32)))
+
+    def _arguments(self, input_ids, sources, positions, slots, seq_lens, block_tables):
+        input_ids, sources, positions, slots, seq_lens, block_tables = (
+            torch.from_numpy(np.ascontiguousarray(a)) for a in (input_ids, sources, positions, slots, seq_lens, block_tables)
+        )
+        torch._dynamo.mark_dynamic(block_tables, 1)
+        metadata = AttentionMetadata(query_lens=[1] * self.rows, slot_mapping=slots, block_tables=block_tables,
+                                     num_decodes=self.rows, seq_lens=seq_lens)
+        return fill_pending(input_ids, sources, self.sampled_ids), positions, metadata
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.rows
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        n = len(step.input_ids)
+        blocks = max(-(-int(step.seq_lens.max()) // self.block_size), self.MIN_BLOCKS)
+        tables = np.zeros((self.rows, blocks), dtype=np.int32)
+        used = step.block_tables[:, :blocks]
+        tables[:n, : used.shape[1]] = used
+
+        def padded(values, padding):
+            return np.concatenate([values, np.full(self.rows - n, padding, dtype=values.dtype)])
+
+        logits = self.forward(*self._arguments(
+            padded(step.input_ids, 0), padded(step.sources, 0), padded(step.positions, 0), padded(step.slots, -1),
+            padded(step.seq_lens, 0), tables,
+        ))[:n]
+        if len(step.sampled) == n:
+            return logits
+        return logits[torch.from_numpy(step.logits_rows)]  # a one-token chunk of a prompt samples nothing
+
+
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_tables: np.ndarray, use_cuda_graphs: bool):
+    def __init__(self, model, kv_cache: KVCache, block_tables: np.ndarray, use_cuda_graphs: bool,
+                 compile_decode: bool = False):
         """``block_tables``: the block manager's, a row per sequence that holds blocks; as many rows as
-        sequences can run at once."""
+        sequences can run at once. ``compile_decode``: CPU decode steps run compiled (``CompiledDecode``)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_tables = block_tables
         self.device = next(model.parameters()).device
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not compile_decode:  # a compiled graph packs its own weights
             pack_for_cpu_decode(model)
         max_num_seqs, table_width = block_tables.shape
         # The last step's sampled ids stay on the device for the next step's pending inputs; on
@@ -251,6 +314,8 @@ class ModelRunner:
         self.staging = (Staging(torch.long), Staging(torch.int32)) if self.device.type == "cuda" else None
         self.graphs = (DecodeGraphs(model, max_num_seqs, table_width, self.sampled_ids, self.device)
                        if use_cuda_graphs else None)
+        self.compiled = (CompiledDecode(model, max_num_seqs, kv_cache.block_size, self.sampled_ids)
+                         if compile_decode else None)
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
@@ -258,6 +323,8 @@ class ModelRunner:
         step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size, self.sampled_rows)
         if self.graphs is not None and step.decode_only and self.graphs.fits(len(step.input_ids)):
             return self.graphs.run(step), step.sampled
+        if self.compiled is not None and step.decode_only and self.compiled.fits(len(step.input_ids)):
+            return self.compiled.run(step), step.sampled
         input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device, self.staging)
         input_ids = fill_pending(input_ids, sources, self.sampled_ids)
         return self.model(input_ids, positions, metadata, logits_indices=logits_rows), step.sampled

@@ -1,0 +1,80 @@
+"""CPU decode steps compiled with torch.compile (``LLM(..., compile_decode=True)``): the tokens of
+HuggingFace's generate, as eager steps give them, from one compile for every batch size."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import runtime.model_runner
+from runtime import LLM, SamplingParams
+from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.test_moe import MIXTRAL
+
+ARCHITECTURES = {
+    "llama": tiny_config("llama"),
+    "mistral-window": tiny_config("mistral", sliding_window=6),
+    "qwen3": tiny_config("qwen3", head_dim=16),  # q/k norm
+    "mixtral": tiny_config("mixtral", **MIXTRAL),  # the experts stay an opaque op in the graph
+}
+# 18 prompts, at most 20 at once: steps of 17 or 18 decodes run eagerly, steps of 16 and fewer
+# compiled; the lengths differ, so the batch shrinks one sequence at a time down to one.
+PROMPTS = [[3 + (7 * i + 5 * j) % 90 for j in range(1 + (11 * i) % 23)] for i in range(18)]
+MAX_TOKENS = [4 + (5 * i) % 19 for i in range(18)]
+
+
+def compiles() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_compiled_decode_steps_give_hf_tokens_from_one_compile(name, tmp_path, monkeypatch):
+    reference = hf_model(ARCHITECTURES[name])
+    path = save_checkpoint(reference, tmp_path)
+    before = compiles()
+    llm = LLM(str(path), device="cpu", block_size=4, max_num_seqs=20, compile_decode=True)
+    assert compiles() == before + 1  # at start, not at the first step
+
+    steps = {"compiled": 0, "eager": 0}
+    compiled_run, eager_model = runtime.model_runner.CompiledDecode.run, llm.engine.runner.model
+
+    def count_compiled(self, step):
+        steps["compiled"] += 1
+        return compiled_run(self, step)
+
+    def count_eager(*args, **kwargs):
+        steps["eager"] += 1
+        return eager_model.forward(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.model_runner.CompiledDecode, "run", count_compiled)
+    monkeypatch.setattr(llm.engine.runner, "model", count_eager)
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in MAX_TOKENS]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+
+    assert compiles() == before + 1  # no batch size or table width compiled again
+    assert steps["compiled"] >= 15 and steps["eager"] >= 2  # prefills and the widest decode steps
+    for prompt, max_tokens, output in zip(PROMPTS, MAX_TOKENS, outputs):
+        assert output.error is None
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        expected = expected[0, len(prompt):].tolist()
+        assert output.token_ids == expected
+
+
+def test_compile_decode_needs_a_cpp_compiler(tmp_path, monkeypatch):
+    import torch._inductor.config as inductor_config
+    from torch._inductor.cpp_builder import cpp_compiler_search
+
+    path = save_checkpoint(hf_model(tiny_config("llama")), tmp_path)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-compiler++",))
+    cpp_compiler_search.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="compile_decode needs a C\\+\\+ compiler"):
+            LLM(str(path), device="cpu", compile_decode=True)
+    finally:
+        cpp_compiler_search.cache_clear()
+
+
+def test_compile_decode_refuses_rope_that_reads_the_host(tmp_path):
+    config = tiny_config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    path = save_checkpoint(hf_model(config), tmp_path)
+    with pytest.raises(ValueError, match="dynamic rope scaling"):
+        LLM(str(path), device="cpu", compile_decode=True)
