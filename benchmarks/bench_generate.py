@@ -3,9 +3,11 @@
 SmolLM2-135M-Instruct (the embedded GGUF, float32 or --dtype bfloat16 on both sides), 16 prompts
 x 64 new tokens, greedy, EOS ignored on both sides so both produce exactly 16 x 64 tokens. HF
 runs the 16 prompts as one left-padded batch (its fastest form here), with its default cache. zoo
-runs with its prefix cache off: the timed runs repeat the same prompts, whose prefill a warm
-prefix cache would skip. After one untimed warm-up run each, the two take turns --repeats times
-(a noisy neighbour slows both alike); the medians are reported.
+runs twice: eagerly, and with its decode steps compiled (``compile_decode=True``; the compile, at
+``LLM`` start, is timed apart and not counted in the runs). zoo's prefix cache is off: the timed
+runs repeat the same prompts, whose prefill a warm prefix cache would skip. After one untimed
+warm-up run each, the three take turns --repeats times (a noisy neighbour slows all alike); the
+medians are reported.
 
     .venv/bin/python benchmarks/bench_generate.py [--dtype bfloat16]
 """
@@ -58,13 +60,22 @@ def main():
     prompts = [f"Write a short poem about {TOPICS[i % len(TOPICS)]}." for i in range(args.prompts)]
     new_tokens = args.prompts * args.max_tokens
 
-    llm = LLM(str(path), dtype=args.dtype, device="cpu", max_model_len=512, enable_prefix_caching=False)
+    options = dict(dtype=args.dtype, device="cpu", max_model_len=512, enable_prefix_caching=False)
+    llm = LLM(str(path), **options)
+    start = time.perf_counter()
+    compiled = LLM(str(path), compile_decode=True, **options)
+    compiled_start = time.perf_counter() - start
     chats = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    zoo_tokens = {}
 
-    def run_zoo():
-        outputs = llm.generate(chats, params, use_tqdm=False)
-        assert sum(len(o.token_ids) for o in outputs) == new_tokens
+    def zoo_run(engine, name):
+        def run():
+            outputs = engine.generate(chats, params, use_tqdm=False)
+            assert sum(len(o.token_ids) for o in outputs) == new_tokens
+            zoo_tokens[name] = [o.token_ids for o in outputs]
+
+        return run
 
     reference = load_reference(path, getattr(torch, args.dtype), "cpu")
     tokenizer = llm.tokenizer
@@ -79,21 +90,29 @@ def main():
                                      max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, pad_token_id=pad)
         assert out.shape == (args.prompts, width + args.max_tokens)
 
-    zoo_seconds, hf_seconds = timed_alternately([run_zoo, run_hf], args.repeats)
+    zoo_seconds, compiled_seconds, hf_seconds = timed_alternately(
+        [zoo_run(llm, "eager"), zoo_run(compiled, "compiled"), run_hf], args.repeats
+    )
 
     results = {
         "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "transformers": transformers.__version__, "prompts": args.prompts, "max_tokens": args.max_tokens,
-        "zoo_tokens_per_s": new_tokens / zoo_seconds, "hf_tokens_per_s": new_tokens / hf_seconds,
+        "zoo_tokens_per_s": new_tokens / zoo_seconds, "zoo_compiled_tokens_per_s": new_tokens / compiled_seconds,
+        "hf_tokens_per_s": new_tokens / hf_seconds, "compile_seconds": compiled_start,
+        "compiled_tokens_equal_eager": zoo_tokens["compiled"] == zoo_tokens["eager"],
     }
     results["speedup"] = results["zoo_tokens_per_s"] / results["hf_tokens_per_s"]
+    results["compiled_speedup"] = results["zoo_compiled_tokens_per_s"] / results["hf_tokens_per_s"]
     print(f"SmolLM2-135M-Instruct {args.dtype}, {args.prompts} prompts x {args.max_tokens} new tokens, greedy "
           f"({results['date']}, {results['cpus']} CPUs, torch {results['torch']}, transformers {results['transformers']})")
     print("| engine | tokens/s | seconds |")
     print("|---|---|---|")
     print(f"| zoo LLM.generate | {results['zoo_tokens_per_s']:.1f} | {zoo_seconds:.2f} |")
+    print(f"| zoo LLM.generate, compile_decode=True | {results['zoo_compiled_tokens_per_s']:.1f} | {compiled_seconds:.2f} |")
     print(f"| HF transformers generate (batched) | {results['hf_tokens_per_s']:.1f} | {hf_seconds:.2f} |")
-    print(f"zoo / HF: {results['speedup']:.2f}x")
+    print(f"zoo / HF: {results['speedup']:.2f}x; compiled: {results['compiled_speedup']:.2f}x "
+          f"(its compile at LLM start: {compiled_start:.1f} s; the same tokens as eager: "
+          f"{results['compiled_tokens_equal_eager']})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
