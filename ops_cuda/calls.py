@@ -7,8 +7,8 @@ is the custom op's Python dispatch, tens of µs a call, which made SmolLM2's CPU
 sequences) 6% slower, measured by alternating the two ways within one process.
 
 When torch.compile traces a CPU model (``LLM(..., compile_decode=True)``), the references are traced
-too, so that inductor fuses their ops, except those that read values on the host (the KV write's
-padding check, MoE's group sizes): those stay their opaque op, whose CPU kernel runs the reference.
+too, so that inductor fuses their ops, except MoE's, which reads its group sizes on the host: it
+stays its opaque op, whose CPU kernel runs the reference.
 """
 
 import torch
@@ -32,7 +32,7 @@ rms_norm = _reference_on_cpu(norm.rms_norm, norm.rms_norm_reference)
 fused_add_rms_norm = _reference_on_cpu(norm.fused_add_rms_norm, norm.fused_add_rms_norm_reference)
 apply_rotary = _reference_on_cpu(rotary.apply_rotary, rotary.apply_rotary_reference)
 act_and_mul = _reference_on_cpu(activation.act_and_mul, activation.act_and_mul_reference)
-write_kv_cache = _reference_on_cpu(kv_cache.write_kv_cache, kv_cache.write_kv_cache_reference, reads_host=True)
+write_kv_cache = _reference_on_cpu(kv_cache.write_kv_cache, kv_cache.write_kv_cache_reference)
 moe_experts = _reference_on_cpu(moe.moe_experts, moe.moe_experts_reference, reads_host=True)
 argmax = _reference_on_cpu(argmax_op, argmax_reference)
 

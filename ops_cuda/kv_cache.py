@@ -5,8 +5,10 @@ import torch
 
 def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
     # k/v: [N, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset.
-    # Slot -1 marks a padding token of a captured batch: nothing is written for it.
-    if not bool((slot_mapping >= 0).all()):  # padding is rare outside graphs: select only then
+    # Slot -1 marks a padding token of a captured batch: nothing is written for it. Finding one
+    # reads the host, which a graph torch.compile traces cannot: there padding tokens come with a
+    # real slot that nothing reads (the runtime's padding block, see CompiledDecode).
+    if not torch.compiler.is_compiling() and not bool((slot_mapping >= 0).all()):  # rare: select only then
         valid = slot_mapping >= 0
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k

@@ -110,7 +110,7 @@ class Engine:
         if num_blocks is None:
             num_blocks = self._blocks_for_budget(block_size, dtype, kv_cache_gib, gpu_memory_utilization,
                                                  max_num_seqs, max_num_batched_tokens)
-        self.kv_cache = KVCache(model, num_blocks, block_size, dtype, device)
+        self.kv_cache = KVCache(model, num_blocks, block_size, dtype, device, padding_block=compile_decode)
         self.block_manager = BlockManager(num_blocks, block_size, max_num_seqs, max_model_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, use_cuda_graphs,

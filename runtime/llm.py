@@ -49,8 +49,8 @@ class LLM:
     profiling forward. ``attention_backend``: "torch" (the reference) or "triton" (the default on
     CUDA). With the triton backend, decode steps replay CUDA graphs unless ``enforce_eager``. On
     the CPU, ``compile_decode`` runs decode steps of up to 16 sequences through torch.compile:
-    SmolLM2's take a fifth less time in float32, over a quarter less in bfloat16, after a compile of
-    about a minute when ``LLM`` starts (inductor keeps what it built on disk for later starts).
+    SmolLM2's take about a quarter less time in float32, over a third less in bfloat16, after a
+    compile of about a minute when ``LLM`` starts (inductor keeps what it built on disk).
     """
 
     def __init__(self, model, dtype="float32", device=None, *, max_num_seqs: int = 64, max_model_len: int | None = None,

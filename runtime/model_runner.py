@@ -15,14 +15,19 @@ from runtime.sequence import PENDING, Sequence
 
 
 class KVCache:
-    """One pool of fixed-size blocks per attention layer: [num_blocks, block_size, kv_heads, head_dim] for K and V."""
+    """One pool of fixed-size blocks per attention layer: [num_blocks, block_size, kv_heads, head_dim] for K and V.
 
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    With ``padding_block`` the pools hold one block more, which no sequence is given: padding
+    tokens of a compiled step write there (``padding_slot``), as a graph cannot skip them."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 padding_block: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.padding_slot = num_blocks * block_size if padding_block else None
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.pools = []
         for layer in self.layers:
-            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            shape = (num_blocks + padding_block, block_size, layer.num_kv_heads, layer.head_dim)
             pool = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             layer.kv_cache = pool
             self.pools.append(pool)
@@ -236,34 +241,35 @@ class CompiledDecode:
     ``torch.compile`` (inductor, the weights frozen into the graph).
 
     Eager PyTorch dispatches the small ops between a layer's matrix products (norms, rotary,
-    SiLU-and-mul, the attention's gathers) one by one, each slowed by the caches the products
-    have just flushed; inductor fuses them into a few C++ loops. The graph is compiled once, at
-    start, for 16 rows: with a fixed row count inductor multiplies by weights packed for MKL, as
-    ``PackedWeight`` does (for a dynamic one it takes oneDNN's, slower in float32), so a smaller
-    batch runs padded, its padding rows writing and reading nothing (slot -1, length 0). Larger
-    batches run eagerly. The block-table width is dynamic; the table is cut to the blocks the
-    longest sequence uses, since in a graph the attention reads keys up to its width, and to two
-    blocks at least (dynamo would specialise a width of 1).
+    SiLU-and-mul, the attention's gathers, the KV write) one by one, each slowed by the caches the
+    products have just flushed; inductor fuses them into a few C++ loops. The graph is compiled
+    once, at start, for 16 rows: with a fixed row count inductor multiplies by weights packed for
+    MKL, as ``PackedWeight`` does (for a dynamic one it takes oneDNN's, slower in float32), so a
+    smaller batch runs padded. Its padding rows attend to nothing (length 0) and write their keys
+    into the cache's padding block (a graph cannot skip a slot -1). Larger batches run eagerly.
+    The block-table width is dynamic. The table is cut to the blocks the longest sequence uses,
+    since in a graph the attention reads keys up to its width, and to two blocks at least (dynamo
+    would specialise a width of 1).
     """
 
     MIN_BLOCKS = 2
 
-    def __init__(self, model, max_batch: int, block_size: int, sampled_ids: torch.Tensor):
+    def __init__(self, model, max_batch: int, kv_cache: KVCache, sampled_ids: torch.Tensor):
         self.rows = min(PackedWeight.ROWS, max_batch)
-        self.block_size = block_size
+        self.block_size, self.padding_slot = kv_cache.block_size, kv_cache.padding_slot
         self.sampled_ids = sampled_ids
         self.forward = torch.compile(model, fullgraph=True)
-        rows, nothing = self.rows, np.zeros(self.rows, dtype=np.int64)
-        # Compiled here, by a step that writes and reads nothing. (With freezing set through
-        # torch.compile's options instead, the graph multiplied by unpacked weights, aten::mm.)
+        zeros, padding = np.zeros(self.rows, dtype=np.int64), np.full(self.rows, self.padding_slot)
+        # Compiled here, by a step of padding rows only. (With freezing set through torch.compile's
+        # options instead, the graph multiplied by unpacked weights, aten::mm.)
         with torch.inference_mode(), inductor_config.patch(freezing=True):
-            self.forward(*self._arguments(nothing, nothing, nothing, np.full(rows, -1), nothing.astype(np.int32),
-                                          np.zeros((rows, self.MIN_BLOCKS), dtype=np.int32)))
+            self.forward(*self._arguments(zeros, zeros, zeros, padding, zeros.astype(np.int32),
+                                          np.zeros((self.rows, self.MIN_BLOCKS), dtype=np.int32)))
 
     def _arguments(self, input_ids, sources, positions, slots, seq_lens, block_tables):
-        input_ids, sources, positions, slots, seq_lens, block_tables = (
-            torch.from_numpy(np.ascontiguousarray(a)) for a in (input_ids, sources, positions, slots, seq_lens, block_tables)
-        )
+        arrays = (input_ids, sources, positions, slots, seq_lens, block_tables)
+        input_ids, sources, positions, slots, seq_lens, block_tables = (torch.from_numpy(np.ascontiguousarray(a))
+                                                                         for a in arrays)
         torch._dynamo.mark_dynamic(block_tables, 1)
         metadata = AttentionMetadata(query_lens=[1] * self.rows, slot_mapping=slots, block_tables=block_tables,
                                      num_decodes=self.rows, seq_lens=seq_lens)
@@ -283,8 +289,8 @@ class CompiledDecode:
             return np.concatenate([values, np.full(self.rows - n, padding, dtype=values.dtype)])
 
         logits = self.forward(*self._arguments(
-            padded(step.input_ids, 0), padded(step.sources, 0), padded(step.positions, 0), padded(step.slots, -1),
-            padded(step.seq_lens, 0), tables,
+            padded(step.input_ids, 0), padded(step.sources, 0), padded(step.positions, 0),
+            padded(step.slots, self.padding_slot), padded(step.seq_lens, 0), tables,
         ))[:n]
         if len(step.sampled) == n:
             return logits
@@ -314,7 +320,7 @@ class ModelRunner:
         self.staging = (Staging(torch.long), Staging(torch.int32)) if self.device.type == "cuda" else None
         self.graphs = (DecodeGraphs(model, max_num_seqs, table_width, self.sampled_ids, self.device)
                        if use_cuda_graphs else None)
-        self.compiled = (CompiledDecode(model, max_num_seqs, kv_cache.block_size, self.sampled_ids)
+        self.compiled = (CompiledDecode(model, max_num_seqs, kv_cache, self.sampled_ids)
                          if compile_decode else None)
 
     @torch.inference_mode()
