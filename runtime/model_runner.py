@@ -92,6 +92,13 @@ class StepInputs:
     def decode_only(self) -> bool:
         return self.num_decodes == len(self.query_lens)
 
+    def sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows of ``logits`` (one per token of a decode-only step) of the sequences that sample."""
+        if len(self.sampled) == len(logits):
+            return logits
+        # A one-token chunk of a longer prompt is a decode to attention, but samples nothing.
+        return logits[torch.from_numpy(self.logits_rows).to(logits.device)]
+
     def to_device(self, device, staging: "tuple[Staging, Staging] | None"):
         """The model's arguments on ``device``: on CUDA sent through ``staging`` (int64s, int32s),
         each dtype in one asynchronous copy, so the host can go on while the device works."""
@@ -229,11 +236,7 @@ class DecodeGraphs:
         self.staged_longs.send(self.longs)
         self.staged_ints.send(self.ints[:ints_used])
         self.graphs[size].replay()
-        logits = self.logits[size][:n]
-        if len(step.sampled) == n:
-            return logits
-        # A one-token chunk of a longer prompt is a decode to attention, but samples nothing.
-        return logits[torch.from_numpy(step.logits_rows).to(logits.device)]
+        return step.sampled_logits(self.logits[size][:n])
 
 
 class CompiledDecode:
@@ -268,8 +271,7 @@ class CompiledDecode:
 
     def _arguments(self, input_ids, sources, positions, slots, seq_lens, block_tables):
         arrays = (input_ids, sources, positions, slots, seq_lens, block_tables)
-        input_ids, sources, positions, slots, seq_lens, block_tables = (torch.from_numpy(np.ascontiguousarray(a))
-                                                                         for a in arrays)
+        input_ids, sources, positions, slots, seq_lens, block_tables = map(torch.from_numpy, arrays)
         torch._dynamo.mark_dynamic(block_tables, 1)
         metadata = AttentionMetadata(query_lens=[1] * self.rows, slot_mapping=slots, block_tables=block_tables,
                                      num_decodes=self.rows, seq_lens=seq_lens)
@@ -291,10 +293,8 @@ class CompiledDecode:
         logits = self.forward(*self._arguments(
             padded(step.input_ids, 0), padded(step.sources, 0), padded(step.positions, 0),
             padded(step.slots, self.padding_slot), padded(step.seq_lens, 0), tables,
-        ))[:n]
-        if len(step.sampled) == n:
-            return logits
-        return logits[torch.from_numpy(step.logits_rows)]  # a one-token chunk of a prompt samples nothing
+        ))
+        return step.sampled_logits(logits[:n])
 
 
 class ModelRunner:
