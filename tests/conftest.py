@@ -7,9 +7,24 @@ import torch
 import transformers
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter; it is chosen when a kernel is
-# defined, so this must come before ops_cuda.triton_kernels is imported.
+# defined, so this must come before any Triton kernel is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The one place tests are skipped for the machine they run on: ``gpu`` tests need a CUDA
+    device (and kernels compiled for it, not interpreted); ``interpreter`` tests run Triton kernels
+    on CPU tensors, which only the interpreter can."""
+    cuda = torch.cuda.is_available() and not INTERPRETED
+    needs_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    needs_interpreter = pytest.mark.skip(reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(needs_cuda)
+        if "interpreter" in item.keywords and not INTERPRETED:
+            item.add_marker(needs_interpreter)
 
 # Larger than HF's 0.02 so attention is far from uniform and position bugs show in the logits.
 INIT_STD = 0.15

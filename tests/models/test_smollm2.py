@@ -43,7 +43,7 @@ def test_config_equals_transformers():
 
 def test_tokenizer_equals_autotokenizer(llm):
     """zoo's tokenizer of the file (its class picked from zoo's own config) is AutoTokenizer's."""
-    from tests.test_gguf import assert_same_tokenizer
+    from tests.loaders.test_gguf import assert_same_tokenizer
 
     path = default_model_path()
     theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -26,7 +26,6 @@ from ops_cuda.gemv import gemv_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
-from tests.marks import interpreter, requires_cuda  # noqa: E402
 
 
 EPS = 1e-6
@@ -92,7 +91,7 @@ def norm_inputs(case: str, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("case", ["rows", "one_row", "heads", "strided_heads"])
 def test_rms_norm_interpreted(case, dtype):
@@ -102,7 +101,7 @@ def test_rms_norm_interpreted(case, dtype):
     assert_close(kernels.rms_norm_triton(x, weight, EPS), rms_norm_reference(x, weight, EPS), INTERPRETER_TOL[dtype])
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_rms_norm_weight_dtype_promotes_interpreted():
     # float16 activations with a float32 weight give float32, as in the reference.
     torch.manual_seed(0)
@@ -110,7 +109,7 @@ def test_rms_norm_weight_dtype_promotes_interpreted():
     assert_close(kernels.rms_norm_triton(x, weight, EPS), rms_norm_reference(x, weight, EPS), 1e-6)
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("case", ["rows", "one_row", "heads", "strided_heads"])
 def test_fused_add_rms_norm_interpreted(case, dtype):
@@ -122,7 +121,7 @@ def test_fused_add_rms_norm_interpreted(case, dtype):
     assert_close(normed, rms_norm_reference(residual + x, weight, EPS), INTERPRETER_TOL[dtype])
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("shape", [(5, 2 * 40), (2, 3, 2 * 36)])
@@ -132,7 +131,7 @@ def test_act_and_mul_interpreted(shape, activation, dtype):
     assert_close(kernels.act_and_mul_triton(x, activation), act_and_mul_reference(x, activation), INTERPRETER_TOL[dtype])
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [24, 16, 8], ids=["full", "partial16", "partial8"])
@@ -146,7 +145,7 @@ def test_apply_rotary_interpreted(rotary_dim, interleaved, dtype):
         assert torch.equal(mine, theirs)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_apply_rotary_any_table_interpreted():
     # The neox kernel reads both halves of cos/sin, so it follows the reference on any table.
     torch.manual_seed(0)
@@ -156,7 +155,7 @@ def test_apply_rotary_any_table_interpreted():
         assert_close(mine, theirs, 1e-6)
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 def test_write_kv_cache_interpreted(dtype):
     torch.manual_seed(0)
@@ -171,7 +170,7 @@ def test_write_kv_cache_interpreted(dtype):
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_write_kv_cache_head_dims_differ_interpreted():
     # k and v may have different head dims (MLA without absorption: 192 vs 128).
     torch.manual_seed(0)
@@ -189,7 +188,7 @@ def test_importing_ops_does_not_import_triton():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("n, k, lead", [(37, 100, (1,)), (16, 1030, (1, 1)), (8, 512, ())])
@@ -199,13 +198,13 @@ def test_gemv_interpreted(n, k, lead, bias, dtype):
     assert_close(kernels.gemv_triton(x, weight, b), exact_gemv(x, weight, b), GEMV_TOL[dtype])
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_gemv_takes_one_row_interpreted():
     with pytest.raises(ValueError, match=r"zoo::gemv multiplies one row: x has shape \(2, 8\)"):
         kernels.gemv_triton(torch.randn(2, 8), torch.randn(4, 8), None)
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("rows, vocab", [(3, 1000), (2, 9000), (1, 7)])
 def test_argmax_interpreted(rows, vocab, dtype):
@@ -264,7 +263,6 @@ GPU_NORM_CASES = {
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_TOL)
 @pytest.mark.parametrize("case", GPU_NORM_CASES)
 def test_rms_norm_gpu(case, dtype):
@@ -279,7 +277,6 @@ def test_rms_norm_gpu(case, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_TOL)
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("shape", [(1, 2 * 14336), (300, 2 * 1000 + 2), (2, 3, 2 * 36)])
@@ -290,7 +287,6 @@ def test_act_and_mul_gpu(shape, activation, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_TOL)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize(
@@ -309,7 +305,6 @@ def test_apply_rotary_gpu(n, q_heads, kv_heads, head_dim, rotary_dim, interleave
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_TOL)
 def test_write_kv_cache_gpu(dtype):
     torch.manual_seed(0)
@@ -328,7 +323,6 @@ def test_write_kv_cache_gpu(dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 1003), (128256, 64)])
@@ -339,7 +333,6 @@ def test_gemv_gpu(n, k, bias, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_linear_sends_single_rows_to_gemv(monkeypatch):
     torch.manual_seed(0)
     x, weight, bias = gemv_inputs(300, 256, (4,), True, torch.bfloat16, "cuda")
@@ -355,7 +348,6 @@ def test_linear_sends_single_rows_to_gemv(monkeypatch):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_TOL)
 @pytest.mark.parametrize("rows, vocab", [(1, 128256), (451, 151936), (5, 32000), (0, 100)])
 def test_argmax_gpu(rows, vocab, dtype):
@@ -393,7 +385,6 @@ OP_CASES = [
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("name", OP_CASES)
 def test_ops_in_cuda_graph(name):
     torch.manual_seed(0)
@@ -413,7 +404,6 @@ def test_ops_in_cuda_graph(name):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("name", OP_CASES)
 def test_fake_kernels_match_cuda_kernels(name):
     # torch.compile traces with the fake kernels: they must give the CUDA kernels' shapes, dtypes and strides.

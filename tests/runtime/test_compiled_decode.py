@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 import runtime.model_runner
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, save_checkpoint, tiny_config
-from tests.test_moe import MIXTRAL
+from tests.models.test_moe import MIXTRAL
 
 ARCHITECTURES = {
     "llama": tiny_config("llama"),

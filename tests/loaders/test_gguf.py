@@ -16,7 +16,7 @@ from loaders.gguf_file import gguf_tensors, read_gguf
 from loaders.load import choose_layouts, declared_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import relative_error
-from tests.gguf_writer import SHAPE, TYPES, T, llama_cpp_permute, write_llama_gguf
+from tests.loaders.gguf_writer import SHAPE, TYPES, T, llama_cpp_permute, write_llama_gguf
 
 RTOL = 1e-5
 

@@ -10,16 +10,12 @@ Every case keeps the cache's unused slots NaN, so a kernel that reads past a seq
 or into a padding row's table, poisons its output.
 """
 
-import os
 import types
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-
-if not torch.cuda.is_available():  # the interpreter is chosen when a kernel is defined
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from layers import (  # noqa: E402
     Attention,
@@ -41,7 +37,6 @@ from ops_cuda.paged_attention_triton import (  # noqa: E402
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
 )
-from tests.marks import interpreter, requires_cuda  # noqa: E402
 
 
 # Largest difference allowed relative to the float32 reference's largest magnitude: float32 is
@@ -137,7 +132,7 @@ def run_prefill(batch, sliding_window):
 GEOMETRIES = {"d16-block4": (16, 4), "d32-block16": (32, 16)}
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("sliding_window", [0, 5])
@@ -151,7 +146,7 @@ def test_decode_kernel_interpreted(dtype, geometry, sliding_window):
         assert_close(run_decode(batch, sliding_window, num_splits), reference, TOL[dtype])
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("sliding_window", [0, 5])
@@ -234,7 +229,7 @@ def prefill_via_launcher(q, k, v, *args):
     return out
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_triton_backend_splits_a_mixed_step(monkeypatch):
     # The backend's slicing of the stream and metadata, with the interpreted kernels behind the ops.
     monkeypatch.setattr(TritonAttentionBackend, "decode", staticmethod(decode_via_launcher))
@@ -253,7 +248,6 @@ GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("sliding_window", [0, 1000])
@@ -266,7 +260,6 @@ def test_decode_kernel_cuda(dtype, shape, sliding_window):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("sliding_window", [0, 1000])
@@ -279,7 +272,6 @@ def test_prefill_kernel_cuda(dtype, shape, sliding_window):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_decode_op_replays_in_cuda_graph():
     batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda")
     args = batch.decode_args(0)
@@ -302,7 +294,6 @@ def test_decode_op_replays_in_cuda_graph():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_triton_backend_matches_torch_backend_cuda(dtype):
     outs = []
@@ -313,12 +304,11 @@ def test_triton_backend_matches_torch_backend_cuda(dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("name", ["llama", "mistral-window"])
 def test_runtime_tokens_equal_across_backends(name, tmp_path):
     from runtime import LLM
     from tests.conftest import hf_model, save_checkpoint, tiny_config
-    from tests.test_runtime import GREEDY, prompts
+    from tests.runtime.test_runtime import GREEDY, prompts
 
     config = tiny_config("llama") if name == "llama" else tiny_config("mistral", sliding_window=6)
     path = save_checkpoint(hf_model(config), tmp_path)

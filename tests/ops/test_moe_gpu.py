@@ -1,6 +1,6 @@
 """The CUDA kernels of ``zoo::moe_experts`` against the op's PyTorch reference: the grouped GEMMs
 (``ops_cuda/moe_cuda.py``, bf16 on sm90/sm100) and the Triton fused-MoE kernel (``ops_cuda/moe_triton.py``,
-fp16 and bf16 here; float32 and the CPU interpreter in ``tests/test_moe_triton.py``), each forced through
+fp16 and bf16 here; float32 and the CPU interpreter in ``tests/ops/test_moe_triton.py``), each forced through
 the dispatch's threshold: uneven expert loads, experts without tokens, one expert for all, one token, none;
 Qwen3-30B-A3B layer shapes; buffers poisoned with NaN; under CUDA-graph capture with the routing changed
 between replays; and a tiny Qwen3-MoE through the runtime giving the same greedy tokens eagerly and with
@@ -16,7 +16,7 @@ import ops_cuda.moe
 from ops_cuda import moe_experts
 from ops_cuda.moe import GROUPED_MM_MIN_PAIRS, cuda_kernel, moe_experts_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 # Largest difference allowed, relative to the reference's largest magnitude: the last rounding to bf16 alone
 # is up to half a unit in the last place (2^-8 relative); two roundings that differ give one or two units
@@ -269,7 +269,7 @@ def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
 
     from loaders.in_memory import model_from_hf
     from tests.conftest import tiny_config
-    from tests.test_gpu_runtime import assert_graphs_give_the_eager_tokens
+    from tests.runtime.test_gpu_runtime import assert_graphs_give_the_eager_tokens
 
     config = tiny_config(
         "qwen3_moe", vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,

@@ -27,7 +27,6 @@ from ops_cuda.moe_triton import (  # noqa: E402
     moe_experts_triton,
     tiles_for,
 )
-from tests.marks import interpreter, requires_cuda  # noqa: E402
 
 
 # Largest difference allowed, relative to the reference's largest magnitude. float32: the same math in
@@ -104,7 +103,7 @@ def test_tiles_follow_the_rows_per_expert():
     assert tiles_for(torch.empty(0), 8, 128) == INTERPRETER_TILES[SMALL_TILES]
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
 def test_layout_interpreted(case):
     tokens, top_k, allowed = CASES[case]
@@ -112,7 +111,7 @@ def test_layout_interpreted(case):
     check_layout(routed(tokens, top_k, allowed)[1], NUM_EXPERTS, block_m)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_layout_worst_case_fills_every_block_interpreted():
     # 8 pairs, 2 on each of 4 experts, blocks of 16: every expert pads 14 rows, all max_blocks blocks used.
     ids = torch.tensor([[0, 1], [2, 3], [3, 2], [1, 0]])
@@ -121,7 +120,7 @@ def test_layout_worst_case_fills_every_block_interpreted():
     assert (moe_align(ids, 4, 16).block_expert == torch.arange(4, dtype=torch.int32)).all()
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference_interpreted(case, dtype):
@@ -133,7 +132,7 @@ def test_matches_reference_interpreted(case, dtype):
     assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, "silu"), TOL[dtype])
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("activation", ["gelu", "gelu_pytorch_tanh", "gelu_new", "relu"])
 def test_activations_interpreted(activation):
     gate_up, down = experts(NUM_EXPERTS, HIDDEN, 16, torch.float32)
@@ -143,7 +142,7 @@ def test_activations_interpreted(activation):
     assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, activation), TOL[torch.float32])
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_int32_ids_strided_hidden_and_no_tokens_interpreted():
     gate_up, down = experts(NUM_EXPERTS, HIDDEN, 16, torch.float16)
     rows = torch.randn(9, 2 * HIDDEN, generator=torch.Generator().manual_seed(1)).half()
@@ -161,7 +160,6 @@ def test_int32_ids_strided_hidden_and_no_tokens_interpreted():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("tokens", [1, 300, 4096])
 def test_layout_gpu(tokens):
     """The Qwen3-30B-A3B routing shape (128 experts, top-8): a decode step, small and large tiles."""
@@ -172,7 +170,6 @@ def test_layout_gpu(tokens):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("tokens", [1, 37, 700])
 def test_float32_matches_reference_gpu(tokens):
     """float32 multiplies in full float32 ("ieee", not TF32): the reference's math, in another order."""

@@ -17,7 +17,7 @@ from ops_cuda import calls
 from ops_cuda import (
     ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gemv, rms_norm, write_kv_cache,
 )
-from tests.test_parity import VARIANTS
+from tests.models.test_parity import VARIANTS
 
 
 def test_rms_norm_matches_hf():

@@ -7,7 +7,7 @@ from loaders.in_memory import model_from_hf
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 
 def random_hf(config, dtype=torch.bfloat16):

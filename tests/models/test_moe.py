@@ -22,8 +22,8 @@ from ops_cuda import moe_experts
 from ops_cuda.moe import moe_experts_dense_reference
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
-from tests.test_errors import rewrite_tensors
-from tests.test_parity import TOLERANCE, assert_matches
+from tests.loaders.test_errors import rewrite_tensors
+from tests.models.test_parity import TOLERANCE, assert_matches
 
 QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
