@@ -5,6 +5,7 @@ computes q/k/v, applies q/k-norm and rotary, and hands them to an attention back
 with an ``AttentionMetadata`` that says how the stream splits into sequences.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -158,8 +159,10 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads.
 
     q/k/v are one fused projection (HF's ``q_proj``/``k_proj``/``v_proj`` stacked), ``head_dim``
-    is independent of ``hidden_size / num_heads``; ``qk_norm_eps`` adds per-head RMSNorm on q and k
-    before rotary (Qwen3); ``sliding_window`` limits how far back a token looks (Mistral).
+    is independent of ``hidden_size / num_heads``; ``scale`` multiplies the scores (by default
+    ``head_dim**-0.5``); ``qk_norm_eps`` adds RMSNorm on q and k before rotary, per head (Qwen3) or,
+    with ``qk_norm_per_head`` False, over the whole projection (OLMo 2), built by ``rms_norm`` (the
+    model's RMSNorm variant); ``sliding_window`` limits how far back a token looks (Mistral).
     """
 
     def __init__(
@@ -171,22 +174,26 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        qk_norm_per_head: bool = True,
+        rms_norm: Callable[[int, float], RMSNorm] = RMSNorm,
         sliding_window: int | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(
             hidden_size, [q_size, kv_size, kv_size], sources=["q_proj", "k_proj", "v_proj"], bias=qkv_bias
         )
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
+        self.qk_norm_per_head = qk_norm_per_head
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = rms_norm(head_dim if qk_norm_per_head else q_size, qk_norm_eps)
+            self.k_norm = rms_norm(head_dim if qk_norm_per_head else kv_size, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.backend = TorchAttentionBackend()
@@ -195,10 +202,12 @@ class Attention(nn.Module):
     def forward(self, hidden_states, position_embeddings, metadata: AttentionMetadata) -> torch.Tensor:
         n = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)

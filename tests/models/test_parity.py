@@ -40,6 +40,9 @@ VARIANTS = {
     ),
     "qwen3": tiny_config("qwen3", head_dim=32),
     "qwen3-bias-tied": tiny_config("qwen3", head_dim=16, attention_bias=True, tie_word_embeddings=True),
+    "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),
+    "olmo2": tiny_config("olmo2"),
+    "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True),
 }
 
 
