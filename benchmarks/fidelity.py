@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's lo
 
     .venv/bin/python benchmarks/fidelity.py
 
-The variants are the tiny random checkpoints of tests/test_parity.py, and those of tests/test_moe.py
+The variants are the tiny random checkpoints of tests/models/test_parity.py, and those of tests/models/test_moe.py
 in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts).
 """
 
@@ -19,9 +19,9 @@ from loaders.default_model import default_model_path  # noqa: E402
 from loaders.diff import load_reference, tokenize  # noqa: E402
 from models import AutoModelForCausalLM, architecture_of  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
-from tests.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, write_checkpoint  # noqa: E402
-from tests.test_parity import VARIANTS  # noqa: E402
-from tests.test_smollm2 import SENTENCE  # noqa: E402
+from tests.models.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, write_checkpoint  # noqa: E402
+from tests.models.test_parity import VARIANTS  # noqa: E402
+from tests.models.test_smollm2 import SENTENCE  # noqa: E402
 
 
 def row(name, architecture, ours, theirs):
