@@ -10,7 +10,7 @@ def _diff(args) -> int:
     import torch
 
     from loaders.default_model import default_model_path
-    from loaders.diff import diff_checkpoint, format_rows
+    from runtime.diff import diff_checkpoint, format_rows
 
     model = args.model or str(default_model_path())
     input_ids = None
@@ -81,7 +81,7 @@ def _chat(args) -> int:
 
 
 def main(argv=None) -> int:
-    from loaders.diff import DEFAULT_PROMPT
+    from runtime.diff import DEFAULT_PROMPT
 
     parser = argparse.ArgumentParser(prog="zoo", description="zoo: a model zoo for LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3_moe
 
 from layers import TopKRouter
 from loaders import CheckpointError
-from loaders.diff import diff_checkpoint
+from runtime.diff import diff_checkpoint
 from models import AutoModelForCausalLM
 from models.modeling_qwen3_moe import Qwen3MoeForCausalLM
 from ops_cuda import moe_experts

@@ -7,7 +7,7 @@ import transformers
 
 from loaders import load_config, resolve_source
 from loaders.default_model import default_model_path
-from loaders.diff import load_reference
+from runtime.diff import load_reference
 from runtime import LLM, SamplingParams
 from runtime.cli import main
 from tests.conftest import relative_error

@@ -2,7 +2,7 @@
 
 import torch
 
-from loaders.diff import diff_checkpoint, diff_models, format_rows, load_reference
+from runtime.diff import diff_checkpoint, diff_models, format_rows, load_reference
 from models import AutoModelForCausalLM
 from runtime.cli import main
 from tests.conftest import tiny_config

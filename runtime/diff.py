@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loaders.checkpoint import resolve_source
-from loaders.config import load_tokenizer
+from loaders import load_tokenizer, resolve_source
+from models import AutoModelForCausalLM
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Germany is"
 
@@ -109,8 +109,6 @@ def diff_models(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor,
 def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtype=torch.float32, device="cpu",
                     atol=None, rtol=None) -> list[DiffRow]:
     """Load zoo's and HuggingFace's model from one checkpoint and diff them layer by layer."""
-    from models import AutoModelForCausalLM
-
     if input_ids is None:
         input_ids = tokenize(path_or_repo_id, prompt)
     model = AutoModelForCausalLM.from_pretrained(path_or_repo_id, dtype=dtype, device=device)
