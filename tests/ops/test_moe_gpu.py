@@ -268,7 +268,7 @@ def test_captured_graph_follows_the_routing(dtype, kernel, monkeypatch):
 def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
     import transformers
 
-    from loaders.in_memory import model_from_hf
+    from models import AutoModelForCausalLM
     from tests.conftest import tiny_config
     from tests.runtime.test_gpu_runtime import assert_graphs_give_the_eager_tokens
 
@@ -280,6 +280,6 @@ def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
     torch.manual_seed(0)
     with torch.device("cuda"):
         reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    model = model_from_hf(reference)
+    model = AutoModelForCausalLM.from_hf(reference)
     del reference
     assert_graphs_give_the_eager_tokens(model)
