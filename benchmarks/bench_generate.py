@@ -27,8 +27,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loaders.default_model import default_model_path  # noqa: E402
-from loaders.diff import load_reference  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
+from runtime.diff import load_reference  # noqa: E402
 
 TOPICS = ["the sea", "a mountain", "the city at night", "an old library", "a robot", "autumn", "the moon",
           "a cat", "coffee", "the desert", "a train journey", "winter", "a garden", "the stars", "music", "rain"]

@@ -28,7 +28,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loaders.in_memory import model_from_hf  # noqa: E402
+from models import AutoModelForCausalLM  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -103,7 +103,7 @@ def matmul_peak() -> float:
 
 def decode(results):
     reference = random_hf(LLAMA_8B)
-    model = model_from_hf(reference)
+    model = AutoModelForCausalLM.from_hf(reference)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     bandwidth = hbm_bandwidth()
     roofline_ms = weight_bytes / bandwidth * 1e3
@@ -145,7 +145,7 @@ def throughput(results, hf_requests):
     reference = random_hf(QWEN3_06B)
     prompts, lengths = workload(256, 100, 1024, QWEN3_06B["vocab_size"])
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    llm = LLM(model_from_hf(reference), max_num_seqs=256, max_model_len=2048)
+    llm = LLM(AutoModelForCausalLM.from_hf(reference), max_num_seqs=256, max_model_len=2048)
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -178,7 +178,7 @@ def throughput(results, hf_requests):
 
 
 def zoo_8b():
-    return model_from_hf(random_hf(LLAMA_8B))
+    return AutoModelForCausalLM.from_hf(random_hf(LLAMA_8B))
 
 
 def throughput_8b(results, max_requests, batched_tokens):

@@ -12,7 +12,7 @@ generate_batch takes ~1000 decode steps at HF's step time whatever --hf-requests
 
 kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
             bf16; router-like routing: softmax top-8 of random logits, some experts favoured), for 1 to 4096
-            tokens: the grouped-GEMM kernel (ops_cuda/moe_cuda.py) and the Triton fused-MoE kernel
+            tokens: the grouped-GEMM kernel (ops_cuda/moe_grouped_mm.py) and the Triton fused-MoE kernel
             (ops_cuda/moe_triton.py), each called directly, and the one the op's dispatch picks
             (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS comes from this table). Time per call: the median of CUDA
             graph replays (CUDA events) of one call on each of KERNEL_LAYERS weight copies in turn, as the
@@ -29,7 +29,7 @@ throughput  1000 input / 1000 output tokens per request (random ids, EOS ignored
             batching) on the first --hf-requests of them; output tokens per second.
 
 Memory (the model is ~61 GB in bf16): the random HF model is built on the GPU, converted with
-loaders.in_memory.model_from_hf and deleted for zoo's runs; it is rebuilt (same seed, same weights) for HF's.
+models.AutoModelForCausalLM.from_hf and deleted for zoo's runs; it is rebuilt (same seed, same weights) for HF's.
 """
 
 import argparse
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us, hbm_bandwidth, sync_time, workload  # noqa: E402
 from layers.moe import Experts  # noqa: E402
-from loaders.in_memory import model_from_hf  # noqa: E402
+from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
@@ -116,7 +116,7 @@ def short_error(exc: BaseException) -> str:
 
 
 def kernels(results):
-    from ops_cuda.moe_cuda import grouped_mm_supported, moe_experts_grouped_mm
+    from ops_cuda.moe_grouped_mm import grouped_mm_supported, moe_experts_grouped_mm
     from ops_cuda.moe_triton import moe_experts_triton
 
     hidden_size, intermediate = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["moe_intermediate_size"]
@@ -355,7 +355,7 @@ def main():
     # zoo: build the HF model, convert, drop the HF copy (two copies are ~122 GB).
     reference = random_hf()
     results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
-    model = model_from_hf(reference)
+    model = AutoModelForCausalLM.from_hf(reference)
     del reference
     free_memory()
     active, total = active_weight_bytes(model)

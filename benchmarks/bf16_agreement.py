@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import layers.attention  # noqa: E402
 import layers.mlp  # noqa: E402
 import layers.norm  # noqa: E402
-from loaders.in_memory import model_from_hf  # noqa: E402
+from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
@@ -72,7 +72,7 @@ def in_float32(model):
 
 @torch.no_grad()
 def report(name, reference, input_ids):
-    model = model_from_hf(reference)
+    model = AutoModelForCausalLM.from_hf(reference)
     reference.config._attn_implementation = "sdpa"
     sdpa = reference(input_ids).logits
     one_at_a_time = torch.cat([reference(row[None]).logits for row in input_ids])

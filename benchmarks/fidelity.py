@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loaders.default_model import default_model_path  # noqa: E402
-from loaders.diff import load_reference, tokenize  # noqa: E402
 from models import AutoModelForCausalLM, architecture_of  # noqa: E402
+from runtime.diff import load_reference, tokenize  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
 from tests.models.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, write_checkpoint  # noqa: E402
 from tests.models.test_parity import VARIANTS  # noqa: E402

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import LLAMA_8B, hbm_bandwidth, random_hf  # noqa: E402
-from loaders.in_memory import model_from_hf  # noqa: E402
-from ops_cuda.triton_kernels import pdl  # noqa: E402
+from models import AutoModelForCausalLM  # noqa: E402
+from ops_cuda.triton_helpers import pdl  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main():
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args()
 
-    model = model_from_hf(random_hf(LLAMA_8B))
+    model = AutoModelForCausalLM.from_hf(random_hf(LLAMA_8B))
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     bandwidth = hbm_bandwidth()
     llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)

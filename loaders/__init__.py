@@ -1,8 +1,14 @@
-"""Checkpoint formats -> zoo models: HF safetensors directories (single or sharded), GGUF files,
-hub repo ids; the config loading; the layer-by-layer diff against HuggingFace."""
+"""Checkpoint formats: HF safetensors directories (single or sharded), GGUF files, hub repo ids,
+state dicts in memory; their configs and tokenizers; the loader that fills a model built on the
+meta device from its declarations. Nothing here imports ``models``."""
 
-from loaders.checkpoint import CheckpointError, Source, TensorRef, open_checkpoint, resolve_source
+from loaders.checkpoint import open_checkpoint, resolve_source
 from loaders.config import load_config, load_tokenizer
-from loaders.load import load_model
+from loaders.in_memory import copy_weights
+from loaders.load import load_weights
+from loaders.types import CheckpointError, Source, TensorRef
 
-__all__ = ["CheckpointError", "Source", "TensorRef", "load_config", "load_tokenizer", "load_model", "open_checkpoint", "resolve_source"]
+__all__ = [
+    "CheckpointError", "Source", "TensorRef", "copy_weights", "load_config", "load_tokenizer", "load_weights",
+    "open_checkpoint", "resolve_source",
+]

@@ -1,40 +1,12 @@
-"""Where a checkpoint is, and its tensors as lazy references (name, shape, dtype, how to read)."""
+"""Where a checkpoint is (a local directory or file, or a hub download) and its tensors, in
+whichever format it is stored."""
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
-
-
-@dataclass(frozen=True)
-class Source:
-    """A local checkpoint: a HuggingFace directory, or a GGUF file (``gguf_file`` inside ``directory``)."""
-
-    directory: Path
-    gguf_file: str | None = None
-
-    @property
-    def path(self) -> Path:
-        return self.directory / self.gguf_file if self.gguf_file else self.directory
-
-
-@dataclass
-class TensorRef:
-    """A checkpoint tensor not read yet: ``load()`` returns it as a CPU tensor."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    file: Path
-    load: Callable[[], torch.Tensor]
-    nbytes: int
-
+from loaders.gguf_file import gguf_tensors
+from loaders.hf_dir import safetensors_tensors
+from loaders.types import CheckpointError, Source, TensorRef
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -68,15 +40,8 @@ def _download(repo_id: str) -> Path:
         ) from exc
 
 
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-
-
 def open_checkpoint(source: Source, config) -> dict[str, TensorRef]:
     """Every tensor of the checkpoint by its HuggingFace name."""
     if source.gguf_file:
-        from loaders.gguf_file import gguf_tensors
-
         return gguf_tensors(source.path, config)
-    from loaders.hf_dir import safetensors_tensors
-
     return safetensors_tensors(source.directory)

@@ -2,7 +2,9 @@
 
 import json
 
-from loaders.checkpoint import CheckpointError, Source, resolve_source
+from loaders.checkpoint import resolve_source
+from loaders.gguf_file import ARCHITECTURES, config_dict, read_gguf
+from loaders.types import CheckpointError, Source
 
 
 def load_config(source: Source):
@@ -34,8 +36,6 @@ def _gguf_config(source: Source):
     (``loaders.gguf_file.config_dict``). None: an architecture zoo's reader does not take, or
     fields the mapping cannot give; transformers then reads the file (and names what it cannot take)."""
     from transformers import AutoConfig
-
-    from loaders.gguf_file import ARCHITECTURES, config_dict, read_gguf
 
     gguf = read_gguf(source.path)
     fields = config_dict(gguf) if gguf.architecture in ARCHITECTURES else None

@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from loaders.checkpoint import CheckpointError, TensorRef
+from loaders.types import CheckpointError, TensorRef
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

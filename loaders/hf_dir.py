@@ -5,7 +5,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from loaders.checkpoint import CheckpointError, TensorRef
+from loaders.types import CheckpointError, TensorRef
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -1,31 +1,23 @@
-"""zoo's model from a HuggingFace model already in memory: the same declarations and checks as a
-checkpoint on disk, with the HF model's state dict as the checkpoint."""
+"""A state dict in memory as a checkpoint: the same declarations and checks as one on disk."""
 
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from loaders.checkpoint import TensorRef
 from loaders.load import fill, materialize, plan_loading
+from loaders.types import DTYPE_NAMES, TensorRef
 
-_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
-
-def model_from_hf(reference: nn.Module, dtype: torch.dtype | None = None, device=None):
-    """A zoo model holding a copy of ``reference``'s weights (by default in its dtype and on its device)."""
-    from models import model_class_for
-
-    first = next(reference.parameters())
-    dtype, device = dtype or first.dtype, torch.device(device or first.device)
-    config = reference.config
-    with torch.device("meta"):
-        model = model_class_for(config, type(reference).__name__)(config)
-    source = Path(f"<{type(reference).__name__} in memory>")
+def copy_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 origin: str) -> nn.Module:
+    """Fill ``model``, built on the meta device, with a copy of ``state_dict`` in ``dtype`` on
+    ``device``; ``origin`` names the state dict's owner in errors."""
+    file = Path(origin)
     checkpoint = {
-        name: TensorRef(name, tuple(t.shape), _DTYPE_NAMES.get(t.dtype, str(t.dtype)), source,
+        name: TensorRef(name, tuple(t.shape), DTYPE_NAMES.get(t.dtype, str(t.dtype)), file,
                         (lambda t=t: t.detach()), t.numel() * t.element_size())
-        for name, t in reference.state_dict().items()
+        for name, t in state_dict.items()
     }
     plan = plan_loading(model, checkpoint)
     materialize(model, dtype, device)

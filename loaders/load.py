@@ -1,4 +1,4 @@
-"""The one generic loader: build the model on the meta device, check the checkpoint against the
+"""The one generic loader: given a model built on the meta device, check the checkpoint against the
 model's declarations, materialise every parameter once in the target dtype/device, fill it.
 A checkpoint tensor that already is a whole parameter in the target dtype on the CPU becomes that
 parameter as read, with no copy (``keepable``)."""
@@ -11,49 +11,25 @@ from torch import nn
 from tqdm import tqdm
 
 from layers.weights import OneOf, Shard
-from loaders.checkpoint import FLOAT_DTYPES, CheckpointError, TensorRef, open_checkpoint, resolve_source
-from loaders.config import load_config
+from loaders.checkpoint import open_checkpoint
+from loaders.types import FLOAT_DTYPES, CheckpointError, Source, TensorRef
 
 # Checkpoints smaller than this load without a progress bar.
 PROGRESS_MIN_BYTES = 256 << 20
 _MAX_LISTED = 10
 
 
-def load_model(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu", progress: bool | None = None):
-    from models import model_class_for
-
-    dtype, device = model_dtype(dtype), model_device(device)
-    source = resolve_source(path_or_repo_id)
-    config = load_config(source)
-    model_class = model_class_for(config, str(source.path))
-    with torch.device("meta"):
-        model = model_class(config)
-    checkpoint = open_checkpoint(source, config)
+def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device,
+                 progress: bool | None = None) -> nn.Module:
+    """Fill ``model``, built on the meta device, with the checkpoint at ``source`` in ``dtype`` on
+    ``device``; the model's declarations (``checkpoint_shards``, ``ignored_checkpoint_keys``,
+    ``checkpoint_aliases``, ``empty_parameter``) say where each tensor goes."""
+    checkpoint = open_checkpoint(source, model.config)
     plan = plan_loading(model, checkpoint)
     kept = keepable(model, checkpoint, plan, dtype, device)
     materialize(model, dtype, device, skip={plan[name][0] for name in kept})
     fill(model, checkpoint, plan, progress, keep=kept)
     return model.eval()
-
-
-def model_dtype(dtype) -> torch.dtype:
-    """A torch floating dtype, given as one or by its name."""
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch dtype or its name (float32, bfloat16, float16), "
-                         f"got {dtype!r}")
-    return resolved
-
-
-def model_device(device) -> torch.device:
-    """A torch device that this torch can use, given as one or by its name."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} asked for, but this torch sees no CUDA device")
-    return device
 
 
 def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...]]:
@@ -146,9 +122,6 @@ def _listing(title: str, names: list[str], checkpoint: dict[str, TensorRef] | No
     return f"{title}: {', '.join(shown)}{more}"
 
 
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
 def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], dtype,
              device) -> set[str]:
     """The checkpoint tensors ``fill`` keeps as their parameter instead of copying them: each fills
@@ -162,7 +135,7 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
     return {
         name for name, (param_name, index) in targets.items()
         if index == () and shards[param_name] == 1 and name in checkpoint
-        and _TORCH_DTYPES.get(checkpoint[name].dtype) == dtype
+        and FLOAT_DTYPES.get(checkpoint[name].dtype) == dtype
         and not hasattr(model.get_submodule(param_name.rpartition(".")[0]), "empty_parameter")
     }
 
@@ -205,7 +178,7 @@ def fill(
             param_name, index = targets[name]
             if name in keep:
                 ref = checkpoint[name]
-                tensor = ref.load().to(_TORCH_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
+                tensor = ref.load().to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
                 if tuple(tensor.shape) != ref.shape:
                     raise CheckpointError(f"tensor {name!r} in {ref.file}: read with shape {tuple(tensor.shape)}, declared {ref.shape}")
                 kept = nn.Parameter(tensor, requires_grad=False)

@@ -1,6 +1,11 @@
-"""The architecture registry and ``AutoModelForCausalLM``."""
+"""The architecture registry and ``AutoModelForCausalLM``: it picks the class for a config, builds
+the model on the meta device and hands it to a loader of ``loaders``, which reads the model's
+loading declarations off the object."""
 
 import torch
+from torch import nn
+
+from loaders import copy_weights, load_config, load_weights, resolve_source
 
 _REGISTRY: dict[str, type] = {}
 
@@ -44,11 +49,61 @@ def model_class_for(config, source: str = "checkpoint") -> type:
     return _REGISTRY[name]
 
 
+def model_dtype(dtype) -> torch.dtype:
+    """A torch floating dtype, given as one or by its name."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype or its name (float32, bfloat16, float16), "
+                         f"got {dtype!r}")
+    return resolved
+
+
+def model_device(device) -> torch.device:
+    """A torch device that this torch can use, given as one or by its name."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but this torch sees no CUDA device")
+    return device
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    """What ``dtype="auto"`` means (as in HuggingFace): the floating dtype the config records for
+    its checkpoint, else float32 (GGUF files record none)."""
+    # transformers 5 spells it ``dtype`` (and warns on ``torch_dtype``); earlier ones ``torch_dtype``.
+    recorded = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded, None)
+    return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
+
+
+def _build_on_meta(config, source: str) -> nn.Module:
+    with torch.device("meta"):
+        return model_class_for(config, source)(config)
+
+
 class AutoModelForCausalLM:
     @staticmethod
     def from_pretrained(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu"):
         """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id, in ``dtype``
-        (a floating-point torch dtype or its name) on ``device``."""
-        from loaders import load_model
+        (a floating-point torch dtype or its name; ``"auto"``: the checkpoint's, see
+        ``checkpoint_dtype``) on ``device``."""
+        dtype = None if dtype == "auto" else model_dtype(dtype)
+        device = model_device(device)
+        source = resolve_source(path_or_repo_id)
+        config = load_config(source)
+        model = _build_on_meta(config, str(source.path))
+        return load_weights(model, source, dtype or checkpoint_dtype(config), device)
 
-        return load_model(path_or_repo_id, dtype=dtype, device=device)
+    @staticmethod
+    def from_hf(reference: nn.Module, dtype: torch.dtype | str | None = None, device=None):
+        """zoo's model of a HuggingFace model in memory, holding a copy of its weights (by default
+        in its dtype and on its device)."""
+        first = next(reference.parameters())
+        dtype = first.dtype if dtype is None else model_dtype(dtype)
+        device = first.device if device is None else model_device(device)
+        name = type(reference).__name__
+        model = _build_on_meta(reference.config, name)
+        return copy_weights(model, reference.state_dict(), dtype, device, origin=f"<{name} in memory>")

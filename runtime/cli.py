@@ -10,15 +10,17 @@ def _diff(args) -> int:
     import torch
 
     from loaders.default_model import default_model_path
-    from loaders.diff import diff_checkpoint, format_rows
+    from runtime.diff import diff_checkpoint, format_rows
 
     model = args.model or str(default_model_path())
     input_ids = None
     if args.token_ids:
         input_ids = torch.tensor([[int(t) for t in args.token_ids.split(",")]])
-    print(f"zoo diff: {model} ({args.dtype}, {args.device}) against HuggingFace transformers", flush=True)
+    path = f"the runtime's prefill and {args.steps} decode steps" if args.runtime else "a cache-free forward"
+    print(f"zoo diff: {model} ({args.dtype}, {args.device}, {path}) against HuggingFace transformers", flush=True)
     rows = diff_checkpoint(model, input_ids=input_ids, prompt=args.prompt, dtype=getattr(torch, args.dtype),
-                           device=args.device, atol=args.atol, rtol=args.rtol)
+                           device=args.device, atol=args.atol, rtol=args.rtol,
+                           runtime_steps=args.steps if args.runtime else None)
     print(format_rows(rows))
     return 0 if all(r.ok for r in rows) else 1
 
@@ -81,7 +83,7 @@ def _chat(args) -> int:
 
 
 def main(argv=None) -> int:
-    from loaders.diff import DEFAULT_PROMPT
+    from runtime.diff import DEFAULT_PROMPT, DEFAULT_STEPS
 
     parser = argparse.ArgumentParser(prog="zoo", description="zoo: a model zoo for LLM inference")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +97,9 @@ def main(argv=None) -> int:
     diff.add_argument("--device", default="cpu")
     diff.add_argument("--atol", type=float, help="absolute tolerance (default by dtype)")
     diff.add_argument("--rtol", type=float, help="tolerance relative to the reference's max abs value (default by dtype)")
+    diff.add_argument("--runtime", action="store_true", help="diff the runtime's path: a prefill through the paged "
+                                                             "KV cache, then greedy decode steps, against HF with its cache")
+    diff.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="decode steps of --runtime")
     diff.set_defaults(run=_diff)
 
     for name, run, text in (("generate", _generate, "generate text for one or more prompts"),

@@ -142,13 +142,13 @@ def test_bad_input_ids(checkpoint):
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
 ], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
 def test_bad_llm_options_are_named_before_the_model_loads(checkpoint, option, message, monkeypatch):
-    import loaders.load
+    import models.auto
     from runtime import LLM
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the checkpoint was opened before the options were checked")
 
-    monkeypatch.setattr(loaders.load, "resolve_source", no_loading)
+    monkeypatch.setattr(models.auto, "resolve_source", no_loading)
     with pytest.raises(ValueError, match=message):
         LLM(str(checkpoint), **{"device": "cpu", **option})
 

@@ -70,6 +70,12 @@ def test_logits_match_hf(case):
     assert_logits_match(hf, zoo)
 
 
+def test_dtype_auto_is_float32(case):
+    _, path, *_ = case
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 @pytest.mark.parametrize("proj, tensor", [("q_proj", "attn_q"), ("k_proj", "attn_k")])
 def test_qk_dequantised_and_unpermuted(case, proj, tensor):
     """zoo's q/k weights are the stored rows dequantised with gguf-py and put back in HF's order:

@@ -15,12 +15,12 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3_moe
 
 from layers import TopKRouter
 from loaders import CheckpointError
-from loaders.diff import diff_checkpoint
 from models import AutoModelForCausalLM
 from models.modeling_qwen3_moe import Qwen3MoeForCausalLM
 from ops_cuda import moe_experts
 from ops_cuda.moe import moe_experts_dense_reference
 from runtime import LLM, SamplingParams
+from runtime.diff import diff_checkpoint
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 from tests.loaders.test_errors import rewrite_tensors
 from tests.models.test_parity import TOLERANCE, assert_matches

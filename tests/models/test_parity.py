@@ -78,6 +78,33 @@ def test_bfloat16_checkpoint_loaded_as_float32(make_checkpoint, input_ids):
         assert_matches(model(input_ids), reference(input_ids).logits)
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16, torch.float32])
+def test_dtype_auto_takes_the_checkpoint_dtype(make_checkpoint, input_ids, stored):
+    path, _ = make_checkpoint(tiny_config("llama"), dtype=stored)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    assert reference.dtype == stored
+    assert {p.dtype for p in model.parameters()} == {stored}
+    assert next(AutoModelForCausalLM.from_pretrained(path, dtype="float32").parameters()).dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(model.model.embed_tokens(input_ids), reference.model.embed_tokens(input_ids))
+
+
+@pytest.mark.parametrize("recorded, loaded", [
+    ({"torch_dtype": "bfloat16"}, torch.bfloat16),  # transformers 4's spelling
+    ({}, torch.float32),
+    ({"dtype": "int8"}, torch.float32),
+])
+def test_dtype_auto_without_a_floating_dtype_recorded_is_float32(make_checkpoint, recorded, loaded):
+    path, _ = make_checkpoint(tiny_config("llama"), dtype=torch.bfloat16)
+    fields = json.loads((path / "config.json").read_text())
+    fields.pop("dtype")
+    fields.update(recorded)
+    (path / "config.json").write_text(json.dumps(fields))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {loaded}
+
+
 def test_hub_style_config(make_checkpoint, input_ids):
     """Checkpoints as the hub ships them: rope_scaling + rope_theta + torch_dtype (transformers 4 names)."""
     config = tiny_config("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0})

@@ -7,9 +7,9 @@ import transformers
 
 from loaders import load_config, resolve_source
 from loaders.default_model import default_model_path
-from loaders.diff import load_reference
 from runtime import LLM, SamplingParams
 from runtime.cli import main
+from runtime.diff import load_reference
 from tests.conftest import relative_error
 
 SENTENCE = "The Eiffel Tower, completed in 1889, is the most visited paid monument in the world."

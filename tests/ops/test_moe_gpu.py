@@ -1,10 +1,11 @@
 """The CUDA kernels of ``zoo::moe_experts`` against the op's PyTorch reference: the grouped GEMMs
-(``ops_cuda/moe_cuda.py``, bf16 on sm90/sm100) and the Triton fused-MoE kernel (``ops_cuda/moe_triton.py``,
-fp16 and bf16 here; float32 and the CPU interpreter in ``tests/ops/test_moe_triton.py``), each forced through
-the dispatch's threshold: uneven expert loads, experts without tokens, one expert for all, one token, none;
-Qwen3-30B-A3B layer shapes; buffers poisoned with NaN; under CUDA-graph capture with the routing changed
-between replays; and a tiny Qwen3-MoE through the runtime giving the same greedy tokens eagerly and with
-CUDA graphs. The dispatch itself: which kernel runs for which dtype, shape and number of pairs.
+(``ops_cuda/moe_grouped_mm.py``, bf16 on sm90/sm100) and the Triton fused-MoE kernel
+(``ops_cuda/moe_triton.py``, fp16 and bf16 here; float32 and the CPU interpreter in
+``tests/ops/test_moe_triton.py``), each forced through the dispatch's threshold: uneven expert loads,
+experts without tokens, one expert for all, one token, none; Qwen3-30B-A3B layer shapes; buffers poisoned
+with NaN; under CUDA-graph capture with the routing changed between replays; and a tiny Qwen3-MoE through
+the runtime giving the same greedy tokens eagerly and with CUDA graphs. The dispatch itself: which kernel
+runs for which dtype, shape and number of pairs.
 """
 
 import random
@@ -267,7 +268,7 @@ def test_captured_graph_follows_the_routing(dtype, kernel, monkeypatch):
 def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
     import transformers
 
-    from loaders.in_memory import model_from_hf
+    from models import AutoModelForCausalLM
     from tests.conftest import tiny_config
     from tests.runtime.test_gpu_runtime import assert_graphs_give_the_eager_tokens
 
@@ -279,6 +280,6 @@ def test_runtime_qwen3_moe_cuda_graphs_give_the_eager_tokens():
     torch.manual_seed(0)
     with torch.device("cuda"):
         reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    model = model_from_hf(reference)
+    model = AutoModelForCausalLM.from_hf(reference)
     del reference
     assert_graphs_give_the_eager_tokens(model)

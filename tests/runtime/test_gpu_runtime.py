@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loaders.in_memory import model_from_hf
+from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
 
@@ -36,7 +36,7 @@ def test_bf16_top1_agrees_with_hf(model_type):
     on ~98% (benchmarks/bf16_agreement.py). zoo's kernels round where HF's ops do, so zoo agrees
     with HF's sdpa path on at least 99%, and never worse than HF agrees with itself."""
     reference = random_hf(tiny_config(model_type, **SMALL))
-    model = model_from_hf(reference)
+    model = AutoModelForCausalLM.from_hf(reference)
     torch.manual_seed(1)
     input_ids = torch.randint(0, 4096, (2, 128), device="cuda")
     with torch.no_grad():
@@ -53,7 +53,7 @@ def test_bf16_top1_agrees_with_hf(model_type):
 
 def test_runtime_bf16_matches_hf_generate_mostly():
     reference = random_hf(tiny_config("llama", **SMALL))
-    llm = LLM(model_from_hf(reference), max_num_seqs=8, max_model_len=512)
+    llm = LLM(AutoModelForCausalLM.from_hf(reference), max_num_seqs=8, max_model_len=512)
     torch.manual_seed(2)
     prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 37, 100, 64)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -82,12 +82,12 @@ def assert_graphs_give_the_eager_tokens(model):
 
 
 def test_cuda_graphs_give_the_eager_tokens():
-    assert_graphs_give_the_eager_tokens(model_from_hf(random_hf(tiny_config("qwen3", **SMALL, head_dim=64))))
+    assert_graphs_give_the_eager_tokens(AutoModelForCausalLM.from_hf(random_hf(tiny_config("qwen3", **SMALL, head_dim=64))))
 
 
 def test_graph_replayed_twice_gives_the_same_logits():
     reference = random_hf(tiny_config("llama", **SMALL))
-    llm = LLM(model_from_hf(reference), max_num_seqs=4, max_model_len=256)
+    llm = LLM(AutoModelForCausalLM.from_hf(reference), max_num_seqs=4, max_model_len=256)
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
     graphs = llm.engine.runner.graphs
     size = 2  # the buffers hold the last decode step of the two requests; replaying it rewrites the same K/V

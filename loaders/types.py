@@ -1,0 +1,42 @@
+"""The types every checkpoint format shares: where a checkpoint is (``Source``), its tensors as
+lazy references (``TensorRef``), the floating dtype names they may carry, and the error a bad
+checkpoint raises."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A local checkpoint: a HuggingFace directory, or a GGUF file (``gguf_file`` inside ``directory``)."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.gguf_file if self.gguf_file else self.directory
+
+
+@dataclass
+class TensorRef:
+    """A checkpoint tensor not read yet: ``load()`` returns it as a CPU tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: Path
+    load: Callable[[], torch.Tensor]
+    nbytes: int
+
+
+# The floating dtypes a checkpoint tensor may carry, by their safetensors names.
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}

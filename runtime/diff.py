@@ -1,0 +1,201 @@
+"""Layer-by-layer diff of a zoo model against HuggingFace transformers on the same checkpoint.
+
+Both models run the same input; forward hooks on the same module paths (embeddings; per layer
+its input norm, attention, post-attention norm, MLP and output; final norm; LM head) and on the
+models themselves (the logits they return) capture each side's output. Where zoo fuses a residual
+add into the next norm, the hooked block reports ``(out, residual)`` and HuggingFace's view is
+rebuilt as their sum.
+
+``diff_models`` runs one cache-free forward on each side. ``diff_runtime`` runs zoo's runtime path
+instead (``LLM``: a prefill through the paged KV cache, then greedy decode steps) and HuggingFace
+with its own cache on the same tokens, and compares every step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loaders import load_tokenizer, resolve_source
+from models import AutoModelForCausalLM
+from runtime import LLM, SamplingParams
+
+DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Germany is"
+DEFAULT_STEPS = 4
+
+# The row of the logits a model returns (after the LM head and anything a model applies to them).
+LOGITS = "logits"
+
+# Defaults by dtype: a row passes when max_abs <= atol + rtol * max|reference|.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 5e-2), torch.bfloat16: (1e-2, 5e-2)}
+
+
+@dataclass
+class DiffRow:
+    path: str
+    shape: tuple[int, ...]
+    max_abs: float
+    relative: float
+    cosine: float
+    ok: bool
+
+
+def load_reference(path_or_repo_id, dtype: torch.dtype, device):
+    """HuggingFace transformers' model of the same checkpoint (never with remote code)."""
+    import transformers
+
+    source = resolve_source(path_or_repo_id)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(source.directory), gguf_file=source.gguf_file, dtype=dtype, trust_remote_code=False
+    )
+    return model.to(device).eval()
+
+
+def tokenize(path_or_repo_id, prompt: str) -> torch.Tensor:
+    tokenizer = load_tokenizer(path_or_repo_id)
+    if tokenizer is None:
+        raise ValueError(f"{resolve_source(path_or_repo_id).path}: no usable tokenizer; pass token ids instead of a prompt")
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+def compared_paths(model: nn.Module, reference: nn.Module) -> list[str]:
+    """Block-level module paths present on both sides, then the returned logits."""
+    ours = dict(model.named_modules())
+    theirs = dict(reference.named_modules())
+    paths = ["model.embed_tokens"]
+    for i, layer in enumerate(model.model.layers):
+        paths += [f"model.layers.{i}.{child}" for child, _ in layer.named_children()]
+        paths.append(f"model.layers.{i}")
+    paths += ["model.norm", "lm_head"]
+    return [p for p in paths if p in ours and p in theirs] + [LOGITS]
+
+
+def _capture(model: nn.Module, paths: list[str], steps: list[dict], hf_view: bool):
+    """Hooks that record, per forward of ``model``, each path's output into a new dict of ``steps``."""
+
+    def start_step(mod, args):
+        steps.append({})
+
+    handles = [model.register_forward_pre_hook(start_step)]
+    for path in paths:
+        module = model if path == LOGITS else model.get_submodule(path)
+
+        def hook(mod, args, output, path=path):
+            if path == LOGITS:
+                output = getattr(output, "logits", output)  # HuggingFace returns a ModelOutput
+            elif isinstance(output, tuple):
+                output = output[0] + output[1] if getattr(mod, "returns_residual", False) and not hf_view else output[0]
+            steps[-1][path] = output.detach().float().cpu()
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def _tolerances(model: nn.Module, atol, rtol) -> tuple[float, float]:
+    default_atol, default_rtol = TOLERANCES.get(next(model.parameters()).dtype, TOLERANCES[torch.bfloat16])
+    return default_atol if atol is None else atol, default_rtol if rtol is None else rtol
+
+
+def _compare(ours: dict, theirs: dict, atol: float, rtol: float, label: str = "") -> list[DiffRow]:
+    rows = []
+    for path in ours:  # in the order zoo ran them
+        a, b = ours[path], theirs[path]
+        if a.numel() != b.numel():
+            raise ValueError(f"{label}{path}: zoo output has shape {tuple(a.shape)}, HuggingFace's {tuple(b.shape)}")
+        a = a.reshape(b.shape).double()
+        b = b.double()
+        max_abs = (a - b).abs().max().item()
+        ref_max = b.abs().max().item()
+        cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+        rows.append(DiffRow(label + path, tuple(b.shape), max_abs, max_abs / max(ref_max, 1e-30), cosine,
+                            max_abs <= atol + rtol * ref_max))
+    return rows
+
+
+@torch.no_grad()
+def diff_models(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor, atol=None, rtol=None) -> list[DiffRow]:
+    """Run ``input_ids`` [B, T] through both models and compare each hooked module's output."""
+    atol, rtol = _tolerances(model, atol, rtol)
+    paths = compared_paths(model, reference)
+    ours, theirs = [], []
+    handles = _capture(model, paths, ours, hf_view=False) + _capture(reference, paths, theirs, hf_view=True)
+    try:
+        model(input_ids.to(next(model.parameters()).device))
+        reference(input_ids=input_ids.to(next(reference.parameters()).device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _compare(ours[0], theirs[0], atol, rtol)
+
+
+@torch.no_grad()
+def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor, steps: int = DEFAULT_STEPS,
+                 atol=None, rtol=None) -> list[DiffRow]:
+    """Run the prompt ``input_ids`` [1, T] through zoo's runtime (``LLM``, eager so that hooks fire:
+    a prefill through the paged KV cache, then ``steps`` greedy decode steps) and through
+    HuggingFace with its cache (the prefill, then one token at a time on zoo's tokens); compare
+    the prefill's rows, then each decode step's. The runtime computes logits only for the last
+    token of the prefill: its LM head and logits rows compare with HuggingFace's last position.
+    The LLM binds its KV cache to ``model``'s layers (see ``LLM``)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"the runtime diff takes one prompt, input_ids [1, T]; got shape {tuple(input_ids.shape)}")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    atol, rtol = _tolerances(model, atol, rtol)
+    prompt = input_ids[0].tolist()
+    max_model_len = len(prompt) + steps + 1
+    block_size = 16
+    llm = LLM(model, enforce_eager=True, max_num_seqs=1, max_model_len=max_model_len, block_size=block_size,
+              num_blocks=-(-max_model_len // block_size), enable_chunked_prefill=False, enable_prefix_caching=False)
+    paths = compared_paths(model, reference)
+    ours, theirs = [], []
+    handles = _capture(model, paths, ours, hf_view=False) + _capture(reference, paths, theirs, hf_view=True)
+    try:
+        # The prefill samples the first token; each decode step feeds one and samples the next.
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+        tokens = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        device = next(reference.parameters()).device
+        cache = reference(input_ids=input_ids.to(device), use_cache=True).past_key_values
+        for token in tokens[:steps]:
+            cache = reference(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
+                              use_cache=True).past_key_values
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(ours) != steps + 1:
+        raise RuntimeError(f"the runtime ran {len(ours)} forwards for a prefill and {steps} decode steps")
+    for path in ("lm_head", LOGITS):
+        if path in theirs[0]:
+            theirs[0][path] = theirs[0][path][:, -1:]
+    rows = []
+    for step, (zoo_step, hf_step) in enumerate(zip(ours, theirs)):
+        rows += _compare(zoo_step, hf_step, atol, rtol, label="prefill/" if step == 0 else f"decode {step}/")
+    return rows
+
+
+def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtype=torch.float32, device="cpu",
+                    atol=None, rtol=None, runtime_steps: int | None = None) -> list[DiffRow]:
+    """Load zoo's and HuggingFace's model from one checkpoint and diff them layer by layer: one
+    cache-free forward, or with ``runtime_steps``, the runtime's prefill and that many decode steps."""
+    if input_ids is None:
+        input_ids = tokenize(path_or_repo_id, prompt)
+    model = AutoModelForCausalLM.from_pretrained(path_or_repo_id, dtype=dtype, device=device)
+    reference = load_reference(path_or_repo_id, dtype, device)
+    if runtime_steps is None:
+        return diff_models(model, reference, input_ids, atol=atol, rtol=rtol)
+    return diff_runtime(model, reference, input_ids, runtime_steps, atol=atol, rtol=rtol)
+
+
+def format_rows(rows: list[DiffRow]) -> str:
+    """A table; the first row over tolerance is marked."""
+    width = max(len(r.path) for r in rows)
+    lines = [f"{'module':<{width}}  {'shape':<16} {'max abs diff':>12} {'rel diff':>10} {'cosine':>10}"]
+    first_bad = next((r for r in rows if not r.ok), None)
+    for r in rows:
+        mark = "  <-- first over tolerance" if r is first_bad else ("  (over)" if not r.ok else "")
+        lines.append(
+            f"{r.path:<{width}}  {str(list(r.shape)):<16} {r.max_abs:>12.3e} {r.relative:>10.3e} {r.cosine:>10.7f}{mark}"
+        )
+    bad = sum(not r.ok for r in rows)
+    lines.append(f"{len(rows)} modules compared, {bad} over tolerance" if bad else f"all {len(rows)} modules within tolerance")
+    return "\n".join(lines)
