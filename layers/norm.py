@@ -26,20 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.weight_offset or self.multiply_in_float32:
-            return self._variant(x, residual)
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-    def _variant(self, x, residual):
-        summed = x if residual is None else residual + x
-        normed = torch.nn.functional.rms_norm(summed.to(torch.float32), summed.shape[-1:], eps=self.eps)
-        if self.multiply_in_float32:
-            normed = (normed * (self.weight_offset + self.weight.to(torch.float32))).to(summed.dtype)
-        else:
-            normed = (self.weight_offset + self.weight) * normed.to(summed.dtype)
-        return normed if residual is None else (normed, summed)
+            return rms_norm(x, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)
 
     def extra_repr(self) -> str:
         options = f", weight_offset={self.weight_offset}" if self.weight_offset else ""

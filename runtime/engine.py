@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layers import Attention, AttentionMetadata
-from layers.attention import select_backend
+from layers.attention import score_modifiers_used, select_backend
 from runtime.block_manager import BlockManager
 from runtime.model_runner import KVCache, ModelRunner
 from runtime.sampler import sample_tokens
@@ -95,7 +95,7 @@ class Engine:
                 f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
             )
         dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
-        backend = select_backend(attention_backend, device)
+        backend = select_backend(attention_backend, device, score_modifiers_used(model))
         for layer in model.modules():
             if isinstance(layer, Attention):
                 # A model runs in one engine at a time: the cache an earlier engine bound to the
