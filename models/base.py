@@ -1,9 +1,11 @@
 """Base classes shared by decoder-only models, with HuggingFace's module paths:
 
-    model.embed_tokens, model.layers.{i}.{input_layernorm, self_attn, post_attention_layernorm, mlp},
-    model.norm, model.rotary_emb, lm_head
+    model.embed_tokens, model.layers.{i}.{self_attn, mlp, <the block's norms>}, model.norm,
+    model.rotary_emb, lm_head
 
-An architecture file subclasses these and states only what its blocks are made of.
+An architecture file subclasses these and states only what its blocks are made of, as declarations:
+the attention and MLP modules, the block's norm slots under HF's names (``NormSlots``), the model's
+RMSNorm variant (``DecoderLayer.rms_norm``), embedding scaling (``CausalLM.scale_embeddings``).
 """
 
 from collections.abc import Callable
