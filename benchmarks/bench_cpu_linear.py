@@ -5,7 +5,7 @@ SmolLM2-135M's 30 layers have four products each (qkv 576->960, o 576->576, gate
 down 1536->576), then the LM head (576->49152, the tied embedding): ~538 MB of float32 weights,
 more than the caches hold. This times one pass over all 121 at several row counts (the sequences
 of a decode step), through ``F.linear`` on the weights as zoo lays them out (the layers'
-column-major, the head's row-major) and through ``ops_cuda.calls.PackedWeight`` (packed for 16
+column-major, the head's row-major) and through ``ops_cuda.linear.PackedWeight`` (packed for 16
 rows, as the runtime packs them). Medians of --repeats passes; the weights are random.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--dtype bfloat16]
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ops_cuda.calls import PackedWeight  # noqa: E402
+from ops_cuda.linear import PackedWeight  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [out, in]

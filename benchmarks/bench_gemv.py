@@ -19,14 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
 from ops_cuda import gemv  # noqa: E402
-from ops_cuda.triton_kernels import GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_WARPS, _gemv_kernel, pdl_launch  # noqa: E402
+from ops_cuda.triton_helpers import pdl_launch  # noqa: E402
+from ops_cuda.triton_kernels import GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_WARPS, gemv_kernel  # noqa: E402
 
 LAYERS = 32
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
           "lm_head": (128256, 4096)}
 
 
-# (BLOCK_N, BLOCK_K, warps) of ops_cuda.triton_kernels._gemv_kernel; the first is what zoo::gemv runs.
+# (BLOCK_N, BLOCK_K, warps) of ops_cuda.triton_kernels.gemv_kernel; the first is what zoo::gemv runs.
 CONFIGS = [(GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS), (4, 512, 2), (4, 1024, 4), (8, 1024, 4), (8, 256, 2),
            (16, 512, 8), (8, 512, 8)]
 
@@ -34,8 +35,8 @@ CONFIGS = [(GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS), (4, 512, 2), (4, 1024, 4), 
 def sweep_gemv(block_n, block_k, warps):
     def gemv(x, w, out):
         n, k = w.shape
-        _gemv_kernel[(n // block_n,)](x, w, x, out, n, k, k, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k,
-                                      num_warps=warps, **pdl_launch(x))
+        gemv_kernel[(n // block_n,)](x, w, x, out, n, k, k, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k,
+                                     num_warps=warps, **pdl_launch(x))
         return out
 
     return gemv

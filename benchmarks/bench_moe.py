@@ -12,7 +12,7 @@ generate_batch takes ~1000 decode steps at HF's step time whatever --hf-requests
 
 kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
             bf16; router-like routing: softmax top-8 of random logits, some experts favoured), for 1 to 4096
-            tokens: the grouped-GEMM kernel (ops_cuda/moe_cuda.py) and the Triton fused-MoE kernel
+            tokens: the grouped-GEMM kernel (ops_cuda/moe_grouped_mm.py) and the Triton fused-MoE kernel
             (ops_cuda/moe_triton.py), each called directly, and the one the op's dispatch picks
             (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS comes from this table). Time per call: the median of CUDA
             graph replays (CUDA events) of one call on each of KERNEL_LAYERS weight copies in turn, as the
@@ -116,7 +116,7 @@ def short_error(exc: BaseException) -> str:
 
 
 def kernels(results):
-    from ops_cuda.moe_cuda import grouped_mm_supported, moe_experts_grouped_mm
+    from ops_cuda.moe_grouped_mm import grouped_mm_supported, moe_experts_grouped_mm
     from ops_cuda.moe_triton import moe_experts_triton
 
     hidden_size, intermediate = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["moe_intermediate_size"]

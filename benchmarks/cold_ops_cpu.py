@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ops_cuda.calls import fused_add_rms_norm  # noqa: E402
+from ops_cuda import fused_add_rms_norm  # noqa: E402
 
 TOKENS, HIDDEN, INTERMEDIATE, WEIGHTS = 16, 576, 3072, 40
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import LLAMA_8B, hbm_bandwidth, random_hf  # noqa: E402
 from loaders.in_memory import model_from_hf  # noqa: E402
-from ops_cuda.triton_kernels import pdl  # noqa: E402
+from ops_cuda.triton_helpers import pdl  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 

@@ -12,13 +12,13 @@ from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
-from ops_cuda.calls import apply_rotary, write_kv_cache
+from ops_cuda import apply_rotary, write_kv_cache
 from ops_cuda.paged_attention import (
     attention_mask,
     decode_attention_at_slots,
     decode_key_slots,
-    paged_decode_attention,
-    paged_prefill_attention,
+    paged_decode_attention_op,
+    paged_prefill_attention_op,
     paged_prefill_attention_reference,
     sdpa,
 )
@@ -120,12 +120,13 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
-    """The fast GPU backend: the paged attention ops, whose CUDA kernels are Triton (split-KV
-    flash-decoding, tiled flash-attention prefill); without a cache, SDPA (flash attention)."""
+    """The fast GPU backend: the registered paged attention ops on any device, whose CUDA kernels
+    are Triton (split-KV flash-decoding, tiled flash-attention prefill); without a cache, SDPA
+    (flash attention)."""
 
     name = "triton"
-    prefill = staticmethod(paged_prefill_attention)
-    decode = staticmethod(paged_decode_attention)
+    prefill = staticmethod(paged_prefill_attention_op)
+    decode = staticmethod(paged_decode_attention_op)
 
     def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window) -> torch.Tensor:
         prefills = metadata.num_prefills

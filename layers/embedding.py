@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops_cuda.calls import PackedWeight, linear
+from ops_cuda.linear import PackedWeight, linear
 
 
 class VocabEmbedding(nn.Module):

@@ -7,7 +7,7 @@ from torch import nn
 
 from layers.embedding import LMHead
 from layers.weights import Shard, parent_of
-from ops_cuda.calls import PackedWeight, linear
+from ops_cuda.linear import PackedWeight, linear
 
 
 class Linear(nn.Module):
@@ -66,7 +66,7 @@ class MergedLinear(Linear):
 
 def pack_for_cpu_decode(model: nn.Module) -> None:
     """Gives each float32 or bfloat16 CPU linear layer and LM head of ``model`` a packed copy of
-    its weight, which steps of few rows multiply by (``ops_cuda.calls.PackedWeight``). The runtime
+    its weight, which steps of few rows multiply by (``ops_cuda.linear.PackedWeight``). The runtime
     does this when it runs a model on the CPU: SmolLM2's decode steps of 16 sequences then take
     ~1.25x less time in float32, ~1.1x less in bfloat16. The copies cost the weights' memory once
     more, so where they would take more than half of the memory still available, nothing is

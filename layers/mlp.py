@@ -4,8 +4,7 @@ import torch
 from torch import nn
 
 from layers.linear import Linear, MergedLinear
-from ops_cuda import ACTIVATIONS
-from ops_cuda.calls import act_and_mul
+from ops_cuda import ACTIVATIONS, act_and_mul
 
 
 class GatedMLP(nn.Module):

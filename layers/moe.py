@@ -15,8 +15,7 @@ from torch import nn
 from layers.linear import Linear
 from layers.mlp import GatedMLP
 from layers.weights import OneOf, Shard
-from ops_cuda import ACTIVATIONS
-from ops_cuda.calls import moe_experts
+from ops_cuda import ACTIVATIONS, moe_experts
 
 
 class TopKRouter(nn.Module):

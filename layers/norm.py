@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from ops_cuda.calls import fused_add_rms_norm, rms_norm
+from ops_cuda import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -1,11 +1,13 @@
 """GPU ops behind zoo's layers.
 
-Each op is a ``torch.library`` custom op in the ``zoo`` namespace. Its default kernel is a
-pure-PyTorch reference (used on CPU and as the test oracle); GPU kernels register for the
-``cuda`` dispatch key on top of it. The Triton kernels of the elementwise ops (norms, rotary,
-gated activations, KV-cache write, single-row matmul, argmax) live in ``ops_cuda.triton_kernels``, imported only when a CUDA
-kernel first runs: ``import ops_cuda`` never imports triton. Layers call the ops through
-``ops_cuda.calls``, which runs the references directly on CPU tensors.
+Each op is a ``torch.library`` custom op in the ``zoo`` namespace (``torch.ops.zoo.<name>``; in its
+file, ``<name>_op``). Its default kernel is a pure-PyTorch reference (``<name>_reference``, used on
+CPU and as the test oracle); GPU kernels register for the ``cuda`` dispatch key on top of it. The
+name exported here calls the reference directly on CPU tensors and the custom op elsewhere
+(``ops_cuda.dispatch``). The Triton kernels live in ``triton_kernels`` (norms, rotary, gated
+activations, KV-cache write, single-row matmul, argmax), ``paged_attention_triton``, ``moe_triton``
+and ``moe_grouped_mm``, imported only when a CUDA kernel first runs: ``import ops_cuda`` never
+imports triton. ``ops_cuda.linear`` routes linear layers' products (packed CPU weights, zoo::gemv).
 """
 
 from ops_cuda.activation import ACTIVATIONS, act_and_mul
@@ -18,6 +20,6 @@ from ops_cuda.paged_attention import paged_decode_attention, paged_prefill_atten
 from ops_cuda.rotary import apply_rotary
 
 __all__ = [
-    "ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fused_add_rms_norm", "gemv", "moe_experts", "paged_decode_attention",
-    "paged_prefill_attention", "rms_norm", "write_kv_cache",
+    "ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fused_add_rms_norm", "gemv", "moe_experts",
+    "paged_decode_attention", "paged_prefill_attention", "rms_norm", "write_kv_cache",
 ]

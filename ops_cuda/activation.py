@@ -5,6 +5,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ops_cuda.dispatch import reference_on_cpu
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -27,22 +29,26 @@ ACTIVATIONS = {
 
 
 def act_and_mul_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for x [..., 2 * d] holding gate then up; ``activation`` is a key of ``ACTIVATIONS``."""
     gate, up = x.chunk(2, dim=-1)
     return ACTIVATIONS[activation](gate) * up
 
 
 @torch.library.custom_op("zoo::act_and_mul", mutates_args=())
-def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+def act_and_mul_op(x: torch.Tensor, activation: str) -> torch.Tensor:
     return act_and_mul_reference(x, activation)
 
 
-@act_and_mul.register_fake
+@act_and_mul_op.register_fake
 def _(x, activation):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@act_and_mul.register_kernel("cuda")
+@act_and_mul_op.register_kernel("cuda")
 def _(x, activation):
     from ops_cuda.triton_kernels import act_and_mul_triton  # triton is imported only where a kernel runs
 
     return act_and_mul_triton(x, activation)
+
+
+act_and_mul = reference_on_cpu(act_and_mul_op, act_and_mul_reference)

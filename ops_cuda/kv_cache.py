@@ -2,8 +2,15 @@
 
 import torch
 
+from ops_cuda.dispatch import reference_on_cpu
+
 
 def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Writes k/v [N, Hkv, D] into the caches at slot_mapping [N], in place; slots < 0 are skipped.
+
+    The reference selects the valid slots with a boolean mask, a host sync; the CUDA kernel masks
+    on the device, so only it can be captured in a CUDA graph.
+    """
     # k/v: [N, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset.
     # Slot -1 marks a padding token of a captured batch: nothing is written for it. Finding one
     # reads the host, which a graph torch.compile traces cannot: there padding tokens come with a
@@ -16,19 +23,17 @@ def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 @torch.library.custom_op("zoo::write_kv_cache", mutates_args=("k_cache", "v_cache"))
-def write_kv_cache(
+def write_kv_cache_op(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Writes k/v [N, Hkv, D] into the caches at slot_mapping [N], in place; slots < 0 are skipped.
-
-    The reference selects the valid slots with a boolean mask, a host sync; the CUDA kernel masks
-    on the device, so only it can be captured in a CUDA graph.
-    """
     write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
-@write_kv_cache.register_kernel("cuda")
+@write_kv_cache_op.register_kernel("cuda")
 def _(k, v, k_cache, v_cache, slot_mapping):
     from ops_cuda.triton_kernels import write_kv_cache_triton  # triton is imported only where a kernel runs
 
     write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+
+
+write_kv_cache = reference_on_cpu(write_kv_cache_op, write_kv_cache_reference)

@@ -7,7 +7,7 @@ first, then up) and ``down [E, H, I]``. A token's output is the sum over its top
 On CUDA the pairs are grouped by expert, then run through one of two grouped-GEMM kernels, chosen by
 the number of (token, slot) pairs (``GROUPED_MM_MIN_PAIRS``, set by measurement): the Triton fused-MoE kernel
 (``ops_cuda/moe_triton.py``; fp16, bf16, fp32), which reads only the experts that have tokens, or PyTorch's
-grouped GEMM (``ops_cuda/moe_cuda.py``; bf16 on sm90/sm100 with H and I multiples of 8). Anything neither
+grouped GEMM (``ops_cuda/moe_grouped_mm.py``; bf16 on sm90/sm100 with H and I multiples of 8). Anything neither
 takes runs the reference below, whose grouped form reads the expert loads on the host and so under
 CUDA-graph capture switches to its dense form.
 """
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.activation import act_and_mul_reference
+from ops_cuda.dispatch import reference_on_cpu
 
 
 def moe_experts_reference(
@@ -26,7 +27,8 @@ def moe_experts_reference(
     down: torch.Tensor,
     activation: str,
 ) -> torch.Tensor:
-    # hidden [N, H], topk_weights [N, K], topk_ids [N, K] -> [N, H].
+    """hidden [N, H] through the experts each token picked (topk_ids [N, K]), weighted by topk_weights
+    [N, K] and summed: [N, H]."""
     # The (token, slot) pairs are grouped by expert; each expert that has tokens runs one pair of
     # matmuls over its group. Contributions are weighted and summed in float32, expert by expert.
     # Group sizes are data-dependent (read on the host), so under CUDA-graph capture the dense form runs.
@@ -63,7 +65,7 @@ def moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, a
 
 
 @torch.library.custom_op("zoo::moe_experts", mutates_args=())
-def moe_experts(
+def moe_experts_op(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -74,7 +76,7 @@ def moe_experts(
     return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
 
 
-@moe_experts.register_fake
+@moe_experts_op.register_fake
 def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
     return torch.empty_like(hidden)
 
@@ -92,7 +94,7 @@ GROUPED_MM_MIN_PAIRS = 16384
 def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
     """Which kernel the op's CUDA dispatch runs on these inputs: "grouped_mm", "triton" or "reference"."""
     # triton (and the grouped-GEMM path) are imported only where a kernel runs
-    from ops_cuda.moe_cuda import grouped_mm_supported
+    from ops_cuda.moe_grouped_mm import grouped_mm_supported
     from ops_cuda.moe_triton import triton_supported
 
     if topk_ids.numel() >= GROUPED_MM_MIN_PAIRS and grouped_mm_supported(hidden, gate_up, down):
@@ -102,9 +104,9 @@ def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
     return "reference"
 
 
-@moe_experts.register_kernel("cuda")
+@moe_experts_op.register_kernel("cuda")
 def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
-    from ops_cuda.moe_cuda import moe_experts_grouped_mm
+    from ops_cuda.moe_grouped_mm import moe_experts_grouped_mm
     from ops_cuda.moe_triton import moe_experts_triton
 
     kernel = cuda_kernel(hidden, topk_ids, gate_up, down, activation)
@@ -114,3 +116,6 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
         return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation)
     # Other or mixed dtypes, unknown activations: the reference (which raises where F.linear or the lookup does).
     return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+
+
+moe_experts = reference_on_cpu(moe_experts_op, moe_experts_reference, reads_host=True)

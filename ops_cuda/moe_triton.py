@@ -1,14 +1,15 @@
 """The Triton fused-MoE kernel of ``zoo::moe_experts``: each expert's rows in blocks of BLOCK_M, each
 block one tiled GEMM against its expert's weights only, so a decode step reads the weights of the experts
-its tokens picked and nothing else (the grouped GEMM of ``moe_cuda.py`` runs 64-row tiles over every
-group). The idea is vLLM's ``fused_moe``; the code is zoo's own.
+its tokens picked and nothing else (the grouped GEMM of ``moe_grouped_mm.py`` runs 64-row tiles over
+every group). The idea is vLLM's ``fused_moe``; the code is zoo's own.
 
     order, offsets = sort_pairs_by_expert(topk_ids)      # shared with the grouped-GEMM kernel
     align:   each expert's run of pairs padded to a multiple of BLOCK_M rows; per row the pair it
              holds (or "none"), per block its expert (or "none"), per pair the row it landed on
     gate_up: h[row] = act(gate_e x) * up_e x, x the hidden row of the row's token   [rows, I]
     down:    y[row] = down_e h[row]                                                  [rows, H]
-    combine: out[t] = sum_k w[t, k] * y[row of (t, k)], float32, k in order          (moe_cuda.moe_combine)
+    combine: out[t] = sum_k w[t, k] * y[row of (t, k)], float32, k in order
+             (moe_grouped_mm.moe_combine)
 
 The buffers are sized for the worst case, P pairs on min(E, P) experts each padding up to BLOCK_M - 1
 rows, so every shape and grid depends on P only and nothing is read back to the host: the op runs
@@ -16,7 +17,7 @@ under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed
 
 Numerics follow the reference: both GEMMs accumulate in float32 and round to the activation dtype, as
 ``F.linear`` does; the activation-and-mul epilogue is the ``act_and_mul`` kernel's formula and rounding
-(``triton_kernels._activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
+(``triton_helpers.apply_activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
 """
 
 from typing import NamedTuple
@@ -25,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ops_cuda.moe_cuda import moe_combine, sort_pairs_by_expert
-from ops_cuda.triton_kernels import _KERNEL_ACTIVATIONS, KERNEL_DTYPES, _activation, _round
+from ops_cuda.dispatch import KERNEL_DTYPES
+from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
+from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, round_to
 
 
 class Tiles(NamedTuple):
@@ -69,7 +71,7 @@ def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     return (
         hidden.dtype == gate_up.dtype == down.dtype
         and hidden.dtype in KERNEL_DTYPES
-        and activation in _KERNEL_ACTIVATIONS
+        and activation in KERNEL_ACTIVATIONS
         and hidden.dim() == 2
         and gate_up.shape[2] == down.shape[1] == hidden.shape[1]
         and gate_up.shape[1] == 2 * down.shape[2]
@@ -150,7 +152,7 @@ def _moe_gate_up_kernel(
         gate_ptrs += BLOCK_K * w_stride_k
         up_ptrs += BLOCK_K * w_stride_k
     dtype = h_ptr.dtype.element_ty
-    h = _round(_activation(_round(gate, dtype), ACTIVATION), dtype) * _round(up, dtype)
+    h = round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)
     tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -244,7 +246,7 @@ def moe_experts_triton(
         hidden, gate_up, layout.row_pair, layout.block_expert, h,
         num_pairs, hidden_size, intermediate,
         hidden.stride(0), *gate_up.stride(), h.stride(0),
-        TOP_K=top_k, ACTIVATION=_KERNEL_ACTIVATIONS[activation], **launch,
+        TOP_K=top_k, ACTIVATION=KERNEL_ACTIVATIONS[activation], **launch,
     )
     y = torch.empty(rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, tiles.block_n))](

@@ -3,7 +3,9 @@ queries per sequence after its cached context).
 
 The references here are the one PyTorch implementation of zoo's attention math: the ops' default
 kernels, the torch attention backend, and the oracle of the Triton kernels
-(``ops_cuda/paged_attention_triton.py``) that the ops run on CUDA.
+(``ops_cuda/paged_attention_triton.py``) that the ops run on CUDA. The triton attention backend
+calls the registered ops (``paged_decode_attention_op``, ``paged_prefill_attention_op``) on every
+device.
 
 Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; caches [num_blocks, block_size, Hkv, D];
 block_tables [sequences, max_blocks] int32; seq_lens [sequences] int32 (cached + new tokens).
@@ -13,6 +15,8 @@ p - window < t <= p (HuggingFace's window).
 
 import torch
 import torch.nn.functional as F
+
+from ops_cuda.dispatch import reference_on_cpu
 
 
 def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -90,6 +94,7 @@ def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    """One query per sequence (its token at position seq_len - 1); rows of length 0 give zeros."""
     # q: [B, Hq, D] -> [B, Hq, D]
     keys = decode_key_slots(block_tables, seq_lens, k_cache.shape[1], sliding_window)
     return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale)
@@ -98,6 +103,9 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
 def paged_prefill_attention_reference(
     q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window
 ):
+    """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
+    context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
+    causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid)."""
     # q: [N, Hq, D], k/v: [N, Hkv, D] (the new tokens, already in the cache too) -> [N, Hq, D].
     # One SDPA call per sequence over its cached context followed by its new tokens.
     out = torch.empty_like(q)
@@ -116,20 +124,19 @@ def paged_prefill_attention_reference(
 
 
 @torch.library.custom_op("zoo::paged_decode_attention", mutates_args=())
-def paged_decode_attention(
+def paged_decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int,
 ) -> torch.Tensor:
-    """One query per sequence (its token at position seq_len - 1); rows of length 0 give zeros."""
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
 
 
-@paged_decode_attention.register_fake
+@paged_decode_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
     return torch.empty_like(q)
 
 
-@paged_decode_attention.register_kernel("cuda")
+@paged_decode_attention_op.register_kernel("cuda")
 def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
     from ops_cuda.paged_attention_triton import paged_decode_attention_triton  # triton only where a kernel runs
 
@@ -138,26 +145,26 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
     return out
 
 
+paged_decode_attention = reference_on_cpu(paged_decode_attention_op, paged_decode_attention_reference)
+
+
 @torch.library.custom_op("zoo::paged_prefill_attention", mutates_args=())
-def paged_prefill_attention(
+def paged_prefill_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
     scale: float, sliding_window: int,
 ) -> torch.Tensor:
-    """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
-    context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
-    causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid)."""
     return paged_prefill_attention_reference(
         q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window
     )
 
 
-@paged_prefill_attention.register_fake
+@paged_prefill_attention_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window):
     return torch.empty_like(q)
 
 
-@paged_prefill_attention.register_kernel("cuda")
+@paged_prefill_attention_op.register_kernel("cuda")
 def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window):
     from ops_cuda.paged_attention_triton import paged_prefill_attention_triton  # triton only where a kernel runs
 
@@ -167,3 +174,9 @@ def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_qu
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out
     )
     return out
+
+
+# The reference reads the query lengths on the host.
+paged_prefill_attention = reference_on_cpu(
+    paged_prefill_attention_op, paged_prefill_attention_reference, reads_host=True
+)

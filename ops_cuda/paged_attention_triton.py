@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ops_cuda.triton_kernels import begin_after_previous, pdl_launch
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ops_cuda.dispatch import KERNEL_DTYPES
+from ops_cuda.triton_helpers import begin_after_previous, pdl_launch
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
 NO_WINDOW = 1 << 30

@@ -3,6 +3,8 @@ layout, over all of head_dim or its first rotary_dim channels (partial rotary)."
 
 import torch
 
+from ops_cuda.dispatch import reference_on_cpu
+
 
 def check_rotary_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     rotary_dim = cos.shape[-1]
@@ -37,17 +39,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
 def apply_rotary_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_rotary_shapes(q, k, cos, sin)
-    # cos/sin are cast to the activations' dtype, as HF's rotary embedding returns them.
-    cos = cos.to(q.dtype).unsqueeze(1)
-    sin = sin.to(q.dtype).unsqueeze(1)
-    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
-
-
-@torch.library.custom_op("zoo::apply_rotary", mutates_args=())
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [N, Hq, D] and k [N, Hk, D] by the angles of each token; returns new tensors.
 
     cos/sin are [N, rotary_dim] (float32) in the layout ``layers.RotaryEmbedding`` produces:
@@ -61,16 +52,31 @@ def apply_rotary(
     the odd ones. GLM/GPT-J write the pairs back in place instead; that differs only by a fixed
     permutation of the rotated channels, which q.k does not see when q and k both use this op.
     """
+    check_rotary_shapes(q, k, cos, sin)
+    # cos/sin are cast to the activations' dtype, as HF's rotary embedding returns them.
+    cos = cos.to(q.dtype).unsqueeze(1)
+    sin = sin.to(q.dtype).unsqueeze(1)
+    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+
+
+@torch.library.custom_op("zoo::apply_rotary", mutates_args=())
+def apply_rotary_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     return apply_rotary_reference(q, k, cos, sin, interleaved)
 
 
-@apply_rotary.register_fake
+@apply_rotary_op.register_fake
 def _(q, k, cos, sin, interleaved=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@apply_rotary.register_kernel("cuda")
+@apply_rotary_op.register_kernel("cuda")
 def _(q, k, cos, sin, interleaved=False):
     from ops_cuda.triton_kernels import apply_rotary_triton  # triton is imported only where a kernel runs
 
+    check_rotary_shapes(q, k, cos, sin)
     return apply_rotary_triton(q, k, cos, sin, interleaved)
+
+
+apply_rotary = reference_on_cpu(apply_rotary_op, apply_rotary_reference)

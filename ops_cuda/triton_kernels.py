@@ -4,6 +4,8 @@ of the ops in this package.
 Each kernel has a plain launcher (``rms_norm_triton``, ...) that the op's CUDA registration calls
 and that the tests call on CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton,
 so the op files import it only inside their CUDA kernels: ``import ops_cuda`` never needs triton.
+What the kernel modules share (dtype check, PDL, rounding, activation formulas) is in
+``ops_cuda.triton_helpers``.
 
 Kernels compute in float32 and round to the activation dtype wherever the PyTorch reference
 rounds (HuggingFace's order of operations), so fp16/bf16 results agree with the reference to
@@ -11,21 +13,18 @@ about one unit in the last place. Launch grids depend on shapes only and outputs
 with ``torch.empty``: every op can be captured in a CUDA graph.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_dtype(op: str, *tensors: torch.Tensor) -> None:
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
-        raise TypeError(
-            f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for all inputs, got {sorted(map(str, dtypes))}"
-        )
+from ops_cuda.triton_helpers import (
+    KERNEL_ACTIVATIONS,
+    apply_activation,
+    begin_after_previous,
+    check_dtypes,
+    pdl_launch,
+    round_to,
+)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -35,41 +34,6 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 def _num_warps(block: int) -> int:
     return min(max(block // 512, 1), 16)
-
-
-def pdl(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and later): a
-    kernel is started while the one before it drains, and waits for its results inside
-    (``begin_after_previous``). A decode step is a chain of short kernels: this hides their starts."""
-    return t.is_cuda and _compute_capability(t.device)[0] >= 9
-
-
-def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
-    """The launch arguments of a kernel that begins with ``begin_after_previous``: its PDL flag and
-    the launch option together, so a kernel started early always waits for the one before."""
-    enabled = pdl(t)
-    return {"PDL": enabled, "launch_pdl": enabled}
-
-
-@functools.cache
-def _compute_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-@triton.jit
-def begin_after_previous(PDL: tl.constexpr):
-    # Under PDL the previous kernel may still be running: wait for all of its writes before this
-    # kernel reads or writes activations (weights, never written, may be read before), then let
-    # the next kernel start. Every program waits, so a finished kernel implies a finished predecessor.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    # Round a float32 value to `dtype` and back: where the reference materialises an intermediate.
-    return x.to(dtype).to(tl.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,10 +59,10 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + m * x_stride_m + r * x_stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + m * res_stride_m + r * res_stride_r + cols, mask=mask, other=0.0)
-        x = _round(x + residual.to(tl.float32), dtype)  # the reference normalises the rounded sum
+        x = round_to(x + residual.to(tl.float32), dtype)  # the reference normalises the rounded sum
         tl.store(summed_ptr + m * sum_stride_m + r * sum_stride_r + cols, x.to(dtype), mask=mask)
     variance = tl.sum(x * x, axis=0) / hidden
-    normed = _round(x * tl.math.rsqrt(variance + eps), dtype)  # HF casts back before the weight
+    normed = round_to(x * tl.math.rsqrt(variance + eps), dtype)  # HF casts back before the weight
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = normed * weight
     tl.store(out_ptr + m * out_stride_m + r * out_stride_r + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -132,44 +96,20 @@ def _rms_norm_launch(x, residual, weight, eps):
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    _check_dtype("rms_norm", x)
+    check_dtypes("rms_norm", x)
     return _rms_norm_launch(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_dtype("fused_add_rms_norm", x, residual)
+    check_dtypes("fused_add_rms_norm", x, residual)
     return _rms_norm_launch(x, residual, weight, eps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Gated activations
 # ---------------------------------------------------------------------------------------------
-
-# HuggingFace `hidden_act` names -> the kernel's formula.
-_KERNEL_ACTIVATIONS = {
-    "silu": "silu", "swish": "silu", "gelu": "gelu_erf",
-    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu",
-}
-
-
-@triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    # The formulas of PyTorch's CUDA kernels, in float32.
-    if ACTIVATION == "silu":
-        return x / (1.0 + tl.exp(-x))
-    elif ACTIVATION == "gelu_erf":
-        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh":
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        # No tanh in core triton: from exp(-2|inner|), which cannot overflow.
-        e = tl.exp(-2.0 * tl.abs(inner))
-        tanh = (1.0 - e) / (1.0 + e)
-        return 0.5 * x * (1.0 + tl.where(inner < 0.0, -tanh, tanh))
-    else:  # relu; `where` rather than `maximum` so NaN propagates as in torch.relu
-        return tl.where(x < 0.0, 0.0, x)
-
 
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride,
@@ -181,21 +121,21 @@ def _act_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride,
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
-    out = _round(_activation(gate, ACTIVATION), dtype) * up  # the reference rounds act(gate) first
+    out = round_to(apply_activation(gate, ACTIVATION), dtype) * up  # the reference rounds act(gate) first
     tl.store(out_ptr + row * out_stride + cols, out.to(dtype), mask=mask)
 
 
 def act_and_mul_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
-    _check_dtype("act_and_mul", x)
-    if activation not in _KERNEL_ACTIVATIONS:
-        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(_KERNEL_ACTIVATIONS)}")
+    check_dtypes("act_and_mul", x)
+    if activation not in KERNEL_ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(KERNEL_ACTIVATIONS)}")
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     rows_x, rows_out = _unit_stride(x).reshape(-1, 2 * d), out.view(-1, d)
     block = min(triton.next_power_of_2(d), 1024)
     _act_and_mul_kernel[(rows_x.shape[0], triton.cdiv(d, block))](
         rows_x, rows_out, d, rows_x.stride(0), rows_out.stride(0),
-        ACTIVATION=_KERNEL_ACTIVATIONS[activation], BLOCK=block, num_warps=4, **pdl_launch(x),
+        ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK=block, num_warps=4, **pdl_launch(x),
     )
     return out
 
@@ -222,15 +162,15 @@ def _rotate_heads(
     else:
         in1, in2 = i, i + half
     # cos/sin as the activations' dtype, as the reference casts them.
-    cos1, sin1, cos2, sin2 = _round(cos1, dtype), _round(sin1, dtype), _round(cos2, dtype), _round(sin2, dtype)
+    cos1, sin1, cos2, sin2 = round_to(cos1, dtype), round_to(sin1, dtype), round_to(cos2, dtype), round_to(sin2, dtype)
     src = x_ptr + token * x_stride_t + h * x_stride_h
     dst = out_ptr + token * out_stride_t + h * out_stride_h
     mask = (h < num_heads) & (i < half)
     x1 = tl.load(src + in1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + in2, mask=mask, other=0.0).to(tl.float32)
     # Each product rounded like the reference's, then the sum: bit-equal in fp16/bf16.
-    tl.store(dst + i, (_round(x1 * cos1, dtype) - _round(x2 * sin1, dtype)).to(dtype), mask=mask)
-    tl.store(dst + half + i, (_round(x2 * cos2, dtype) + _round(x1 * sin2, dtype)).to(dtype), mask=mask)
+    tl.store(dst + i, (round_to(x1 * cos1, dtype) - round_to(x2 * sin1, dtype)).to(dtype), mask=mask)
+    tl.store(dst + half + i, (round_to(x2 * cos2, dtype) + round_to(x1 * sin2, dtype)).to(dtype), mask=mask)
     if BLOCK_PASS > 0:  # partial rotary: channels rotary_dim.. pass through
         passed = rotary_dim + tl.arange(0, BLOCK_PASS)[None, :]
         pass_mask = (h < num_heads) & (passed < head_dim)
@@ -270,10 +210,8 @@ def _rotary_kernel(
 def apply_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from ops_cuda.rotary import check_rotary_shapes
-
-    check_rotary_shapes(q, k, cos, sin)
-    _check_dtype("apply_rotary", q, k)
+    """zoo::apply_rotary on shapes the op has checked (``ops_cuda.rotary.check_rotary_shapes``)."""
+    check_dtypes("apply_rotary", q, k)
     q, k, cos, sin = _unit_stride(q), _unit_stride(k), _unit_stride(cos), _unit_stride(sin)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     rotary_dim = cos.shape[-1]
@@ -371,7 +309,7 @@ def _weight_tile(row_starts, row_ok, cols, K):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_N weight rows per program. Products accumulate elementwise in float32 and are summed
     # once at the end. The first weight tile is read before waiting for the previous kernel.
@@ -395,13 +333,13 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    _check_dtype("gemv", x, weight, *(() if bias is None else (bias,)))
+    check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
     n, k = weight.shape
     if x.numel() != k:
         raise ValueError(f"zoo::gemv multiplies one row: x has shape {tuple(x.shape)} for a weight of {k} columns")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+    gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
         row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
         num_warps=GEMV_WARPS, **pdl_launch(x),
@@ -444,7 +382,7 @@ def _argmax_rows_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, BLOCK_C: t
 
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
-    _check_dtype("argmax", logits)
+    check_dtypes("argmax", logits)
     if logits.dim() != 2:
         raise ValueError(f"zoo::argmax takes [rows, vocab] logits, got shape {tuple(logits.shape)}")
     logits = _unit_stride(logits)

@@ -10,7 +10,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from layers import Attention, AttentionMetadata, pack_for_cpu_decode
-from ops_cuda.calls import PackedWeight
+from ops_cuda.linear import PackedWeight
 from runtime.sequence import PENDING, Sequence
 
 

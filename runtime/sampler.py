@@ -9,7 +9,7 @@ draws its noise from its own generator, so its tokens do not depend on what else
 
 import torch
 
-from ops_cuda.calls import argmax
+from ops_cuda import argmax
 from runtime.sequence import Sequence
 
 

@@ -1,10 +1,11 @@
 """The CUDA kernels of ``zoo::moe_experts`` against the op's PyTorch reference: the grouped GEMMs
-(``ops_cuda/moe_cuda.py``, bf16 on sm90/sm100) and the Triton fused-MoE kernel (``ops_cuda/moe_triton.py``,
-fp16 and bf16 here; float32 and the CPU interpreter in ``tests/ops/test_moe_triton.py``), each forced through
-the dispatch's threshold: uneven expert loads, experts without tokens, one expert for all, one token, none;
-Qwen3-30B-A3B layer shapes; buffers poisoned with NaN; under CUDA-graph capture with the routing changed
-between replays; and a tiny Qwen3-MoE through the runtime giving the same greedy tokens eagerly and with
-CUDA graphs. The dispatch itself: which kernel runs for which dtype, shape and number of pairs.
+(``ops_cuda/moe_grouped_mm.py``, bf16 on sm90/sm100) and the Triton fused-MoE kernel
+(``ops_cuda/moe_triton.py``, fp16 and bf16 here; float32 and the CPU interpreter in
+``tests/ops/test_moe_triton.py``), each forced through the dispatch's threshold: uneven expert loads,
+experts without tokens, one expert for all, one token, none; Qwen3-30B-A3B layer shapes; buffers poisoned
+with NaN; under CUDA-graph capture with the routing changed between replays; and a tiny Qwen3-MoE through
+the runtime giving the same greedy tokens eagerly and with CUDA graphs. The dispatch itself: which kernel
+runs for which dtype, shape and number of pairs.
 """
 
 import random

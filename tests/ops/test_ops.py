@@ -13,10 +13,9 @@ from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
 from transformers.models.llama import modeling_llama as hf_llama
 
 from layers import RotaryEmbedding
-from ops_cuda import calls
-from ops_cuda import (
-    ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gemv, rms_norm, write_kv_cache,
-)
+from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm
+from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.linear import PackedWeight, linear
 from tests.models.test_parity import VARIANTS
 
 
@@ -37,27 +36,27 @@ def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied(dtype):
     torch.manual_seed(0)
     weight = torch.randn(96, 64).t().contiguous().t().to(dtype)  # column-major, as zoo loads it
     bias = torch.randn(96, dtype=dtype)
-    if not calls.PackedWeight.supports(weight):
+    if not PackedWeight.supports(weight):
         pytest.skip(f"this CPU's torch packs no {dtype} weights")
-    packed = calls.PackedWeight(weight)
+    packed = PackedWeight(weight)
     for shape in [(1, 64), (7, 64), (16, 64), (2, 8, 64)]:
         x = torch.randn(shape, dtype=dtype)
         assert packed.serves(x, weight)
-        out = calls.linear(x, weight, bias, packed)
+        out = linear(x, weight, bias, packed)
         assert out.shape == (*shape[:-1], 96) and out.dtype == dtype
         reference = torch.nn.functional.linear(x, weight, bias)
         if dtype == torch.bfloat16:  # oneDNN computes both: the same bits
             assert torch.equal(out, reference)
         else:  # MKL's packed product sums in another order
             torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
-    assert calls.linear(torch.randn(0, 64, dtype=dtype), weight, bias, packed).shape == (0, 96)
+    assert linear(torch.randn(0, 64, dtype=dtype), weight, bias, packed).shape == (0, 96)
     more_rows = torch.randn(17, 64, dtype=dtype)
     assert not packed.serves(more_rows, weight)
-    assert torch.equal(calls.linear(more_rows, weight, bias, packed), torch.nn.functional.linear(more_rows, weight, bias))
+    assert torch.equal(linear(more_rows, weight, bias, packed), torch.nn.functional.linear(more_rows, weight, bias))
     weight.mul_(2)  # changed in place: the pack no longer stands for it
     x = torch.randn(4, 64, dtype=dtype)
     assert not packed.serves(x, weight)
-    assert torch.equal(calls.linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
+    assert torch.equal(linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
     assert copy.deepcopy([packed]) == [None] and pickle.loads(pickle.dumps(packed)) is None  # copies leave it behind
 
 
@@ -154,28 +153,59 @@ def test_unsupported_rope_type_is_named():
         RotaryEmbedding(config, 128)
 
 
+def test_public_names_run_the_reference_on_cpu_and_the_registered_op_elsewhere(monkeypatch):
+    ran = []
+
+    def add_one_op(x):
+        ran.append("op")
+        return x + 1
+
+    def add_one_reference(x):
+        """x + 1"""
+        ran.append("reference")
+        return x + 1
+
+    add_one = reference_on_cpu(add_one_op, add_one_reference)
+    reads_host = reference_on_cpu(add_one_op, add_one_reference, reads_host=True)
+    assert add_one.__name__ == "add_one" and add_one.__doc__ == "x + 1"
+    assert add_one(torch.zeros(2)).tolist() == [1.0, 1.0]
+    assert add_one(torch.zeros(2, device="meta")).device.type == "meta"
+    assert ran == ["reference", "op"]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as in a graph torch.compile traces
+    ran.clear()
+    add_one(torch.zeros(2))
+    reads_host(torch.zeros(2))
+    assert ran == ["reference", "op"]  # an op that reads the host stays opaque to the compiler
+    # The package's names: the registered op on meta tensors (its fake kernel), the reference on CPU ones.
+    x, weight = torch.randn(3, 8), torch.randn(8)
+    assert rms_norm(x.to("meta"), weight.to("meta"), 1e-6).shape == (3, 8)
+    assert torch.equal(rms_norm(x, weight, 1e-6), torch.ops.zoo.rms_norm(x, weight, 1e-6))
+
+
 def test_ops_are_registered_custom_ops():
     for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "write_kv_cache", "gemv", "argmax"):
         assert hasattr(torch.ops.zoo, name)
 
 
 def fake_kernel_cases():
+    # The registered ops themselves: the public names run the references on CPU tensors.
+    zoo = torch.ops.zoo
     x, weight = torch.randn(5, 72, dtype=torch.float16), torch.randn(72)
     q = torch.randn(5, 8 * 24)[:, : 4 * 24].view(5, 4, 24)  # a strided view, as from a qkv split
     k = torch.randn(5, 2, 24)
     cos, sin = rope_table(torch.arange(5), 16)
     caches, slots = torch.zeros(2, 2, 4, 2, 24), torch.tensor([0, 3, -1, 7, 5])
     return {
-        "rms_norm": (rms_norm, (x, weight, 1e-6)),
-        "rms_norm_heads": (rms_norm, (q, torch.randn(24), 1e-6)),
-        "fused_add_rms_norm": (fused_add_rms_norm, (x, x.clone(), weight, 1e-6)),
-        "act_and_mul": (act_and_mul, (x, "silu")),
-        "apply_rotary": (apply_rotary, (q, k, cos, sin)),
-        "apply_rotary_interleaved": (apply_rotary, (q, k, cos, sin, True)),
-        "write_kv_cache": (write_kv_cache, (k, k.clone(), caches[0], caches[1], slots)),
-        "gemv": (gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), None)),
-        "argmax": (argmax, (x,)),
-        "gemv_bias": (gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), torch.randn(7, dtype=torch.float16))),
+        "rms_norm": (zoo.rms_norm, (x, weight, 1e-6)),
+        "rms_norm_heads": (zoo.rms_norm, (q, torch.randn(24), 1e-6)),
+        "fused_add_rms_norm": (zoo.fused_add_rms_norm, (x, x.clone(), weight, 1e-6)),
+        "act_and_mul": (zoo.act_and_mul, (x, "silu")),
+        "apply_rotary": (zoo.apply_rotary, (q, k, cos, sin)),
+        "apply_rotary_interleaved": (zoo.apply_rotary, (q, k, cos, sin, True)),
+        "write_kv_cache": (zoo.write_kv_cache, (k, k.clone(), caches[0], caches[1], slots)),
+        "gemv": (zoo.gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), None)),
+        "argmax": (zoo.argmax, (x,)),
+        "gemv_bias": (zoo.gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), torch.randn(7, dtype=torch.float16))),
     }
 
 

@@ -174,11 +174,13 @@ def test_decode_reference_is_plain_attention():
 
 def test_ops_default_to_the_references_and_pass_opcheck():
     args = PagedBatch([0, 6], [5, 3], 4, 2, 16, 4, torch.float32).prefill_args(3)
+    assert torch.equal(torch.ops.zoo.paged_prefill_attention(*args), paged_prefill_attention_reference(*args))
     assert torch.equal(paged_prefill_attention(*args), paged_prefill_attention_reference(*args))
-    torch.library.opcheck(paged_prefill_attention, args)
+    torch.library.opcheck(torch.ops.zoo.paged_prefill_attention.default, args)
     args = decode_batch([5, 0, 9], 4, 2, 16, 4, torch.float32).decode_args(0)
+    assert torch.equal(torch.ops.zoo.paged_decode_attention(*args), paged_decode_attention_reference(*args))
     assert torch.equal(paged_decode_attention(*args), paged_decode_attention_reference(*args))
-    torch.library.opcheck(paged_decode_attention, args)
+    torch.library.opcheck(torch.ops.zoo.paged_decode_attention.default, args)
 
 
 def test_num_splits_fill_the_gpu_from_shapes(monkeypatch):

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from ops_cuda import (  # noqa: E402
     ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gemv, rms_norm, write_kv_cache,
 )
-from ops_cuda import calls  # noqa: E402
+import ops_cuda.linear  # noqa: E402
 from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.argmax import argmax_reference  # noqa: E402
@@ -337,13 +337,14 @@ def test_linear_sends_single_rows_to_gemv(monkeypatch):
     torch.manual_seed(0)
     x, weight, bias = gemv_inputs(300, 256, (4,), True, torch.bfloat16, "cuda")
     sent = []
-    monkeypatch.setattr(calls, "gemv", lambda *args: sent.append(args) or gemv(*args))
-    assert torch.equal(calls.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    monkeypatch.setattr(ops_cuda.linear, "gemv", lambda *args: sent.append(args) or gemv(*args))
+    linear = ops_cuda.linear.linear
+    assert torch.equal(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
     assert not sent
-    assert torch.equal(calls.linear(x[:1], weight, bias), gemv(x[:1], weight, bias))
+    assert torch.equal(linear(x[:1], weight, bias), gemv(x[:1], weight, bias))
     assert len(sent) == 1
     column_major = weight.t().contiguous().t()  # a CPU-loaded Linear's layout, moved to the GPU
-    assert torch.equal(calls.linear(x[:1], column_major, bias), torch.nn.functional.linear(x[:1], column_major, bias))
+    assert torch.equal(linear(x[:1], column_major, bias), torch.nn.functional.linear(x[:1], column_major, bias))
     assert len(sent) == 1
 
 
@@ -408,4 +409,4 @@ def test_ops_in_cuda_graph(name):
 def test_fake_kernels_match_cuda_kernels(name):
     # torch.compile traces with the fake kernels: they must give the CUDA kernels' shapes, dtypes and strides.
     op, _, args = gpu_op_cases()[name]
-    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(getattr(torch.ops.zoo, op.__name__), args, test_utils=("test_schema", "test_faketensor"))

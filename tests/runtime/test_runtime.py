@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from ops_cuda.calls import PackedWeight
+from ops_cuda.linear import PackedWeight
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 
@@ -213,7 +213,7 @@ def test_greedy_matches_hf_generate(name, checkpoints):
     path, reference = checkpoints[name]
     batch = prompts()
     engine = llm(path)
-    if torch.backends.mkl.is_available():  # decode steps multiply by packed weights (ops_cuda.calls.PackedWeight)
+    if torch.backends.mkl.is_available():  # decode steps multiply by packed weights (ops_cuda.linear.PackedWeight)
         model = engine.engine.runner.model
         assert model.lm_head.packed is not None and model.model.layers[0].mlp.down_proj.packed is not None
     outputs = engine.generate(batch, GREEDY, use_tqdm=False)

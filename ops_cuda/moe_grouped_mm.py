@@ -7,7 +7,7 @@ of the pairs (``sort_pairs_by_expert``) and its combine (``moe_combine``).
     sorted_ids, order = topk_ids.flatten().sort(stable=True)   # pairs in expert order
     offsets = searchsorted(sorted_ids, 0..E-1, right=True)      # int32 end of each expert's rows
     x = hidden[order // top_k]                                  # permute (Triton), also inverts `order`
-    h = act_and_mul(grouped_mm(x, gate_up^T, offsets))          # [pairs, I]
+    h = act_and_mul_triton(grouped_mm(x, gate_up^T, offsets))   # [pairs, I]
     y = grouped_mm(h, down^T, offsets)                          # [pairs, H]
     out[t] = sum_k w[t, k] * y[position of (t, k)]              # combine (Triton), float32, k in order
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops_cuda.activation import act_and_mul
+from ops_cuda.triton_kernels import act_and_mul_triton
 
 _MAX_GROUPS = 1024  # the CUTLASS kernel's limit on the number of groups (experts)
 _ALIGN = 8  # bf16 elements in 16 bytes: TMA's alignment for leading strides and base pointers
@@ -191,6 +191,6 @@ def moe_experts_grouped_mm(
     order, offsets = sort_pairs_by_expert(topk_ids, gate_up.shape[0])
     x, position = moe_permute(hidden, order, top_k)
     h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)  # [P, 2I], bf16 (fp32 accumulate)
-    h = act_and_mul(h, activation)  # [P, I]
+    h = act_and_mul_triton(h, activation)  # [P, I]
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)  # [P, H]
     return moe_combine(y, position, topk_weights, hidden.dtype)

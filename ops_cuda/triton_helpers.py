@@ -1,0 +1,82 @@
+"""What the Triton kernel modules of this package share: the dtype check of a launcher's inputs,
+programmatic dependent launch (PDL) on Hopper and later, the rounding that follows the PyTorch
+references' order of operations, and the gated activations' formulas.
+
+This module imports triton: only kernel modules import it.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ops_cuda.dispatch import KERNEL_DTYPES
+
+
+def check_dtypes(op: str, *tensors: torch.Tensor) -> None:
+    """Raises unless all ``tensors`` share one of ``KERNEL_DTYPES``; ``op`` names the op in the error."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
+        raise TypeError(
+            f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for all inputs, got {sorted(map(str, dtypes))}"
+        )
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and later): a
+    kernel is started while the one before it drains, and waits for its results inside
+    (``begin_after_previous``). A decode step is a chain of short kernels: this hides their starts."""
+    return t.is_cuda and _compute_capability(t.device)[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments of a kernel that begins with ``begin_after_previous``: its PDL flag and
+    the launch option together, so a kernel started early always waits for the one before."""
+    enabled = pdl(t)
+    return {"PDL": enabled, "launch_pdl": enabled}
+
+
+@functools.cache
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@triton.jit
+def begin_after_previous(PDL: tl.constexpr):
+    # Under PDL the previous kernel may still be running: wait for all of its writes before this
+    # kernel reads or writes activations (weights, never written, may be read before), then let
+    # the next kernel start. Every program waits, so a finished kernel implies a finished predecessor.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    # Round a float32 value to `dtype` and back: where the reference materialises an intermediate.
+    return x.to(dtype).to(tl.float32)
+
+
+# HuggingFace `hidden_act` names -> the formula ``apply_activation`` computes.
+KERNEL_ACTIVATIONS = {
+    "silu": "silu", "swish": "silu", "gelu": "gelu_erf",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu",
+}
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr):
+    # The formulas of PyTorch's CUDA kernels, in float32.
+    if ACTIVATION == "silu":
+        return x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == "gelu_erf":
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        # No tanh in core triton: from exp(-2|inner|), which cannot overflow.
+        e = tl.exp(-2.0 * tl.abs(inner))
+        tanh = (1.0 - e) / (1.0 + e)
+        return 0.5 * x * (1.0 + tl.where(inner < 0.0, -tanh, tanh))
+    else:  # relu; `where` rather than `maximum` so NaN propagates as in torch.relu
+        return tl.where(x < 0.0, 0.0, x)
