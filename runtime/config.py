@@ -16,9 +16,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated tokens of a sequence at most (None: the model's limit)
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # KV-cache blocks (None: as many as the memory budget holds)
-    kv_cache_gib: float | None = None  # the KV cache's memory budget (None: 1 GiB on the CPU, see below on CUDA)
-    gpu_memory_utilization: float = 0.9  # on CUDA, the share of the device that the model and the KV cache may take
-    max_num_batched_tokens: int | None = None  # new tokens per step at most (None: 2048, or max_model_len unchunked)
+    kv_cache_gib: float | None = None  # the KV cache's memory (None: 1 GiB on the CPU, on CUDA as below)
+    gpu_memory_utilization: float = 0.9  # on CUDA, the device's share for the model, its largest step and the cache
+    max_num_batched_tokens: int | None = None  # new tokens per step at most (None: as ``resolved`` sets it)
     enable_chunked_prefill: bool = True  # split long prompts over several steps, next to running decodes
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt's leading tokens that an earlier one computed
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly instead of replaying CUDA graphs
@@ -50,8 +50,9 @@ class EngineConfig:
         return dataclasses.replace(base or cls(), **options)
 
     def resolved(self, model_max_len: int) -> "EngineConfig":
-        """This config with max_model_len capped by the model's ``model_max_len`` and the default
-        max_num_batched_tokens filled in."""
+        """This config with max_model_len capped by the model's ``model_max_len``, and
+        max_num_batched_tokens by default max(2048, max_num_seqs), or max_model_len without
+        chunked prefill, where a prompt is computed in one step."""
         max_model_len = model_max_len if self.max_model_len is None else min(self.max_model_len, model_max_len)
         max_tokens = self.max_num_batched_tokens
         if max_tokens is None:

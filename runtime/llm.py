@@ -54,7 +54,7 @@ class LLM:
     built on disk).
     """
 
-    def __init__(self, model, dtype="auto", device=None, tokenizer=None, config: EngineConfig | None = None,
+    def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, config: EngineConfig | None = None,
                  **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
         if isinstance(model, CausalLM):
