@@ -38,7 +38,6 @@ class Engine:
     def __init__(self, model, tokenizer, generation_eos: list[int], config: EngineConfig):
         """``config``: the engine's options, resolved here against the model's limits."""
         self.config = config = config.resolved(model.config.max_position_embeddings)
-        self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = set(generation_eos)
         self.vocab_size = model.config.vocab_size

@@ -72,7 +72,7 @@ class LLM:
             self.engine = Engine(self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), config)
         self._next_id = 0
 
-    def _add(self, prompts, sampling_params) -> list[RequestOutput]:
+    def _add_requests(self, prompts, sampling_params) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -87,7 +87,7 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts (strings or token-id lists) -> finished outputs, in input order."""
-        outputs = self._add(prompts, sampling_params)
+        outputs = self._add_requests(prompts, sampling_params)
         done = sum(o.finished for o in outputs)
         start, generated = time.perf_counter(), 0
         with self._aborting_unfinished(outputs), \
@@ -114,7 +114,7 @@ class LLM:
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamDelta]:
         """Yield each request's new tokens and text as they are generated."""
-        outputs = self._add(prompts, sampling_params)
+        outputs = self._add_requests(prompts, sampling_params)
         index_of = {o.request_id: i for i, o in enumerate(outputs)}
         sent_tokens = {o.request_id: 0 for o in outputs}
         sent_text = {o.request_id: 0 for o in outputs}
