@@ -1,4 +1,5 @@
-"""The runtime: LLM + SamplingParams over a paged KV cache with continuous batching, and the CLI."""
+"""The runtime: LLM + SamplingParams over a paged KV cache with continuous batching, its options
+(EngineConfig), and the CLI."""
 
 from runtime.config import EngineConfig
 from runtime.engine import RequestOutput

@@ -137,7 +137,7 @@ class Engine:
             changed += self._take_in(self.run_ahead.take())
         scheduled, failed = self.scheduler.schedule()
         changed += [self._finish_output(seq) for seq in failed]
-        previous = self._launch(scheduled) if scheduled else self.run_ahead.take()
+        previous = self._launch(scheduled) if scheduled else self.run_ahead.take()  # the step launched before
         if previous is not None:
             changed += self._take_in(previous)
         return changed
