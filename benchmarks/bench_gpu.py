@@ -200,11 +200,11 @@ def throughput_8b(results, max_requests, batched_tokens):
     tokens = sum(len(o.token_ids) for o in outputs)
     results["throughput_8b"] = dict(tokens_per_s=tokens / seconds, requests=requests, seconds=seconds,
                                     kv_blocks=blocks, preemptions=llm.engine.scheduler.num_preemptions,
-                                    steps_run_ahead=llm.engine.num_steps_run_ahead)
+                                    steps_run_ahead=llm.engine.run_ahead.num_steps_run_ahead)
     print(f"throughput 8B 1000/1000: {tokens / seconds:.0f} output tok/s ({requests} requests, {seconds:.1f} s, "
           f"{batched_tokens} tokens per step, "
           f"{blocks} KV blocks, {llm.engine.scheduler.num_preemptions} preemptions, "
-          f"{llm.engine.num_steps_run_ahead} steps run ahead of the host)", flush=True)
+          f"{llm.engine.run_ahead.num_steps_run_ahead} steps run ahead of the host)", flush=True)
     del llm, model
     torch.cuda.empty_cache()
 

@@ -76,7 +76,7 @@ def main():
             continue
         engine.step()
         now = time.perf_counter()
-        launched = engine.launched
+        launched = engine.run_ahead.in_flight
         if launched is not None and all(count == 1 for _, count in launched.scheduled):
             decode_steps.append(now - last)
         else:
@@ -86,7 +86,7 @@ def main():
     total = time.perf_counter() - start
     tokens = requests * 1000
     print(f"{requests} requests x 1000 tokens: {total:.1f} s, {tokens / total:.0f} output tok/s "
-          f"({engine.num_steps_run_ahead} steps run ahead)")
+          f"({engine.run_ahead.num_steps_run_ahead} steps run ahead)")
     print(f"steps with prefill tokens: {prefill_s:.1f} s; decode-only steps: {sum(decode_steps):.1f} s "
           f"over {len(decode_steps)} steps (the {args.profile_steps} profiled ones not counted)")
     for label, part in (("first 100", decode_steps[:100]), ("middle 100", decode_steps[450:550]),

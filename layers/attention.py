@@ -232,8 +232,14 @@ class Attention(nn.Module):
             self.k_norm = rms_norm(head_dim if qk_norm_per_head else kv_size, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Set through the model's bind_kv_cache: one pool per entry of kv_cache_shapes, [blocks, block_size, *shape].
         self.backend = TorchAttentionBackend()
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runtime
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """What this layer keeps in the paged KV cache for one token: K and V, [kv_heads, head_dim] each."""
+        return ((self.num_kv_heads, self.head_dim),) * 2
 
     def forward(self, hidden_states, position_embeddings, metadata: AttentionMetadata) -> torch.Tensor:
         n = hidden_states.shape[0]

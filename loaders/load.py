@@ -19,8 +19,7 @@ PROGRESS_MIN_BYTES = 256 << 20
 _MAX_LISTED = 10
 
 
-def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device,
-                 progress: bool | None = None) -> nn.Module:
+def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Fill ``model``, built on the meta device, with the checkpoint at ``source`` in ``dtype`` on
     ``device``; the model's declarations (``checkpoint_shards``, ``ignored_checkpoint_keys``,
     ``checkpoint_aliases``, ``empty_parameter``) say where each tensor goes."""
@@ -28,7 +27,7 @@ def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: t
     plan = plan_loading(model, checkpoint)
     kept = keepable(model, checkpoint, plan, dtype, device)
     materialize(model, dtype, device, skip={plan[name][0] for name in kept})
-    fill(model, checkpoint, plan, progress, keep=kept)
+    fill(model, checkpoint, plan, keep=kept)
     return model.eval()
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from layers import AttentionMetadata, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from layers import Attention, AttentionMetadata, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
 
 
 def head_dim(config) -> int:
@@ -194,3 +194,40 @@ class CausalLM(nn.Module):
         metadata = AttentionMetadata.causal_prefill(batch, length)
         logits = self.forward(input_ids.reshape(-1), positions, metadata)
         return logits.view(batch, length, -1)
+
+    # -- What the runtime asks of a model: the KV cache it needs, binding one, and whether its
+    # forward can be captured. The runtime touches no layer itself.
+
+    bound_kv_cache: list[tuple[torch.Tensor, ...]] | None = None  # the pools bind_kv_cache bound last
+
+    def kv_cache_spec(self) -> list[tuple[tuple[int, ...], ...]]:
+        """Per layer that keeps a KV cache, in order: the shape of one token's entry in each of its
+        pools (K and V, [kv_heads, head_dim] each, for ``layers.Attention``)."""
+        return [layer.kv_cache_shapes for layer in self._attention_layers()]
+
+    def bind_kv_cache(self, backend, pools: list[tuple[torch.Tensor, ...]]) -> None:
+        """Attend with ``backend`` (``layers.attention.select_backend``) over ``pools``: per entry of
+        ``kv_cache_spec``, its pools of shape [num_blocks, block_size, *shape]."""
+        layers = self._attention_layers()
+        if len(pools) != len(layers):
+            raise ValueError(f"{len(pools)} KV-cache pools for {len(layers)} attention layers")
+        for layer, pool in zip(layers, pools):
+            layer.backend, layer.kv_cache = backend, pool
+        self.bound_kv_cache = pools
+
+    def unbind_kv_cache(self, pools: list[tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Let go of the bound KV cache; with ``pools``, only if those are the ones bound."""
+        if pools is not None and pools is not self.bound_kv_cache:
+            return
+        for layer in self._attention_layers():
+            layer.kv_cache = None
+        self.bound_kv_cache = None
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph or compiled: not where it reads
+        positions on the host (dynamic rope scaling)."""
+        return self.model.rotary_emb.rope_type != "dynamic"
+
+    def _attention_layers(self) -> list[Attention]:
+        return [module for module in self.modules() if isinstance(module, Attention)]

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         command.add_argument("--top-p", type=float, default=1.0)
         command.add_argument("--top-k", type=int, default=0)
         command.add_argument("--seed", type=int)
-        command.add_argument("--dtype", choices=DTYPES, default="float32")
+        command.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                             help="auto: the checkpoint's dtype on CUDA, float32 on the CPU")
         command.add_argument("--device", help="cpu or cuda (default: cuda when available)")
         command.add_argument("--max-model-len", type=int, default=4096)
         command.set_defaults(run=run)

@@ -6,9 +6,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import transformers
 from tqdm import tqdm
 
-from runtime.engine import Engine, RequestOutput, check_options
+from loaders import load_tokenizer, resolve_source
+from models import AutoModelForCausalLM, CausalLM
+from models.auto import model_device
+from runtime.config import EngineConfig
+from runtime.engine import Engine, RequestOutput
 from runtime.sampling_params import SamplingParams, is_integer
 
 
@@ -25,10 +30,6 @@ class StreamDelta:
 
 def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     """The EOS ids HuggingFace's generate stops at: generation_config.json, else the model config."""
-    import transformers
-
-    from loaders import resolve_source
-
     try:
         if path_or_repo_id is None:
             raise OSError("no checkpoint")
@@ -43,51 +44,35 @@ class LLM:
     """Load a model and generate with continuous batching over a paged KV cache.
 
     ``model``: a checkpoint directory, ``.gguf`` file or hub repo id, or a zoo model already
-    built (then without a tokenizer unless one is given; ``dtype``/``device`` are the model's). The KV cache has
-    ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_gib`` holds (CPU;
-    default 1 GiB) or, on CUDA, as fit in ``gpu_memory_utilization`` of the device after a
-    profiling forward. ``attention_backend``: "torch" (the reference) or "triton" (the default on
-    CUDA). With the triton backend, decode steps replay CUDA graphs unless ``enforce_eager``. On
-    the CPU, ``compile_decode`` runs decode steps of up to 16 sequences through torch.compile:
-    SmolLM2's take about a quarter less time in float32, over a third less in bfloat16, after a
-    compile of about a minute when ``LLM`` starts (inductor keeps what it built on disk).
+    built (then without a tokenizer unless one is given; ``dtype``/``device`` are the model's).
+    ``dtype``: "auto" (the default) is the checkpoint's dtype on CUDA and float32 on the CPU.
+    ``device``: CUDA when there is one, else the CPU. The engine's options (``EngineConfig``) are
+    keywords, ``LLM(path, max_num_seqs=8)``, or a ``config``, and are checked before the model
+    loads. On the CPU, ``compile_decode`` runs decode steps of up to 16 sequences through
+    torch.compile: SmolLM2's take about a quarter less time in float32, over a third less in
+    bfloat16, after a compile of about a minute when ``LLM`` starts (inductor keeps what it
+    built on disk).
     """
 
-    def __init__(self, model, dtype="float32", device=None, *, max_num_seqs: int = 64, max_model_len: int | None = None,
-                 block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, enforce_eager: bool = False,
-                 compile_decode: bool = False, attention_backend: str | None = None, tokenizer=None):
-        from loaders import load_tokenizer
-        from models import AutoModelForCausalLM, CausalLM
-
-        check_options(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-                      num_blocks=num_blocks, kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
-                      max_num_batched_tokens=max_num_batched_tokens)  # before a model loads for minutes
-
+    def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, config: EngineConfig | None = None,
+                 **options):
+        config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
         if isinstance(model, CausalLM):
             self.model, self.tokenizer, checkpoint = model, tokenizer, None
-            device = next(model.parameters()).device
         else:
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            device = model_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if dtype == "auto" and device.type == "cpu":
+                dtype = torch.float32
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
             self.tokenizer = tokenizer or load_tokenizer(model)
             checkpoint = model
-        config_max = self.model.config.max_position_embeddings
-        max_model_len = config_max if max_model_len is None else min(max_model_len, config_max)
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
         with torch.inference_mode(False):
-            self.engine = Engine(
-                self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks, kv_cache_gib=kv_cache_gib,
-                gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
-                attention_backend=attention_backend, enforce_eager=enforce_eager, compile_decode=compile_decode,
-            )
+            self.engine = Engine(self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), config)
         self._next_id = 0
 
-    def _add(self, prompts, sampling_params) -> list[RequestOutput]:
+    def _add_requests(self, prompts, sampling_params) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -102,7 +87,7 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts (strings or token-id lists) -> finished outputs, in input order."""
-        outputs = self._add(prompts, sampling_params)
+        outputs = self._add_requests(prompts, sampling_params)
         done = sum(o.finished for o in outputs)
         start, generated = time.perf_counter(), 0
         with self._aborting_unfinished(outputs), \
@@ -129,7 +114,7 @@ class LLM:
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamDelta]:
         """Yield each request's new tokens and text as they are generated."""
-        outputs = self._add(prompts, sampling_params)
+        outputs = self._add_requests(prompts, sampling_params)
         index_of = {o.request_id: i for i, o in enumerate(outputs)}
         sent_tokens = {o.request_id: 0 for o in outputs}
         sent_text = {o.request_id: 0 for o in outputs}

@@ -48,13 +48,9 @@ def _exponential_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor
     return noise
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of ``logits`` [len(seqs), vocab]; records logprobs where asked."""
-    return sample_tokens(logits, seqs).tolist()
-
-
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """``sample``, with the ids left on the logits' device: reading them waits for the device."""
+    """One token per row of ``logits`` [len(seqs), vocab], left on the logits' device (reading them
+    waits for the device); records logprobs where asked."""
     if all(seq.params.argmax_only for seq in seqs):
         # Straight on the model's dtype: a float32 copy would change no value and no order.
         return argmax(logits)

@@ -99,15 +99,6 @@ class Scheduler:
         # Prefills first, then decodes: the layout AttentionMetadata describes.
         return prefills + decodes, failed
 
-    def next_step_preempts_nothing(self) -> bool:
-        """Whether the free blocks cover all that the running sequences have left to compute, so
-        the next step preempts nothing (admitting a waiting sequence never preempts). Such a step
-        can be scheduled while the tokens it reads are still being sampled; a sequence preempted
-        then would have to be recomputed from tokens the host does not have yet."""
-        needed = sum(max(0, self.block_manager.blocks_needed(seq.num_tokens) - len(seq.block_table))
-                     for seq in self.running)
-        return needed <= self.block_manager.num_free_blocks
-
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)

@@ -7,9 +7,6 @@ import torch
 from runtime.sampling_params import SamplingParams
 
 
-PENDING = -1  # a sampled token still on its way from the device
-
-
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -19,9 +16,8 @@ class Status(enum.Enum):
 class Sequence:
     """Prompt and generated tokens, how many of them are in the KV cache, and the cache blocks.
 
-    A token sampled on the device enters ``token_ids`` as ``PENDING`` at once, so the next step
-    can be scheduled (and read the token on the device) before the host has it; ``resolve``
-    fills it in and adds it to the output.
+    A sampled token enters ``token_ids`` before the host has it: ``runtime.run_ahead`` marks it
+    pending there, and fills it in and adds it to the output once it arrives.
     """
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams):
@@ -29,7 +25,7 @@ class Sequence:
         self.params = params
         self.token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []  # the resolved generated ids; the request's output shares this list
-        self.num_pending = 0  # trailing PENDING entries of token_ids
+        self.num_pending = 0  # trailing entries of token_ids still on their way from the device
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.num_cached_tokens = 0  # of those, how many the prefix cache supplied at admission
@@ -57,16 +53,6 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
-
-    def append_pending(self) -> None:
-        self.token_ids.append(PENDING)
-        self.num_pending += 1
-
-    def resolve(self, token: int) -> None:
-        """The oldest pending token is ``token``."""
-        self.token_ids[len(self.token_ids) - self.num_pending] = token
-        self.num_pending -= 1
-        self.output_token_ids.append(token)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.num_pending:  # sampled ahead, after the token that ended it

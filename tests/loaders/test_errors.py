@@ -140,6 +140,9 @@ def test_bad_input_ids(checkpoint):
     (dict(kv_cache_gib="1"), "kv_cache_gib must be > 0, got '1'"),
     (dict(block_size=True), "block_size must be a positive integer, got True"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+    (dict(enforce_eager="yes"), "enforce_eager must be True or False, got 'yes'"),
+    (dict(attention_backend="flash"), r"unknown attention backend 'flash'; choose one of \['torch', 'triton'\]"),
+    (dict(max_num_seq=8), "unknown engine option 'max_num_seq'; the options are max_num_seqs, max_model_len, "),
 ], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
 def test_bad_llm_options_are_named_before_the_model_loads(checkpoint, option, message, monkeypatch):
     import models.auto

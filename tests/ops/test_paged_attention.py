@@ -381,10 +381,9 @@ def test_runtime_tokens_equal_across_backends(name, tmp_path):
     tokens = {}
     for backend in ("torch", "triton"):
         # Small batches of tokens: prompts are prefilled in chunks after cached context.
-        llm = LLM(str(path), device="cuda", num_blocks=256, max_num_batched_tokens=24, enforce_eager=True)
-        for module in llm.model.modules():
-            if isinstance(module, Attention):
-                module.backend = select_backend(backend, "cuda")
+        llm = LLM(str(path), device="cuda", num_blocks=256, max_num_batched_tokens=24, enforce_eager=True,
+                  attention_backend=backend)
+        assert all(m.backend.name == backend for m in llm.model.modules() if isinstance(m, Attention))
         outputs = llm.generate(batch, GREEDY, use_tqdm=False)
         assert all(o.error is None for o in outputs)
         tokens[backend] = [o.token_ids for o in outputs]

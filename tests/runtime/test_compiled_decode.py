@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import runtime.model_runner
+import runtime.compiled_decode
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 from tests.models.test_moe import MIXTRAL
@@ -48,7 +48,7 @@ def test_compiled_decode_steps_give_hf_tokens_from_one_compile(name, tmp_path, m
     assert compiles() == before + 1  # at start, not at the first step
 
     steps = {"compiled": 0, "eager": 0}
-    compiled_run, eager_model = runtime.model_runner.CompiledDecode.run, llm.engine.runner.model
+    compiled_run, eager_model = runtime.compiled_decode.CompiledDecode.run, llm.engine.runner.model
 
     def count_compiled(self, step):
         steps["compiled"] += 1
@@ -58,7 +58,7 @@ def test_compiled_decode_steps_give_hf_tokens_from_one_compile(name, tmp_path, m
         steps["eager"] += 1
         return eager_model.forward(*args, **kwargs)
 
-    monkeypatch.setattr(runtime.model_runner.CompiledDecode, "run", count_compiled)
+    monkeypatch.setattr(runtime.compiled_decode.CompiledDecode, "run", count_compiled)
     monkeypatch.setattr(llm.engine.runner, "model", count_eager)
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in MAX_TOKENS]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)

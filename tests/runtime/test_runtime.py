@@ -43,6 +43,33 @@ def token_ids(outputs):
     return [o.token_ids for o in outputs]
 
 
+def test_engine_options_come_as_keywords_or_a_config_and_resolve_against_the_model(checkpoints):
+    from runtime import EngineConfig
+
+    path, _ = checkpoints["llama"]  # max_position_embeddings 64
+    by_keywords = llm(path, max_num_seqs=3, max_model_len=1000)
+    by_config = LLM(str(path), device="cpu", config=EngineConfig(block_size=4, max_num_seqs=3, max_model_len=1000))
+    overridden = LLM(str(path), device="cpu", config=EngineConfig(block_size=8, max_num_seqs=3), block_size=4)
+    for engine in (by_keywords.engine, by_config.engine, overridden.engine):
+        assert engine.config == EngineConfig(max_num_seqs=3, max_model_len=64, block_size=4,
+                                             max_num_batched_tokens=2048)
+        assert engine.block_manager.block_size == 4 and engine.scheduler.max_num_seqs == 3
+    unchunked = llm(path, enable_chunked_prefill=False).engine.config
+    assert unchunked.max_num_batched_tokens == unchunked.max_model_len == 64
+    with pytest.raises(ValueError, match=r"without chunked prefill max_num_batched_tokens \(32\) must be >= "
+                                         r"max_model_len \(64\)"):
+        llm(path, enable_chunked_prefill=False, max_num_batched_tokens=32)
+    batch = prompts(3)
+    assert token_ids(by_config.generate(batch, GREEDY, use_tqdm=False)) == token_ids(
+        by_keywords.generate(batch, GREEDY, use_tqdm=False))
+
+
+def test_dtype_auto_is_float32_on_the_cpu_and_an_explicit_dtype_wins(tmp_path):
+    path = save_checkpoint(hf_model(ARCHITECTURES["llama"]), tmp_path, dtype=torch.bfloat16)
+    assert next(LLM(str(path), device="cpu").model.parameters()).dtype == torch.float32
+    assert next(LLM(str(path), device="cpu", dtype="bfloat16").model.parameters()).dtype == torch.bfloat16
+
+
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs MKL")
 def test_weights_are_not_packed_where_the_copies_would_crowd_memory(checkpoints, monkeypatch):
     import layers.linear
@@ -84,8 +111,8 @@ def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkp
     import gc
     import weakref
 
+    import runtime.engine
     from models import AutoModelForCausalLM
-    from runtime.engine import Engine
 
     path, _ = checkpoints["llama"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device="cpu")
@@ -94,16 +121,17 @@ def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkp
     expected = token_ids(first.generate(prompts(3), GREEDY, use_tqdm=False))
     del first
     bound_when_sized = []
-    sized = Engine._blocks_for_budget
+    sized = runtime.engine.blocks_for_budget
 
-    def record(self, *args):
-        bound_when_sized.extend(m.kv_cache for m in self.model.modules() if hasattr(m, "kv_cache"))
-        return sized(self, *args)
+    def record(model, config):
+        bound_when_sized.append(model.bound_kv_cache)
+        bound_when_sized.extend(m.kv_cache for m in model.modules() if hasattr(m, "kv_cache"))
+        return sized(model, config)
 
-    monkeypatch.setattr(Engine, "_blocks_for_budget", record)
+    monkeypatch.setattr(runtime.engine, "blocks_for_budget", record)
     second = LLM(model, block_size=4)
     gc.collect()
-    assert bound_when_sized and all(cache is None for cache in bound_when_sized)
+    assert len(bound_when_sized) > 1 and all(cache is None for cache in bound_when_sized)
     assert old_pool() is None
     assert token_ids(second.generate(prompts(3), GREEDY, use_tqdm=False)) == expected
 
@@ -122,6 +150,7 @@ def test_an_llm_dropped_takes_its_kv_cache_with_it(checkpoints):
     del engine
     gc.collect()
     assert pool() is None
+    assert model.bound_kv_cache is None
     assert all(m.kv_cache is None for m in model.modules() if hasattr(m, "kv_cache"))
 
 
@@ -347,7 +376,7 @@ def test_tokens_sampled_ahead_of_a_stop_are_dropped(checkpoints):
     batch = prompts(4, seed=10, low=5, high=20)
     free = token_ids(engine.generate(batch, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                      use_tqdm=False))
-    assert engine.engine.num_steps_run_ahead > 0
+    assert engine.engine.run_ahead.num_steps_run_ahead > 0
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[ids[3 + i]])
               for i, ids in enumerate(free)]
     stopped = token_ids(engine.generate(batch, params, use_tqdm=False))
@@ -478,7 +507,7 @@ def test_soak_random_requests(checkpoints):
     outputs = engine.generate(batch, params, use_tqdm=False)
     assert [o.request_id for o in outputs] == list(range(200)) and all(o.finished for o in outputs)
     # Both kinds of step happened: preempting ones (taken in first) and ones run ahead of the host.
-    assert engine.engine.scheduler.num_preemptions > 0 and engine.engine.num_steps_run_ahead > 0
+    assert engine.engine.scheduler.num_preemptions > 0 and engine.engine.run_ahead.num_steps_run_ahead > 0
     solo = llm(path, enable_prefix_caching=False)
     for prompt, param, output in zip(batch, params, outputs):
         assert output.token_ids == token_ids(solo.generate([prompt], param, use_tqdm=False))[0]
@@ -487,7 +516,7 @@ def test_soak_random_requests(checkpoints):
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 13, 450, 512])
 def test_every_batch_has_a_graph_padding_it_by_less_than_8_rows(max_batch):
-    from runtime.model_runner import capture_sizes
+    from runtime.cuda_graphs import capture_sizes
 
     sizes = capture_sizes(max_batch)
     assert sizes[-1] == max_batch and sizes == sorted(set(sizes))

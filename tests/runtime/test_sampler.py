@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from runtime.sampler import apply_penalties, filter_logits, sample
+from runtime.sampler import apply_penalties, filter_logits, sample_tokens
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 
@@ -48,13 +48,16 @@ def test_min_p_matches_hf(min_p):
     assert torch.equal(masked(filtered(x, min_p=min_p)), masked(expected))
 
 
+def generated(seq, tokens):
+    """``seq`` after it generated ``tokens``."""
+    seq.token_ids += tokens
+    seq.output_token_ids += tokens
+
+
 def test_repetition_penalty_matches_hf():
     x = logits(4)
     seq = Sequence(0, [3, 7, 7, 11], SamplingParams(repetition_penalty=1.3))
-    seq.append_pending()
-    seq.resolve(20)
-    seq.append_pending()
-    seq.resolve(3)
+    generated(seq, [20, 3])
     expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seq.token_ids]), x[None].clone())[0]
     assert torch.allclose(apply_penalties(x.clone(), seq), expected, rtol=0, atol=1e-6)
 
@@ -62,9 +65,7 @@ def test_repetition_penalty_matches_hf():
 def test_presence_and_frequency_penalties_count_output_only():
     x = logits(5)
     seq = Sequence(0, [1, 2], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
-    for token in (4, 4, 9):
-        seq.append_pending()
-        seq.resolve(token)
+    generated(seq, [4, 4, 9])
     out = apply_penalties(x.clone(), seq)
     expected = x.clone()
     expected[4] -= 0.5 + 2 * 0.25
@@ -77,8 +78,8 @@ def test_greedy_with_penalty_avoids_the_repeated_token():
     x = torch.zeros(10)
     x[3], x[5] = 2.0, 1.9
     seq = Sequence(0, [3], SamplingParams(temperature=0.0, repetition_penalty=1.2))
-    assert sample(x[None].clone(), [seq]) == [5]
-    assert sample(x[None].clone(), [Sequence(1, [3], SamplingParams(temperature=0.0))]) == [3]
+    assert sample_tokens(x[None].clone(), [seq]).tolist() == [5]
+    assert sample_tokens(x[None].clone(), [Sequence(1, [3], SamplingParams(temperature=0.0))]).tolist() == [3]
 
 
 def seeded(params):
@@ -95,24 +96,26 @@ def test_settings_apply_per_row():
 
 def test_top_k_one_is_greedy_and_seed_fixes_draws():
     x = logits(6)
-    draws = [sample(x[None].clone(), [seeded(SamplingParams(top_k=1, seed=s))])[0] for s in range(5)]
+    draws = [sample_tokens(x[None].clone(), [seeded(SamplingParams(top_k=1, seed=s))]).tolist()[0] for s in range(5)]
     assert draws == [int(x.argmax())] * 5
     first, second = seeded(SamplingParams(seed=9)), seeded(SamplingParams(seed=9))
-    a = [sample(x[None].clone(), [first])[0] for _ in range(5)]
-    b = [sample(x[None].clone(), [second])[0] for _ in range(5)]
+    a = [sample_tokens(x[None].clone(), [first]).tolist()[0] for _ in range(5)]
+    b = [sample_tokens(x[None].clone(), [second]).tolist()[0] for _ in range(5)]
     assert a == b and len(set(a)) > 1
 
 
 def test_seeded_draw_does_not_depend_on_the_batch():
     x = logits(8)
-    alone = sample(x[None].clone(), [seeded(SamplingParams(seed=3))])
+    alone = sample_tokens(x[None].clone(), [seeded(SamplingParams(seed=3))]).tolist()
     others = [seeded(SamplingParams(seed=s)) for s in (10, 11)] + [Sequence(5, [1], SamplingParams())]
-    batch = sample(torch.stack([logits(9), logits(10), logits(11), x]), others + [seeded(SamplingParams(seed=3))])
+    batch = sample_tokens(torch.stack([logits(9), logits(10), logits(11), x]),
+                          others + [seeded(SamplingParams(seed=3))]).tolist()
     assert batch[-1] == alone[0]
 
 
 def test_sampling_follows_the_distribution():
     x = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     seq = seeded(SamplingParams(seed=0))
-    counts = torch.bincount(torch.tensor([sample(x[None].clone(), [seq])[0] for _ in range(4000)]), minlength=3)
+    draws = [sample_tokens(x[None].clone(), [seq]).tolist()[0] for _ in range(4000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=3)
     assert torch.allclose(counts / 4000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)

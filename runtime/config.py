@@ -1,0 +1,63 @@
+"""``EngineConfig``: every option of the engine, its default and its meaning, checked in one place."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from layers.attention import BACKENDS
+from runtime.sampling_params import is_integer, is_number
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options. A config is checked when it is made, before any model loads;
+    ``resolved`` fills in what depends on the model."""
+
+    max_num_seqs: int = 64  # sequences that run in one step at most
+    max_model_len: int | None = None  # prompt + generated tokens of a sequence at most (None: the model's limit)
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: int | None = None  # KV-cache blocks (None: as many as the memory budget holds)
+    kv_cache_gib: float | None = None  # the KV cache's memory (None: 1 GiB on the CPU, on CUDA as below)
+    gpu_memory_utilization: float = 0.9  # on CUDA, the device's share for the model, its largest step and the cache
+    max_num_batched_tokens: int | None = None  # new tokens per step at most (None: as ``resolved`` sets it)
+    enable_chunked_prefill: bool = True  # split long prompts over several steps, next to running decodes
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt's leading tokens that an earlier one computed
+    enforce_eager: bool = False  # on CUDA, run decode steps eagerly instead of replaying CUDA graphs
+    compile_decode: bool = False  # on the CPU, run decode steps of up to 16 sequences through torch.compile
+    attention_backend: str | None = None  # "torch" (the reference) or "triton" (None: triton on CUDA, else torch)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and not (is_integer(value) and value > 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_gib is not None and not (is_number(self.kv_cache_gib) and self.kv_cache_gib > 0):
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib!r}")
+        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "compile_decode"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")
+
+    @classmethod
+    def from_options(cls, base: "EngineConfig | None" = None, **options) -> "EngineConfig":
+        """``base`` (the defaults when None) with ``options`` changed; an option that does not exist is named."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = [name for name in options if name not in names]
+        if unknown:
+            raise ValueError(f"unknown engine option {unknown[0]!r}; the options are {', '.join(names)}")
+        return dataclasses.replace(base or cls(), **options)
+
+    def resolved(self, model_max_len: int) -> "EngineConfig":
+        """This config with max_model_len capped by the model's ``model_max_len``, and
+        max_num_batched_tokens by default max(2048, max_num_seqs), or max_model_len without
+        chunked prefill, where a prompt is computed in one step."""
+        max_model_len = model_max_len if self.max_model_len is None else min(self.max_model_len, model_max_len)
+        max_tokens = self.max_num_batched_tokens
+        if max_tokens is None:
+            max_tokens = max(2048, self.max_num_seqs) if self.enable_chunked_prefill else max_model_len
+        if not self.enable_chunked_prefill and max_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({max_tokens}) "
+                             f"must be >= max_model_len ({max_model_len})")
+        return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=max_tokens)

@@ -1,0 +1,75 @@
+"""The paged KV cache: how many blocks the memory holds, and the pools the model's layers attend over."""
+
+import gc
+import math
+import weakref
+
+import torch
+
+from layers import AttentionMetadata
+from runtime.config import EngineConfig
+
+CPU_KV_CACHE_GIB = 1.0
+
+
+def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """The bytes one block of ``block_size`` tokens takes over all of the model's cache pools."""
+    per_token = sum(math.prod(shape) for layer in model.kv_cache_spec() for shape in layer)
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_for_budget(model, config: EngineConfig) -> int:
+    """The blocks of the KV cache for a resolved ``config``: its ``kv_cache_gib``; else on CUDA
+    what is free after a profiling forward of the largest step, times ``gpu_memory_utilization``;
+    else ``CPU_KV_CACHE_GIB``. Never more than max_num_seqs sequences of max_model_len tokens need."""
+    parameter = next(model.parameters())
+    device = parameter.device
+    if config.kv_cache_gib is not None:
+        budget = config.kv_cache_gib * (1 << 30)
+    elif device.type == "cuda":
+        gc.collect()  # an earlier engine of this model, dropped but in a reference cycle, frees its cache
+        # The largest step: max_num_batched_tokens new tokens, as prompts of at most max_model_len tokens.
+        length = min(config.max_num_batched_tokens, config.max_model_len)
+        batch = -(-config.max_num_batched_tokens // length)
+        positions = torch.arange(length, device=device).repeat(batch)
+        last_tokens = torch.arange(1, batch + 1, device=device) * length - 1
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            model(torch.zeros_like(positions), positions, AttentionMetadata.causal_prefill(batch, length),
+                  logits_indices=last_tokens)
+        total = torch.cuda.mem_get_info(device)[1]
+        budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated(device)
+    else:
+        budget = CPU_KV_CACHE_GIB * (1 << 30)
+    useful = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
+    num_blocks = min(int(budget // bytes_per_block(model, config.block_size, parameter.dtype)), useful)
+    if num_blocks < 1:
+        raise ValueError(f"no memory left for the KV cache (budget {budget / (1 << 30):.2f} GiB)")
+    return num_blocks
+
+
+class KVCache:
+    """Per layer of ``model.kv_cache_spec()``, a pool of fixed-size blocks per entry:
+    [num_blocks, block_size, *shape] (K and V of [kv_heads, head_dim] for plain attention),
+    bound to the model with the attention ``backend``.
+
+    With ``padding_block`` the pools hold one block more, which no sequence is given: padding
+    tokens of a compiled step write there (``padding_slot``), as a graph cannot skip them."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, backend, padding_block: bool = False):
+        parameter = next(model.parameters())
+        self.model = model
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.padding_slot = num_blocks * block_size if padding_block else None
+        self.pools = [
+            tuple(torch.empty((num_blocks + padding_block, block_size, *shape), dtype=parameter.dtype,
+                              device=parameter.device) for shape in layer)
+            for layer in model.kv_cache_spec()
+        ]
+        model.bind_kv_cache(backend, self.pools)
+        # When the engine goes, its cache goes with it, though the model it ran lives on.
+        weakref.finalize(self, model.unbind_kv_cache, self.pools)
+
+    def bound(self) -> bool:
+        """Whether the model still attends over these pools (a newer engine of the model binds its own)."""
+        return self.model.bound_kv_cache is self.pools
