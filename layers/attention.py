@@ -5,10 +5,9 @@ computes q/k/v, applies q/k-norm and rotary, and hands them to an attention back
 with an ``AttentionMetadata`` that says how the stream splits into sequences.
 """
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-
-import warnings
 
 import torch
 from torch import nn

@@ -9,7 +9,7 @@ RMSNorm variant (``DecoderLayer.rms_norm``), embedding scaling (``CausalLM.scale
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass
 
 import torch
 from torch import nn
@@ -52,6 +52,11 @@ class NormSlots:
     pre_mlp: str | None = "post_attention_layernorm"
     post_mlp: str | None = None
 
+    def __post_init__(self):
+        names = [name for name in astuple(self) if name is not None]
+        if len(set(names)) != len(names):
+            raise ValueError(f"NormSlots names a module twice: {self}")
+
 
 class DecoderLayer(nn.Module):
     """A residual block of attention then MLP, each branch with an optional norm before and after:
@@ -73,15 +78,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        slots = []
-        for slot in fields(self.norms):
-            name = getattr(self.norms, slot.name)
-            norm = None if name is None else self.rms_norm(config.hidden_size, config.rms_norm_eps)
-            if norm is not None:
-                self.add_module(name, norm)
-            slots.append(norm)
-        # In slot order; a tuple, so the norms stay registered under their HF names only.
-        self.slot_norms = tuple(slots)
+        names = astuple(self.norms)
+        for name in names:
+            if name is not None:
+                self.add_module(name, self.rms_norm(config.hidden_size, config.rms_norm_eps))
+        # In slot order; a tuple, so that the norms stay registered under their HF names alone.
+        self.slot_norms = tuple(None if name is None else getattr(self, name) for name in names)
 
     def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata):
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms

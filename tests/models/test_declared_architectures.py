@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from layers import AttentionMetadata
-from runtime.diff import diff_checkpoint
 from models import AutoModelForCausalLM
+from models.base import NormSlots
 from runtime import LLM, SamplingParams
-from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+from runtime.diff import diff_checkpoint
+from tests.conftest import hf_model, relative_error, save_checkpoint
 from tests.models.test_parity import TOLERANCE, VARIANTS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -116,3 +117,8 @@ def test_final_logits_are_soft_capped(checkpoints):
         uncapped, logits = model.lm_head(hidden), model.compute_logits(hidden)
     assert torch.equal(logits, torch.tanh(uncapped / cap) * cap)
     assert logits.abs().max() < cap < uncapped.abs().max()
+
+
+def test_a_module_named_for_two_norm_slots_is_an_error():
+    with pytest.raises(ValueError, match="NormSlots names a module twice"):
+        NormSlots(post_attention="input_layernorm")
