@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's lo
 
     .venv/bin/python benchmarks/fidelity.py
 
-The variants are the tiny random checkpoints of tests/test_parity.py, and those of tests/test_moe.py
+The variants are the tiny random checkpoints of tests/models/test_parity.py, and those of tests/models/test_moe.py
 in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts).
 """
 

@@ -3,8 +3,10 @@
 from layers.attention import (
     Attention,
     AttentionMetadata,
+    ScoreModifiers,
     TorchAttentionBackend,
     TritonAttentionBackend,
+    score_modifiers_used,
     select_backend,
 )
 from layers.embedding import LMHead, VocabEmbedding
@@ -17,6 +19,7 @@ from layers.weights import OneOf, Shard
 
 __all__ = [
     "Attention", "AttentionMetadata", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "RMSNorm",
-    "OneOf", "RotaryEmbedding", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
-    "TritonAttentionBackend", "VocabEmbedding", "pack_for_cpu_decode", "rope_parameters", "select_backend",
+    "OneOf", "RotaryEmbedding", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
+    "TritonAttentionBackend", "VocabEmbedding", "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
+    "select_backend",
 ]

@@ -5,7 +5,9 @@ computes q/k/v, applies q/k-norm and rotary, and hands them to an attention back
 with an ``AttentionMetadata`` that says how the stream splits into sequences.
 """
 
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -64,7 +66,28 @@ class AttentionMetadata:
         return cls(query_lens=[seq_len] * batch_size)
 
 
-def _cache_free(q, k, v, metadata, scale, sliding_window):
+@dataclass(frozen=True)
+class ScoreModifiers:
+    """What a layer does to its attention scores ``s = q.k * scale`` besides the causal and window
+    mask. Part of the attention contract: a backend lists the modifiers it implements in
+    ``score_modifiers``, and ``select_backend`` falls back to one that implements what a model uses.
+
+    ``softcap``: ``s -> softcap * tanh(s / softcap)`` (Gemma 2); 0 for none.
+    """
+
+    softcap: float = 0.0
+
+    @property
+    def used(self) -> frozenset[str]:
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name))
+
+
+def score_modifiers_used(model: nn.Module) -> frozenset[str]:
+    """The score modifiers any attention layer of ``model`` uses."""
+    return frozenset().union(*(m.score_modifiers.used for m in model.modules() if isinstance(m, Attention)))
+
+
+def _cache_free(q, k, v, metadata, scale, sliding_window, softcap):
     # Causal prefill of every sequence with no cache: SDPA (flash attention on GPU) straight on q/k/v.
     lengths = metadata.query_lens
 
@@ -73,7 +96,7 @@ def _cache_free(q, k, v, metadata, scale, sliding_window):
         mask = None
         if sliding_window is not None and sliding_window < length:
             mask = attention_mask(torch.arange(length, device=q.device), length, sliding_window)
-        return sdpa(q, k, v, mask, scale)
+        return sdpa(q, k, v, mask, scale, softcap)
 
     if len(set(lengths)) == 1:  # a [B, T] batch: one call
         return attend(*(t.view(len(lengths), lengths[0], *t.shape[1:]) for t in (q, k, v))).reshape(q.shape)
@@ -85,12 +108,14 @@ class TorchAttentionBackend:
     from the cache). Works on any device and is the oracle for faster ones."""
 
     name = "torch"
+    score_modifiers = frozenset({"softcap"})
     prefill = staticmethod(paged_prefill_attention_reference)
 
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]. Prefill tokens first, then one per decode.
+        softcap = layer.score_modifiers.softcap
         if metadata.slot_mapping is None:
-            return _cache_free(q, k, v, metadata, layer.scale, layer.sliding_window)
+            return _cache_free(q, k, v, metadata, layer.scale, layer.sliding_window, softcap)
         k_cache, v_cache = layer.kv_cache
         write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         window = layer.sliding_window or 0
@@ -100,13 +125,13 @@ class TorchAttentionBackend:
             out.append(self.prefill(
                 q[:tokens], k[:tokens], v[:tokens], k_cache, v_cache, metadata.block_tables[:prefills],
                 metadata.seq_lens[:prefills], metadata.query_start_loc[: prefills + 1],
-                max(metadata.query_lens[:prefills]), layer.scale, window,
+                max(metadata.query_lens[:prefills]), layer.scale, window, softcap,
             ))
         if tokens < q.shape[0]:  # decodes follow; a shape, which a compiled graph leaves dynamic
-            out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window))
+            out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window, softcap))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window) -> torch.Tensor:
+    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         # paged_decode_attention_reference in two parts. Where the decodes' keys are is the same in
         # every layer: it is derived once per forward (a CPU decode step spent a fifth of its
         # attention time deriving it again in each layer).
@@ -116,7 +141,7 @@ class TorchAttentionBackend:
             metadata.derived[key] = decode_key_slots(
                 metadata.block_tables[prefills:], metadata.seq_lens[prefills:], k_cache.shape[1], window
             )
-        return decode_attention_at_slots(q, k_cache, v_cache, *metadata.derived[key], scale)
+        return decode_attention_at_slots(q, k_cache, v_cache, *metadata.derived[key], scale, softcap)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -128,22 +153,29 @@ class TritonAttentionBackend(TorchAttentionBackend):
     prefill = staticmethod(paged_prefill_attention_op)
     decode = staticmethod(paged_decode_attention_op)
 
-    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window) -> torch.Tensor:
+    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         prefills = metadata.num_prefills
         return self.decode(
-            q, k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:], scale, window
+            q, k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:], scale, window, softcap
         )
 
 
 BACKENDS = {backend.name: backend for backend in (TorchAttentionBackend, TritonAttentionBackend)}
 
 
-def select_backend(name: str | None, device) -> TorchAttentionBackend:
-    """The attention backend called ``name``; None picks triton on CUDA when triton imports, else torch."""
+def select_backend(name: str | None, device, score_modifiers: frozenset[str] = frozenset()) -> TorchAttentionBackend:
+    """The attention backend called ``name``; None picks triton on CUDA when triton imports, else torch.
+    Where it lacks one of the ``score_modifiers`` a model uses (``score_modifiers_used``), the torch
+    backend, which implements them all, with a warning."""
     if name is None:
         name = "triton" if torch.device(device).type == "cuda" and _triton_imports() else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    missing = score_modifiers - BACKENDS[name].score_modifiers
+    if missing:
+        warnings.warn(f"the {name} attention backend does not implement the score modifiers "
+                      f"{', '.join(sorted(missing))} this model uses; it runs on the torch backend")
+        return TorchAttentionBackend()
     return BACKENDS[name]()
 
 
@@ -159,8 +191,11 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads.
 
     q/k/v are one fused projection (HF's ``q_proj``/``k_proj``/``v_proj`` stacked), ``head_dim``
-    is independent of ``hidden_size / num_heads``; ``qk_norm_eps`` adds per-head RMSNorm on q and k
-    before rotary (Qwen3); ``sliding_window`` limits how far back a token looks (Mistral).
+    is independent of ``hidden_size / num_heads``; ``scale`` multiplies the scores (by default
+    ``head_dim**-0.5``); ``qk_norm_eps`` adds RMSNorm on q and k before rotary, per head (Qwen3) or,
+    with ``qk_norm_per_head`` False, over the whole projection (OLMo 2), built by ``rms_norm`` (the
+    model's RMSNorm variant); ``sliding_window`` limits how far back a token looks (Mistral);
+    ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``).
     """
 
     def __init__(
@@ -172,22 +207,28 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        qk_norm_per_head: bool = True,
+        rms_norm: Callable[[int, float], RMSNorm] = RMSNorm,
         sliding_window: int | None = None,
+        scale: float | None = None,
+        logit_softcap: float | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.score_modifiers = ScoreModifiers(softcap=logit_softcap or 0.0)
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(
             hidden_size, [q_size, kv_size, kv_size], sources=["q_proj", "k_proj", "v_proj"], bias=qkv_bias
         )
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
+        self.qk_norm_per_head = qk_norm_per_head
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = rms_norm(head_dim if qk_norm_per_head else q_size, qk_norm_eps)
+            self.k_norm = rms_norm(head_dim if qk_norm_per_head else kv_size, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         # Set through the model's bind_kv_cache: one pool per entry of kv_cache_shapes, [blocks, block_size, *shape].
@@ -202,10 +243,12 @@ class Attention(nn.Module):
     def forward(self, hidden_states, position_embeddings, metadata: AttentionMetadata) -> torch.Tensor:
         n = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)

@@ -1,4 +1,4 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add, in the variants HuggingFace's architectures use."""
 
 import torch
 from torch import nn
@@ -11,17 +11,26 @@ class RMSNorm(nn.Module):
 
     Decoder layers pass the previous sub-block's output together with the running residual,
     so the residual add costs no extra pass over memory.
+
+    The variants are options fixed when the model is built: ``weight_offset`` 1 multiplies by
+    ``1 + weight`` (Gemma stores its weight as an offset from one); ``multiply_in_float32``
+    multiplies the float32 statistics by the weight before the cast to the input dtype (Gemma,
+    OLMo 2), where Llama casts first and multiplies in the input dtype.
     """
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0, multiply_in_float32: bool = False):
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
+        self.multiply_in_float32 = multiply_in_float32
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        options = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        options += ", multiply_in_float32=True" if self.multiply_in_float32 else ""
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{options}"

@@ -1,10 +1,15 @@
 """Base classes shared by decoder-only models, with HuggingFace's module paths:
 
-    model.embed_tokens, model.layers.{i}.{input_layernorm, self_attn, post_attention_layernorm, mlp},
-    model.norm, model.rotary_emb, lm_head
+    model.embed_tokens, model.layers.{i}.{self_attn, mlp, <the block's norms>}, model.norm,
+    model.rotary_emb, lm_head
 
-An architecture file subclasses these and states only what its blocks are made of.
+An architecture file subclasses these and states only what its blocks are made of, as declarations:
+the attention and MLP modules, the block's norm slots under HF's names (``NormSlots``), the model's
+RMSNorm variant (``DecoderLayer.rms_norm``), embedding scaling (``CausalLM.scale_embeddings``).
 """
+
+from collections.abc import Callable
+from dataclasses import astuple, dataclass
 
 import torch
 from torch import nn
@@ -36,42 +41,82 @@ def attention_shape(config, layer_idx: int) -> dict:
     )
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+@dataclass(frozen=True)
+class NormSlots:
+    """The norms of a decoder block by where they sit, each with HuggingFace's module name, None
+    where the block has none. The default is Llama's pre-norm block (whose
+    ``post_attention_layernorm`` is the norm before the MLP)."""
 
-    Each residual add is fused into the norm that follows it, so ``forward`` returns
-    ``(mlp_out, residual)`` and the next layer's ``input_layernorm`` completes the add.
-    HuggingFace's view of this layer's output is ``mlp_out + residual``.
+    pre_attention: str | None = "input_layernorm"
+    post_attention: str | None = None
+    pre_mlp: str | None = "post_attention_layernorm"
+    post_mlp: str | None = None
+
+    def __post_init__(self):
+        names = [name for name in astuple(self) if name is not None]
+        if len(set(names)) != len(names):
+            raise ValueError(f"NormSlots names a module twice: {self}")
+
+
+class DecoderLayer(nn.Module):
+    """A residual block of attention then MLP, each branch with an optional norm before and after:
+
+        h = x + post_attention(attn(pre_attention(x))); out = h + post_mlp(mlp(pre_mlp(h)))
+
+    A subclass declares ``norms`` (the slots filled and HF's names for them) and ``rms_norm`` (the
+    model's RMSNorm variant, also used for the final norm). Each residual add is deferred into
+    the pre-norm that follows it, so ``forward`` returns ``(branch_out, residual)`` and the next
+    pre-norm completes the add; a branch without a pre-norm adds explicitly. HuggingFace's view
+    of this layer's output is ``branch_out + residual``.
     """
 
     returns_residual = True
+    norms = NormSlots()
+    rms_norm: Callable[[int, float], RMSNorm] = RMSNorm
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        names = astuple(self.norms)
+        for name in names:
+            if name is not None:
+                self.add_module(name, self.rms_norm(config.hidden_size, config.rms_norm_eps))
+        # In slot order; a tuple, so that the norms stay registered under their HF names alone.
+        self.slot_norms = tuple(None if name is None else getattr(self, name) for name in names)
 
     def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
+        hidden_states, residual = branch_input(pre_attention, hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, position_embeddings, metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        if post_attention is not None:
+            hidden_states = post_attention(hidden_states)
+        hidden_states, residual = branch_input(pre_mlp, hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        if post_mlp is not None:
+            hidden_states = post_mlp(hidden_states)
+        return hidden_states, residual
+
+
+def branch_input(norm: RMSNorm | None, hidden_states, residual):
+    """Completes the deferred residual add (in ``norm`` when there is one): returns the branch's
+    input and the residual stream. ``residual`` is None at the first layer."""
+    if residual is None:
+        return (hidden_states if norm is None else norm(hidden_states)), hidden_states
+    if norm is None:
+        residual = hidden_states + residual
+        return residual, residual
+    return norm(hidden_states, residual)
 
 
 class DecoderModel(nn.Module):
     """Embedding, a stack of decoder layers and the final norm (HF's ``XxxModel``)."""
 
-    def __init__(self, config, decoder_layer: type[DecoderLayer]):
+    def __init__(self, config, decoder_layer: type[DecoderLayer], embedding_scale: float | None = None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, embedding_scale)
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = decoder_layer.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim(config))
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
@@ -85,7 +130,9 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A decoder model with an LM head; subclasses set ``decoder_layer``.
+    """A decoder model with an LM head; subclasses set ``decoder_layer``, and ``scale_embeddings``
+    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma). A config's
+    ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
     any other tensor the model has no place for is a loading error. ``checkpoint_aliases`` are
@@ -97,11 +144,14 @@ class CausalLM(nn.Module):
     decoder_layer: type[DecoderLayer]
     ignored_checkpoint_keys: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
     checkpoint_aliases: tuple[tuple[str, str], ...] = ()
+    scale_embeddings = False
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.decoder_layer)
+        embedding_scale = config.hidden_size**0.5 if self.scale_embeddings else None
+        self.model = DecoderModel(config, self.decoder_layer, embedding_scale)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # Tied embeddings: the head holds the embedding's own Parameter, so the loader
         # sees one parameter and fills it once.
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
@@ -122,7 +172,16 @@ class CausalLM(nn.Module):
         hidden_states = self.model(input_ids, positions, attn_metadata)
         if logits_indices is not None:
             hidden_states = hidden_states[logits_indices]
-        return self.lm_head(hidden_states)
+        return self.compute_logits(hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Final hidden states -> logits; every forward (flat stream, cache-free batch, a captured
+        CUDA graph) calls it once, on the rows it returns."""
+        logits = self.lm_head(hidden_states)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _batched_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.numel() == 0:

@@ -10,7 +10,8 @@ device.
 Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; caches [num_blocks, block_size, Hkv, D];
 block_tables [sequences, max_blocks] int32; seq_lens [sequences] int32 (cached + new tokens).
 ``sliding_window`` 0 means none; otherwise the query at position p sees keys t with
-p - window < t <= p (HuggingFace's window).
+p - window < t <= p (HuggingFace's window). ``softcap`` 0 means none; otherwise each score
+s = q.k * scale becomes softcap * tanh(s / softcap) before the mask and softmax (Gemma 2).
 """
 
 import torch
@@ -29,13 +30,28 @@ def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: 
     return mask
 
 
-def sdpa(q, k, v, mask, scale):
+def attend(q, k, v, mask, scale, softcap=0.0):
+    """Softmax attention in heads-first layout: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], mask bool
+    [B or 1, 1 or Hq, Tq, Tk] (True = attend) or None (causal, aligned at the first key)."""
+    grouped = q.shape[1] != k.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=grouped)
+    # SDPA has no hook for the scores: HuggingFace's eager attention, step by step.
+    if grouped:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def sdpa(q, k, v, mask, scale, softcap=0.0):
     # q: [B, Tq, Hq, D], k/v: [B, Tk, Hkv, D], mask: [B or 1, 1, Tq, Tk] or None (plain causal)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+    return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, softcap).transpose(1, 2)
 
 
 def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -79,29 +95,30 @@ def decode_key_slots(block_tables, seq_lens, block_size, sliding_window):
     return slots, mask, attending
 
 
-def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale):
+def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale, softcap=0.0):
     # q: [B, Hq, D] -> [B, Hq, D]. All sequences in one SDPA call over the keys at their slots.
     batch, length = slots.shape
     kv_heads, head_dim = k_cache.shape[2:]
     keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1)).view(batch, length, kv_heads, head_dim)
     values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1)).view(batch, length, kv_heads, head_dim)
     # GQA without repeating keys: the query heads that share a KV head are that head's query rows.
-    out = F.scaled_dot_product_attention(
+    out = attend(
         q.reshape(batch, kv_heads, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=scale,
+        mask[:, None, None, :], scale, softcap,
     ).reshape(q.shape)
     return out if attending is None else torch.where(attending, out, 0)  # padding rows (length 0) attend nothing
 
 
-def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0):
     """One query per sequence (its token at position seq_len - 1); rows of length 0 give zeros."""
     # q: [B, Hq, D] -> [B, Hq, D]
     keys = decode_key_slots(block_tables, seq_lens, k_cache.shape[1], sliding_window)
-    return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale)
+    return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale, softcap)
 
 
 def paged_prefill_attention_reference(
-    q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window
+    q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
+    softcap=0.0,
 ):
     """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
     context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
@@ -119,29 +136,30 @@ def paged_prefill_attention_reference(
             ks = torch.cat([gather_cache(k_cache, table, context)[0], ks])
             vs = torch.cat([gather_cache(v_cache, table, context)[0], vs])
         mask = attention_mask(torch.arange(context, seq_len, device=q.device), seq_len, sliding_window)
-        out[start:end] = sdpa(q[None, start:end], ks[None], vs[None], mask[None, None], scale)[0]
+        out[start:end] = sdpa(q[None, start:end], ks[None], vs[None], mask[None, None], scale, softcap)[0]
     return out
 
 
 @torch.library.custom_op("zoo::paged_decode_attention", mutates_args=())
 def paged_decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, sliding_window: int,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float = 0.0,
 ) -> torch.Tensor:
-    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
 
 
 @paged_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0):
     return torch.empty_like(q)
 
 
 @paged_decode_attention_op.register_kernel("cuda")
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0):
     from ops_cuda.paged_attention_triton import paged_decode_attention_triton  # triton only where a kernel runs
 
     out = torch.empty_like(q)
-    paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out)
+    paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
+                                  softcap=softcap)
     return out
 
 
@@ -152,26 +170,30 @@ paged_decode_attention = reference_on_cpu(paged_decode_attention_op, paged_decod
 def paged_prefill_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-    scale: float, sliding_window: int,
+    scale: float, sliding_window: int, softcap: float = 0.0,
 ) -> torch.Tensor:
     return paged_prefill_attention_reference(
-        q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window
+        q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
+        softcap,
     )
 
 
 @paged_prefill_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window):
+def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
+      softcap=0.0):
     return torch.empty_like(q)
 
 
 @paged_prefill_attention_op.register_kernel("cuda")
-def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window):
+def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
+      softcap=0.0):
     from ops_cuda.paged_attention_triton import paged_prefill_attention_triton  # triton only where a kernel runs
 
     # The new tokens' K/V are already in the cache (write_kv_cache runs first): read all keys there.
     out = torch.empty_like(q)
     paged_prefill_attention_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out,
+        softcap=softcap,
     )
     return out
 

@@ -6,7 +6,8 @@ only inside its CUDA kernels: ``import ops_cuda`` never needs triton.
 
 Keys and values are read from the paged cache a row at a time through the block table, so any
 block size works and a key tile may span several blocks. Scores and the softmax are float32 and
-use exp2 (the scale carries the log2(e) factor). Float32 inputs multiply in full float32
+use exp2: the scores carry a log2(e) factor, in the scale, or with soft-capping in the cap
+(``_score_factors``). Float32 inputs multiply in full float32
 (``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers
 depend on shapes only, never on data: both ops can be captured in a CUDA graph.
 """
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
-from ops_cuda.triton_helpers import begin_after_previous, pdl_launch
+from ops_cuda.triton_helpers import begin_after_previous, pdl_launch, tanh
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
 NO_WINDOW = 1 << 30
@@ -29,6 +30,7 @@ SCORE_FLOOR = tl.constexpr(-1.0e30)
 # A decode split below this many keys costs more (its q load and partial write) than it saves.
 MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
+LOG2_E = math.log2(math.e)
 
 
 @triton.jit
@@ -43,14 +45,16 @@ def _load_kv_tile(cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys,
 
 @triton.jit
 def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-                     table_stride, kv_head, keys, key_ok, dims, dim_ok, scale_log2,
+                     table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
                      k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-                     BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # One online-softmax step: the rows of q over one tile of keys, `visible` [rows or 1, keys] of them.
     # Returns the updated running max, softmax mass and unnormalised output.
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
+    if SOFTCAP:
+        scores = cap_log2 * tanh(scores)
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, 1))
     rescale = tl.exp2(running_max - new_max)
@@ -65,12 +69,12 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-    scale_log2, window,
+    score_scale, cap_log2, window,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
@@ -103,9 +107,9 @@ def _decode_split_kernel(
         key_ok = keys < end
         running_max, total, acc = _attend_key_tile(
             q, running_max, total, acc, key_ok[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, key_ok, dims, dim_ok, scale_log2,
+            table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
             k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-            BLOCK_SIZE, DOT_PRECISION,
+            BLOCK_SIZE, SOFTCAP, DOT_PRECISION,
         )
 
     # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
@@ -153,11 +157,12 @@ def _decode_reduce_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2, window,
+    score_scale, cap_log2, window,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Program (query tile, head, sequence): BLOCK_M new queries of one head, online softmax over
     # the key tiles they can see (cached context and the new tokens alike, all from the cache).
@@ -193,9 +198,9 @@ def _prefill_kernel(
                    & (keys[None, :] > positions[:, None] - window))
         running_max, total, acc = _attend_key_tile(
             q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, key_ok, dims, dim_ok, scale_log2,
+            table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
             k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-            BLOCK_SIZE, DOT_PRECISION,
+            BLOCK_SIZE, SOFTCAP, DOT_PRECISION,
         )
 
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -214,6 +219,14 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch
     more splits than chunks of MIN_SPLIT_KEYS in the longest sequence the block table can hold."""
     wanted = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
     return max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_KEYS), MAX_SPLITS))
+
+
+def _score_factors(scale: float, softcap: float) -> tuple[float, float]:
+    """(score_scale, cap_log2) of the kernels, whose softmax runs in base 2: the scores are
+    q.k * scale * log2(e), or soft-capped, tanh(q.k * scale / softcap) * softcap * log2(e)."""
+    if softcap:
+        return scale / softcap, softcap * LOG2_E
+    return scale * LOG2_E, 1.0
 
 
 def _check(op: str, q, k_cache, v_cache, out, block_tables):
@@ -261,7 +274,7 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
-                                  num_splits: int | None = None) -> None:
+                                  softcap: float = 0.0, num_splits: int | None = None) -> None:
     """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D]; ``num_splits`` defaults to
     ``decode_num_splits``."""
     _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
@@ -278,11 +291,11 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
-        scale * math.log2(math.e), sliding_window or NO_WINDOW,
+        *_score_factors(scale, softcap), sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=3, **launch,
     )
@@ -296,7 +309,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                   scale, sliding_window, out) -> None:
+                                   scale, sliding_window, out, softcap: float = 0.0) -> None:
     """Writes zoo::paged_prefill_attention(q, ...) into ``out`` [N, Hq, D], reading every key and
     value (the new tokens' too) from the cache."""
     _check("paged_prefill_attention", q, k_cache, v_cache, out, block_tables)
@@ -306,10 +319,10 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, 
     grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * math.log2(math.e), sliding_window or NO_WINDOW,
+        *_score_factors(scale, softcap), sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SOFTCAP=bool(softcap), DOT_PRECISION=_dot_precision(q),
         num_warps=num_warps, num_stages=2,
     )

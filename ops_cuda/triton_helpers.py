@@ -58,6 +58,14 @@ def round_to(x, dtype: tl.constexpr):
     return x.to(dtype).to(tl.float32)
 
 
+@triton.jit
+def tanh(x):
+    # No tanh in core triton (nor in the interpreter): from exp(-2|x|), which cannot overflow.
+    e = tl.exp(-2.0 * tl.abs(x))
+    magnitude = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -magnitude, magnitude)
+
+
 # HuggingFace `hidden_act` names -> the formula ``apply_activation`` computes.
 KERNEL_ACTIVATIONS = {
     "silu": "silu", "swish": "silu", "gelu": "gelu_erf",
@@ -74,9 +82,6 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        # No tanh in core triton: from exp(-2|inner|), which cannot overflow.
-        e = tl.exp(-2.0 * tl.abs(inner))
-        tanh = (1.0 - e) / (1.0 + e)
-        return 0.5 * x * (1.0 + tl.where(inner < 0.0, -tanh, tanh))
+        return 0.5 * x * (1.0 + tanh(inner))
     else:  # relu; `where` rather than `maximum` so NaN propagates as in torch.relu
         return tl.where(x < 0.0, 0.0, x)

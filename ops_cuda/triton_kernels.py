@@ -47,7 +47,8 @@ def _rms_norm_kernel(
     rows_per_outer, hidden, eps,
     x_stride_m, x_stride_r, res_stride_m, res_stride_r,
     out_stride_m, out_stride_r, sum_stride_m, sum_stride_r,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # One program per row; rows are [M, R] (tokens x heads for q/k-norm, R = 1 otherwise).
@@ -62,8 +63,14 @@ def _rms_norm_kernel(
         x = round_to(x + residual.to(tl.float32), dtype)  # the reference normalises the rounded sum
         tl.store(summed_ptr + m * sum_stride_m + r * sum_stride_r + cols, x.to(dtype), mask=mask)
     variance = tl.sum(x * x, axis=0) / hidden
-    normed = round_to(x * tl.math.rsqrt(variance + eps), dtype)  # HF casts back before the weight
+    normed = x * tl.math.rsqrt(variance + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET != 0:
+        weight = weight + WEIGHT_OFFSET
+    if not MULTIPLY_IN_FLOAT32:  # HF's Llama casts back before the weight multiply
+        normed = round_to(normed, dtype)
+        if WEIGHT_OFFSET != 0:  # the reference adds the offset in the weight's dtype
+            weight = round_to(weight, weight_ptr.dtype.element_ty)
     out = normed * weight
     tl.store(out_ptr + m * out_stride_m + r * out_stride_r + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -75,9 +82,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.reshape(-1, 1, t.shape[-1])
 
 
-def _rms_norm_launch(x, residual, weight, eps):
+def _rms_norm_launch(x, residual, weight, eps, weight_offset, multiply_in_float32):
     hidden = x.shape[-1]
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = x.dtype if multiply_in_float32 else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rows_x, rows_out = _rows(x), _rows(out)
     # Without a residual, the residual/summed arguments are unused: pass x and out in their place.
@@ -90,21 +98,25 @@ def _rms_norm_launch(x, residual, weight, eps):
         r, hidden, eps,
         rows_x.stride(0), rows_x.stride(1), rows_res.stride(0), rows_res.stride(1),
         rows_out.stride(0), rows_out.stride(1), rows_sum.stride(0), rows_sum.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block), **pdl_launch(x),
+        HAS_RESIDUAL=residual is not None, WEIGHT_OFFSET=float(weight_offset), MULTIPLY_IN_FLOAT32=multiply_in_float32,
+        BLOCK=block, num_warps=_num_warps(block), **pdl_launch(x),
     )
     return out, summed
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0, multiply_in_float32: bool = False
+) -> torch.Tensor:
     check_dtypes("rms_norm", x)
-    return _rms_norm_launch(x, None, weight, eps)[0]
+    return _rms_norm_launch(x, None, weight, eps, weight_offset, multiply_in_float32)[0]
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
+    multiply_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_dtypes("fused_add_rms_norm", x, residual)
-    return _rms_norm_launch(x, residual, weight, eps)
+    return _rms_norm_launch(x, residual, weight, eps, weight_offset, multiply_in_float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from layers.attention import select_backend
+from layers.attention import score_modifiers_used, select_backend
 from runtime.block_manager import BlockManager
 from runtime.compiled_decode import check_compilable
 from runtime.config import EngineConfig
@@ -42,7 +42,7 @@ class Engine:
         self.eos_token_ids = set(generation_eos)
         self.vocab_size = model.config.vocab_size
         device = next(model.parameters()).device
-        backend = select_backend(config.attention_backend, device)
+        backend = select_backend(config.attention_backend, device, score_modifiers_used(model))
         # A model runs in one engine at a time: the cache an earlier engine bound to it goes, or
         # its memory would count as used when this one sizes its own.
         model.unbind_kv_cache()

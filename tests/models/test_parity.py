@@ -40,6 +40,13 @@ VARIANTS = {
     ),
     "qwen3": tiny_config("qwen3", head_dim=32),
     "qwen3-bias-tied": tiny_config("qwen3", head_dim=16, attention_bias=True, tie_word_embeddings=True),
+    "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),
+    "gemma2": tiny_config(  # soft-capping tight enough to bite at these scores; windowed layer 0
+        "gemma2", head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0, tie_word_embeddings=True,
+    ),
+    "olmo2": tiny_config("olmo2"),
+    "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True),
 }
 
 

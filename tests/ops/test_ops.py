@@ -199,6 +199,8 @@ def fake_kernel_cases():
         "rms_norm": (zoo.rms_norm, (x, weight, 1e-6)),
         "rms_norm_heads": (zoo.rms_norm, (q, torch.randn(24), 1e-6)),
         "fused_add_rms_norm": (zoo.fused_add_rms_norm, (x, x.clone(), weight, 1e-6)),
+        "rms_norm_gemma": (zoo.rms_norm, (x, weight, 1e-6, 1.0, True)),  # float16 out: multiplied in float32
+        "fused_add_rms_norm_gemma": (zoo.fused_add_rms_norm, (x, x.clone(), weight, 1e-6, 1.0, True)),
         "act_and_mul": (zoo.act_and_mul, (x, "silu")),
         "apply_rotary": (zoo.apply_rotary, (q, k, cos, sin)),
         "apply_rotary_interleaved": (zoo.apply_rotary, (q, k, cos, sin, True)),

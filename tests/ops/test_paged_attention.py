@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from layers import (  # noqa: E402
     Attention,
     AttentionMetadata,
+    ScoreModifiers,
     TorchAttentionBackend,
     TritonAttentionBackend,
     select_backend,
@@ -31,6 +32,7 @@ from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention_reference,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    sdpa,
 )
 from ops_cuda.paged_attention_triton import (  # noqa: E402
     decode_num_splits,
@@ -94,11 +96,11 @@ class PagedBatch:
         return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
                 self.query_start_loc, max(self.query_lens), self.scale, sliding_window)
 
-    def reference_decode(self, sliding_window):  # in float32, from the same (rounded) inputs
-        return paged_decode_attention_reference(*_float32(self.decode_args(sliding_window)))
+    def reference_decode(self, sliding_window, softcap=0.0):  # in float32, from the same (rounded) inputs
+        return paged_decode_attention_reference(*_float32(self.decode_args(sliding_window)), softcap)
 
-    def reference_prefill(self, sliding_window):
-        return paged_prefill_attention_reference(*_float32(self.prefill_args(sliding_window)))
+    def reference_prefill(self, sliding_window, softcap=0.0):
+        return paged_prefill_attention_reference(*_float32(self.prefill_args(sliding_window)), softcap)
 
 
 def _float32(args):
@@ -114,16 +116,16 @@ def decode_batch(seq_lens, *shape, **kwargs):
     return batch
 
 
-def run_decode(batch, sliding_window, num_splits=None):
+def run_decode(batch, sliding_window, num_splits=None, softcap=0.0):
     out = torch.full_like(batch.q, float("nan"))
-    paged_decode_attention_triton(*batch.decode_args(sliding_window), out, num_splits=num_splits)
+    paged_decode_attention_triton(*batch.decode_args(sliding_window), out, softcap=softcap, num_splits=num_splits)
     return out
 
 
-def run_prefill(batch, sliding_window):
+def run_prefill(batch, sliding_window, softcap=0.0):
     q, _, _, *rest = batch.prefill_args(sliding_window)
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention_triton(q, *rest, out)
+    paged_prefill_attention_triton(q, *rest, out, softcap=softcap)
     return out
 
 
@@ -155,6 +157,43 @@ def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
     # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query.
     batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, head_dim, block_size, dtype)
     assert_close(run_prefill(batch, sliding_window), batch.reference_prefill(sliding_window), TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_softcapped_kernels_interpreted(dtype):
+    # Scores of q, k ~ N(0, 1) at head_dim 16 reach several units: a cap of 2 bends most of them.
+    softcap = 2.0
+    batch = decode_batch([2 * 4 + 3, 1, 0, 8], 4, 2, 16, 4, dtype)
+    reference = batch.reference_decode(5, softcap)
+    assert (reference - batch.reference_decode(5)).abs().max() > 0.1
+    for num_splits in (1, 3):
+        assert_close(run_decode(batch, 5, num_splits, softcap), reference, TOL[dtype])
+    batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, 16, 4, dtype)
+    reference = batch.reference_prefill(5, softcap)
+    assert (reference - batch.reference_prefill(5)).abs().max() > 0.1
+    assert_close(run_prefill(batch, 5, softcap), reference, TOL[dtype])
+
+
+def test_softcapped_references_are_hf_eager_attention():
+    """Every reference path (cache-free SDPA, paged prefill, paged decode) soft-caps as HF's eager
+    attention does: one sequence's prefill and its last token's decode against HF's function."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    batch = PagedBatch([0], [13], 4, 2, 16, 4, torch.float32)
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False)
+    causal = torch.full((13, 13), float("-inf")).triu(1)
+    expected, _ = eager_attention_forward(
+        module, batch.q.transpose(0, 1)[None], batch.k.transpose(0, 1)[None], batch.v.transpose(0, 1)[None],
+        causal, scaling=batch.scale, softcap=2.0,
+    )
+    expected = expected[0]  # [13, Hq, D]
+    torch.testing.assert_close(batch.reference_prefill(0, 2.0), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sdpa(batch.q[None], batch.k[None], batch.v[None], None, batch.scale, 2.0)[0], expected,
+                               rtol=1e-5, atol=1e-6)
+    decode = paged_decode_attention_reference(batch.q[-1:], batch.k_cache, batch.v_cache, batch.block_tables,
+                                              batch.seq_lens, batch.scale, 0, 2.0)
+    torch.testing.assert_close(decode, expected[-1:], rtol=1e-5, atol=1e-6)
 
 
 def test_decode_reference_is_plain_attention():
@@ -200,7 +239,7 @@ def test_select_backend():
         select_backend("flash", "cpu")
 
 
-def mixed_step(dtype, device="cpu", sliding_window=None):
+def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0):
     """A layer stub with a cache, and a flat step of two prefills (one after cached context) then
     two decodes, the new tokens' slots still NaN: the backend must write k/v before attending."""
     batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device)
@@ -210,7 +249,8 @@ def mixed_step(dtype, device="cpu", sliding_window=None):
     for cache in (batch.k_cache, batch.v_cache):
         cache.flatten(0, 1)[slots.to(device)] = float("nan")
     layer = types.SimpleNamespace(
-        kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window
+        kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window,
+        score_modifiers=ScoreModifiers(softcap=softcap),
     )
     metadata = AttentionMetadata(
         query_lens=batch.query_lens, context_lens=batch.context_lens, slot_mapping=slots.to(device),
@@ -219,26 +259,29 @@ def mixed_step(dtype, device="cpu", sliding_window=None):
     return layer, batch, metadata
 
 
-def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap):
     out = torch.empty_like(q)
-    paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out)
+    paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
+                                  softcap=softcap)
     return out
 
 
 def prefill_via_launcher(q, k, v, *args):
+    *args, softcap = args
     out = torch.empty_like(q)
-    paged_prefill_attention_triton(q, *args, out)
+    paged_prefill_attention_triton(q, *args, out, softcap=softcap)
     return out
 
 
 @pytest.mark.interpreter
-def test_triton_backend_splits_a_mixed_step(monkeypatch):
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_triton_backend_splits_a_mixed_step(softcap, monkeypatch):
     # The backend's slicing of the stream and metadata, with the interpreted kernels behind the ops.
     monkeypatch.setattr(TritonAttentionBackend, "decode", staticmethod(decode_via_launcher))
     monkeypatch.setattr(TritonAttentionBackend, "prefill", staticmethod(prefill_via_launcher))
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4)
+        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, softcap=softcap)
         outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
     assert_close(outs[1], outs[0], TOL[torch.float32])
 
@@ -259,6 +302,23 @@ def test_decode_kernel_cuda(dtype, shape, sliding_window):
     for num_splits in (None, 1, 7):
         assert_close(run_decode(batch, sliding_window, num_splits), reference, TOL[dtype])
     assert_close(paged_decode_attention(*batch.decode_args(sliding_window)), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_softcapped_kernels_cuda(dtype):
+    # Gemma 2's cap on scores scaled to reach it (scale 1 instead of head_dim**-0.5).
+    batch = decode_batch([1, 16, 0, 777, 3001], 16, 8, 128, 16, dtype, "cuda")
+    batch.scale = 1.0
+    reference = batch.reference_decode(1000, 50.0)
+    for num_splits in (None, 1, 7):
+        assert_close(run_decode(batch, 1000, num_splits, 50.0), reference, TOL[dtype])
+    assert_close(paged_decode_attention(*batch.decode_args(1000), 50.0), reference, TOL[dtype])
+    batch = PagedBatch([0, 517, 33], [1000, 300, 129], 16, 8, 128, 16, dtype, "cuda")
+    batch.scale = 1.0
+    reference = batch.reference_prefill(0, 50.0)
+    assert_close(run_prefill(batch, 0, 50.0), reference, TOL[dtype])
+    assert_close(paged_prefill_attention(*batch.prefill_args(0), 50.0), reference, TOL[dtype])
 
 
 @pytest.mark.gpu
@@ -297,22 +357,25 @@ def test_decode_op_replays_in_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_triton_backend_matches_torch_backend_cuda(dtype):
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_triton_backend_matches_torch_backend_cuda(dtype, softcap):
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer, batch, metadata = mixed_step(dtype, "cuda", sliding_window=4)
+        layer, batch, metadata = mixed_step(dtype, "cuda", sliding_window=4, softcap=softcap)
         outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
     assert_close(outs[1], outs[0], TOL[dtype])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "gemma2"])
 def test_runtime_tokens_equal_across_backends(name, tmp_path):
     from runtime import LLM
     from tests.conftest import hf_model, save_checkpoint, tiny_config
+    from tests.models.test_parity import VARIANTS
     from tests.runtime.test_runtime import GREEDY, prompts
 
-    config = tiny_config("llama") if name == "llama" else tiny_config("mistral", sliding_window=6)
+    config = {"llama": tiny_config("llama"), "mistral-window": tiny_config("mistral", sliding_window=6),
+              "gemma2": VARIANTS["gemma2"]}[name]
     path = save_checkpoint(hf_model(config), tmp_path)
     batch = prompts(8, seed=4)
     tokens = {}

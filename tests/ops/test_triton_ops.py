@@ -121,6 +121,36 @@ def test_fused_add_rms_norm_interpreted(case, dtype):
     assert_close(normed, rms_norm_reference(residual + x, weight, EPS), INTERPRETER_TOL[dtype])
 
 
+# (weight_offset, multiply_in_float32) of RMSNorm's variants besides Llama's.
+NORM_VARIANTS = {"gemma": (1.0, True), "olmo2": (0.0, True), "offset-only": (1.0, False)}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("case", ["rows", "strided_heads"])
+@pytest.mark.parametrize("variant", NORM_VARIANTS)
+def test_rms_norm_variants_interpreted(variant, case, dtype):
+    torch.manual_seed(0)
+    options = NORM_VARIANTS[variant]
+    x, residual = norm_inputs(case, dtype), norm_inputs(case, dtype)
+    weight = torch.randn(x.shape[-1], dtype=dtype) * 0.2  # an offset from one
+    assert_close(kernels.rms_norm_triton(x, weight, EPS, *options), rms_norm_reference(x, weight, EPS, *options),
+                 INTERPRETER_TOL[dtype])
+    normed, summed = kernels.fused_add_rms_norm_triton(x, residual, weight, EPS, *options)
+    assert torch.equal(summed, residual + x)
+    assert_close(normed, rms_norm_reference(residual + x, weight, EPS, *options), INTERPRETER_TOL[dtype])
+
+
+@pytest.mark.interpreter
+def test_rms_norm_multiplied_in_float32_keeps_the_input_dtype_interpreted():
+    # float16 activations with a float32 weight: Gemma's product is cast back to float16.
+    torch.manual_seed(0)
+    x, weight = torch.randn(5, 72, dtype=torch.float16), torch.randn(72) * 0.2
+    out = kernels.rms_norm_triton(x, weight, EPS, 1.0, True)
+    assert out.dtype == torch.float16
+    assert_close(out, rms_norm_reference(x, weight, EPS, 1.0, True), INTERPRETER_TOL[torch.float16])
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
@@ -272,6 +302,22 @@ def test_rms_norm_gpu(case, dtype):
     assert_close(run_poisoned(rms_norm, x, weight, EPS), rms_norm_reference(x, weight, EPS), GPU_TOL[dtype])
     normed, summed = run_poisoned(fused_add_rms_norm, x, residual, weight, EPS)
     expected_normed, expected_summed = fused_add_rms_norm_reference(x, residual, weight, EPS)
+    assert torch.equal(summed, expected_summed)
+    assert_close(normed, expected_normed, GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_TOL)
+@pytest.mark.parametrize("variant", NORM_VARIANTS)
+def test_rms_norm_variants_gpu(variant, dtype):
+    torch.manual_seed(0)
+    options = NORM_VARIANTS[variant]
+    x, residual = GPU_NORM_CASES["rows"](dtype), GPU_NORM_CASES["rows"](dtype)
+    weight = (torch.randn(x.shape[-1], device="cuda") * 0.2).to(dtype)
+    assert_close(run_poisoned(rms_norm, x, weight, EPS, *options), rms_norm_reference(x, weight, EPS, *options),
+                 GPU_TOL[dtype])
+    normed, summed = run_poisoned(fused_add_rms_norm, x, residual, weight, EPS, *options)
+    expected_normed, expected_summed = fused_add_rms_norm_reference(x, residual, weight, EPS, *options)
     assert torch.equal(summed, expected_summed)
     assert_close(normed, expected_normed, GPU_TOL[dtype])
 

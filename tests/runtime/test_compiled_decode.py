@@ -9,12 +9,14 @@ import runtime.compiled_decode
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 from tests.models.test_moe import MIXTRAL
+from tests.models.test_parity import VARIANTS
 
 ARCHITECTURES = {
     "llama": tiny_config("llama"),
     "mistral-window": tiny_config("mistral", sliding_window=6),
     "qwen3": tiny_config("qwen3", head_dim=16),  # q/k norm
     "mixtral": tiny_config("mixtral", **MIXTRAL),  # the experts stay an opaque op in the graph
+    "gemma2": VARIANTS["gemma2"],  # four norm slots, soft-capped attention and logits, scaled embeddings
 }
 # 18 prompts, at most 20 at once: steps of 17 or 18 decodes run eagerly, steps of 16 and fewer
 # compiled; the lengths differ, so the batch shrinks one sequence at a time down to one.

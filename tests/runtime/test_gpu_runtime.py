@@ -81,8 +81,15 @@ def assert_graphs_give_the_eager_tokens(model):
     assert [o.token_ids for o in again] == [o.token_ids for o in eager]
 
 
-def test_cuda_graphs_give_the_eager_tokens():
-    assert_graphs_give_the_eager_tokens(AutoModelForCausalLM.from_hf(random_hf(tiny_config("qwen3", **SMALL, head_dim=64))))
+GRAPHED = {
+    "qwen3": tiny_config("qwen3", **SMALL, head_dim=64),
+    "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
+}
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_cuda_graphs_give_the_eager_tokens(name):
+    assert_graphs_give_the_eager_tokens(AutoModelForCausalLM.from_hf(random_hf(GRAPHED[name])))
 
 
 def test_graph_replayed_twice_gives_the_same_logits():

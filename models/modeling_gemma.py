@@ -1,0 +1,24 @@
+"""Gemma: Llama's pre-norm block with RMSNorm weights stored as offsets from one and multiplied in
+float32, embeddings scaled by ``sqrt(hidden_size)``, a gelu-tanh gated MLP, tied embeddings."""
+
+from functools import partial
+
+from layers import RMSNorm
+from models.auto import register
+from models.base import CausalLM, DecoderLayer
+from models.modeling_llama import LlamaAttention, LlamaMLP
+
+GemmaRMSNorm = partial(RMSNorm, weight_offset=1.0, multiply_in_float32=True)
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    rms_norm = GemmaRMSNorm
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, LlamaAttention(config, layer_idx), LlamaMLP(config))
+
+
+@register("GemmaForCausalLM")
+class GemmaForCausalLM(CausalLM):
+    decoder_layer = GemmaDecoderLayer
+    scale_embeddings = True

@@ -1,0 +1,39 @@
+"""OLMo 2: Llama's attention and MLP in a block of post-norms only, RMSNorm on q and k over the
+whole projection (before splitting into heads), every weight multiply in float32.
+
+    x -> attn -> RMSNorm -> + x -> MLP -> RMSNorm -> +
+"""
+
+from functools import partial
+
+from layers import Attention, RMSNorm
+from models.auto import register
+from models.base import CausalLM, DecoderLayer, NormSlots, attention_shape
+from models.modeling_llama import LlamaMLP
+
+Olmo2RMSNorm = partial(RMSNorm, multiply_in_float32=True)
+
+
+class Olmo2Attention(Attention):
+    def __init__(self, config, layer_idx: int):
+        bias = config.attention_bias
+        super().__init__(
+            **attention_shape(config, layer_idx), qkv_bias=bias, o_bias=bias, qk_norm_eps=config.rms_norm_eps,
+            qk_norm_per_head=False, rms_norm=Olmo2RMSNorm,
+        )
+
+
+class Olmo2DecoderLayer(DecoderLayer):
+    norms = NormSlots(
+        pre_attention=None, post_attention="post_attention_layernorm", pre_mlp=None,
+        post_mlp="post_feedforward_layernorm",
+    )
+    rms_norm = Olmo2RMSNorm
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, Olmo2Attention(config, layer_idx), LlamaMLP(config))
+
+
+@register("Olmo2ForCausalLM")
+class Olmo2ForCausalLM(CausalLM):
+    decoder_layer = Olmo2DecoderLayer

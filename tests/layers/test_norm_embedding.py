@@ -1,0 +1,46 @@
+"""RMSNorm's variants and the scaled embedding against HuggingFace's modules, bit for bit."""
+
+import pytest
+import torch
+from transformers.models.gemma2 import modeling_gemma2 as hf_gemma2
+from transformers.models.llama import modeling_llama as hf_llama
+from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
+
+from layers import RMSNorm, VocabEmbedding
+
+VARIANTS = {  # HF's module -> the options of zoo's RMSNorm that reproduce it
+    "llama": (hf_llama.LlamaRMSNorm, {}),
+    "gemma2": (hf_gemma2.Gemma2RMSNorm, {"weight_offset": 1.0, "multiply_in_float32": True}),
+    "olmo2": (hf_olmo2.Olmo2RMSNorm, {"multiply_in_float32": True}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rms_norm_variants_equal_hf(variant, dtype):
+    hf_class, options = VARIANTS[variant]
+    torch.manual_seed(0)
+    reference = hf_class(64, eps=1e-6)
+    reference.weight.data = torch.randn(64)
+    reference.to(dtype)
+    norm = RMSNorm(64, 1e-6, **options)
+    norm.weight.data = reference.weight.data.clone()
+    x, residual = torch.randn(2, 5, 64, dtype=dtype), torch.randn(2, 5, 64, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(norm(x), reference(x))
+        normed, summed = norm(x, residual)
+        assert torch.equal(summed, x + residual)
+        assert torch.equal(normed, reference(x + residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_embedding_scale_is_rounded_to_the_dtype_as_hf_does(dtype):
+    torch.manual_seed(0)
+    reference = hf_gemma2.Gemma2TextScaledWordEmbedding(97, 3072, padding_idx=0, embed_scale=3072**0.5).to(dtype)
+    embedding = VocabEmbedding(97, 3072, scale=3072**0.5)
+    embedding.weight.data = reference.weight.data.clone()
+    ids = torch.tensor([[3, 1, 96, 40]])
+    with torch.no_grad():
+        assert torch.equal(embedding(ids), reference(ids))
+    if dtype == torch.bfloat16:  # sqrt(3072) = 55.43 is 55.5 in bfloat16
+        assert torch.equal(embedding(ids), embedding.weight[ids] * 55.5)

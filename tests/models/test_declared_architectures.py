@@ -1,0 +1,124 @@
+"""Gemma, Gemma 2 and OLMo 2, brought up as declarations of the shared layers: token-identical
+greedy generation through the runtime, every ``zoo diff`` row within tolerance, and each forward
+path computing its logits once."""
+
+import json
+
+import pytest
+import torch
+
+from layers import AttentionMetadata
+from models import AutoModelForCausalLM
+from models.base import NormSlots
+from runtime import LLM, SamplingParams
+from runtime.diff import diff_checkpoint
+from tests.conftest import hf_model, relative_error, save_checkpoint
+from tests.models.test_parity import TOLERANCE, VARIANTS
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+TOKENS = torch.tensor([[5, 17, 3, 88, 42, 7, 1, 60, 23, 9, 14]])
+BLOCK_NORMS = {
+    "gemma": ["input_layernorm", "post_attention_layernorm"],
+    "gemma2": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+    "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+    for name in BLOCK_NORMS:
+        model = hf_model(VARIANTS[name])
+        made[name] = (save_checkpoint(model, tmp_path_factory.mktemp(name)), model)
+    return made
+
+
+def test_gemma2_reference_attends_eagerly(checkpoints):
+    """HF runs Gemma 2 in its eager attention, the one of its paths that soft-caps the scores."""
+    assert checkpoints["gemma2"][1].config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("name", BLOCK_NORMS)
+def test_blocks_hold_the_declared_norms_under_hf_names(name, checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[name][0])
+    layer = model.model.layers[0]
+    assert sorted(child for child, _ in layer.named_children()) == sorted(["self_attn", "mlp", *BLOCK_NORMS[name]])
+    assert [n for n, _ in layer.named_parameters() if "norm" in n and "self_attn" not in n] == [
+        f"{norm}.weight" for norm in BLOCK_NORMS[name]
+    ]
+
+
+@pytest.mark.parametrize("name", BLOCK_NORMS)
+def test_greedy_matches_hf_generate(name, checkpoints):
+    from tests.runtime.test_runtime import prompts
+
+    path, reference = checkpoints[name]
+    batch = prompts(4, seed=2, low=4, high=30)
+    outputs = LLM(str(path), device="cpu", block_size=4).generate(batch, GREEDY, use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert output.error is None
+        assert output.token_ids == expected.tolist()
+
+
+@pytest.mark.parametrize("runtime_steps", [None, 3], ids=["cache-free", "runtime"])
+@pytest.mark.parametrize("name", BLOCK_NORMS)
+def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
+    rows = diff_checkpoint(checkpoints[name][0], input_ids=TOKENS, runtime_steps=runtime_steps)
+    paths = [r.path.rpartition("/")[2] for r in rows]
+    for norm in BLOCK_NORMS[name]:
+        assert f"model.layers.1.{norm}" in paths
+    assert paths[-3:] == ["model.norm", "lm_head", "logits"]
+    assert all(r.ok and r.relative < TOLERANCE for r in rows), [(r.path, r.relative) for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"])
+def test_gemma2_declarations_are_visible_in_the_logits(field, checkpoints, tmp_path, input_ids):
+    """Each Gemma 2 setting moves the logits far past the tolerance: dropping one is caught."""
+    path, reference = checkpoints["gemma2"]
+    fields = json.loads((path / "config.json").read_text())
+    fields[field] = None if field != "query_pre_attn_scalar" else fields["head_dim"]
+    changed = save_checkpoint(hf_model(VARIANTS["gemma2"]), tmp_path / "changed")
+    (changed / "config.json").write_text(json.dumps(fields))
+    model = AutoModelForCausalLM.from_pretrained(changed)
+    with torch.no_grad():
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
+
+
+def test_every_forward_path_computes_logits_once(checkpoints, monkeypatch):
+    path, _ = checkpoints["gemma2"]
+    llm = LLM(str(path), device="cpu", block_size=4)
+    model = llm.model
+    calls = {"forward": 0, "compute_logits": 0}
+    for name in calls:
+        method = getattr(model, name)
+
+        def counted(*args, name=name, method=method, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(model, name, counted)
+    with torch.no_grad():
+        assert model(TOKENS).shape == (1, 11, 97)  # cache-free batch: forward runs again on the flat stream
+        assert calls == {"forward": 2, "compute_logits": 1}
+        positions = torch.arange(11)
+        logits = model(TOKENS[0], positions, AttentionMetadata.causal_prefill(1, 11), logits_indices=torch.tensor([10]))
+        assert logits.shape == (1, 97) and calls == {"forward": 3, "compute_logits": 2}
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert calls["compute_logits"] == calls["forward"] - 1 > 2
+
+
+def test_final_logits_are_soft_capped(checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["gemma2"][0])
+    cap = model.config.final_logit_softcapping
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 64) * 10
+    with torch.no_grad():
+        uncapped, logits = model.lm_head(hidden), model.compute_logits(hidden)
+    assert torch.equal(logits, torch.tanh(uncapped / cap) * cap)
+    assert logits.abs().max() < cap < uncapped.abs().max()
+
+
+def test_a_module_named_for_two_norm_slots_is_an_error():
+    with pytest.raises(ValueError, match="NormSlots names a module twice"):
+        NormSlots(post_attention="input_layernorm")
