@@ -1,6 +1,7 @@
-"""Checkpoint formats: HF safetensors directories (single or sharded), GGUF files, hub repo ids,
-state dicts in memory; their configs and tokenizers; the loader that fills a model built on the
-meta device from its declarations. Nothing here imports ``models``."""
+"""Checkpoint formats: HF safetensors directories (single or sharded, FP8 block-quantised ones
+dequantised on load), GGUF files, hub repo ids, state dicts in memory; their configs and
+tokenizers; the loader that fills a model built on the meta device from its declarations.
+Nothing here imports ``models``."""
 
 from loaders.checkpoint import open_checkpoint, resolve_source
 from loaders.config import load_config, load_tokenizer

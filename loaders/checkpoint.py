@@ -4,6 +4,7 @@ whichever format it is stored."""
 import re
 from pathlib import Path
 
+from loaders.fp8 import dequantised_fp8
 from loaders.gguf_file import gguf_tensors
 from loaders.hf_dir import safetensors_tensors
 from loaders.types import CheckpointError, Source, TensorRef
@@ -41,7 +42,8 @@ def _download(repo_id: str) -> Path:
 
 
 def open_checkpoint(source: Source, config) -> dict[str, TensorRef]:
-    """Every tensor of the checkpoint by its HuggingFace name."""
+    """Every tensor of the checkpoint by its HuggingFace name; quantised tensors (GGUF blocks, FP8
+    blocks with their scales) as the float tensors they dequantise to when read."""
     if source.gguf_file:
         return gguf_tensors(source.path, config)
-    return safetensors_tensors(source.directory)
+    return dequantised_fp8(safetensors_tensors(source.directory), config, source.directory / "config.json")

@@ -10,7 +10,8 @@ from loaders.types import CheckpointError, TensorRef
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1}
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
