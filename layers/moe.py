@@ -3,7 +3,9 @@
     mlp.gate                                  router: a linear [E, H] -> softmax -> top-k
     mlp.experts.gate_up_proj [E, 2 * I, H]    the experts' gate and up projections, stacked
     mlp.experts.down_proj    [E, H, I]        the experts' down projections, stacked
-    mlp.shared_expert, mlp.shared_expert_gate optional: a dense expert every token takes, gated by a sigmoid
+    mlp.gate.e_score_correction_bias          optional: DeepSeek's bias on the scores that choose the experts
+    mlp.shared_expert, mlp.shared_expert_gate optional: a dense expert every token takes, gated by a sigmoid (Qwen2-MoE)
+    mlp.shared_experts                        optional: dense experts every token takes, ungated (DeepSeek)
 
 The experts' math is the ``zoo::moe_experts`` op; the router and the shared expert are plain layers.
 """
@@ -19,27 +21,73 @@ from ops_cuda import ACTIVATIONS, moe_experts
 
 
 class TopKRouter(nn.Module):
-    """softmax(x W^T) in float32, its top-k experts, and their weights, renormalised to sum to one
-    when ``renormalize`` (Qwen's ``norm_topk_prob``). Mixtral's top-k of the logits followed by a
-    softmax over those k is the renormalised case."""
+    """Scores every expert, picks each token's top-k, and weighs them.
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+    ``scoring="softmax"`` (Qwen, Mixtral): softmax(x W^T) in float32, its top-k, renormalised to sum
+    to one when ``renormalize`` (Qwen's ``norm_topk_prob``); Mixtral's top-k of the logits followed
+    by a softmax over those k is the renormalised case.
+
+    ``scoring="sigmoid"`` (DeepSeek-V3): sigmoid(x W^T) in float32. With ``score_correction_bias``,
+    a learned per-expert bias (HF's ``e_score_correction_bias``) is added to the scores to choose
+    the experts only; the weights are the scores themselves. With ``num_groups`` > 1, the experts
+    come from the ``topk_groups`` groups whose two best scores sum highest (group-limited top-k).
+
+    Either way the weights are then renormalised when ``renormalize`` and multiplied by
+    ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
+                 score_correction_bias: bool = False, num_groups: int = 1, topk_groups: int = 1,
+                 scaling_factor: float = 1.0):
         super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
-        self.top_k, self.renormalize = top_k, renormalize
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported router scoring {scoring!r}; supported: softmax, sigmoid")
+        if num_experts % num_groups or not 0 < topk_groups <= num_groups:
+            raise ValueError(f"n_group={num_groups} must divide the {num_experts} experts and topk_group={topk_groups} "
+                             f"must be in [1, n_group]")
+        if not 0 < top_k <= num_experts // num_groups * topk_groups:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, the {num_experts // num_groups * topk_groups} "
+                             f"experts of topk_group={topk_groups} groups of {num_experts // num_groups}]")
+        self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
+        self.num_groups, self.topk_groups, self.scaling_factor = num_groups, topk_groups, scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        if score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
-        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.scoring == "softmax":
+            weights, ids = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        else:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
+            ids = self.choose(scores)
+            weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling_factor != 1.0:
+            weights = weights * self.scaling_factor
         return weights, ids
 
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top-k experts of each token by the (bias-corrected, group-limited) scores [N, E]."""
+        if self.e_score_correction_bias is not None:
+            scores = scores + self.e_score_correction_bias.float()
+        if self.num_groups > 1:
+            grouped = scores.view(scores.shape[0], self.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            best_groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            scores = grouped.masked_fill(~kept[..., None], float("-inf")).view_as(scores)
+        return scores.topk(self.top_k, dim=-1, sorted=False)[1]
+
     def extra_repr(self) -> str:
-        return f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.renormalize}"
+        options = f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.renormalize}"
+        if self.scoring != "softmax":
+            options += (f", scoring={self.scoring}, num_groups={self.num_groups}, topk_groups={self.topk_groups}, "
+                        f"scaling_factor={self.scaling_factor}")
+        return options
 
 
 class Experts(nn.Module):
@@ -84,7 +132,9 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """A sparse MoE MLP: each token through its router's top-k experts, weighted; plus, when
-    ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
+    ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``
+    (Qwen2-MoE), or when ``shared_experts_intermediate_size`` is, ``shared_experts(x)`` ungated
+    (DeepSeek). ``router_options`` are ``TopKRouter``'s scoring options."""
 
     def __init__(
         self,
@@ -95,18 +145,26 @@ class SparseMoE(nn.Module):
         hidden_act: str,
         renormalize: bool,
         shared_expert_intermediate_size: int | None = None,
+        shared_experts_intermediate_size: int | None = None,
+        **router_options,
     ):
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, **router_options)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, hidden_act)
         if shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
             self.shared_expert_gate = Linear(hidden_size, 1)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        if shared_experts_intermediate_size:
+            self.shared_experts = GatedMLP(hidden_size, shared_experts_intermediate_size, hidden_act)
+        else:
+            self.shared_experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out
