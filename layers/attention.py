@@ -198,6 +198,8 @@ class Attention(nn.Module):
     ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``).
     """
 
+    serves_paged_cache = True  # the attention backends attend over its paged K/V cache
+
     def __init__(
         self,
         hidden_size: int,

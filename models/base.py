@@ -14,7 +14,7 @@ from dataclasses import astuple, dataclass
 import torch
 from torch import nn
 
-from layers import Attention, AttentionMetadata, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from layers import Attention, AttentionMetadata, LMHead, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding
 
 
 def head_dim(config) -> int:
@@ -204,8 +204,17 @@ class CausalLM(nn.Module):
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], ...]]:
         """Per layer that keeps a KV cache, in order: the shape of one token's entry in each of its
-        pools (K and V, [kv_heads, head_dim] each, for ``layers.Attention``)."""
-        return [layer.kv_cache_shapes for layer in self._attention_layers()]
+        pools (K and V, [kv_heads, head_dim] each, for ``layers.Attention``; one latent entry for
+        ``layers.MLAttention``). Refuses a model with a layer the attention backends cannot yet
+        serve from a paged cache, before any cache is sized or allocated."""
+        layers = self._attention_layers()
+        unserved = sorted({type(layer).__name__ for layer in layers if not layer.serves_paged_cache})
+        if unserved:
+            raise NotImplementedError(
+                f"{type(self).__name__}: zoo's runtime has no paged KV cache for {', '.join(unserved)} yet (the "
+                f"latent cache of multi-head latent attention); run the model's cache-free forward(input_ids[B, T])"
+            )
+        return [layer.kv_cache_shapes for layer in layers]
 
     def bind_kv_cache(self, backend, pools: list[tuple[torch.Tensor, ...]]) -> None:
         """Attend with ``backend`` (``layers.attention.select_backend``) over ``pools``: per entry of
@@ -231,5 +240,5 @@ class CausalLM(nn.Module):
         positions on the host (dynamic rope scaling)."""
         return self.model.rotary_emb.rope_type != "dynamic"
 
-    def _attention_layers(self) -> list[Attention]:
-        return [module for module in self.modules() if isinstance(module, Attention)]
+    def _attention_layers(self) -> list[Attention | MLAttention]:
+        return [module for module in self.modules() if isinstance(module, (Attention, MLAttention))]
