@@ -1,0 +1,172 @@
+"""DeepSeek-V3 against HuggingFace, float32 on CPU: logits across its attention and routing variants,
+from checkpoints in both config layouts; multi-head latent attention's two forms; the MTP layers of
+real checkpoints skipped on load; the layer-by-layer diff; the runtime's early refusal."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from layers import AttentionMetadata
+from models import AutoModelForCausalLM
+from ops_cuda.paged_attention import attention_mask
+from runtime import LLM
+from runtime.diff import diff_models
+from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+from tests.models.test_parity import assert_matches
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+DEEPSEEK = dict(
+    num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+    n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=16,
+    n_shared_experts=2, first_k_dense_replace=1, num_hidden_layers=3, routed_scaling_factor=2.5,
+    rope_interleave=True, norm_topk_prob=True,
+)
+
+
+def deepseek_config(**overrides):
+    return tiny_config("deepseek_v3", **{**DEEPSEEK, **overrides})
+
+
+VARIANTS = {
+    "q_lora-interleaved-groups": deepseek_config(),
+    "no_q_lora": deepseek_config(q_lora_rank=None),
+    "yarn": deepseek_config(max_position_embeddings=64, rope_parameters=YARN),
+    "neox_rope-no_norm_topk": deepseek_config(rope_interleave=False, norm_topk_prob=False),
+    "one_group-all_dense_but_last": deepseek_config(n_group=1, topk_group=1, first_k_dense_replace=2),
+    "attention_bias": deepseek_config(attention_bias=True),
+}
+
+
+def deepseek_hf_model(config):
+    """HF's model with a non-zero score correction bias (HF starts it at zero), large enough to change
+    which experts are chosen."""
+    model = hf_model(config)
+    generator = torch.Generator().manual_seed(3)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
+    return model
+
+
+@pytest.fixture
+def make_deepseek(tmp_path):
+    def make(config):
+        model = deepseek_hf_model(config)
+        return save_checkpoint(model, tmp_path / "ckpt"), model
+
+    return make
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_huggingface(variant, make_deepseek, input_ids):
+    path, reference = make_deepseek(VARIANTS[variant])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_correction_bias_changes_the_choice_not_the_weights(make_deepseek, input_ids):
+    """The bias is used: zeroing it in zoo's model moves the logits off HuggingFace's."""
+    path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.zero_()
+    with torch.no_grad():
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 1e-3
+
+
+@pytest.mark.parametrize("qk_head_dim", ["present", "absent"])
+def test_hub_config_layout(make_deepseek, input_ids, qk_head_dim):
+    """Configs as the hub ships them: ``rope_scaling`` with ``type`` + ``rope_theta``, with or without
+    the derived ``qk_head_dim`` and ``head_dim``."""
+    path, reference = make_deepseek(VARIANTS["yarn"])
+    fields = json.loads((path / "config.json").read_text())
+    rope = fields.pop("rope_parameters")
+    fields["rope_theta"] = rope.pop("rope_theta")
+    fields["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    if qk_head_dim == "absent":
+        fields.pop("qk_head_dim", None)
+        fields.pop("head_dim", None)
+    else:
+        fields["qk_head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
+    (path / "config.json").write_text(json.dumps(fields))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_yarn_mscale_is_in_the_softmax_scale(make_deepseek, input_ids):
+    path, reference = make_deepseek(VARIANTS["yarn"])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.model.layers[0].self_attn.scale == pytest.approx(reference.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert model.model.layers[0].self_attn.scale != pytest.approx(16**-0.5)
+
+
+@pytest.mark.parametrize("variant", ["q_lora-interleaved-groups", "no_q_lora", "yarn"])
+def test_absorbed_form_equals_plain_form(variant, make_deepseek):
+    """W_UK folded into the query and W_UV applied after attending over the latents gives the plain
+    form's output, for prompt rows (causal) and a decode row (the last position over every key)."""
+    path, _ = make_deepseek(VARIANTS[variant])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    attention = model.model.layers[1].self_attn
+    torch.manual_seed(0)
+    hidden = torch.randn(20, 64)
+    positions = torch.arange(20)
+    q_nope, q_rope, latent, k_rope = attention.project(hidden, model.model.rotary_emb(positions))
+    for rows in (slice(0, 20), slice(19, 20)):
+        mask = attention_mask(positions[rows], 20, None)
+        plain = attention.plain_attention(q_nope[rows], q_rope[rows], latent, k_rope, mask)
+        absorbed = attention.absorbed_attention(q_nope[rows], q_rope[rows], latent, k_rope, mask)
+        assert plain.shape == (rows.stop - rows.start, 4, 12)
+        assert relative_error(absorbed, plain) <= 1e-5
+
+
+def test_flat_stream_of_unequal_sequences_equals_each_alone(make_deepseek):
+    path, _ = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(2)
+    first, second = torch.randint(0, 97, (1, 9)), torch.randint(0, 97, (1, 5))
+    flat = torch.cat((first[0], second[0]))
+    positions = torch.cat((torch.arange(9), torch.arange(5)))
+    with torch.no_grad():
+        logits = model(flat, positions, AttentionMetadata(query_lens=[9, 5]))
+        assert relative_error(logits[:9], model(first)[0]) <= 1e-6
+        assert relative_error(logits[9:], model(second)[0]) <= 1e-6
+
+
+def test_kv_cache_entry_is_one_latent_per_token(make_deepseek):
+    path, _ = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert [layer.self_attn.kv_cache_shapes for layer in model.model.layers] == [((16 + 8,),)] * 3
+
+
+def test_mtp_layers_in_the_checkpoint_are_skipped(make_deepseek, input_ids):
+    """Real checkpoints carry ``num_nextn_predict_layers`` extra layers past ``num_hidden_layers``."""
+    path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
+    tensors = load_file(path / "model.safetensors")
+    mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone()
+           for name, t in tensors.items() if name.startswith("model.layers.2.")}
+    mtp.update({"model.layers.3.enorm.weight": torch.ones(64), "model.layers.3.eh_proj.weight": torch.ones(64, 128)})
+    save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_diff_rows_within_tolerance(make_deepseek, input_ids):
+    path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    rows = diff_models(model, reference, input_ids)
+    assert len(rows) >= 3 + 2
+    assert all(row.ok for row in rows), rows
+
+
+def test_runtime_refuses_early_and_clearly(make_deepseek):
+    path, _ = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(NotImplementedError, match="no paged KV cache for DeepseekV3Attention"):
+        LLM(model, tokenizer=object())
