@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from layers.attention import AttentionMetadata
+from layers.attention import AttentionMetadata, TorchAttentionBackend
 from layers.linear import Linear
 from layers.norm import RMSNorm
 from ops_cuda import apply_rotary
@@ -33,10 +33,6 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """Multi-head latent attention; ``scale`` multiplies the scores (HF's, YaRN's mscale included:
     the model computes it), ``rope_interleave`` rotates the rope part in DeepSeek's interleaved pairs."""
-
-    # The runtime's torch and Triton attention backends have no path over a latent cache yet: the
-    # model refuses a paged KV cache (CausalLM.kv_cache_spec) instead of failing inside a step.
-    serves_paged_cache = False
 
     def __init__(
         self,
@@ -68,6 +64,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = rms_norm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        # Set through the model's bind_kv_cache: one pool, [blocks, block_size, kv_lora_rank + qk_rope_head_dim].
+        self.backend = TorchAttentionBackend()
         self.kv_cache: tuple[torch.Tensor] | None = None
 
     @property
@@ -76,17 +74,18 @@ class MLAttention(nn.Module):
         return ((self.kv_lora_rank + self.qk_rope_head_dim,),)
 
     def forward(self, hidden_states, position_embeddings, metadata: AttentionMetadata) -> torch.Tensor:
-        if metadata.slot_mapping is not None:
-            raise NotImplementedError("MLAttention has no paged latent KV cache path yet; run the cache-free forward")
         n = hidden_states.shape[0]
         q_nope, q_rope, latent, k_rope = self.project(hidden_states, position_embeddings)
-        out, start = [], 0
-        for length in metadata.query_lens:  # cache-free causal prefill of each sequence
-            rows = slice(start, start + length)
-            mask = attention_mask(torch.arange(length, device=hidden_states.device), length, None)
-            out.append(self.plain_attention(q_nope[rows], q_rope[rows], latent[rows], k_rope[rows], mask))
-            start += length
-        out = torch.cat(out) if len(out) > 1 else out[0]
+        if metadata.slot_mapping is not None:
+            out = self.backend.attend_latent(self, q_nope, q_rope, latent, k_rope, metadata)
+        else:
+            out, start = [], 0
+            for length in metadata.query_lens:  # cache-free causal prefill of each sequence
+                rows = slice(start, start + length)
+                mask = attention_mask(torch.arange(length, device=hidden_states.device), length, None)
+                out.append(self.plain_attention(q_nope[rows], q_rope[rows], latent[rows], k_rope[rows], mask))
+                start += length
+            out = torch.cat(out) if len(out) > 1 else out[0]
         return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
 
     def project(self, hidden_states, position_embeddings):
@@ -117,16 +116,19 @@ class MLAttention(nn.Module):
 
     def absorbed_attention(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
         """``plain_attention`` with W_UK folded into the query and W_UV applied after attending over
-        the latents: the keys are never decompressed."""
+        the latents: the keys are never decompressed. Takes a leading batch of sequences too
+        (q [..., Tq, H, *], latent/k_rope [..., Tk, *], mask [..., Tq, Tk]): decode steps."""
         w_uk, w_uv = self.kv_b_proj.weight.reshape(self.num_heads, -1, self.kv_lora_rank).split(
             [self.qk_nope_head_dim, self.v_head_dim], dim=1
         )
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        scores = torch.einsum("thr,sr->hts", q_latent, latent) + torch.einsum("thd,sd->hts", q_rope, k_rope)
-        scores = (scores * self.scale).masked_fill(~mask, float("-inf"))
+        q_latent = torch.einsum("...thn,hnr->...thr", q_nope, w_uk)
+        scores = torch.einsum("...thr,...sr->...hts", q_latent, latent) + torch.einsum(
+            "...thd,...sd->...hts", q_rope, k_rope
+        )
+        scores = (scores * self.scale).masked_fill(~mask.unsqueeze(-3), float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(latent.dtype)
-        attended = torch.einsum("hts,sr->thr", probs, latent)
-        return torch.einsum("thr,hvr->thv", attended, w_uv)
+        attended = torch.einsum("...hts,...sr->...thr", probs, latent)
+        return torch.einsum("...thr,hvr->...thv", attended, w_uv)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "

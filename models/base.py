@@ -204,17 +204,9 @@ class CausalLM(nn.Module):
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], ...]]:
         """Per layer that keeps a KV cache, in order: the shape of one token's entry in each of its
-        pools (K and V, [kv_heads, head_dim] each, for ``layers.Attention``; one latent entry for
-        ``layers.MLAttention``). Refuses a model with a layer the attention backends cannot yet
-        serve from a paged cache, before any cache is sized or allocated."""
-        layers = self._attention_layers()
-        unserved = sorted({type(layer).__name__ for layer in layers if not layer.serves_paged_cache})
-        if unserved:
-            raise NotImplementedError(
-                f"{type(self).__name__}: zoo's runtime has no paged KV cache for {', '.join(unserved)} yet (the "
-                f"latent cache of multi-head latent attention); run the model's cache-free forward(input_ids[B, T])"
-            )
-        return [layer.kv_cache_shapes for layer in layers]
+        pools (K and V, [kv_heads, head_dim] each, for ``layers.Attention``; one latent pool for
+        ``layers.MLAttention``)."""
+        return [layer.kv_cache_shapes for layer in self._attention_layers()]
 
     def bind_kv_cache(self, backend, pools: list[tuple[torch.Tensor, ...]]) -> None:
         """Attend with ``backend`` (``layers.attention.select_backend``) over ``pools``: per entry of
@@ -237,8 +229,10 @@ class CausalLM(nn.Module):
     @property
     def capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph or compiled: not where it reads
-        positions on the host (dynamic rope scaling)."""
-        return self.model.rotary_emb.rope_type != "dynamic"
+        positions on the host (dynamic rope scaling), nor with latent attention, whose paged path
+        is the PyTorch reference, which reads the sequences' lengths on the host."""
+        latent = any(isinstance(layer, MLAttention) for layer in self._attention_layers())
+        return self.model.rotary_emb.rope_type != "dynamic" and not latent
 
     def _attention_layers(self) -> list[Attention | MLAttention]:
         return [module for module in self.modules() if isinstance(module, (Attention, MLAttention))]

@@ -1,6 +1,7 @@
 """DeepSeek-V3 against HuggingFace, float32 on CPU: logits across its attention and routing variants,
 from checkpoints in both config layouts; multi-head latent attention's two forms; the MTP layers of
-real checkpoints skipped on load; the layer-by-layer diff; the runtime's early refusal."""
+real checkpoints skipped on load; the layer-by-layer diff; the runtime over the latent paged cache,
+token-identical to HF's greedy generate through prefix-cache hits, chunked prefill and preemption."""
 
 import json
 
@@ -11,10 +12,12 @@ from safetensors.torch import load_file, save_file
 from layers import AttentionMetadata
 from models import AutoModelForCausalLM
 from ops_cuda.paged_attention import attention_mask
-from runtime import LLM
+from runtime import LLM, SamplingParams
 from runtime.diff import diff_models
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 from tests.models.test_parity import assert_matches
+from tests.runtime.test_runtime import GREEDY, token_ids
+from tests.runtime.test_runtime import prompts as runtime_prompts
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
         "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
@@ -165,8 +168,51 @@ def test_diff_rows_within_tolerance(make_deepseek, input_ids):
     assert all(row.ok for row in rows), rows
 
 
-def test_runtime_refuses_early_and_clearly(make_deepseek):
-    path, _ = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
-    model = AutoModelForCausalLM.from_pretrained(path)
-    with pytest.raises(NotImplementedError, match="no paged KV cache for DeepseekV3Attention"):
-        LLM(model, tokenizer=object())
+@pytest.fixture(scope="module")
+def runtime_checkpoint(tmp_path_factory):
+    reference = deepseek_hf_model(VARIANTS["q_lora-interleaved-groups"])
+    return save_checkpoint(reference, tmp_path_factory.mktemp("deepseek")), reference
+
+
+def deepseek_llm(path, **options):
+    return LLM(str(path), device="cpu", block_size=4, **options)
+
+
+def test_the_kv_cache_holds_one_latent_pool_per_layer(runtime_checkpoint):
+    path, _ = runtime_checkpoint
+    engine = deepseek_llm(path).engine
+    assert [tuple(pool.shape[1:]) for (pool,) in engine.kv_cache.pools] == [(4, 16 + 8)] * 3
+    assert not engine.runner.model.capturable
+
+
+def test_greedy_matches_hf_generate(runtime_checkpoint):
+    path, reference = runtime_checkpoint
+    batch = runtime_prompts(5, seed=0, low=1, high=40)
+    outputs = deepseek_llm(path).generate(batch, GREEDY, use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert output.token_ids == expected.tolist()
+
+
+def test_chunked_prefill_prefix_cache_hits_and_preemption_change_nothing(runtime_checkpoint):
+    path, _ = runtime_checkpoint
+    shared = runtime_prompts(1, seed=2, low=20, high=20)[0]
+    batch = [shared + tail for tail in runtime_prompts(4, seed=3, low=1, high=9)] + runtime_prompts(2, seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    solo = [token_ids(deepseek_llm(path, enable_prefix_caching=False).generate([p], params, use_tqdm=False))[0]
+            for p in batch]
+    cached = deepseek_llm(path)
+    assert token_ids(cached.generate(batch, params, use_tqdm=False)) == solo
+    again = cached.generate(batch, params, use_tqdm=False)
+    assert token_ids(again) == solo and all(o.num_cached_tokens >= 16 for o in again[:4])
+    chunked = deepseek_llm(path, max_num_batched_tokens=7)
+    assert token_ids(chunked.generate(batch, params, use_tqdm=False)) == solo
+    tight = deepseek_llm(path, num_blocks=16)
+    assert token_ids(tight.generate(batch, params, use_tqdm=False)) == solo
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_compiled_decode_is_refused_clearly(runtime_checkpoint):
+    path, _ = runtime_checkpoint
+    with pytest.raises(ValueError, match="compile_decode: .* latent attention's paged path"):
+        deepseek_llm(path, compile_decode=True)
