@@ -56,6 +56,12 @@ class TopKRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def empty_parameter(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Storage for a parameter when the loader materialises it: the score correction bias stays in
+        float32 in a model of any dtype (as in HF), since the experts are chosen by it."""
+        dtype = torch.float32 if name == "e_score_correction_bias" else dtype
+        return torch.empty(getattr(self, name).shape, dtype=dtype, device=device)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
         if self.scoring == "softmax":
@@ -73,7 +79,7 @@ class TopKRouter(nn.Module):
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The top-k experts of each token by the (bias-corrected, group-limited) scores [N, E]."""
         if self.e_score_correction_bias is not None:
-            scores = scores + self.e_score_correction_bias.float()
+            scores = scores + self.e_score_correction_bias
         if self.num_groups > 1:
             grouped = scores.view(scores.shape[0], self.num_groups, -1)
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from layers import AttentionMetadata
+from layers import AttentionMetadata, TopKRouter
 from models import AutoModelForCausalLM
 from ops_cuda.paged_attention import attention_mask
 from runtime import LLM, SamplingParams
@@ -69,6 +69,29 @@ def test_logits_match_huggingface(variant, make_deepseek, input_ids):
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_bfloat16_model_keeps_the_correction_bias_in_float32(make_deepseek):
+    path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.bfloat16 and gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.e_score_correction_bias, reference.model.layers[1].mlp.gate.e_score_correction_bias)
+
+
+def test_router_chooses_by_the_biased_scores_within_the_best_groups_and_weighs_by_the_scores():
+    router = TopKRouter(4, num_experts=8, top_k=2, renormalize=False, scoring="sigmoid", score_correction_bias=True,
+                        num_groups=4, topk_groups=1, scaling_factor=2.5)
+    router.weight.copy_(torch.eye(8, 4) * 4)  # token [1, 0, 0, 0]: expert 0 scores highest, then the rest equally
+    router.e_score_correction_bias.copy_(torch.tensor([0.0, 0, 0, 0, 0, 0, 5.0, 4.0]))
+    weights, ids = router(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert sorted(ids[0].tolist()) == [6, 7]  # group 3 wins by its bias alone
+    assert torch.allclose(weights[0], torch.full((2,), 0.5 * 2.5))  # sigmoid(0) each, unbiased, scaled
+    router.num_groups, router.topk_groups = 1, 1
+    router.e_score_correction_bias.zero_()
+    weights, ids = router(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert 0 in ids[0].tolist()
+    assert weights[ids == 0].item() == pytest.approx(2.5 * torch.sigmoid(torch.tensor(4.0)).item())
 
 
 def test_correction_bias_changes_the_choice_not_the_weights(make_deepseek, input_ids):
