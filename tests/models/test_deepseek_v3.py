@@ -13,7 +13,7 @@ from layers import AttentionMetadata, TopKRouter
 from models import AutoModelForCausalLM
 from ops_cuda.paged_attention import attention_mask
 from runtime import LLM, SamplingParams
-from runtime.diff import diff_models
+from runtime.diff import diff_checkpoint, diff_models, format_rows
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 from tests.models.test_parity import assert_matches
 from tests.runtime.test_runtime import GREEDY, token_ids
@@ -184,11 +184,16 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(make_deepseek, input_ids):
 
 
 def test_diff_rows_within_tolerance(make_deepseek, input_ids):
+    """``zoo diff``: cache-free, and in the runtime mode (the prefill through the latent paged cache,
+    then decode steps in the absorbed form, against HF with its cache)."""
     path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
     model = AutoModelForCausalLM.from_pretrained(path)
     rows = diff_models(model, reference, input_ids)
     assert len(rows) >= 3 + 2
-    assert all(row.ok for row in rows), rows
+    assert all(row.ok for row in rows), format_rows(rows)
+    rows = diff_checkpoint(path, input_ids=input_ids[:1, :11], runtime_steps=3)
+    assert {row.path.partition("/")[0] for row in rows} == {"prefill", "decode 1", "decode 2", "decode 3"}
+    assert all(row.ok for row in rows), format_rows(rows)
 
 
 @pytest.fixture(scope="module")
