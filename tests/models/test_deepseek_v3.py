@@ -71,6 +71,16 @@ def test_logits_match_huggingface(variant, make_deepseek, input_ids):
         assert_matches(model(input_ids), reference(input_ids).logits)
 
 
+def test_stacked_experts_layout(tmp_path, input_ids):
+    """Checkpoints as transformers 5 writes its own module layout: experts stacked."""
+    reference = deepseek_hf_model(VARIANTS["q_lora-interleaved-groups"])
+    path = save_checkpoint(reference, tmp_path / "stacked", save_original_format=False)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(path / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
 def test_bfloat16_model_keeps_the_correction_bias_in_float32(make_deepseek):
     path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
     model = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16")
