@@ -45,6 +45,8 @@ class TopKRouter(nn.Module):
         if num_experts % num_groups or not 0 < topk_groups <= num_groups:
             raise ValueError(f"n_group={num_groups} must divide the {num_experts} experts and topk_group={topk_groups} "
                              f"must be in [1, n_group]")
+        if num_groups > 1 and num_experts // num_groups < 2:  # a group is ranked by its two best experts
+            raise ValueError(f"n_group={num_groups} leaves fewer than 2 of the {num_experts} experts in a group")
         if not 0 < top_k <= num_experts // num_groups * topk_groups:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, the {num_experts // num_groups * topk_groups} "
                              f"experts of topk_group={topk_groups} groups of {num_experts // num_groups}]")

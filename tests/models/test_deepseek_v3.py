@@ -104,6 +104,19 @@ def test_router_chooses_by_the_biased_scores_within_the_best_groups_and_weighs_b
     assert weights[ids == 0].item() == pytest.approx(2.5 * torch.sigmoid(torch.tensor(4.0)).item())
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(num_groups=3, topk_groups=1), "n_group=3 must divide the 8 experts"),
+    (dict(num_groups=4, topk_groups=5), "topk_group=5 must be in"),
+    (dict(num_groups=8, topk_groups=2), "fewer than 2 of the 8 experts in a group"),
+    (dict(num_groups=4, topk_groups=1, top_k=3), "num_experts_per_tok=3 must be in \\[1, the 2 experts"),
+    (dict(scoring="tanh"), "unsupported router scoring 'tanh'"),
+])
+def test_router_options_that_cannot_work_are_named(options, message):
+    options = {"top_k": 2, **options}
+    with pytest.raises(ValueError, match=message):
+        TopKRouter(4, num_experts=8, renormalize=True, **options)
+
+
 def test_correction_bias_changes_the_choice_not_the_weights(make_deepseek, input_ids):
     """The bias is used: zeroing it in zoo's model moves the logits off HuggingFace's."""
     path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
