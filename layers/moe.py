@@ -45,11 +45,13 @@ class TopKRouter(nn.Module):
         if num_experts % num_groups or not 0 < topk_groups <= num_groups:
             raise ValueError(f"n_group={num_groups} must divide the {num_experts} experts and topk_group={topk_groups} "
                              f"must be in [1, n_group]")
-        if num_groups > 1 and num_experts // num_groups < 2:  # a group is ranked by its two best experts
+        group_size = num_experts // num_groups
+        if not 0 < top_k <= group_size * topk_groups:
+            choosable = (f"num_experts={num_experts}" if num_groups == 1 else
+                         f"the {group_size * topk_groups} experts of topk_group={topk_groups} groups of {group_size}")
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {choosable}]")
+        if num_groups > 1 and group_size < 2:  # a group is ranked by its two best experts
             raise ValueError(f"n_group={num_groups} leaves fewer than 2 of the {num_experts} experts in a group")
-        if not 0 < top_k <= num_experts // num_groups * topk_groups:
-            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, the {num_experts // num_groups * topk_groups} "
-                             f"experts of topk_group={topk_groups} groups of {num_experts // num_groups}]")
         self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
         self.num_groups, self.topk_groups, self.scaling_factor = num_groups, topk_groups, scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)

@@ -109,6 +109,7 @@ def test_router_chooses_by_the_biased_scores_within_the_best_groups_and_weighs_b
     (dict(num_groups=4, topk_groups=5), "topk_group=5 must be in"),
     (dict(num_groups=8, topk_groups=2), "fewer than 2 of the 8 experts in a group"),
     (dict(num_groups=4, topk_groups=1, top_k=3), "num_experts_per_tok=3 must be in \\[1, the 2 experts"),
+    (dict(top_k=9), "num_experts_per_tok=9 must be in \\[1, num_experts=8\\]"),
     (dict(scoring="tanh"), "unsupported router scoring 'tanh'"),
 ])
 def test_router_options_that_cannot_work_are_named(options, message):
@@ -150,8 +151,9 @@ def test_hub_config_layout(make_deepseek, input_ids, qk_head_dim):
 def test_yarn_mscale_is_in_the_softmax_scale(make_deepseek, input_ids):
     path, reference = make_deepseek(VARIANTS["yarn"])
     model = AutoModelForCausalLM.from_pretrained(path)
-    assert model.model.layers[0].self_attn.scale == pytest.approx(reference.model.layers[0].self_attn.scaling, rel=1e-12)
-    assert model.model.layers[0].self_attn.scale != pytest.approx(16**-0.5)
+    scale = model.model.layers[0].self_attn.scale
+    assert scale == pytest.approx(reference.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert scale != pytest.approx(16**-0.5)
 
 
 @pytest.mark.parametrize("variant", ["q_lora-interleaved-groups", "no_q_lora", "yarn"])
