@@ -118,7 +118,7 @@ def test_router_options_that_cannot_work_are_named(options, message):
         TopKRouter(4, num_experts=8, renormalize=True, **options)
 
 
-def test_correction_bias_changes_the_choice_not_the_weights(make_deepseek, input_ids):
+def test_the_correction_bias_is_used(make_deepseek, input_ids):
     """The bias is used: zeroing it in zoo's model moves the logits off HuggingFace's."""
     path, reference = make_deepseek(VARIANTS["q_lora-interleaved-groups"])
     model = AutoModelForCausalLM.from_pretrained(path)
