@@ -29,8 +29,11 @@ class TopKRouter(nn.Module):
 
     ``scoring="sigmoid"`` (DeepSeek-V3): sigmoid(x W^T) in float32. With ``score_correction_bias``,
     a learned per-expert bias (HF's ``e_score_correction_bias``) is added to the scores to choose
-    the experts only; the weights are the scores themselves. With ``num_groups`` > 1, the experts
-    come from the ``topk_groups`` groups whose two best scores sum highest (group-limited top-k).
+    the experts only; the weights are the scores themselves.
+
+    With ``num_groups`` > 1 (group-limited top-k, DeepSeek-V2 and V3), the logits are taken in
+    float32 and the experts come from the ``topk_groups`` groups that score highest, a group scored
+    by its best expert (``group_score="max"``, V2) or its two best summed (``"top2_sum"``, V3).
 
     Either way the weights are then renormalised when ``renormalize`` and multiplied by
     ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``).
@@ -38,7 +41,7 @@ class TopKRouter(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
                  score_correction_bias: bool = False, num_groups: int = 1, topk_groups: int = 1,
-                 scaling_factor: float = 1.0):
+                 group_score: str = "top2_sum", scaling_factor: float = 1.0):
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"unsupported router scoring {scoring!r}; supported: softmax, sigmoid")
@@ -50,10 +53,13 @@ class TopKRouter(nn.Module):
             choosable = (f"num_experts={num_experts}" if num_groups == 1 else
                          f"the {group_size * topk_groups} experts of topk_group={topk_groups} groups of {group_size}")
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {choosable}]")
-        if num_groups > 1 and group_size < 2:  # a group is ranked by its two best experts
+        if group_score not in ("top2_sum", "max"):
+            raise ValueError(f"unsupported group_score {group_score!r}; supported: top2_sum, max")
+        if num_groups > 1 and group_score == "top2_sum" and group_size < 2:  # ranked by its two best experts
             raise ValueError(f"n_group={num_groups} leaves fewer than 2 of the {num_experts} experts in a group")
         self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
-        self.num_groups, self.topk_groups, self.scaling_factor = num_groups, topk_groups, scaling_factor
+        self.num_groups, self.topk_groups, self.group_score = num_groups, topk_groups, group_score
+        self.scaling_factor = scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         if score_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
@@ -68,10 +74,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
-        if self.scoring == "softmax":
+        if self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None:
             weights, ids = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         else:
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()
+            logits = F.linear(x.float(), self.weight.float())
+            scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
             ids = self.choose(scores)
             weights = scores.gather(1, ids)
         if self.renormalize:
@@ -86,7 +93,10 @@ class TopKRouter(nn.Module):
             scores = scores + self.e_score_correction_bias
         if self.num_groups > 1:
             grouped = scores.view(scores.shape[0], self.num_groups, -1)
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            if self.group_score == "max":
+                group_scores = grouped.max(dim=-1).values
+            else:
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
             best_groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
             kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
             scores = grouped.masked_fill(~kept[..., None], float("-inf")).view_as(scores)
@@ -95,8 +105,11 @@ class TopKRouter(nn.Module):
     def extra_repr(self) -> str:
         options = f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.renormalize}"
         if self.scoring != "softmax":
-            options += (f", scoring={self.scoring}, num_groups={self.num_groups}, topk_groups={self.topk_groups}, "
-                        f"scaling_factor={self.scaling_factor}")
+            options += f", scoring={self.scoring}"
+        if self.num_groups > 1:
+            options += f", num_groups={self.num_groups}, topk_groups={self.topk_groups}, group_score={self.group_score}"
+        if self.scaling_factor != 1.0:
+            options += f", scaling_factor={self.scaling_factor}"
         return options
 
 

@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (also what Kimi-K2 and Moonlight checkpoints declare): multi-head latent attention and
-a DeepSeek MoE on a Llama-style pre-norm block.
+"""DeepSeek-V3 (also what Kimi-K2 and Moonlight checkpoints declare) and DeepSeek-V2: multi-head latent
+attention and a DeepSeek MoE on a Llama-style pre-norm block.
 
     x -> RMSNorm -> MLA (low-rank q, compressed KV latent, decoupled rope key) -> + x -> RMSNorm -> MLP -> +
     MLP: dense on the first ``first_k_dense_replace`` layers, else sigmoid-routed experts (score
@@ -8,6 +8,11 @@ a DeepSeek MoE on a Llama-style pre-norm block.
 
 The multi-token-prediction layers real checkpoints carry past ``num_hidden_layers``
 (``num_nextn_predict_layers`` of them) are not used for generation and are skipped on load.
+
+DeepSeek-V2 differs in its router only: softmax scores, top-k over all experts (``topk_method``
+greedy) or over the ``topk_group`` groups with the best single expert (group_limited_greedy), never
+renormalised, times ``routed_scaling_factor``. Its rope rotates the same interleaved pairs and
+writes them back in place, a fixed permutation of q's and k's rope channels that q.k does not see.
 """
 
 import math
@@ -67,3 +72,37 @@ class DeepseekV3ForCausalLM(CausalLM):
             self.ignored_checkpoint_keys = (
                 *CausalLM.ignored_checkpoint_keys, rf"^model\.layers\.({'|'.join(map(str, mtp_layers))})\."
             )
+
+
+class DeepseekV2MoE(SparseMoE):
+    def __init__(self, config):
+        if config.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"unsupported topk_method {config.topk_method!r}; supported: greedy, group_limited_greedy")
+        grouped = config.topk_method == "group_limited_greedy"
+        super().__init__(
+            config.hidden_size, config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.hidden_act, renormalize=False,
+            shared_experts_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+            num_groups=config.n_group if grouped else 1, topk_groups=config.topk_group if grouped else 1,
+            group_score="max", scaling_factor=config.routed_scaling_factor,
+        )
+
+
+class DeepseekV2Attention(MLAttention):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(
+            config.hidden_size, config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank,
+            config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, softmax_scale(config),
+            rope_interleave=True, bias=config.attention_bias,
+        )
+
+
+class DeepseekV2DecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        mlp = DeepseekV2MoE(config) if layer_idx >= config.first_k_dense_replace else LlamaMLP(config)
+        super().__init__(config, DeepseekV2Attention(config, layer_idx), mlp)
+
+
+@register("DeepseekV2ForCausalLM")
+class DeepseekV2ForCausalLM(CausalLM):
+    decoder_layer = DeepseekV2DecoderLayer

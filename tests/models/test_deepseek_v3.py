@@ -43,6 +43,16 @@ VARIANTS = {
 }
 
 
+DEEPSEEK_V2 = {k: v for k, v in DEEPSEEK.items() if k not in ("rope_interleave", "norm_topk_prob")}
+V2_VARIANTS = {
+    "v2-greedy": tiny_config("deepseek_v2", **DEEPSEEK_V2, topk_method="greedy"),
+    "v2-group_limited_greedy-no_q_lora": tiny_config(
+        "deepseek_v2", **{**DEEPSEEK_V2, "q_lora_rank": None}, topk_method="group_limited_greedy"
+    ),
+    "v2-yarn": tiny_config("deepseek_v2", **DEEPSEEK_V2, topk_method="greedy", rope_parameters=YARN),
+}
+
+
 def deepseek_hf_model(config):
     """HF's model with a non-zero score correction bias (HF starts it at zero), large enough to change
     which experts are chosen."""
@@ -116,6 +126,14 @@ def test_router_options_that_cannot_work_are_named(options, message):
     options = {"top_k": 2, **options}
     with pytest.raises(ValueError, match=message):
         TopKRouter(4, num_experts=8, renormalize=True, **options)
+
+
+@pytest.mark.parametrize("variant", V2_VARIANTS)
+def test_deepseek_v2_logits_match_huggingface(variant, make_deepseek, input_ids):
+    path, reference = make_deepseek(V2_VARIANTS[variant])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
 
 
 def test_the_correction_bias_is_used(make_deepseek, input_ids):
