@@ -3,8 +3,9 @@ SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's lo
 
     .venv/bin/python benchmarks/fidelity.py
 
-The variants are the tiny random checkpoints of tests/models/test_parity.py, and those of tests/models/test_moe.py
-in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts).
+The variants are the tiny random checkpoints of tests/models/test_parity.py, those of tests/models/test_moe.py
+in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts), and those of
+tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2).
 """
 
 import sys
@@ -19,6 +20,7 @@ from loaders.default_model import default_model_path  # noqa: E402
 from models import AutoModelForCausalLM, architecture_of  # noqa: E402
 from runtime.diff import load_reference, tokenize  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
+from tests.models.test_deepseek_v3 import V2_VARIANTS, VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model  # noqa: E402
 from tests.models.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, write_checkpoint  # noqa: E402
 from tests.models.test_parity import VARIANTS  # noqa: E402
 from tests.models.test_smollm2 import SENTENCE  # noqa: E402
@@ -48,6 +50,12 @@ def main():
                 model = AutoModelForCausalLM.from_pretrained(path)
             ours, theirs = model(input_ids), reference(input_ids).logits
             print(row(f"{name} ({layout})", architecture_of(model.config), ours, theirs), flush=True)
+    for name, config in {**{f"deepseek_v3-{n}": c for n, c in DEEPSEEK_VARIANTS.items()}, **V2_VARIANTS}.items():
+        reference = deepseek_hf_model(config)
+        with tempfile.TemporaryDirectory() as directory:
+            model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
+        print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits),
+              flush=True)
     path = default_model_path()
     input_ids = tokenize(path, SENTENCE)
     model = AutoModelForCausalLM.from_pretrained(path)

@@ -11,6 +11,7 @@ from layers.attention import (
 )
 from layers.embedding import LMHead, VocabEmbedding
 from layers.linear import Linear, MergedLinear, pack_for_cpu_decode
+from layers.mla import MLAttention
 from layers.mlp import GatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
 from layers.norm import RMSNorm
@@ -18,7 +19,7 @@ from layers.rotary import RotaryEmbedding, rope_parameters
 from layers.weights import OneOf, Shard
 
 __all__ = [
-    "Attention", "AttentionMetadata", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "RMSNorm",
+    "Attention", "AttentionMetadata", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
     "OneOf", "RotaryEmbedding", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
     "TritonAttentionBackend", "VocabEmbedding", "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
     "select_backend",

@@ -15,10 +15,12 @@ from torch import nn
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
 from ops_cuda import apply_rotary, write_kv_cache
+from ops_cuda.kv_cache import write_kv_cache_reference
 from ops_cuda.paged_attention import (
     attention_mask,
     decode_attention_at_slots,
     decode_key_slots,
+    gather_cache,
     paged_decode_attention_op,
     paged_prefill_attention_op,
     paged_prefill_attention_reference,
@@ -129,6 +131,38 @@ class TorchAttentionBackend:
             ))
         if tokens < q.shape[0]:  # decodes follow; a shape, which a compiled graph leaves dynamic
             out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window, softcap))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def attend_latent(self, layer, q_nope, q_rope, latent, k_rope, metadata: AttentionMetadata) -> torch.Tensor:
+        """Multi-head latent attention (``layers.mla.MLAttention``) over its paged latent cache, in
+        PyTorch on any device (every backend runs this path): each new token's latent and rope key
+        go into the layer's one pool through the slot mapping; prefill rows take the plain form over
+        their sequence's cached latents, decode rows the absorbed form. -> [N, H, v_head_dim]."""
+        (cache,) = layer.kv_cache  # [num_blocks, block_size, kv_lora_rank + rope]
+        rank = latent.shape[-1]
+        # The pool's latent and rope columns as two [blocks, block_size, 1, width] caches.
+        write_kv_cache_reference(latent[:, None], k_rope[:, None], cache[:, :, None, :rank], cache[:, :, None, rank:],
+                                 metadata.slot_mapping)
+        prefills, tokens = metadata.num_prefills, metadata.num_prefill_tokens
+        out = []
+        starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+        for i in range(prefills):  # new tokens at positions context..seq_len-1 over all seq_len cached entries
+            rows, seq_len = slice(starts[i], starts[i + 1]), seq_lens[i]
+            entries = gather_cache(cache, metadata.block_tables[i : i + 1], seq_len)[0]
+            mask = attention_mask(torch.arange(seq_len - (rows.stop - rows.start), seq_len, device=cache.device),
+                                  seq_len, None)
+            out.append(layer.plain_attention(q_nope[rows], q_rope[rows], entries[:, :rank], entries[:, rank:], mask))
+        if tokens < q_nope.shape[0]:
+            key = ("torch decode keys", cache.shape[1], 0)
+            if key not in metadata.derived:
+                metadata.derived[key] = decode_key_slots(
+                    metadata.block_tables[prefills:], metadata.seq_lens[prefills:], cache.shape[1], 0
+                )
+            slots, mask, attending = metadata.derived[key]
+            entries = cache.view(-1, cache.shape[-1]).index_select(0, slots.view(-1)).view(*slots.shape, -1)
+            decoded = layer.absorbed_attention(q_nope[tokens:, None], q_rope[tokens:, None], entries[..., :rank],
+                                               entries[..., rank:], mask[:, None, :])[:, 0]
+            out.append(decoded if attending is None else torch.where(attending, decoded, 0))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:

@@ -3,7 +3,9 @@
     mlp.gate                                  router: a linear [E, H] -> softmax -> top-k
     mlp.experts.gate_up_proj [E, 2 * I, H]    the experts' gate and up projections, stacked
     mlp.experts.down_proj    [E, H, I]        the experts' down projections, stacked
-    mlp.shared_expert, mlp.shared_expert_gate optional: a dense expert every token takes, gated by a sigmoid
+    mlp.gate.e_score_correction_bias          optional: DeepSeek's bias on the scores that choose the experts
+    mlp.shared_expert, mlp.shared_expert_gate optional: a dense expert every token takes, gated by a sigmoid (Qwen2-MoE)
+    mlp.shared_experts                        optional: dense experts every token takes, ungated (DeepSeek)
 
 The experts' math is the ``zoo::moe_experts`` op; the router and the shared expert are plain layers.
 """
@@ -19,27 +21,96 @@ from ops_cuda import ACTIVATIONS, moe_experts
 
 
 class TopKRouter(nn.Module):
-    """softmax(x W^T) in float32, its top-k experts, and their weights, renormalised to sum to one
-    when ``renormalize`` (Qwen's ``norm_topk_prob``). Mixtral's top-k of the logits followed by a
-    softmax over those k is the renormalised case."""
+    """Scores every expert, picks each token's top-k, and weighs them.
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+    ``scoring="softmax"`` (Qwen, Mixtral): softmax(x W^T) in float32, its top-k, renormalised to sum
+    to one when ``renormalize`` (Qwen's ``norm_topk_prob``); Mixtral's top-k of the logits followed
+    by a softmax over those k is the renormalised case.
+
+    ``scoring="sigmoid"`` (DeepSeek-V3): sigmoid(x W^T) in float32. With ``score_correction_bias``,
+    a learned per-expert bias (HF's ``e_score_correction_bias``) is added to the scores to choose
+    the experts only; the weights are the scores themselves.
+
+    With ``num_groups`` > 1 (group-limited top-k, DeepSeek-V2 and V3), the logits are taken in
+    float32 and the experts come from the ``topk_groups`` groups that score highest, a group scored
+    by its best expert (``group_score="max"``, V2) or its two best summed (``"top2_sum"``, V3).
+
+    Either way the weights are then renormalised when ``renormalize`` and multiplied by
+    ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
+                 score_correction_bias: bool = False, num_groups: int = 1, topk_groups: int = 1,
+                 group_score: str = "top2_sum", scaling_factor: float = 1.0):
         super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
-        self.top_k, self.renormalize = top_k, renormalize
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported router scoring {scoring!r}; supported: softmax, sigmoid")
+        if num_experts % num_groups or not 0 < topk_groups <= num_groups:
+            raise ValueError(f"n_group={num_groups} must divide the {num_experts} experts and topk_group={topk_groups} "
+                             f"must be in [1, n_group]")
+        group_size = num_experts // num_groups
+        if not 0 < top_k <= group_size * topk_groups:
+            choosable = (f"num_experts={num_experts}" if num_groups == 1 else
+                         f"the {group_size * topk_groups} experts of topk_group={topk_groups} groups of {group_size}")
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {choosable}]")
+        if group_score not in ("top2_sum", "max"):
+            raise ValueError(f"unsupported group_score {group_score!r}; supported: top2_sum, max")
+        if num_groups > 1 and group_score == "top2_sum" and group_size < 2:  # ranked by its two best experts
+            raise ValueError(f"n_group={num_groups} leaves fewer than 2 of the {num_experts} experts in a group")
+        self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
+        self.num_groups, self.topk_groups, self.group_score = num_groups, topk_groups, group_score
+        self.scaling_factor = scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        if score_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    def empty_parameter(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Storage for a parameter when the loader materialises it: the score correction bias stays in
+        float32 in a model of any dtype (as in HF), since the experts are chosen by it."""
+        dtype = torch.float32 if name == "e_score_correction_bias" else dtype
+        return torch.empty(getattr(self, name).shape, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
-        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None:
+            weights, ids = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        else:
+            logits = F.linear(x.float(), self.weight.float())
+            scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
+            ids = self.choose(scores)
+            weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling_factor != 1.0:
+            weights = weights * self.scaling_factor
         return weights, ids
 
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top-k experts of each token by the (bias-corrected, group-limited) scores [N, E]."""
+        if self.e_score_correction_bias is not None:
+            scores = scores + self.e_score_correction_bias
+        if self.num_groups > 1:
+            grouped = scores.view(scores.shape[0], self.num_groups, -1)
+            if self.group_score == "max":
+                group_scores = grouped.max(dim=-1).values
+            else:
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            best_groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            scores = grouped.masked_fill(~kept[..., None], float("-inf")).view_as(scores)
+        return scores.topk(self.top_k, dim=-1, sorted=False)[1]
+
     def extra_repr(self) -> str:
-        return f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.renormalize}"
+        options = f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.renormalize}"
+        if self.scoring != "softmax":
+            options += f", scoring={self.scoring}"
+        if self.num_groups > 1:
+            options += f", num_groups={self.num_groups}, topk_groups={self.topk_groups}, group_score={self.group_score}"
+        if self.scaling_factor != 1.0:
+            options += f", scaling_factor={self.scaling_factor}"
+        return options
 
 
 class Experts(nn.Module):
@@ -84,7 +155,9 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """A sparse MoE MLP: each token through its router's top-k experts, weighted; plus, when
-    ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
+    ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``
+    (Qwen2-MoE), or when ``shared_experts_intermediate_size`` is, ``shared_experts(x)`` ungated
+    (DeepSeek). ``router_options`` are ``TopKRouter``'s scoring options."""
 
     def __init__(
         self,
@@ -95,18 +168,26 @@ class SparseMoE(nn.Module):
         hidden_act: str,
         renormalize: bool,
         shared_expert_intermediate_size: int | None = None,
+        shared_experts_intermediate_size: int | None = None,
+        **router_options,
     ):
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, **router_options)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, hidden_act)
         if shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
             self.shared_expert_gate = Linear(hidden_size, 1)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        if shared_experts_intermediate_size:
+            self.shared_experts = GatedMLP(hidden_size, shared_experts_intermediate_size, hidden_act)
+        else:
+            self.shared_experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out

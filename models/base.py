@@ -14,7 +14,7 @@ from dataclasses import astuple, dataclass
 import torch
 from torch import nn
 
-from layers import Attention, AttentionMetadata, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from layers import Attention, AttentionMetadata, LMHead, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding
 
 
 def head_dim(config) -> int:
@@ -204,7 +204,8 @@ class CausalLM(nn.Module):
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], ...]]:
         """Per layer that keeps a KV cache, in order: the shape of one token's entry in each of its
-        pools (K and V, [kv_heads, head_dim] each, for ``layers.Attention``)."""
+        pools (K and V, [kv_heads, head_dim] each, for ``layers.Attention``; one latent pool for
+        ``layers.MLAttention``)."""
         return [layer.kv_cache_shapes for layer in self._attention_layers()]
 
     def bind_kv_cache(self, backend, pools: list[tuple[torch.Tensor, ...]]) -> None:
@@ -228,8 +229,10 @@ class CausalLM(nn.Module):
     @property
     def capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph or compiled: not where it reads
-        positions on the host (dynamic rope scaling)."""
-        return self.model.rotary_emb.rope_type != "dynamic"
+        positions on the host (dynamic rope scaling), nor with latent attention, whose paged path
+        is the PyTorch reference, which reads the sequences' lengths on the host."""
+        latent = any(isinstance(layer, MLAttention) for layer in self._attention_layers())
+        return self.model.rotary_emb.rope_type != "dynamic" and not latent
 
-    def _attention_layers(self) -> list[Attention]:
-        return [module for module in self.modules() if isinstance(module, Attention)]
+    def _attention_layers(self) -> list[Attention | MLAttention]:
+        return [module for module in self.modules() if isinstance(module, (Attention, MLAttention))]

@@ -14,13 +14,14 @@ from runtime.step_inputs import StepInputs
 
 def check_compilable(model, device: torch.device) -> None:
     """Raise ValueError where ``compile_decode`` cannot apply: off the CPU, with a forward that
-    cannot be captured (it reads positions on the host), or with no C++ compiler for inductor's kernels."""
+    cannot be captured (it reads values on the host), or with no C++ compiler for inductor's kernels."""
     if device.type != "cpu":
         raise ValueError(f"compile_decode is for models on the CPU; this one is on {device} "
                          "(on CUDA, decode steps replay CUDA graphs)")
     if not model.capturable:
-        raise ValueError("compile_decode: the model's forward reads positions on the host (dynamic rope scaling), "
-                         "which a compiled graph cannot; run it without compile_decode")
+        raise ValueError("compile_decode: the model's forward reads values on the host (positions under dynamic rope "
+                         "scaling, sequence lengths in latent attention's paged path), which a compiled graph cannot; "
+                         "run it without compile_decode")
     try:
         get_cpp_compiler()
     except Exception as exc:  # inductor says which compiler it looked for
