@@ -105,6 +105,20 @@ def _cache_free(q, k, v, metadata, scale, sliding_window, softcap):
     return torch.cat([attend(*(t[None] for t in seq))[0] for seq in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
 
 
+def decode_keys(metadata: AttentionMetadata, block_size: int, window: int):
+    """``decode_key_slots`` of the forward's decoding sequences. Where their keys are is the same in
+    every layer of a block size and window: it is derived once per forward and kept in
+    ``metadata.derived`` (a CPU decode step spent a fifth of its attention time deriving it again
+    in each layer)."""
+    key = ("torch decode keys", block_size, window)
+    if key not in metadata.derived:
+        prefills = metadata.num_prefills
+        metadata.derived[key] = decode_key_slots(
+            metadata.block_tables[prefills:], metadata.seq_lens[prefills:], block_size, window
+        )
+    return metadata.derived[key]
+
+
 class TorchAttentionBackend:
     """Reference backend: the PyTorch references of the paged attention ops (SDPA over keys gathered
     from the cache). Works on any device and is the oracle for faster ones."""
@@ -153,12 +167,7 @@ class TorchAttentionBackend:
                                   seq_len, None)
             out.append(layer.plain_attention(q_nope[rows], q_rope[rows], entries[:, :rank], entries[:, rank:], mask))
         if tokens < q_nope.shape[0]:
-            key = ("torch decode keys", cache.shape[1], 0)
-            if key not in metadata.derived:
-                metadata.derived[key] = decode_key_slots(
-                    metadata.block_tables[prefills:], metadata.seq_lens[prefills:], cache.shape[1], 0
-                )
-            slots, mask, attending = metadata.derived[key]
+            slots, mask, attending = decode_keys(metadata, cache.shape[1], 0)
             entries = cache.view(-1, cache.shape[-1]).index_select(0, slots.view(-1)).view(*slots.shape, -1)
             decoded = layer.absorbed_attention(q_nope[tokens:, None], q_rope[tokens:, None], entries[..., :rank],
                                                entries[..., rank:], mask[:, None, :])[:, 0]
@@ -166,16 +175,9 @@ class TorchAttentionBackend:
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
-        # paged_decode_attention_reference in two parts. Where the decodes' keys are is the same in
-        # every layer: it is derived once per forward (a CPU decode step spent a fifth of its
-        # attention time deriving it again in each layer).
-        key = ("torch decode keys", k_cache.shape[1], window)
-        if key not in metadata.derived:
-            prefills = metadata.num_prefills
-            metadata.derived[key] = decode_key_slots(
-                metadata.block_tables[prefills:], metadata.seq_lens[prefills:], k_cache.shape[1], window
-            )
-        return decode_attention_at_slots(q, k_cache, v_cache, *metadata.derived[key], scale, softcap)
+        # paged_decode_attention_reference in two parts: where the keys are, then attention at them.
+        return decode_attention_at_slots(q, k_cache, v_cache, *decode_keys(metadata, k_cache.shape[1], window),
+                                         scale, softcap)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
