@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
-from loaders.types import FLOAT_DTYPES, CheckpointError, TensorRef
+from loaders.types import FLOAT_DTYPES, CheckpointError, TensorRef, name_list
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
-_MAX_LISTED = 10
 # The quantization_config fields zoo reads besides quant_method and weight_block_size, with the one
 # value each may take; a field left out means that value (as in transformers' FineGrainedFP8Config).
 SUPPORTED_FIELDS = {"fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "float", "expert_dtype": "fp8"}
@@ -54,11 +53,9 @@ def dequantised_fp8(tensors: dict[str, TensorRef], config, config_file: Path) ->
     if not quantised:
         return tensors
     if block is None:
-        names = ", ".join(f"{ref.name} ({ref.file.name})" for ref in quantised[:_MAX_LISTED])
-        more = f" and {len(quantised) - _MAX_LISTED} more" if len(quantised) > _MAX_LISTED else ""
         raise CheckpointError(
             f"{config_file} has no quantization_config, but the checkpoint holds {len(quantised)} FP8 "
-            f"({FP8_DTYPE}) tensors: {names}{more}"
+            f"({FP8_DTYPE}) tensors: {name_list([ref.name for ref in quantised], tensors)}"
         )
     unconverted = list(_quantization_config(config).get("modules_to_not_convert") or [])
     problems = []

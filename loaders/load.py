@@ -12,11 +12,10 @@ from tqdm import tqdm
 
 from layers.weights import OneOf, Shard
 from loaders.checkpoint import open_checkpoint
-from loaders.types import FLOAT_DTYPES, CheckpointError, Source, TensorRef
+from loaders.types import FLOAT_DTYPES, CheckpointError, Source, TensorRef, name_list
 
 # Checkpoints smaller than this load without a progress bar.
 PROGRESS_MIN_BYTES = 256 << 20
-_MAX_LISTED = 10
 
 
 def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -98,9 +97,9 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
         if name not in targets and name not in tied and not any(p.search(name) for p in ignored)
     ]
     if unexpected:
-        problems.append(_listing("unexpected tensors (no parameter takes them)", unexpected, checkpoint))
+        problems.append(f"unexpected tensors (no parameter takes them): {name_list(unexpected, checkpoint)}")
     if missing:
-        problems.append(_listing("missing tensors", missing))
+        problems.append(f"missing tensors: {name_list(missing)}")
     for name, (param_name, index) in targets.items():
         ref = checkpoint.get(name)
         if ref is None:
@@ -114,11 +113,6 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
         raise CheckpointError(f"checkpoint does not match {type(model).__name__}:\n  " + "\n  ".join(problems))
     return targets
 
-
-def _listing(title: str, names: list[str], checkpoint: dict[str, TensorRef] | None = None) -> str:
-    shown = [f"{n} ({checkpoint[n].file.name})" if checkpoint else n for n in names[:_MAX_LISTED]]
-    more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
-    return f"{title}: {', '.join(shown)}{more}"
 
 
 def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], dtype,

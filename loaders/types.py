@@ -40,3 +40,14 @@ class TensorRef:
 # The floating dtypes a checkpoint tensor may carry, by their safetensors names.
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
+
+
+MAX_LISTED = 10  # names an error lists before it says how many more there are
+
+
+def name_list(names: list[str], checkpoint: dict[str, TensorRef] | None = None) -> str:
+    """The first ``MAX_LISTED`` of ``names`` for an error message, each with its file when
+    ``checkpoint`` holds it, then how many more there are."""
+    shown = [f"{n} ({checkpoint[n].file.name})" if checkpoint else n for n in names[:MAX_LISTED]]
+    more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+    return ", ".join(shown) + more
