@@ -234,6 +234,8 @@ class Attention(nn.Module):
     ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``).
     """
 
+    capturable = True  # its backends' paged ops read nothing on the host (see CausalLM.capturable)
+
     def __init__(
         self,
         hidden_size: int,

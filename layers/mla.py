@@ -34,6 +34,10 @@ class MLAttention(nn.Module):
     """Multi-head latent attention; ``scale`` multiplies the scores (HF's, YaRN's mscale included:
     the model computes it), ``rope_interleave`` rotates the rope part in DeepSeek's interleaved pairs."""
 
+    # Its paged path (TorchAttentionBackend.attend_latent) reads the sequences' lengths on the host:
+    # no CUDA graph or compiled graph can hold it.
+    capturable = False
+
     def __init__(
         self,
         hidden_size: int,

@@ -229,10 +229,10 @@ class CausalLM(nn.Module):
     @property
     def capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph or compiled: not where it reads
-        positions on the host (dynamic rope scaling), nor with latent attention, whose paged path
-        is the PyTorch reference, which reads the sequences' lengths on the host."""
-        latent = any(isinstance(layer, MLAttention) for layer in self._attention_layers())
-        return self.model.rotary_emb.rope_type != "dynamic" and not latent
+        positions on the host (dynamic rope scaling), nor where an attention layer says its paged
+        path does (``capturable``: latent attention's reads the sequences' lengths)."""
+        layers_capturable = all(layer.capturable for layer in self._attention_layers())
+        return self.model.rotary_emb.rope_type != "dynamic" and layers_capturable
 
     def _attention_layers(self) -> list[Attention | MLAttention]:
         return [module for module in self.modules() if isinstance(module, (Attention, MLAttention))]
