@@ -273,7 +273,7 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 def test_decode_kernel_cuda(dtype):
     batch = decode_batch([1, 16, 0, 777, 4096, 2053], *DEEPSEEK_V3, dtype, "cuda")
     reference = batch.reference_decode()
-    for options in ({}, {"num_splits": 1}, {"num_splits": 7}, {"block_h": 16}, {"block_h": 64}):
+    for options in ({}, {"num_splits": 1}, {"num_splits": 7}, {"block_h": 16}):
         assert_close(run_decode(batch, **options), reference, TOL[dtype])
     assert_close(mla_decode_attention(*batch.decode_args()), reference, TOL[dtype])
     odd = decode_batch([5, 300, 0, 1025], 5, 32, 16, 16, 24, 64, dtype, "cuda")  # tiny heads and ranks
