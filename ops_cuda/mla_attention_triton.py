@@ -88,7 +88,7 @@ def _mla_decode_split_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
     else:
         lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
-        parts = (seq * num_heads + heads) * NUM_SPLITS + split  # [B, H, NUM_SPLITS]
+        parts = ((seq * num_heads + heads) * NUM_SPLITS + split).to(tl.int64)  # [B, H, NUM_SPLITS]
         tl.store(part_out_ptr + parts[:, None] * RANK + dims[None, :], out, mask=head_ok[:, None] & dim_ok[None, :])
         tl.store(part_lse_ptr + parts, lse, mask=head_ok)
 
@@ -96,29 +96,27 @@ def _mla_decode_split_kernel(
 @triton.jit
 def _mla_decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h,
-    RANK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    RANK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # Stage 2. Program (sequence, head): the splits' partial outputs weighted by their share of the
-    # softmax mass, one split at a time (a whole [splits, rank] tile would not fit in registers).
+    # softmax mass, summed one split at a time (a whole [splits, rank] tile would not fit in registers).
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    parts = ((seq * tl.num_programs(1) + head) * NUM_SPLITS).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + parts + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
+    total = tl.sum(tl.exp2(lse - top), 0)
     dims = tl.arange(0, BLOCK_R)
     dim_ok = dims < RANK
-    parts = (seq * tl.num_programs(1) + head) * NUM_SPLITS
-    top = SCORE_FLOOR  # as in stage 1: an empty split (lse -inf) then weighs exp2(-inf) = 0, never NaN
-    total = 0.0
     acc = tl.zeros([BLOCK_R], tl.float32)
     for split in range(NUM_SPLITS):
-        lse = tl.load(part_lse_ptr + parts + split)
-        new_top = tl.maximum(top, lse)
-        rescale = tl.exp2(top - new_top)
-        weight = tl.exp2(lse - new_top)
-        partial = tl.load(part_out_ptr + (parts + split) * RANK + dims, mask=dim_ok, other=0.0)
-        acc = acc * rescale + weight * partial
-        total = total * rescale + weight
-        top = new_top
-    out = acc / tl.where(total > 0, total, 1.0)  # all splits empty: a length-0 row, output zeros
+        weight = tl.exp2(tl.load(part_lse_ptr + parts + split) - top)  # an empty split's is exp2(-inf) = 0
+        acc += weight * tl.load(part_out_ptr + (parts + split) * RANK + dims, mask=dim_ok, other=0.0)
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
@@ -251,7 +249,8 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
         return
     _mla_decode_reduce_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
-        RANK=rank, NUM_SPLITS=num_splits, BLOCK_R=block_r, num_warps=4, **launch,
+        RANK=rank, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_R=block_r, num_warps=4,
+        **launch,
     )
 
 
