@@ -10,7 +10,8 @@ time), that as a share of the HBM bandwidth measured in the same run (a 4 GiB de
 copy, as benchmarks/bench_gpu.py measures it) and of the H200's 4.8 TB/s spec, and the TFLOP/s of
 the scores and the attended latent (each token's 576 + 512 multiply-adds per head): with 128
 heads a step does ~240 FLOP per byte of cache, near the H200's bf16 ridge, so both ceilings count.
-``--sweep`` adds the kernel's time at 16, 32 and 64 heads per program.
+``--sweep`` adds the kernel's time at 16, 32 and 64 heads per program, and at 1 to 64 splits of
+each sequence's keys.
 
 Each case is captured in a CUDA graph and replayed (no launch overhead), the L2 cache flushed
 before every replay; the median of --iters replays is reported.
@@ -76,6 +77,9 @@ def bench_decode(batch: int, seq_len: int, iters: int, sweep: bool) -> dict:
                     lambda: mla_decode_attention_triton(*args, out, block_h=block_h), iters)
             except triton.runtime.errors.OutOfResources as exc:  # a tile too large for this GPU's shared memory
                 print(f"batch {batch}, {block_h} heads per program: {exc}", file=sys.stderr)
+        for num_splits in (1, 2, 4, 8, 16, 32, 64):
+            us[f"triton s{num_splits}"] = device_us(
+                lambda: mla_decode_attention_triton(*args, out, num_splits=num_splits), iters)
     decompressed_bytes = batch * NUM_HEADS * seq_len * (NOPE + ROPE + V_DIM) * q_latent.element_size()
     if decompressed_bytes <= SDPA_MAX_BYTES:
         q = torch.randn(batch, NUM_HEADS, 1, NOPE + ROPE, dtype=DTYPE, device="cuda")
@@ -112,7 +116,7 @@ def markdown(rows: list[dict], bandwidth: float, header: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--sweep", action="store_true", help="also time 16, 32 and 64 heads per program")
+    parser.add_argument("--sweep", action="store_true", help="also time 16, 32 and 64 heads per program and 1-64 splits")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():

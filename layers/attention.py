@@ -132,7 +132,7 @@ class TorchAttentionBackend:
     score_modifiers = frozenset({"softcap"})
     prefill = staticmethod(paged_prefill_attention_reference)
     # Whether MLAttention's paged path (attend_latent) reads nothing on the host, so a CUDA graph or a
-    # compiled graph can hold it: not this one, whose latent cache write and prompt path read values there.
+    # compiled graph can hold it: not the reference's, which reads the prompts' lengths there.
     latent_capturable = False
 
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:

@@ -22,9 +22,11 @@ import triton.language as tl
 from ops_cuda.paged_attention_triton import LOG2_E, SCORE_FLOOR, decode_num_splits
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
-# A decode chunk's partial output is [heads, kv_lora_rank] float32 (256 KiB at 128 x 512), about what
-# 256 keys of the cache weigh: shorter chunks would write more partials than they read cache.
-MIN_SPLIT_KEYS = 256
+# How decode splits the keys: a chunk's partial output is [heads, kv_lora_rank] float32 (256 KiB at
+# 128 x 512), what about 228 keys of the cache weigh, written and read again: chunks of at least 128
+# keys, and programs enough for one per SM, not two (a program streams a whole head tile's work).
+MIN_SPLIT_KEYS = 128
+PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -202,8 +204,9 @@ def _dot_precision(t: torch.Tensor) -> str:
 
 def mla_decode_tiles(q_latent: torch.Tensor) -> tuple[int, int, int]:
     """(heads per program, key tile rows, warps) of the decode kernel. Each program holds its heads'
-    [BLOCK_H, kv_lora_rank] float32 accumulator and queries in registers: 32 heads of rank 512 over
-    8 warps fit without spilling. The interpreter (CPU tensors) and float32 take the smallest tiles."""
+    [BLOCK_H, kv_lora_rank] float32 accumulator and queries in registers: at 32 heads of rank 512
+    over 8 warps, 64 registers a thread for the one and 32 for the other (``benchmarks/bench_mla.py
+    --sweep`` times 16, 32 and 64). The interpreter (CPU tensors) and float32 take the smallest tiles."""
     if not q_latent.is_cuda:
         return 16, 16, 4
     if q_latent.dtype == torch.float32:
@@ -216,7 +219,7 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
                                 block_h: int | None = None, num_splits: int | None = None) -> None:
     """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank];
     ``block_h`` (heads per program) defaults to ``mla_decode_tiles``', ``num_splits`` to
-    ``decode_num_splits`` over the head tiles, with chunks of at least MIN_SPLIT_KEYS keys."""
+    ``decode_num_splits`` over the head tiles, with MIN_SPLIT_KEYS and PROGRAMS_PER_SM."""
     _check("mla_decode_attention", q_latent=q_latent, q_rope=q_rope, cache=cache, out=out, block_tables=block_tables)
     batch, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
@@ -229,7 +232,7 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     head_tiles = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         num_splits = decode_num_splits(batch, head_tiles, block_tables.shape[1] * block_size, q_latent.device,
-                                       MIN_SPLIT_KEYS)
+                                       MIN_SPLIT_KEYS, PROGRAMS_PER_SM)
     launch = pdl_launch(q_latent)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
