@@ -204,8 +204,8 @@ def _dot_precision(t: torch.Tensor) -> str:
 
 def mla_decode_tiles(q_latent: torch.Tensor) -> tuple[int, int, int]:
     """(heads per program, key tile rows, warps) of the decode kernel. Each program holds its heads'
-    [BLOCK_H, kv_lora_rank] float32 accumulator and queries in registers: at 32 heads of rank 512
-    over 8 warps, 64 registers a thread for the one and 32 for the other (``benchmarks/bench_mla.py
+    [BLOCK_H, kv_lora_rank] float32 accumulator and queries in registers: for sm_90, 32 heads of rank
+    512 over 8 warps compile to 181 registers a thread, 64 heads spill (``benchmarks/bench_mla.py
     --sweep`` times 16, 32 and 64). The interpreter (CPU tensors) and float32 take the smallest tiles."""
     if not q_latent.is_cuda:
         return 16, 16, 4
@@ -263,7 +263,7 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int]:
         return 16, 16, 4
     if q.dtype == torch.float32:
         return 32, 32, 8
-    return 64, 64, 4
+    return 128, 64, 8  # the paged prefill kernel's tiles at head dim 128
 
 
 def mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len,
