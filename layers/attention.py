@@ -15,7 +15,12 @@ from torch import nn
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
 from ops_cuda import apply_rotary, write_kv_cache
-from ops_cuda.kv_cache import write_kv_cache_reference
+from ops_cuda.mla_attention import (
+    gather_latents,
+    mla_decode_attention_at_slots,
+    mla_decode_attention_op,
+    mla_prefill_attention_op,
+)
 from ops_cuda.paged_attention import (
     attention_mask,
     decode_attention_at_slots,
@@ -126,6 +131,9 @@ class TorchAttentionBackend:
     name = "torch"
     score_modifiers = frozenset({"softcap"})
     prefill = staticmethod(paged_prefill_attention_reference)
+    # Whether MLAttention's paged path (attend_latent) reads nothing on the host, so a CUDA graph or a
+    # compiled graph can hold it: not the reference's, which reads the prompts' lengths there.
+    latent_capturable = False
 
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]. Prefill tokens first, then one per decode.
@@ -148,31 +156,41 @@ class TorchAttentionBackend:
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def attend_latent(self, layer, q_nope, q_rope, latent, k_rope, metadata: AttentionMetadata) -> torch.Tensor:
-        """Multi-head latent attention (``layers.mla.MLAttention``) over its paged latent cache, in
-        PyTorch on any device (every backend runs this path): each new token's latent and rope key
-        go into the layer's one pool through the slot mapping; prefill rows take the plain form over
-        their sequence's cached latents, decode rows the absorbed form. -> [N, H, v_head_dim]."""
+        """Multi-head latent attention (``layers.mla.MLAttention``) over its paged latent cache: each
+        new token's latent and rope key go into the layer's one pool through the slot mapping;
+        prefill rows take the plain form over their sequence's cached latents (``prefill_latent``),
+        decode rows the absorbed form (``decode_latent``). -> [N, H, v_head_dim]."""
         (cache,) = layer.kv_cache  # [num_blocks, block_size, kv_lora_rank + rope]
         rank = latent.shape[-1]
         # The pool's latent and rope columns as two [blocks, block_size, 1, width] caches.
-        write_kv_cache_reference(latent[:, None], k_rope[:, None], cache[:, :, None, :rank], cache[:, :, None, rank:],
-                                 metadata.slot_mapping)
-        prefills, tokens = metadata.num_prefills, metadata.num_prefill_tokens
+        write_kv_cache(latent[:, None], k_rope[:, None], cache[:, :, None, :rank], cache[:, :, None, rank:],
+                       metadata.slot_mapping)
+        tokens = metadata.num_prefill_tokens
         out = []
-        starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
-        for i in range(prefills):  # new tokens at positions context..seq_len-1 over all seq_len cached entries
-            rows, seq_len = slice(starts[i], starts[i + 1]), seq_lens[i]
+        if metadata.num_prefills:
+            out.append(self.prefill_latent(layer, q_nope[:tokens], q_rope[:tokens], cache, metadata))
+        if tokens < q_nope.shape[0]:
+            attended = self.decode_latent(layer.absorb_query(q_nope[tokens:]), q_rope[tokens:], cache, metadata,
+                                          layer.scale)
+            out.append(layer.expand_latent(attended))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def prefill_latent(self, layer, q_nope, q_rope, cache, metadata: AttentionMetadata) -> torch.Tensor:
+        # The new tokens at positions context..seq_len-1 of each prompt, over all its seq_len cached entries.
+        rank, out = layer.kv_lora_rank, []
+        prefills = metadata.num_prefills
+        starts, seq_lens = metadata.query_start_loc[: prefills + 1].tolist(), metadata.seq_lens[:prefills].tolist()
+        for i, seq_len in enumerate(seq_lens):
+            rows = slice(starts[i], starts[i + 1])
             entries = gather_cache(cache, metadata.block_tables[i : i + 1], seq_len)[0]
             mask = attention_mask(torch.arange(seq_len - (rows.stop - rows.start), seq_len, device=cache.device),
                                   seq_len, None)
             out.append(layer.plain_attention(q_nope[rows], q_rope[rows], entries[:, :rank], entries[:, rank:], mask))
-        if tokens < q_nope.shape[0]:
-            slots, mask, attending = decode_keys(metadata, cache.shape[1], 0)
-            entries = cache.view(-1, cache.shape[-1]).index_select(0, slots.view(-1)).view(*slots.shape, -1)
-            decoded = layer.absorbed_attention(q_nope[tokens:, None], q_rope[tokens:, None], entries[..., :rank],
-                                               entries[..., rank:], mask[:, None, :])[:, 0]
-            out.append(decoded if attending is None else torch.where(attending, decoded, 0))
         return torch.cat(out) if len(out) > 1 else out[0]
+
+    def decode_latent(self, q_latent, q_rope, cache, metadata: AttentionMetadata, scale) -> torch.Tensor:
+        # mla_decode_attention_reference in two parts: where the keys are, then attention at them.
+        return mla_decode_attention_at_slots(q_latent, q_rope, cache, *decode_keys(metadata, cache.shape[1], 0), scale)
 
     def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         # paged_decode_attention_reference in two parts: where the keys are, then attention at them.
@@ -188,12 +206,37 @@ class TritonAttentionBackend(TorchAttentionBackend):
     name = "triton"
     prefill = staticmethod(paged_prefill_attention_op)
     decode = staticmethod(paged_decode_attention_op)
+    latent_prefill = staticmethod(mla_prefill_attention_op)
+    latent_decode = staticmethod(mla_decode_attention_op)
+    latent_capturable = True  # its latent path reads the host's lists (the prompts' lengths), never the device
 
     def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
         prefills = metadata.num_prefills
         return self.decode(
             q, k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:], scale, window, softcap
         )
+
+    def prefill_latent(self, layer, q_nope, q_rope, cache, metadata: AttentionMetadata) -> torch.Tensor:
+        # All prompts at once: their cache entries gathered on the device into one run of keys,
+        # decompressed by one kv_b_proj product, then one ragged causal attention.
+        prefills = metadata.num_prefills
+        if metadata.context_lens is None:
+            raise ValueError("the triton backend's latent prefill needs metadata.context_lens (the prompts' cached "
+                             "token counts) to size its gather on the host")
+        num_keys = sum(metadata.context_lens[:prefills]) + metadata.num_prefill_tokens
+        entries, key_start_loc = gather_latents(cache, metadata.block_tables[:prefills], metadata.seq_lens[:prefills],
+                                                num_keys)
+        rank = layer.kv_lora_rank
+        k_nope, v = layer.decompress(entries[:, :rank])
+        return self.latent_prefill(
+            q_nope, q_rope, k_nope, entries[:, rank:], v, metadata.query_start_loc[: prefills + 1], key_start_loc,
+            max(metadata.query_lens[:prefills]), layer.scale,
+        )
+
+    def decode_latent(self, q_latent, q_rope, cache, metadata: AttentionMetadata, scale) -> torch.Tensor:
+        prefills = metadata.num_prefills
+        return self.latent_decode(q_latent, q_rope, cache, metadata.block_tables[prefills:],
+                                  metadata.seq_lens[prefills:], scale)
 
 
 BACKENDS = {backend.name: backend for backend in (TorchAttentionBackend, TritonAttentionBackend)}

@@ -24,7 +24,8 @@ from layers.attention import AttentionMetadata, TorchAttentionBackend
 from layers.linear import Linear
 from layers.norm import RMSNorm
 from ops_cuda import apply_rotary
-from ops_cuda.paged_attention import attention_mask, sdpa
+from ops_cuda.mla_attention import decompressed_attention, latent_attention
+from ops_cuda.paged_attention import attention_mask
 
 # HF builds q_a_layernorm and kv_a_layernorm with their default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -33,10 +34,6 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """Multi-head latent attention; ``scale`` multiplies the scores (HF's, YaRN's mscale included:
     the model computes it), ``rope_interleave`` rotates the rope part in DeepSeek's interleaved pairs."""
-
-    # Its paged path (TorchAttentionBackend.attend_latent) reads the sequences' lengths on the host:
-    # no CUDA graph or compiled graph can hold it.
-    capturable = False
 
     def __init__(
         self,
@@ -73,6 +70,12 @@ class MLAttention(nn.Module):
         self.kv_cache: tuple[torch.Tensor] | None = None
 
     @property
+    def capturable(self) -> bool:
+        """Whether its paged path reads nothing on the host, so a CUDA graph or a compiled graph can
+        hold it: that is up to the backend's ``attend_latent``."""
+        return self.backend.latent_capturable
+
+    @property
     def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:
         """One token's cache entry: its latent and rope key, [kv_lora_rank + qk_rope_head_dim], for all heads."""
         return ((self.kv_lora_rank + self.qk_rope_head_dim,),)
@@ -107,32 +110,35 @@ class MLAttention(nn.Module):
         q_rope, k_rope = apply_rotary(q_rope.contiguous(), k_rope.reshape(n, 1, -1), cos, sin, self.rope_interleave)
         return q_nope, q_rope, latent, k_rope[:, 0]
 
+    def decompress(self, latent) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [T, kv_lora_rank] -> each head's key nope part [T, H, nope] and value [T, H, v_head_dim]."""
+        return self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, -1).split(
+            [self.qk_nope_head_dim, self.v_head_dim], dim=-1
+        )
+
+    def absorb_query(self, q_nope) -> torch.Tensor:
+        """q_nope [..., H, nope] -> [..., H, kv_lora_rank]: W_UK folded into the query, whose product
+        with a latent is then its product with that latent's decompressed key."""
+        w_uk = self.kv_b_proj.weight.reshape(self.num_heads, -1, self.kv_lora_rank)[:, : self.qk_nope_head_dim]
+        return torch.einsum("...hn,hnr->...hr", q_nope, w_uk)
+
+    def expand_latent(self, attended) -> torch.Tensor:
+        """An attended latent [..., H, kv_lora_rank] -> [..., H, v_head_dim]: W_UV applied."""
+        w_uv = self.kv_b_proj.weight.reshape(self.num_heads, -1, self.kv_lora_rank)[:, self.qk_nope_head_dim :]
+        return torch.einsum("...hr,hvr->...hv", attended, w_uv)
+
     def plain_attention(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
         """Queries q_nope/q_rope [Tq, H, *] over keys given by latent [Tk, kv_lora_rank] and k_rope
         [Tk, rope], mask bool [Tq, Tk] (True = attend) -> [Tq, H, v_head_dim]; K/V decompressed."""
-        keys = latent.shape[0]
-        k_nope, v = self.kv_b_proj(latent).view(keys, self.num_heads, -1).split(
-            [self.qk_nope_head_dim, self.v_head_dim], dim=-1
-        )
-        k = torch.cat((k_nope, k_rope[:, None, :].expand(keys, self.num_heads, -1)), dim=-1)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        return sdpa(q[None], k[None], v[None], mask[None, None], self.scale)[0]
+        k_nope, v = self.decompress(latent)
+        return decompressed_attention(q_nope, q_rope, k_nope, k_rope, v, mask, self.scale)
 
     def absorbed_attention(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
         """``plain_attention`` with W_UK folded into the query and W_UV applied after attending over
         the latents: the keys are never decompressed. Takes a leading batch of sequences too
         (q [..., Tq, H, *], latent/k_rope [..., Tk, *], mask [..., Tq, Tk]): decode steps."""
-        w_uk, w_uv = self.kv_b_proj.weight.reshape(self.num_heads, -1, self.kv_lora_rank).split(
-            [self.qk_nope_head_dim, self.v_head_dim], dim=1
-        )
-        q_latent = torch.einsum("...thn,hnr->...thr", q_nope, w_uk)
-        scores = torch.einsum("...thr,...sr->...hts", q_latent, latent) + torch.einsum(
-            "...thd,...sd->...hts", q_rope, k_rope
-        )
-        scores = (scores * self.scale).masked_fill(~mask.unsqueeze(-3), float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(latent.dtype)
-        attended = torch.einsum("...hts,...sr->...thr", probs, latent)
-        return torch.einsum("...thr,hvr->...thv", attended, w_uv)
+        attended = latent_attention(self.absorb_query(q_nope), q_rope, latent, k_rope, mask, self.scale)
+        return self.expand_latent(attended)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "

@@ -230,7 +230,7 @@ class CausalLM(nn.Module):
     def capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph or compiled: not where it reads
         positions on the host (dynamic rope scaling), nor where an attention layer says its paged
-        path does (``capturable``: latent attention's reads the sequences' lengths)."""
+        path does (``capturable``: latent attention's on the torch backend reads the sequences' lengths)."""
         layers_capturable = all(layer.capturable for layer in self._attention_layers())
         return self.model.rotary_emb.rope_type != "dynamic" and layers_capturable
 

@@ -213,12 +213,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device,
+                      min_split_keys: int = MIN_SPLIT_KEYS, programs_per_sm: int = 2) -> int:
     """How many chunks the decode kernel splits each sequence's keys into, from shapes only (so a
-    captured graph keeps it): enough (sequence, kv head, split) programs for two per SM, but no
-    more splits than chunks of MIN_SPLIT_KEYS in the longest sequence the block table can hold."""
-    wanted = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_len, MIN_SPLIT_KEYS), MAX_SPLITS))
+    captured graph keeps it): enough (sequence, kv head, split) programs for ``programs_per_sm`` per
+    SM, but no more splits than chunks of ``min_split_keys`` in the longest sequence the block table
+    can hold."""
+    wanted = triton.cdiv(programs_per_sm * _num_sms(device), batch * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_len, min_split_keys), MAX_SPLITS))
 
 
 def _score_factors(scale: float, softcap: float) -> tuple[float, float]:

@@ -283,11 +283,14 @@ def test_chunked_prefill_prefix_cache_hits_and_preemption_change_nothing(runtime
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-def test_the_triton_backend_runs_the_latent_reference_path(runtime_checkpoint):
+def test_the_triton_backend_gives_the_torch_backends_tokens(runtime_checkpoint):
+    """On the CPU the triton backend's latent ops run their references, through its own prompt path
+    (all prompts' latents gathered and decompressed at once)."""
     path, _ = runtime_checkpoint
     batch = runtime_prompts(3, seed=5)
     triton = deepseek_llm(path, attention_backend="triton")
     assert triton.engine.kv_cache.pools[0][0].shape[1:] == (4, 24)
+    assert triton.engine.runner.model.capturable
     assert token_ids(triton.generate(batch, GREEDY, use_tqdm=False)) == token_ids(
         deepseek_llm(path, attention_backend="torch").generate(batch, GREEDY, use_tqdm=False))
 

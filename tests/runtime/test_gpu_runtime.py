@@ -102,3 +102,36 @@ def test_graph_replayed_twice_gives_the_same_logits():
     first = graphs.logits[size].clone()
     graphs.graphs[size].replay()
     assert torch.equal(first, graphs.logits[size])
+
+
+def test_deepseek_v3_on_the_triton_backend_gives_hf_greedy_tokens_eager_and_graphed(tmp_path):
+    """Multi-head latent attention's GPU path (the latent ops, the cache write, CUDA graphs of the
+    absorbed decode) in float32: HF's greedy tokens, eager and graphed, through chunked prefill and
+    prefix-cache hits, as the torch backend gives them."""
+    from tests.conftest import save_checkpoint
+    from tests.models.test_deepseek_v3 import VARIANTS, deepseek_hf_model
+    from tests.runtime.test_runtime import prompts
+
+    reference = deepseek_hf_model(VARIANTS["q_lora-interleaved-groups"])
+    path = save_checkpoint(reference, tmp_path)
+    shared = prompts(1, seed=2, low=20, high=20)[0]
+    batch = [shared + tail for tail in prompts(3, seed=3, low=1, high=9)] + prompts(3, seed=5)
+    expected = [reference.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                for p in batch]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    for backend, eager in (("torch", True), ("triton", True), ("triton", False)):
+        llm = LLM(str(path), dtype=torch.float32, device="cuda", block_size=4, max_num_batched_tokens=16,
+                  attention_backend=backend, enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        for _ in range(2):  # the second time through prefix-cache hits
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            assert [o.token_ids for o in outputs] == expected, (backend, eager)
+        assert all(o.num_cached_tokens >= 16 for o in outputs[:3])
+
+
+def test_deepseek_v3_bf16_cuda_graphs_give_the_eager_tokens():
+    config = tiny_config("deepseek_v3", **{**SMALL, "num_attention_heads": 16, "num_key_value_heads": 16},
+                         q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=48,
+                         n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, moe_intermediate_size=256,
+                         n_shared_experts=1, first_k_dense_replace=1)
+    assert_graphs_give_the_eager_tokens(AutoModelForCausalLM.from_hf(random_hf(config)))

@@ -1,0 +1,322 @@
+"""The latent attention ops' Triton kernels against their PyTorch references, the latent cache
+write, and the triton attention backend's latent path against the torch backend's.
+
+Without a GPU the launchers run on CPU tensors in Triton's interpreter (tiny ranks, 1-5 heads,
+float32 and float16). On a GPU the ``gpu`` tests run the ops on CUDA at DeepSeek-V3's shapes
+(128 heads, kv_lora_rank 512, rope 64, nope 128, v 128) and inside a captured CUDA graph.
+Unused cache slots are NaN, so a kernel that reads past a sequence's length poisons its output.
+"""
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from layers import AttentionMetadata, MLAttention, TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.mla_attention import (  # noqa: E402
+    gather_latents,
+    mla_decode_attention,
+    mla_decode_attention_op,
+    mla_decode_attention_reference,
+    mla_prefill_attention,
+    mla_prefill_attention_op,
+    mla_prefill_attention_reference,
+)
+from ops_cuda.mla_attention_triton import mla_decode_attention_triton, mla_prefill_attention_triton  # noqa: E402
+from ops_cuda.paged_attention import gather_cache  # noqa: E402
+from ops_cuda.triton_kernels import write_kv_cache_triton  # noqa: E402
+from tests.ops.test_paged_attention import TOL, assert_close  # noqa: E402
+
+
+class LatentBatch:
+    """Sequences with ``context_lens`` cached tokens and ``query_lens`` new ones, every token's latent
+    and rope key in a pool of randomly permuted blocks (unused slots NaN); decode queries (one per
+    sequence, absorbed: q_latent, q_rope) and prefill queries and decompressed keys (q_nope, q_rope,
+    k_nope, k_rope, v) for the new tokens. A sequence of length 0 is a padding row."""
+
+    def __init__(self, context_lens, query_lens, heads, rank, rope, nope, v_dim, block_size, dtype, device="cpu",
+                 seed=0):
+        gen = torch.Generator().manual_seed(seed)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        width = max(-(-n // block_size) for n in seq_lens) + 1  # wider than any sequence needs
+        num_blocks = len(seq_lens) * width + 2
+        tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
+        self.block_tables = tables.view(len(seq_lens), width).to(torch.int32).to(device)
+        self.cache = torch.full((num_blocks, block_size, rank + rope), float("nan"), dtype=dtype, device=device)
+        self.entries = []  # each sequence's [seq_len, rank + rope]
+        for i, n in enumerate(seq_lens):
+            entries = randn(n, rank + rope)
+            positions = torch.arange(n, device=device)
+            slots = self.block_tables[i, positions // block_size].long() * block_size + positions % block_size
+            self.cache.view(-1, rank + rope)[slots] = entries
+            self.entries.append(entries)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).to(device)
+        self.query_lens, self.context_lens = query_lens, context_lens
+        self.rank, self.scale = rank, (nope + rope) ** -0.5
+        batch, tokens, keys = len(seq_lens), sum(query_lens), sum(seq_lens)
+        self.q_latent, self.q_rope_decode = randn(batch, heads, rank), randn(batch, heads, rope)
+        self.q_nope, self.q_rope = randn(tokens, heads, nope), randn(tokens, heads, rope)
+        # k_nope and v as views of one decompressed [keys, heads, nope + v] tensor, as kv_b_proj gives them
+        self.k_nope, self.v = randn(keys, heads, nope + v_dim).split([nope, v_dim], dim=-1)
+        self.k_rope = torch.cat(self.entries)[:, rank:]
+        self.key_start_loc = torch.tensor([0] + seq_lens).cumsum(0).to(torch.int32).to(device)
+
+    def decode_args(self):
+        return self.q_latent, self.q_rope_decode, self.cache, self.block_tables, self.seq_lens, self.scale
+
+    def prefill_args(self):
+        return (self.q_nope, self.q_rope, self.k_nope, self.k_rope, self.v, self.query_start_loc, self.key_start_loc,
+                max(self.query_lens), self.scale)
+
+    def reference_decode(self):  # in float32, from the same (rounded) inputs
+        return mla_decode_attention_reference(*_float32(self.decode_args()))
+
+    def reference_prefill(self):
+        return mla_prefill_attention_reference(*_float32(self.prefill_args()))
+
+
+def _float32(args):
+    return [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in args]
+
+
+def decode_batch(seq_lens, *shape, **kwargs):
+    return LatentBatch([max(n - 1, 0) for n in seq_lens], [min(n, 1) for n in seq_lens], *shape, **kwargs)
+
+
+def run_decode(batch, **options):
+    out = torch.full_like(batch.q_latent, float("nan"))
+    mla_decode_attention_triton(*batch.decode_args(), out, **options)
+    return out
+
+
+def run_prefill(batch):
+    out = torch.full((*batch.q_nope.shape[:2], batch.v.shape[-1]), float("nan"), dtype=batch.v.dtype,
+                     device=batch.v.device)
+    mla_prefill_attention_triton(*batch.prefill_args(), out)
+    return out
+
+
+# --- CPU: the references -------------------------------------------------------------------------
+
+
+def test_decode_reference_is_the_absorbed_form_over_each_sequence():
+    batch = decode_batch([5, 1, 0, 9], 3, 8, 4, 6, 5, 4, torch.float32)
+    out = batch.reference_decode()
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # a padding row attends nothing
+    for i in (0, 1, 3):
+        entries = batch.entries[i]
+        scores = (batch.q_latent[i] @ entries[:, :8].T + batch.q_rope_decode[i] @ entries[:, 8:].T) * batch.scale
+        assert_close(out[i], scores.softmax(-1) @ entries[:, :8], 1e-6)
+
+
+def test_gather_latents_reads_each_sequence_in_order():
+    batch = LatentBatch([3, 0, 9], [2, 4, 1], 2, 8, 4, 6, 5, 4, torch.float32)
+    entries, key_start_loc = gather_latents(batch.cache, batch.block_tables, batch.seq_lens, sum([5, 4, 10]))
+    assert key_start_loc.tolist() == batch.key_start_loc.tolist()
+    expected = [gather_cache(batch.cache, batch.block_tables[i : i + 1], n)[0] for i, n in enumerate([5, 4, 10])]
+    assert torch.equal(entries, torch.cat(expected))
+
+
+def test_ops_default_to_the_references_and_pass_opcheck():
+    batch = decode_batch([5, 0, 9], 3, 8, 4, 6, 5, 4, torch.float32)
+    assert torch.equal(mla_decode_attention_op(*batch.decode_args()), batch.reference_decode())
+    assert torch.equal(mla_decode_attention(*batch.decode_args()), batch.reference_decode())
+    torch.library.opcheck(mla_decode_attention_op, batch.decode_args())
+    batch = LatentBatch([3, 0], [2, 4], 3, 8, 4, 6, 5, 4, torch.float32)
+    assert torch.equal(mla_prefill_attention_op(*batch.prefill_args()), batch.reference_prefill())
+    assert torch.equal(mla_prefill_attention(*batch.prefill_args()), batch.reference_prefill())
+    torch.library.opcheck(mla_prefill_attention_op, batch.prefill_args())
+
+
+# --- CPU: the Triton kernels in the interpreter --------------------------------------------------
+
+# (heads, rank, rope, nope, v_dim, block_size): DeepSeek's split of an entry into latent and rope at
+# tiny sizes, odd head counts and dims that pad their tiles.
+GEOMETRIES = {"1h-r16-block4": (1, 16, 8, 8, 12, 4), "5h-r24-block16": (5, 24, 8, 12, 16, 16)}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_decode_kernel_interpreted(dtype, geometry):
+    # Lengths crossing blocks, key tiles (16) and splits; a padding row; one split and several.
+    batch = decode_batch([1, 37, 0, 20], *GEOMETRIES[geometry], dtype)
+    reference = batch.reference_decode()
+    for num_splits in (1, 3):
+        assert_close(run_decode(batch, num_splits=num_splits), reference, TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_prefill_kernel_interpreted(dtype, geometry):
+    # A fresh prompt over two query tiles, a chunk after unaligned context, one query after context.
+    batch = LatentBatch([0, 5, 19], [21, 7, 1], *GEOMETRIES[geometry], dtype)
+    assert_close(run_prefill(batch), batch.reference_prefill(), TOL[dtype])
+
+
+@pytest.mark.interpreter
+def test_the_kv_cache_write_kernel_writes_the_latent_pool_through_column_views():
+    # The latent and the rope key of each new token into one [blocks, block_size, rank + rope] pool;
+    # slot -1 (padding of a captured batch) writes nothing.
+    pool = torch.full((3, 4, 8 + 4), float("nan"))
+    written = pool.clone()
+    latent, k_rope = torch.randn(3, 8), torch.randn(3, 4)
+    slots = torch.tensor([5, -1, 10])
+    write_kv_cache_triton(latent[:, None], k_rope[:, None], pool[:, :, None, :8], pool[:, :, None, 8:], slots)
+    write_kv_cache_reference(latent[:, None], k_rope[:, None], written[:, :, None, :8], written[:, :, None, 8:], slots)
+    assert torch.equal(pool.nan_to_num(7.0), written.nan_to_num(7.0))
+    assert torch.equal(pool.view(-1, 12)[10], torch.cat((latent[2], k_rope[2])))
+
+
+def mla_layer(heads=3, rank=16, rope=8, nope=8, v_dim=12, q_lora_rank=None, dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    layer = MLAttention(32, heads, q_lora_rank, rank, nope, rope, v_dim, (nope + rope) ** -0.5, rope_interleave=True)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, 0.3)
+    return layer.to(dtype=dtype, device=device)
+
+
+def mixed_latent_step(layer, block_size=4, device="cpu"):
+    """Layer inputs and metadata of one step: two prompts (one after cached context), then three
+    decodes (one of them a padding row of length 0), over a pool whose context was written by
+    running the layer's projections on earlier tokens."""
+    context_lens, query_lens = [0, 6, 9, 3, 0], [7, 3, 1, 1, 1]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    seq_lens[-1] = 0
+    width = 4
+    gen = torch.Generator().manual_seed(1)
+    tables = torch.randperm(len(seq_lens) * width + 2, generator=gen)[: len(seq_lens) * width].view(-1, width)
+    dtype = layer.kv_b_proj.weight.dtype
+    pool = torch.full((tables.numel() + 2, block_size, layer.kv_lora_rank + layer.qk_rope_head_dim), float("nan"),
+                      dtype=dtype, device=device)
+    tables = tables.to(torch.int32).to(device)
+    rows, slots = [], []
+    for i, (context, n) in enumerate(zip(context_lens, seq_lens)):
+        positions = torch.arange(n, device=device)
+        seq_slots = tables[i, positions // block_size].long() * block_size + positions % block_size
+        entries = torch.randn(n, pool.shape[-1], generator=gen).to(dtype=dtype, device=device)
+        pool.view(-1, pool.shape[-1])[seq_slots[:context]] = entries[:context]  # the cached context
+        rows.append(entries[context:])
+        slots.append(seq_slots[context:] if n else torch.tensor([-1], device=device))
+    new = torch.cat([r if r.shape[0] else torch.randn(1, pool.shape[-1], generator=gen).to(pool) for r in rows])
+    tokens = new.shape[0]
+    heads = layer.num_heads
+    q_nope = torch.randn(tokens, heads, layer.qk_nope_head_dim, generator=gen).to(pool)
+    q_rope = torch.randn(tokens, heads, layer.qk_rope_head_dim, generator=gen).to(pool)
+    metadata = AttentionMetadata(
+        query_lens=query_lens, context_lens=context_lens, slot_mapping=torch.cat(slots), block_tables=tables,
+        num_decodes=3, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).to(device),
+    )
+    latent, k_rope = new[:, : layer.kv_lora_rank], new[:, layer.kv_lora_rank :]
+    return pool, (q_nope, q_rope, latent.contiguous(), k_rope.contiguous(), metadata)
+
+
+def attend_latent(backend, layer, pool, inputs):
+    layer.backend, layer.kv_cache = backend, (pool.clone(),)
+    return backend.attend_latent(layer, *inputs)
+
+
+def decode_via_launcher(q_latent, q_rope, cache, block_tables, seq_lens, scale):
+    out = torch.empty_like(q_latent)
+    mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out)
+    return out
+
+
+def prefill_via_launcher(q_nope, q_rope, k_nope, k_rope, v, *args):
+    out = q_nope.new_empty(*q_nope.shape[:2], v.shape[-1])
+    mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, *args, out)
+    return out
+
+
+@pytest.mark.interpreter
+def test_triton_backend_latent_path_matches_the_torch_backend(monkeypatch):
+    # The backend's slicing of the stream and metadata, with the interpreted kernels behind the ops.
+    monkeypatch.setattr(TritonAttentionBackend, "latent_decode", staticmethod(decode_via_launcher))
+    monkeypatch.setattr(TritonAttentionBackend, "latent_prefill", staticmethod(prefill_via_launcher))
+    layer = mla_layer()
+    pool, inputs = mixed_latent_step(layer)
+    ours = attend_latent(TritonAttentionBackend(), layer, pool, inputs)
+    reference = attend_latent(TorchAttentionBackend(), layer, pool, inputs)
+    assert ours.shape == (13, 3, 12)
+    assert_close(ours[:-1], reference[:-1], 1e-5)
+    assert torch.equal(ours[-1], torch.zeros_like(ours[-1]))  # the padding row
+
+
+def test_mla_layer_is_capturable_where_its_backend_is():
+    layer = mla_layer()
+    assert not layer.capturable  # the torch backend, bound before any cache
+    layer.backend = TritonAttentionBackend()
+    assert layer.capturable
+    layer.backend = types.SimpleNamespace(latent_capturable=False)
+    assert not layer.capturable
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+DEEPSEEK_V3 = (128, 512, 64, 128, 128, 16)  # heads, rank, rope, nope, v_dim, block_size
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_decode_kernel_cuda(dtype):
+    batch = decode_batch([1, 16, 0, 777, 4096, 2053], *DEEPSEEK_V3, dtype, "cuda")
+    reference = batch.reference_decode()
+    for options in ({}, {"num_splits": 1}, {"num_splits": 7}, {"block_h": 16}):
+        assert_close(run_decode(batch, **options), reference, TOL[dtype])
+    assert_close(mla_decode_attention(*batch.decode_args()), reference, TOL[dtype])
+    odd = decode_batch([5, 300, 0, 1025], 5, 32, 16, 16, 24, 64, dtype, "cuda")  # tiny heads and ranks
+    assert_close(mla_decode_attention(*odd.decode_args()), odd.reference_decode(), TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_prefill_kernel_cuda(dtype):
+    # A long fresh prompt, a chunk after unaligned context, one query after long context, odd tails.
+    batch = LatentBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *DEEPSEEK_V3, dtype, "cuda")
+    reference = batch.reference_prefill()
+    assert_close(run_prefill(batch), reference, TOL[dtype])
+    assert_close(mla_prefill_attention(*batch.prefill_args()), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_decode_op_replays_in_cuda_graph():
+    batch = decode_batch([1500] * 4, *DEEPSEEK_V3, torch.bfloat16, "cuda")
+    args = batch.decode_args()
+    batch.seq_lens.copy_(torch.tensor([5, 300, 0, 1025]))
+    mla_decode_attention(*args)  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode_attention(*args)
+    # New data in the captured buffers: lengths, tables (rows rotated), queries.
+    batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
+    batch.block_tables.copy_(batch.block_tables.roll(1, 0))
+    batch.q_latent.copy_(torch.randn_like(batch.q_latent))
+    expected = mla_decode_attention(*args)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert_close(out, batch.reference_decode(), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_backend_latent_path_matches_the_torch_backend_cuda(dtype):
+    layer = mla_layer(heads=16, rank=512, rope=64, nope=128, v_dim=128, q_lora_rank=64, dtype=dtype, device="cuda")
+    pool, inputs = mixed_latent_step(layer, block_size=16, device="cuda")
+    ours = attend_latent(TritonAttentionBackend(), layer, pool, inputs)
+    reference = attend_latent(TorchAttentionBackend(), layer, pool, inputs)
+    assert_close(ours, reference, TOL[dtype])
