@@ -4,7 +4,7 @@ A checkpoint tensor that already is a whole parameter in the target dtype on the
 parameter as read, with no copy (``keepable``).
 
 FP8 block-quantised weights load dequantised to the model's dtype, except where they stay in FP8
-(by default on CUDA): a module that can multiply by FP8 weights names those parameters in
+(by default on CUDA devices with FP8 tensor cores): a module that can multiply by FP8 weights names those parameters in
 ``fp8_parameters`` (``layers.Linear``'s weight, ``layers.Experts``' two); where every tensor that
 fills them is stored in FP8 blocks and each shard covers whole blocks of rows, they are stored as
 float8_e4m3fn, their float32 scales in the module's ``<name>_scale_inv`` buffers and the block in
@@ -33,10 +33,10 @@ def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: t
     ``device``; the model's declarations (``checkpoint_shards``, ``ignored_checkpoint_keys``,
     ``checkpoint_aliases``, ``empty_parameter``, ``fp8_parameters``) say where each tensor goes.
     ``keep_fp8``: whether FP8 block-quantised weights stay in FP8 where their modules take them
-    (None: on CUDA); else they are dequantised to ``dtype``."""
+    (None: on a CUDA device with FP8 tensor cores, ``fp8_native``); else they are dequantised to ``dtype``."""
     checkpoint = open_checkpoint(source, model.config)
     plan = plan_loading(model, checkpoint)
-    fp8 = fp8_parameters_kept(model, checkpoint, plan) if (device.type == "cuda" if keep_fp8 is None else keep_fp8) else {}
+    fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
     kept = {name for name in keepable(model, checkpoint, plan, dtype, device) if plan[name][0] not in fp8}
     materialize(model, dtype, device, skip={plan[name][0] for name in kept}, fp8=fp8)
     fill(model, checkpoint, plan, keep=kept, fp8=fp8)
@@ -144,6 +144,12 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
         and FLOAT_DTYPES.get(checkpoint[name].dtype) == dtype
         and not hasattr(model.get_submodule(param_name.rpartition(".")[0]), "empty_parameter")
     }
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on ``device`` by default: on CUDA devices with FP8 tensor cores
+    (sm89 onward), where the FP8 ops have kernels; elsewhere they would dequantise at every call."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],

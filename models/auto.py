@@ -91,7 +91,8 @@ class AutoModelForCausalLM:
         """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id, in ``dtype``
         (a floating-point torch dtype or its name; ``"auto"``: the checkpoint's, see
         ``checkpoint_dtype``) on ``device``. The linear weights of an FP8 block-quantised checkpoint
-        stay in FP8 when ``keep_fp8`` (None: on CUDA), else they are dequantised to ``dtype``."""
+        stay in FP8 when ``keep_fp8`` (None: on CUDA devices of sm89 onward), else they are dequantised to
+        ``dtype``."""
         dtype = None if dtype == "auto" else model_dtype(dtype)
         device = model_device(device)
         source = resolve_source(path_or_repo_id)

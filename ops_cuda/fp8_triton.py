@@ -103,10 +103,11 @@ class GemmTiles(NamedTuple):
     num_stages: int
 
 
-# Decode: one or a few rows; 16 (tl.dot's smallest) wastes the least, and 64-column tiles spread the
-# weight over enough programs to keep every SM streaming it (N = 1536: 24 programs per 16 rows).
-DECODE_TILES = GemmTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# Up to a few hundred rows; 16 KiB of A and B per stage, three stages.
+# Tile sizes by the number of rows; not tuned on the H200 yet (benchmarks/bench_fp8.py times them).
+# Decode: one or a few rows; 16 (tl.dot's smallest) wastes the least, and narrow 32-column tiles spread
+# the weight over as many programs as they can (N = 7168: 224 programs; N = 1536: 48).
+DECODE_TILES = GemmTiles(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+# Up to a few hundred rows; 24 KiB of A and B per stage, three stages.
 MEDIUM_TILES = GemmTiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
 # Prefill: 32 KiB per stage, three stages, fit the H100/H200's 228 KiB of shared memory per SM.
 LARGE_TILES = GemmTiles(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
