@@ -4,11 +4,11 @@ A checkpoint tensor that already is a whole parameter in the target dtype on the
 parameter as read, with no copy (``keepable``).
 
 FP8 block-quantised weights load dequantised to the model's dtype, except where they stay in FP8
-(by default on CUDA devices with FP8 tensor cores): a module that can multiply by FP8 weights names those parameters in
-``fp8_parameters`` (``layers.Linear``'s weight, ``layers.Experts``' two); where every tensor that
-fills them is stored in FP8 blocks and each shard covers whole blocks of rows, they are stored as
-float8_e4m3fn, their float32 scales in the module's ``<name>_scale_inv`` buffers and the block in
-its ``fp8_block`` (``fp8_parameters_kept``)."""
+(by default on CUDA devices with FP8 tensor cores): a module that can multiply by FP8 weights names
+those parameters in ``fp8_parameters`` (``layers.Linear``'s weight, ``layers.Experts``' two); where
+every tensor that fills them is stored in FP8 blocks and each shard covers whole blocks of rows, they
+are stored as float8_e4m3fn, their float32 scales in the module's ``<name>_scale_inv`` buffers and
+the block in its ``fp8_block`` (``fp8_parameters_kept``)."""
 
 import re
 from collections import Counter
@@ -204,8 +204,6 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip
     skipped = {id(model.get_parameter(name)) for name in skip}
     fp8_blocks = {id(model.get_parameter(name)): block for name, block in (fp8 or {}).items()}
     for module in model.modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            setattr(module, name, buffer.to(device))
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if id(param) in skipped:
                 continue
@@ -221,6 +219,8 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip
                            else torch.empty(param.shape, dtype=dtype, device=device))
                 replaced[id(param)] = nn.Parameter(storage, requires_grad=False)
             setattr(module, name, replaced[id(param)])
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))
 
 
 @torch.no_grad()
