@@ -7,21 +7,34 @@ from torch import nn
 
 from layers.embedding import LMHead
 from layers.weights import Shard, parent_of
+from ops_cuda.fp8_linear import fp8_block_linear
 from ops_cuda.linear import PackedWeight, linear
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. Parameters are left uninitialised: a loader always fills them."""
+    """y = x W^T + b. Parameters are left uninitialised: a loader always fills them.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    Where an FP8 block-quantised checkpoint is loaded with its weights kept in FP8, the loader
+    stores the weight as float8_e4m3fn, its scales in ``weight_scale_inv`` and their block in
+    ``fp8_block``, and the product is ``zoo::fp8_block_linear``. ``fp8=False`` keeps the weight in
+    the model's dtype whatever the checkpoint: for a weight a layer reads directly, not through
+    ``forward`` (MLA's ``kv_b_proj``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fp8: bool = True):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None  # see pack_for_cpu_decode
+        self.fp8_parameters = ("weight",) if fp8 else ()  # the loader's declaration: see loaders.load
+        self.fp8_block: tuple[int, int] | None = None
+        self.register_buffer("weight_scale_inv", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
     def empty_parameter(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -34,7 +47,8 @@ class Linear(nn.Module):
         return torch.empty(shape, dtype=dtype, device=device)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        fp8 = f", fp8_block={list(self.fp8_block)}" if self.fp8_block is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{fp8}"
 
 
 class MergedLinear(Linear):

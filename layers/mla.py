@@ -63,7 +63,8 @@ class MLAttention(nn.Module):
         self.q_lora_rank = q_lora_rank
         self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = rms_norm(kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        # fp8=False: the absorbed form reads kv_b_proj.weight itself, so it stays in the model's dtype.
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), fp8=False)
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         # Set through the model's bind_kv_cache: one pool, [blocks, block_size, kv_lora_rank + qk_rope_head_dim].
         self.backend = TorchAttentionBackend()

@@ -17,7 +17,7 @@ from torch import nn
 from layers.linear import Linear
 from layers.mlp import GatedMLP
 from layers.weights import OneOf, Shard
-from ops_cuda import ACTIVATIONS, moe_experts
+from ops_cuda import ACTIVATIONS, fp8_moe_experts, moe_experts
 
 
 class TopKRouter(nn.Module):
@@ -120,6 +120,10 @@ class Experts(nn.Module):
     the hub layout) or stacked (``experts.gate_up_proj``, ``experts.down_proj``, as transformers 5
     writes them with ``save_original_format=False``); both are declared and the loader takes the
     one the checkpoint has.
+
+    FP8 block-quantised experts kept in FP8 by the loader (as ``Linear``'s weight: float8_e4m3fn
+    parameters, their scales in ``gate_up_proj_scale_inv`` and ``down_proj_scale_inv``, the block in
+    ``fp8_block``) run through ``zoo::fp8_moe_experts``.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
@@ -130,6 +134,10 @@ class Experts(nn.Module):
         gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.fp8_parameters = ("gate_up_proj", "down_proj")  # the loader's declaration: see loaders.load
+        self.fp8_block: tuple[int, int] | None = None
+        self.register_buffer("gate_up_proj_scale_inv", None)
+        self.register_buffer("down_proj_scale_inv", None)
 
     def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
         size = self.intermediate_size
@@ -146,6 +154,9 @@ class Experts(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            return fp8_moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                   self.down_proj, self.down_proj_scale_inv, self.fp8_block, self.hidden_act)
         return moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.down_proj, self.hidden_act)
 
     def extra_repr(self) -> str:

@@ -3,13 +3,15 @@ stored as float8_e4m3fn beside its ``T_scale_inv`` (float32, one scale per ``wei
 block of its last two dimensions, edge blocks partial), and config.json carries a
 ``quantization_config`` with ``quant_method: fp8``. Each such pair becomes one lazy float32
 ``TensorRef`` of the dequantised tensor under ``T``'s name, so the loader and every declared layout
-(fused shards, stacked experts) take it like any other tensor."""
+(fused shards, stacked experts) take it like any other tensor; the pair itself rides along in the
+reference's ``fp8``, for the loader to keep where the weight stays in FP8 (``loaders.load``)."""
 
 from pathlib import Path
 
 import torch
 
-from loaders.types import FLOAT_DTYPES, CheckpointError, TensorRef, name_list
+from loaders.types import FLOAT_DTYPES, CheckpointError, Fp8Blocks, TensorRef, name_list
+from ops_cuda.fp8 import block_scale_shape, dequantise
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
@@ -79,24 +81,10 @@ def dequantised_fp8(tensors: dict[str, TensorRef], config, config_file: Path) ->
         else:
             del result[scale.name]
             result[ref.name] = TensorRef(ref.name, ref.shape, "F32", ref.file, _reader(ref, scale, block),
-                                         ref.nbytes + scale.nbytes)
+                                         ref.nbytes + scale.nbytes, Fp8Blocks(ref, scale, block))
     if problems:
         raise CheckpointError("FP8 checkpoint tensors that cannot be dequantised:\n  " + "\n  ".join(problems))
     return result
-
-
-def block_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
-    """The scale of a tensor of ``shape``: one per block of its last two dimensions, edge blocks partial."""
-    rows, cols = shape[-2:]
-    return (*shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
-
-
-def dequantise(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 ``weight`` times the scale of the block each element lies in."""
-    rows, cols = weight.shape[-2:]
-    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return weight.float() * scale
 
 
 def _reader(weight: TensorRef, scale: TensorRef, block: tuple[int, int]):

@@ -1,7 +1,14 @@
 """The one generic loader: given a model built on the meta device, check the checkpoint against the
 model's declarations, materialise every parameter once in the target dtype/device, fill it.
 A checkpoint tensor that already is a whole parameter in the target dtype on the CPU becomes that
-parameter as read, with no copy (``keepable``)."""
+parameter as read, with no copy (``keepable``).
+
+FP8 block-quantised weights load dequantised to the model's dtype, except where they stay in FP8
+(by default on CUDA devices with FP8 tensor cores): a module that can multiply by FP8 weights names
+those parameters in ``fp8_parameters`` (``layers.Linear``'s weight, ``layers.Experts``' two); where
+every tensor that fills them is stored in FP8 blocks and each shard covers whole blocks of rows, they
+are stored as float8_e4m3fn, their float32 scales in the module's ``<name>_scale_inv`` buffers and
+the block in its ``fp8_block`` (``fp8_parameters_kept``)."""
 
 import re
 from collections import Counter
@@ -12,21 +19,27 @@ from tqdm import tqdm
 
 from layers.weights import OneOf, Shard
 from loaders.checkpoint import open_checkpoint
+from loaders.fp8 import SCALE_SUFFIX
 from loaders.types import FLOAT_DTYPES, CheckpointError, Source, TensorRef, name_list
+from ops_cuda.fp8 import FP8_DTYPE, block_scale_shape
 
 # Checkpoints smaller than this load without a progress bar.
 PROGRESS_MIN_BYTES = 256 << 20
 
 
-def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device,
+                 keep_fp8: bool | None = None) -> nn.Module:
     """Fill ``model``, built on the meta device, with the checkpoint at ``source`` in ``dtype`` on
     ``device``; the model's declarations (``checkpoint_shards``, ``ignored_checkpoint_keys``,
-    ``checkpoint_aliases``, ``empty_parameter``) say where each tensor goes."""
+    ``checkpoint_aliases``, ``empty_parameter``, ``fp8_parameters``) say where each tensor goes.
+    ``keep_fp8``: whether FP8 block-quantised weights stay in FP8 where their modules take them
+    (None: on a CUDA device with FP8 tensor cores, ``fp8_native``); else they are dequantised to ``dtype``."""
     checkpoint = open_checkpoint(source, model.config)
     plan = plan_loading(model, checkpoint)
-    kept = keepable(model, checkpoint, plan, dtype, device)
-    materialize(model, dtype, device, skip={plan[name][0] for name in kept})
-    fill(model, checkpoint, plan, keep=kept)
+    fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
+    kept = {name for name in keepable(model, checkpoint, plan, dtype, device) if plan[name][0] not in fp8}
+    materialize(model, dtype, device, skip={plan[name][0] for name in kept}, fp8=fp8)
+    fill(model, checkpoint, plan, keep=kept, fp8=fp8)
     return model.eval()
 
 
@@ -133,16 +146,74 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
     }
 
 
-def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip: set[str] = frozenset()) -> None:
+def fp8_native(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on ``device`` by default: on CUDA devices with FP8 tensor cores
+    (sm89 onward), where the FP8 ops have kernels; elsewhere they would dequantise at every call."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
+                        targets: dict[str, tuple[str, tuple]]) -> dict[str, tuple[int, int]]:
+    """parameter name -> scale block, for the parameters that stay in FP8: those a module names in its
+    ``fp8_parameters``, all of them or none per module, each filled only by FP8 block-quantised tensors
+    whose shards cover whole blocks of the parameter's rows (``scale_index``)."""
+    shards: dict[str, list[tuple[TensorRef, tuple]]] = {}
+    for name, (param_name, index) in targets.items():
+        shards.setdefault(param_name, []).append((checkpoint[name], index))
+    kept = {}
+    for prefix, module in model.named_modules():
+        names = [f"{prefix}.{local}" if prefix else local for local in getattr(module, "fp8_parameters", ())]
+        blocks = {}
+        for name in names:
+            refs = shards.get(name, [])
+            shape = model.get_parameter(name).shape
+            if refs and all(ref.fp8 is not None and scale_index(index, shape, ref.fp8.block) is not None
+                            for ref, index in refs):
+                blocks[name] = refs[0][0].fp8.block
+        if names and len(blocks) == len(names):
+            kept.update(blocks)
+    return kept
+
+
+def scale_index(index: tuple, shape: torch.Size, block: tuple[int, int]) -> tuple | None:
+    """Where the scales of the shard at ``index`` of a parameter of ``shape`` go in the parameter's
+    scales: the same index over the leading dimensions, its rows in blocks. None where the shard
+    does not cover whole blocks (it cuts the columns, or a block of rows)."""
+    rows_dim = len(shape) - 2
+    result = []
+    for dim, part in enumerate(index):
+        if dim < rows_dim:
+            result.append(part)
+            continue
+        if dim > rows_dim or not isinstance(part, slice):
+            return None
+        start, stop, step = part.indices(shape[dim])
+        if step != 1 or start % block[0] or (stop % block[0] and stop != shape[dim]):
+            return None
+        result.append(slice(start // block[0], -(-stop // block[0])))
+    return tuple(result)
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip: set[str] = frozenset(),
+                fp8: dict[str, tuple[int, int]] | None = None) -> None:
     """Replace every meta parameter by uninitialised storage, once per shared parameter, except the
-    parameters named in ``skip`` (``fill`` gives them the checkpoint's tensor); move computed
-    buffers (they were built on the CPU) to the device."""
+    parameters named in ``skip`` (``fill`` gives them the checkpoint's tensor); those named in
+    ``fp8`` (see ``fp8_parameters_kept``) in float8_e4m3fn, with their scales. Move computed buffers
+    (they were built on the CPU) to the device."""
     replaced: dict[int, nn.Parameter] = {}
     skipped = {id(model.get_parameter(name)) for name in skip}
+    fp8_blocks = {id(model.get_parameter(name)): block for name, block in (fp8 or {}).items()}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if id(param) in skipped:
                 continue
+            if id(param) in fp8_blocks:
+                block = fp8_blocks[id(param)]
+                storage = torch.empty(param.shape, dtype=FP8_DTYPE, device=device)
+                scales = torch.empty(block_scale_shape(param.shape, block), dtype=torch.float32, device=device)
+                setattr(module, name + SCALE_SUFFIX, scales)
+                module.fp8_block = block
+                replaced[id(param)] = nn.Parameter(storage, requires_grad=False)
             if id(param) not in replaced:
                 storage = (module.empty_parameter(name, dtype, device) if hasattr(module, "empty_parameter")
                            else torch.empty(param.shape, dtype=dtype, device=device))
@@ -159,9 +230,11 @@ def fill(
     targets: dict[str, tuple[str, tuple]],
     progress=None,
     keep: set[str] = frozenset(),
+    fp8: dict[str, tuple[int, int]] | None = None,
 ):
     """Copy every checkpoint tensor into its place; a tensor named in ``keep`` (see ``keepable``)
-    becomes its parameter as read, in every module that shares that parameter."""
+    becomes its parameter as read, in every module that shares that parameter; one filling a
+    parameter named in ``fp8`` is copied as stored, its scales into the module's scales."""
     names = [name for name in checkpoint if name in targets]
     total = sum(checkpoint[name].nbytes for name in names)
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
@@ -177,6 +250,11 @@ def fill(
                 kept = nn.Parameter(tensor, requires_grad=False)
                 for module, local_name in holders[id(model.get_parameter(param_name))]:
                     setattr(module, local_name, kept)
+            elif fp8 and param_name in fp8:
+                stored, parameter = checkpoint[name].fp8, model.get_parameter(param_name)
+                parameter[index].copy_(stored.weight.load())
+                scales = model.get_buffer(param_name + SCALE_SUFFIX)
+                scales[scale_index(index, parameter.shape, stored.block)].copy_(stored.scale_inv.load())
             else:
                 model.get_parameter(param_name)[index].copy_(checkpoint[name].load())
             bar.update(checkpoint[name].nbytes)

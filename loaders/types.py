@@ -27,7 +27,8 @@ class Source:
 
 @dataclass
 class TensorRef:
-    """A checkpoint tensor not read yet: ``load()`` returns it as a CPU tensor."""
+    """A checkpoint tensor not read yet: ``load()`` returns it as a CPU tensor. A tensor stored
+    quantised in FP8 blocks loads dequantised, and keeps its stored form in ``fp8``."""
 
     name: str
     shape: tuple[int, ...]
@@ -35,6 +36,17 @@ class TensorRef:
     file: Path
     load: Callable[[], torch.Tensor]
     nbytes: int
+    fp8: "Fp8Blocks | None" = None
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """An FP8 block-quantised tensor as stored: the float8_e4m3fn ``weight`` and its float32
+    ``scale_inv``, one scale per ``block`` (rows, columns) of the weight's last two dimensions."""
+
+    weight: TensorRef
+    scale_inv: TensorRef
+    block: tuple[int, int]
 
 
 # The floating dtypes a checkpoint tensor may carry, by their safetensors names.

@@ -86,16 +86,19 @@ def _build_on_meta(config, source: str) -> nn.Module:
 
 class AutoModelForCausalLM:
     @staticmethod
-    def from_pretrained(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu"):
+    def from_pretrained(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu",
+                        keep_fp8: bool | None = None):
         """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id, in ``dtype``
         (a floating-point torch dtype or its name; ``"auto"``: the checkpoint's, see
-        ``checkpoint_dtype``) on ``device``."""
+        ``checkpoint_dtype``) on ``device``. The linear weights of an FP8 block-quantised checkpoint
+        stay in FP8 when ``keep_fp8`` (None: on CUDA devices of sm89 onward), else they are dequantised to
+        ``dtype``."""
         dtype = None if dtype == "auto" else model_dtype(dtype)
         device = model_device(device)
         source = resolve_source(path_or_repo_id)
         config = load_config(source)
         model = _build_on_meta(config, str(source.path))
-        return load_weights(model, source, dtype or checkpoint_dtype(config), device)
+        return load_weights(model, source, dtype or checkpoint_dtype(config), device, keep_fp8)
 
     @staticmethod
     def from_hf(reference: nn.Module, dtype: torch.dtype | str | None = None, device=None):

@@ -10,6 +10,10 @@ the number of (token, slot) pairs (``GROUPED_MM_MIN_PAIRS``, set by measurement)
 grouped GEMM (``ops_cuda/moe_grouped_mm.py``; bf16 on sm90/sm100 with H and I multiples of 8). Anything neither
 takes runs the reference below, whose grouped form reads the expert loads on the host and so under
 CUDA-graph capture switches to its dense form.
+
+``zoo::fp8_moe_experts`` is the same with FP8 block-scaled experts (``ops_cuda/fp8.py``): its reference
+dequantises them to the activation dtype; on CUDA the Triton fused-MoE kernel multiplies FP8 operands,
+the activations quantised per token and group of ``block[1]`` columns.
 """
 
 import torch
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 
 from ops_cuda.activation import act_and_mul_reference
 from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.fp8 import check_block_weight, dequantise
 
 
 def moe_experts_reference(
@@ -119,3 +124,60 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
 
 
 moe_experts = reference_on_cpu(moe_experts_op, moe_experts_reference, reads_host=True)
+
+
+def fp8_moe_experts_reference(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale_inv: torch.Tensor,
+    down: torch.Tensor,
+    down_scale_inv: torch.Tensor,
+    block: list[int],
+    activation: str,
+) -> torch.Tensor:
+    """``moe_experts`` with float8_e4m3fn experts ``gate_up`` [E, 2 * I, H] and ``down`` [E, H, I], each
+    with float32 scales per ``block`` of its last two dimensions, dequantised to hidden's dtype."""
+    check_block_weight("fp8_moe_experts", gate_up, gate_up_scale_inv, block)
+    check_block_weight("fp8_moe_experts", down, down_scale_inv, block)
+    gate_up = dequantise(gate_up, gate_up_scale_inv, block).to(hidden.dtype)
+    down = dequantise(down, down_scale_inv, block).to(hidden.dtype)
+    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+
+
+@torch.library.custom_op("zoo::fp8_moe_experts", mutates_args=())
+def fp8_moe_experts_op(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale_inv: torch.Tensor,
+    down: torch.Tensor,
+    down_scale_inv: torch.Tensor,
+    block: list[int],
+    activation: str,
+) -> torch.Tensor:
+    return fp8_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv,
+                                     block, activation)
+
+
+@fp8_moe_experts_op.register_fake
+def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv, block, activation):
+    return torch.empty_like(hidden)
+
+
+@fp8_moe_experts_op.register_kernel("cuda")
+def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv, block, activation):
+    from ops_cuda.moe_triton import Fp8Scales, moe_experts_triton, triton_supported
+
+    check_block_weight("fp8_moe_experts", gate_up, gate_up_scale_inv, block)
+    check_block_weight("fp8_moe_experts", down, down_scale_inv, block)
+    scales = Fp8Scales(gate_up_scale_inv, down_scale_inv, tuple(block))
+    if triton_supported(hidden, gate_up, down, activation, scales):
+        return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales)
+    return fp8_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv,
+                                     block, activation)
+
+
+fp8_moe_experts = reference_on_cpu(fp8_moe_experts_op, fp8_moe_experts_reference, reads_host=True)

@@ -18,6 +18,11 @@ under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed
 Numerics follow the reference: both GEMMs accumulate in float32 and round to the activation dtype, as
 ``F.linear`` does; the activation-and-mul epilogue is the ``act_and_mul`` kernel's formula and rounding
 (``triton_helpers.apply_activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
+
+FP8 block-scaled experts (``zoo::fp8_moe_experts``, ``Fp8Scales``): the same kernels read float8_e4m3fn
+weights and activations quantised per token and group of ``block[1]`` columns (the hidden rows before
+gate_up, h before down), each K-step's product scaled by its rows' activation scales and its columns'
+weight-block scales, so a step stays within one scale group (BLOCK_K divides ``block[1]``).
 """
 
 from typing import NamedTuple
@@ -27,6 +32,8 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
+from ops_cuda.fp8 import FP8_DTYPE
+from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
 from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, round_to
 
@@ -53,11 +60,24 @@ INTERPRETER_TILES = {tiles: tiles._replace(block_n=16, block_k=16) for tiles in 
 SMALL_TILES_MAX_ROWS_PER_EXPERT = SMALL_TILES.block_m
 
 
-def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int) -> Tiles:
+class Fp8Scales(NamedTuple):
+    """The float32 block scales of FP8 experts: gate_up's [E, ceil(2I / rows), ceil(H / cols)] and
+    down's [E, ceil(H / rows), ceil(I / cols)], ``block`` = (rows, cols)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: tuple[int, int]
+
+
+def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int, fp8: Fp8Scales | None = None) -> Tiles:
     tiles = SMALL_TILES if num_pairs <= SMALL_TILES_MAX_ROWS_PER_EXPERT * num_experts else LARGE_TILES
     if not hidden.is_cuda:
-        return INTERPRETER_TILES[tiles]
-    return tiles._replace(block_k=tiles.block_k // 2) if hidden.dtype == torch.float32 else tiles
+        tiles = INTERPRETER_TILES[tiles]
+    elif hidden.dtype == torch.float32 and fp8 is None:
+        tiles = tiles._replace(block_k=tiles.block_k // 2)
+    if fp8 is not None:  # a K-step within one scale group: the largest power of two dividing its columns
+        tiles = tiles._replace(block_k=min(tiles.block_k, fp8.block[1] & -fp8.block[1]))
+    return tiles
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -66,10 +86,18 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str) -> bool:
-    """Whether ``moe_experts_triton`` takes these inputs (else the op runs its PyTorch reference)."""
+def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str,
+                     fp8: Fp8Scales | None = None) -> bool:
+    """Whether ``moe_experts_triton`` takes these inputs (else the op runs its PyTorch reference). FP8
+    experts need K-steps of at least 16 columns within a scale group and, on a GPU, FP8 tensor cores
+    (sm89 onward)."""
+    if fp8 is not None:
+        weights_ok = (gate_up.dtype == down.dtype == FP8_DTYPE and fp8.block[1] % 16 == 0
+                      and (not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device) >= (8, 9)))
+    else:
+        weights_ok = hidden.dtype == gate_up.dtype == down.dtype
     return (
-        hidden.dtype == gate_up.dtype == down.dtype
+        weights_ok
         and hidden.dtype in KERNEL_DTYPES
         and activation in KERNEL_ACTIVATIONS
         and hidden.dim() == 2
@@ -116,15 +144,30 @@ def _moe_align_kernel(
 
 
 @triton.jit
+def _scale_groups(x_scale_ptrs, w_scale_ptrs, row_ok, col_ok, k, x_scale_stride_g, w_scale_stride_k,
+                  GROUP_K: tl.constexpr):
+    # The K-step at k lies in one scale group: its rows' activation scales and its columns' weight scales.
+    group = k // GROUP_K
+    x_scale = tl.load(x_scale_ptrs + group * x_scale_stride_g, mask=row_ok, other=0.0)
+    w_scale = tl.load(w_scale_ptrs + group * w_scale_stride_k, mask=col_ok, other=0.0)
+    return x_scale[:, None] * w_scale[None, :]
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     hidden_ptr, gate_up_ptr, row_pair_ptr, block_expert_ptr, h_ptr,
     num_pairs, hidden_size, intermediate,
     hidden_stride, w_stride_e, w_stride_n, w_stride_k, h_stride,
+    hidden_scale_ptr, w_scale_ptr, hidden_scale_stride_m, hidden_scale_stride_g,
+    w_scale_stride_e, w_scale_stride_n, w_scale_stride_k,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of h for the block's rows: the gate and up tiles side by
-    # side over the hidden size, then act(gate) * up, each rounded where the reference rounds.
+    # side over the hidden size, then act(gate) * up, each rounded where the reference rounds. With
+    # FP8 the hidden rows and weights are float8 and each step's products are scaled (the scale
+    # pointers and GROUP_* are read only then).
     block = tl.program_id(0).to(tl.int64)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:
@@ -140,14 +183,23 @@ def _moe_gate_up_kernel(
     # [BLOCK_K, BLOCK_N] tiles of the expert's gate rows and of its up rows (I rows further), transposed.
     gate_ptrs = gate_up_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
     up_ptrs = gate_ptrs + intermediate * w_stride_n
+    x_scale_ptrs = hidden_scale_ptr + tokens * hidden_scale_stride_m
+    gate_scale_ptrs = w_scale_ptr + expert * w_scale_stride_e + (cols // GROUP_N) * w_scale_stride_n
+    up_scale_ptrs = w_scale_ptr + expert * w_scale_stride_e + ((cols + intermediate) // GROUP_N) * w_scale_stride_n
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, hidden_size, BLOCK_K):
         k_ok = ks < hidden_size - k
         x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
-        gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
-        up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
+        if FP8:
+            gate += tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
+                x_scale_ptrs, gate_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
+            up += tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
+                x_scale_ptrs, up_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
+        else:
+            gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
+            up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * w_stride_k
         up_ptrs += BLOCK_K * w_stride_k
@@ -161,7 +213,10 @@ def _moe_down_kernel(
     h_ptr, down_ptr, row_pair_ptr, block_expert_ptr, y_ptr,
     num_pairs, hidden_size, intermediate,
     h_stride, w_stride_e, w_stride_n, w_stride_k, y_stride,
+    h_scale_ptr, w_scale_ptr, h_scale_stride_m, h_scale_stride_g,
+    w_scale_stride_e, w_scale_stride_n, w_scale_stride_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of y = h down_e^T for the block's rows. Padding rows of h
     # were never written: they are read as zeros and their outputs not stored.
@@ -176,12 +231,18 @@ def _moe_down_kernel(
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None] * h_stride + ks[None, :]
     w_ptrs = down_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
+    h_scale_ptrs = h_scale_ptr + rows * h_scale_stride_m
+    w_scale_ptrs = w_scale_ptr + expert * w_scale_stride_e + (cols // GROUP_N) * w_scale_stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, intermediate, BLOCK_K):
         k_ok = ks < intermediate - k
         h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            acc += tl.dot(h, w) * _scale_groups(h_scale_ptrs, w_scale_ptrs, row_ok, col_ok, k, h_scale_stride_g,
+                                                w_scale_stride_k, GROUP_K)
+        else:
+            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * w_stride_k
     out = acc.to(y_ptr.dtype.element_ty)
@@ -224,8 +285,10 @@ def moe_experts_triton(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    fp8: Fp8Scales | None = None,
 ) -> torch.Tensor:
-    """``zoo::moe_experts`` with the fused-MoE kernels; the caller checks ``triton_supported`` first."""
+    """``zoo::moe_experts`` with the fused-MoE kernels, or with ``fp8`` scales ``zoo::fp8_moe_experts``;
+    the caller checks ``triton_supported`` first."""
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     top_k = topk_ids.shape[1]
@@ -234,24 +297,38 @@ def moe_experts_triton(
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     num_pairs = topk_ids.numel()
-    tiles = tiles_for(hidden, num_pairs, num_experts)
+    tiles = tiles_for(hidden, num_pairs, num_experts, fp8)
     layout = moe_align(topk_ids, num_experts, tiles.block_m)
     num_blocks, rows = layout.block_expert.shape[0], layout.row_pair.shape[0]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
     launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, FP8=fp8 is not None,
+                  GROUP_N=fp8.block[0] if fp8 else 1, GROUP_K=fp8.block[1] if fp8 else 1)
 
+    x, x_scales = quantise_groups(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
     h = torch.empty(rows, intermediate, dtype=hidden.dtype, device=hidden.device)
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(intermediate, tiles.block_n))](
-        hidden, gate_up, layout.row_pair, layout.block_expert, h,
+        x, gate_up, layout.row_pair, layout.block_expert, h,
         num_pairs, hidden_size, intermediate,
-        hidden.stride(0), *gate_up.stride(), h.stride(0),
+        x.stride(0), *gate_up.stride(), h.stride(0),
+        *_scale_arguments(x_scales, fp8.gate_up if fp8 else None),
         TOP_K=top_k, ACTIVATION=KERNEL_ACTIVATIONS[activation], **launch,
     )
+    # Padding rows of h were never written: their quantised rows and scales are never read.
+    h_in, h_scales = quantise_groups(h, fp8.block[1]) if fp8 else (h, h)
     y = torch.empty(rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, tiles.block_n))](
-        h, down, layout.row_pair, layout.block_expert, y,
+        h_in, down, layout.row_pair, layout.block_expert, y,
         num_pairs, hidden_size, intermediate,
-        h.stride(0), *down.stride(), y.stride(0), **launch,
+        h_in.stride(0), *down.stride(), y.stride(0),
+        *_scale_arguments(h_scales, fp8.down if fp8 else None), **launch,
     )
     return moe_combine(y, layout.pair_row, topk_weights, hidden.dtype)
+
+
+def _scale_arguments(x_scales: torch.Tensor, w_scales: torch.Tensor | None) -> tuple:
+    """The kernels' scale pointers and strides: activation scales [rows, groups], weight scales
+    [E, row blocks, column blocks]; without FP8, any tensor and zero strides (never read)."""
+    if w_scales is None:
+        return (x_scales, x_scales, 0, 0, 0, 0, 0)
+    return (x_scales, w_scales, *x_scales.stride(), *w_scales.stride())

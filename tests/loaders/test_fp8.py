@@ -1,6 +1,8 @@
 """FP8 block-quantised checkpoints (DeepSeek-V3's format): dequantised on load into the model's
 dtype, equal to a twin checkpoint holding the dequantised weights, and strict about their scales
-and their quantization_config."""
+and their quantization_config. Kept in FP8 (``keep_fp8=True``, the default on CUDA; here on the
+CPU, where the FP8 ops run their references): the weights and scales as stored, in the layers that
+take them, and the same logits and greedy tokens as the twin."""
 
 import json
 import re
@@ -10,11 +12,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loaders import CheckpointError
+from loaders.load import scale_index
 from models import AutoModelForCausalLM
+from runtime import LLM
 from runtime.diff import diff_models, load_reference
-from tests.conftest import hf_model, tiny_config
+from tests.conftest import hf_model, relative_error, tiny_config
 from tests.loaders.test_errors import rewrite_tensors
+from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
 from tests.models.test_moe import QWEN3_MOE, per_expert_state_dict
+from tests.runtime.test_runtime import GREEDY, prompts, token_ids
 
 # Not square, so swapped block axes show; 64 and 112 columns or rows leave partial edge blocks.
 BLOCK = (32, 48)
@@ -23,34 +29,37 @@ QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dyna
 TOKENS = torch.tensor([[5, 17, 3, 88, 42, 7, 1, 60, 23, 9, 14]])
 
 
-def quantise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantise(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8 weight, scale_inv, dequantised weight) of a [..., rows, cols] weight, block by block."""
     rows, cols = weight.shape[-2:]
-    grid = (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
     fp8 = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
     scale_inv = torch.empty((*weight.shape[:-2], *grid))
     dequantised = torch.empty(weight.shape)
     for i in range(grid[0]):
         for j in range(grid[1]):
-            block = (..., slice(i * BLOCK[0], (i + 1) * BLOCK[0]), slice(j * BLOCK[1], (j + 1) * BLOCK[1]))
-            scale = weight[block].abs().amax(dim=(-2, -1)) / FP8_MAX
+            part = (..., slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            scale = weight[part].abs().amax(dim=(-2, -1)) / FP8_MAX
             scale_inv[..., i, j] = scale
-            fp8[block] = (weight[block] / scale[..., None, None]).to(torch.float8_e4m3fn)
-            dequantised[block] = fp8[block].float() * scale[..., None, None]
+            fp8[part] = (weight[part] / scale[..., None, None]).to(torch.float8_e4m3fn)
+            dequantised[part] = fp8[part].float() * scale[..., None, None]
     return fp8, scale_inv, dequantised
 
 
 def quantised(name: str) -> bool:
     """The decoder's linear weights, as DeepSeek quantises them; embeddings, norms, routers and lm_head stay."""
-    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj")) and "norm" not in name
+    return (name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj", "_proj_with_mqa.weight"))
+            and "norm" not in name)
 
 
 def write_pair(model, tensors: dict[str, torch.Tensor], path, quantization=QUANTIZATION):
-    """An FP8 checkpoint of ``tensors`` at ``path / "fp8"`` and its dequantised float32 twin at ``path / "twin"``."""
+    """An FP8 checkpoint of ``tensors`` at ``path / "fp8"`` (in blocks of ``quantization``'s
+    weight_block_size) and its dequantised float32 twin at ``path / "twin"``."""
+    block = tuple(quantization["weight_block_size"])
     fp8_tensors, twin_tensors = {}, {}
     for name, tensor in tensors.items():
         if quantised(name):
-            fp8_tensors[name], fp8_tensors[name + "_scale_inv"], twin_tensors[name] = quantise(tensor)
+            fp8_tensors[name], fp8_tensors[name + "_scale_inv"], twin_tensors[name] = quantise(tensor, block)
         else:
             fp8_tensors[name] = twin_tensors[name] = tensor
     for kind, kind_tensors in [("fp8", fp8_tensors), ("twin", twin_tensors)]:
@@ -201,3 +210,110 @@ def test_another_quantization_method_on_an_unquantised_checkpoint(llama_pair):
     edit_config(twin, lambda fields: fields.update(quantization_config={"quant_method": "awq", "bits": 4}))
     with pytest.raises(CheckpointError, match=r"config\.json: quantization_config quant_method 'awq' is not supported"):
         AutoModelForCausalLM.from_pretrained(twin)
+
+
+# Kept in FP8 ---------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+# float32 logits of FP8 weights kept against their twin's: the same dequantised values multiplied,
+# by weights laid out row-major on one side and column-major on the other (another summation order).
+KEPT_TOL = 1e-5
+
+
+def assert_kept(module, name: str, stored: dict[str, torch.Tensor], *sources: str):
+    """``module.<name>`` is the FP8 tensors ``sources`` stacked along their rows as stored, and its
+    scales theirs."""
+    weight, scales = getattr(module, name), getattr(module, name + "_scale_inv")
+    assert weight.dtype == FP8 and scales.dtype == torch.float32
+    assert torch.equal(weight.view(torch.uint8), torch.cat([stored[s] for s in sources], dim=-2).view(torch.uint8))
+    assert torch.equal(scales, torch.cat([stored[s + "_scale_inv"] for s in sources], dim=-2))
+
+
+def test_llama_weights_kept_in_fp8_where_shards_cover_whole_blocks(llama_pair):
+    fp8, twin = llama_pair
+    model = AutoModelForCausalLM.from_pretrained(fp8, keep_fp8=True)
+    stored = load_file(fp8 / "model.safetensors")
+    layer, prefix = model.model.layers[1], "model.layers.1."
+    # q (64 rows), k and v (32 each) start on 32-row blocks: one FP8 weight, their scales stacked.
+    assert_kept(layer.self_attn.qkv_proj, "weight", stored,
+                *(f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"))
+    assert_kept(layer.mlp.down_proj, "weight", stored, f"{prefix}mlp.down_proj.weight")
+    assert layer.mlp.down_proj.fp8_block == BLOCK
+    # gate has 112 rows: up would start inside gate's last block, so gate_up is dequantised.
+    gate_up = layer.mlp.gate_up_proj
+    assert gate_up.weight.dtype == torch.float32 and gate_up.weight_scale_inv is None and gate_up.fp8_block is None
+    assert torch.equal(gate_up.weight[:112], load_file(twin / "model.safetensors")[f"{prefix}mlp.gate_proj.weight"])
+    # Never quantised: embeddings, norms, the LM head.
+    assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert relative_error(model(TOKENS), logits(twin, torch.float32)) < KEPT_TOL
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_qwen3_moe_experts_kept_in_fp8(tmp_path, layout):
+    fp8, twin = moe_pair(tmp_path, layout)
+    model = AutoModelForCausalLM.from_pretrained(fp8, keep_fp8=True)
+    stored = load_file(fp8 / "model.safetensors")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.fp8_block == BLOCK
+    if layout == "stacked":
+        assert_kept(experts, "gate_up_proj", stored, "model.layers.0.mlp.experts.gate_up_proj")
+    else:
+        for e in (0, 7):
+            gate_up = (f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up"))
+            assert torch.equal(experts.gate_up_proj[e].view(torch.uint8),
+                               torch.cat([stored[n] for n in gate_up]).view(torch.uint8))
+            assert torch.equal(experts.down_proj_scale_inv[e], stored[f"model.layers.0.mlp.experts.{e}.down_proj.weight_scale_inv"])
+    with torch.no_grad():
+        assert relative_error(model(TOKENS), logits(twin, torch.float32)) < KEPT_TOL
+
+
+@pytest.fixture
+def deepseek_pair(tmp_path):
+    """A tiny DeepSeek-V3 in blocks of 16 x 32: every expert's gate and up (16 rows each) whole blocks."""
+    model = deepseek_hf_model(deepseek_config())
+    return write_pair(model, model.state_dict(), tmp_path, quantization={**QUANTIZATION, "weight_block_size": [16, 32]})
+
+
+def test_deepseek_v3_kept_in_fp8_generates_the_twins_greedy_tokens(deepseek_pair):
+    fp8, twin = deepseek_pair
+    model = AutoModelForCausalLM.from_pretrained(fp8, keep_fp8=True)
+    attention, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    for linear in (attention.q_a_proj, attention.q_b_proj, attention.kv_a_proj_with_mqa, attention.o_proj,
+                   moe.shared_experts.gate_up_proj, model.model.layers[0].mlp.down_proj):
+        assert linear.weight.dtype == FP8 and linear.fp8_block == (16, 32)
+    assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == FP8
+    # The absorbed form reads kv_b_proj's weight itself: dequantised, in the model's dtype.
+    assert attention.kv_b_proj.weight.dtype == torch.float32 and attention.kv_b_proj.fp8_block is None
+    twin_model = AutoModelForCausalLM.from_pretrained(twin)
+    with torch.no_grad():
+        assert relative_error(model(TOKENS), twin_model(TOKENS)) < KEPT_TOL
+    requests = prompts(count=3, high=20)
+    ours = token_ids(LLM(model, tokenizer=None).generate(requests, GREEDY))
+    assert ours == token_ids(LLM(twin_model, tokenizer=None).generate(requests, GREEDY))
+
+
+def test_keep_fp8_false_dequantises(deepseek_pair):
+    fp8, _ = deepseek_pair
+    model = AutoModelForCausalLM.from_pretrained(fp8, keep_fp8=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not [name for name, _ in model.named_buffers() if name.endswith("_scale_inv")]
+
+
+@pytest.mark.parametrize("index, expected", [
+    ((), ()),  # the whole parameter
+    ((slice(64, 128),), (slice(2, 4),)),  # rows 64..127 of a [160, K] weight in 32-row blocks
+    ((slice(128, 160),), (slice(4, 5),)),
+    ((3, slice(0, 32)), (3, slice(0, 1))),  # an expert's gate rows
+    ((3,), (3,)),  # an expert's down projection
+])
+def test_scale_index_of_whole_blocks(index, expected):
+    shape = torch.Size([8, 160, 96]) if len(index) == 2 or index == (3,) else torch.Size([160, 96])
+    assert scale_index(index, shape, (32, 48)) == expected
+
+
+def test_scale_index_of_a_shard_that_cuts_a_block():
+    assert scale_index((slice(0, 112),), torch.Size([224, 64]), (32, 48)) is None  # ends inside a block
+    assert scale_index((slice(112, 224),), torch.Size([224, 64]), (32, 48)) is None  # starts inside one
+    assert scale_index((slice(0, 100),), torch.Size([100, 64]), (32, 48)) == (slice(0, 4),)  # the partial edge
+    assert scale_index((slice(None), slice(0, 48)), torch.Size([64, 96]), (32, 48)) is None  # cuts the columns

@@ -1,0 +1,53 @@
+"""``zoo::fp8_block_linear``: ``x W^T + b`` with an FP8 block-scaled weight (``ops_cuda/fp8.py``).
+
+Its reference (the CPU path and the test oracle) dequantises the weight to the activation dtype and
+multiplies: exactly what a checkpoint dequantised on load computes. Its CUDA kernel quantises the
+activations per token and group and multiplies FP8 operands (``ops_cuda/fp8_triton.py``).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.fp8 import check_block_weight, dequantise
+
+
+def fp8_block_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] times the FP8 weight [N, K] (``scale_inv`` [ceil(N / block[0]), ceil(K / block[1])])
+    dequantised to x's dtype, plus ``bias``: [..., N]."""
+    check_block_weight("fp8_block_linear", weight, scale_inv, block)
+    return F.linear(x, dequantise(weight, scale_inv, block).to(x.dtype), bias)
+
+
+@torch.library.custom_op("zoo::fp8_block_linear", mutates_args=())
+def fp8_block_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    return fp8_block_linear_reference(x, weight, scale_inv, block, bias)
+
+
+@fp8_block_linear_op.register_fake
+def _(x, weight, scale_inv, block, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@fp8_block_linear_op.register_kernel("cuda")
+def _(x, weight, scale_inv, block, bias):
+    # triton is imported only where a kernel runs
+    from ops_cuda.fp8_triton import cuda_kernel, fp8_block_gemm_scaled_mm, fp8_block_gemm_triton
+
+    check_block_weight("fp8_block_linear", weight, scale_inv, block)
+    kernel = cuda_kernel(x, weight, block)
+    if kernel == "reference":  # other dtypes or blocks, GPUs without FP8 tensor cores
+        return fp8_block_linear_reference(x, weight, scale_inv, block, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if kernel == "scaled_mm":
+        out = fp8_block_gemm_scaled_mm(rows, weight, scale_inv, bias)
+    else:
+        out = fp8_block_gemm_triton(rows, weight, scale_inv, block, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+fp8_block_linear = reference_on_cpu(fp8_block_linear_op, fp8_block_linear_reference)

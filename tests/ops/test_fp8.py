@@ -1,0 +1,364 @@
+"""FP8 block-scaled weights: ``zoo::fp8_block_linear`` and ``zoo::fp8_moe_experts`` against
+dequantise-then-matmul, the per-token-group quantisation of the activations, and the kernels.
+
+On the CPU: the ops are their references; the quantisation's values. Under ``TRITON_INTERPRET=1``:
+the Triton block-FP8 GEMM and the FP8 fused-MoE kernel on tiny shapes (float32 and float16
+activations; the interpreter's own cast to float8 is wrong, so the activations are quantised by the
+PyTorch reference there). On the GPU (``gpu``): the quantisation kernel, both GEMMs of the dispatch
+(Triton, and torch._scaled_mm's block-scaled kernel where it runs) on DeepSeek-V3's shapes, the FP8
+fused-MoE kernel, CUDA-graph replay, and a tiny FP8 DeepSeek-V3 checkpoint loaded on CUDA with its
+weights kept in FP8, against its dequantised twin.
+
+Two oracles: the kernels' own arithmetic in PyTorch (activations quantised the same way, products in
+float32: ``quantised_product``), which they must match up to summation order and the final
+rounding; and the ops' references (dequantise, then matmul), which they match up to the activations'
+quantisation (``QUANTISATION_TOL``).
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops_cuda import fp8_block_linear, fp8_moe_experts
+from ops_cuda.activation import act_and_mul_reference
+from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX, MIN_GROUP_MAX, dequantise, quantise_groups_reference
+from ops_cuda.fp8_linear import fp8_block_linear_reference
+from ops_cuda.moe import fp8_moe_experts_reference
+from tests.loaders.test_fp8 import quantise
+from tests.ops.test_moe_triton import routed
+
+# Largest difference from the op's reference, relative to the reference's largest magnitude. e4m3 keeps
+# 3 mantissa bits: each activation is rounded to within 2^-4 of itself, and an output sums K such errors
+# with random signs, about 2^-4 / sqrt(3) ~ 3.6% of the output's typical size; measured, at most 2-3% of
+# the largest output. The fused MoE quantises twice (the hidden rows, then h): its errors add.
+QUANTISATION_TOL = {"linear": 0.06, "moe": 0.1}
+# Against ``quantised_product``: float32 in another summation order; float16 and bfloat16 round the
+# output once more (2^-11, 2^-8 relative; with margin).
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.float()
+    return ((ours.float() - reference).abs().max() / reference.abs().max()).item()
+
+
+def fp8_weight(out_features, in_features, block, device="cpu", leading=(), seed=0):
+    """(fp8 weight, float32 scales) of a random [*leading, out, in] weight scaled to outputs of order one."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(*leading, out_features, in_features, generator=generator) / in_features**0.5
+    fp8, scale_inv, _ = quantise(weight, block)
+    return fp8.to(device), scale_inv.to(device)
+
+
+def quantised_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the kernels see it: quantised per token and group, dequantised to float32."""
+    from ops_cuda.fp8_triton import quantise_groups
+
+    quantised, scales = quantise_groups(x, group)
+    return quantised.float() * scales.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+
+
+def quantised_product(x, weight, scale_inv, block):
+    return quantised_activations(x, block[1]) @ dequantise(weight, scale_inv, block).t()
+
+
+def quantised_moe(hidden, topk_weights, topk_ids, gate_up, gate_up_scale, down, down_scale, block, activation):
+    """The FP8 fused-MoE kernel's arithmetic pair by pair: the hidden row quantised, the gate and up
+    products in float32 rounded to hidden's dtype, the activation and product as act_and_mul rounds,
+    h quantised, the down product rounded, the weighted sum in float32."""
+    gate_up, down = dequantise(gate_up, gate_up_scale, block), dequantise(down, down_scale, block)
+    x = quantised_activations(hidden, block[1])
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for token in range(hidden.shape[0]):
+        for slot in range(topk_ids.shape[1]):
+            expert = topk_ids[token, slot]
+            h = act_and_mul_reference((x[token : token + 1] @ gate_up[expert].t()).to(hidden.dtype), activation)
+            y = (quantised_activations(h, block[1]) @ down[expert].t()).to(hidden.dtype)
+            out[token] += topk_weights[token, slot] * y[0].float()
+    return out.to(hidden.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the references and the quantisation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fp8_block_linear_is_the_dequantised_product():
+    weight, scale_inv = fp8_weight(72, 112, (32, 48))  # partial edge blocks in both dimensions
+    x, bias = torch.randn(2, 3, 112), torch.randn(72)
+    expected = F.linear(x, dequantise(weight, scale_inv, (32, 48)), bias)
+    assert torch.equal(fp8_block_linear(x, weight, scale_inv, (32, 48), bias), expected)
+    assert torch.equal(torch.ops.zoo.fp8_block_linear(x, weight, scale_inv, [32, 48], bias), expected)
+    # In bfloat16 the weight is dequantised to bfloat16 first, as a checkpoint dequantised on load is.
+    expected = F.linear(x.bfloat16(), dequantise(weight, scale_inv, (32, 48)).bfloat16())
+    assert torch.equal(fp8_block_linear(x.bfloat16(), weight, scale_inv, (32, 48), None), expected)
+
+
+def test_fp8_moe_experts_is_moe_experts_on_the_dequantised_weights():
+    from ops_cuda import moe_experts
+
+    block = (16, 32)
+    gate_up, gate_up_scale = fp8_weight(2 * 24, 40, block, leading=(4,))
+    down, down_scale = fp8_weight(40, 24, block, leading=(4,), seed=1)
+    hidden = torch.randn(5, 40)
+    weights, ids = routed(5, 2, [0, 1, 3])
+    expected = moe_experts(hidden, weights, ids, dequantise(gate_up, gate_up_scale, block),
+                           dequantise(down, down_scale, block), "silu")
+    ours = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu")
+    assert torch.equal(ours, expected)
+
+
+def test_ops_pass_opcheck_of_their_fake_kernels():
+    # (opcheck's schema test multiplies the inputs, which float8 tensors do not take on the CPU.)
+    weight, scale_inv = fp8_weight(64, 96, (32, 32))
+    torch.library.opcheck(torch.ops.zoo.fp8_block_linear.default,
+                          (torch.randn(3, 96), weight, scale_inv, [32, 32], torch.randn(64)), test_utils="test_faketensor")
+    gate_up, gate_up_scale = fp8_weight(64, 32, (32, 32), leading=(4,))
+    down, down_scale = fp8_weight(32, 32, (32, 32), leading=(4,))
+    weights, ids = routed(3, 2, [0, 1, 2, 3])
+    torch.library.opcheck(torch.ops.zoo.fp8_moe_experts.default,
+                          (torch.randn(3, 32), weights, ids, gate_up, gate_up_scale, down, down_scale, [32, 32], "silu"),
+                          test_utils="test_faketensor")
+
+
+def test_weights_of_another_dtype_or_block_are_named():
+    weight, scale_inv = fp8_weight(64, 96, (32, 32))
+    with pytest.raises(TypeError, match=r"zoo::fp8_block_linear takes a torch.float8_e4m3fn weight and float32 "
+                                        r"scales, got torch.float32"):
+        fp8_block_linear(torch.randn(1, 96), weight.float(), scale_inv, (32, 32), None)
+    with pytest.raises(ValueError, match=r"zoo::fp8_block_linear: scales of shape \(2, 3\) do not match a weight of "
+                                         r"shape \(64, 96\) in blocks of \[32, 48\]"):
+        fp8_block_linear(torch.randn(1, 96), weight, scale_inv, (32, 48), None)
+
+
+def test_quantise_groups_scales_each_group_by_its_largest_magnitude():
+    x = torch.randn(3, 100) * torch.tensor([1.0, 100.0, 0.01])[:, None]
+    x[2, 64:96] = 0.0  # an all-zero group
+    quantised, scales = quantise_groups_reference(x, 32)  # 4 groups, the last of 4 columns
+    assert quantised.dtype == FP8_DTYPE and quantised.shape == (3, 100)
+    assert scales.shape == (3, 4) and scales.stride() == (1, 3)  # column-major, as the kernels read them
+    expected = torch.stack([x[:, g * 32 : (g + 1) * 32].abs().amax(dim=1) for g in range(4)], dim=1) / FP8_MAX
+    assert torch.equal(scales[:, :2], expected[:, :2]) and torch.equal(scales[:2, 3], expected[:2, 3])
+    assert scales[2, 2] == MIN_GROUP_MAX / FP8_MAX and not quantised[2, 64:96].float().any()
+    # Each group's largest element maps to ±FP8_MAX; every element to within 2^-4 of itself (e4m3's rounding).
+    assert quantised.float().abs().amax() == FP8_MAX
+    dequantised = quantised.float() * scales.repeat_interleave(32, dim=1)[:, :100]
+    assert ((dequantised - x).abs() <= x.abs() * 2**-4 + scales.repeat_interleave(32, dim=1)[:, :100] * 2**-9).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# TRITON_INTERPRET=1: the kernels on tiny shapes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 19])
+def test_triton_block_gemm_interpreted(dtype, rows):
+    from ops_cuda.fp8_triton import fp8_block_gemm_triton
+
+    block = (32, 48)  # scales per 32 rows and 48 columns; 72 x 112: partial blocks at both edges
+    weight, scale_inv = fp8_weight(72, 112, block)
+    x, bias = torch.randn(rows, 112).to(dtype), torch.randn(72).to(dtype)
+    ours = fp8_block_gemm_triton(x, weight, scale_inv, block, bias)
+    assert ours.dtype == dtype and ours.shape == (rows, 72)
+    expected = (quantised_product(x.float(), weight, scale_inv, block) + bias.float()).to(dtype)
+    assert relative_error(ours, expected) <= KERNEL_TOL[dtype]
+    assert relative_error(ours, fp8_block_linear_reference(x, weight, scale_inv, block, bias)) <= QUANTISATION_TOL["linear"]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("tokens, top_k, allowed", [(1, 2, [0, 1, 2, 3]), (9, 2, [0, 2, 3])])
+def test_fp8_fused_moe_interpreted(tokens, top_k, allowed):
+    from ops_cuda.moe_triton import Fp8Scales, moe_experts_triton
+
+    block = (16, 32)  # H = 48, I = 40: partial column blocks in both products, and a partial row block in down
+    gate_up, gate_up_scale = fp8_weight(2 * 40, 48, block, leading=(4,))
+    down, down_scale = fp8_weight(48, 40, block, leading=(4,), seed=1)
+    hidden = torch.randn(tokens, 48)
+    weights, ids = routed(tokens, top_k, allowed)
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu", Fp8Scales(gate_up_scale, down_scale, block))
+    expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu")
+    assert relative_error(ours, expected) <= KERNEL_TOL[torch.float32]
+    reference = fp8_moe_experts_reference(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, list(block), "silu")
+    assert relative_error(ours, reference) <= QUANTISATION_TOL["moe"]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+DEEPSEEK_BLOCK = (128, 128)
+# (K, N) of DeepSeek-V3's linear layers: q_a_proj, kv_a_proj_with_mqa (576 columns: no whole blocks,
+# so never torch._scaled_mm's), q_b_proj, o_proj, and an expert's down projection.
+DEEPSEEK_LINEARS = [(7168, 1536), (7168, 576), (1536, 24576), (16384, 7168), (2048, 7168)]
+
+
+@functools.cache
+def deepseek_weight(out_features: int, in_features: int, experts: int | None = None, seed: int = 0):
+    """A CUDA FP8 weight in DeepSeek-V3's 128 x 128 blocks, made once per shape."""
+    leading = () if experts is None else (experts,)
+    return fp8_weight(out_features, in_features, DEEPSEEK_BLOCK, "cuda", leading=leading, seed=seed)
+
+
+def force_gemm(monkeypatch, kernel: str):
+    """Moves the dispatch's threshold so that ``kernel`` runs whatever the number of rows."""
+    import ops_cuda.fp8_triton
+
+    if kernel == "scaled_mm" and not ops_cuda.fp8_triton.scaled_mm_available(torch.device("cuda", 0)):
+        pytest.skip("this torch or device has no block-scaled torch._scaled_mm")
+    monkeypatch.setattr(ops_cuda.fp8_triton, "SCALED_MM_MIN_ROWS", 0 if kernel == "scaled_mm" else 1 << 62)
+
+
+@pytest.mark.gpu
+def test_quantise_groups_kernel_matches_the_reference():
+    from ops_cuda.fp8_triton import quantise_groups_triton
+
+    x = (torch.randn(37, 7168 + 40, device="cuda") * 3).bfloat16()  # a partial last group
+    quantised, scales = quantise_groups_triton(x, 128)
+    expected_quantised, expected_scales = quantise_groups_reference(x, 128)
+    assert scales.stride() == expected_scales.stride()
+    torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
+    # Divisions rounded differently may move a value to the neighbouring float8: one step, at most 2^-3
+    # of it (2^-9 among the subnormals).
+    difference = (quantised.float() - expected_quantised.float()).abs()
+    assert (difference <= expected_quantised.float().abs() * 2**-3 + 2**-9).all()
+    assert (difference > 0).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+def test_scaled_mm_runs_block_scaled_on_sm90():
+    from ops_cuda.fp8_triton import scaled_mm_available
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuBLASLt's block-scaled FP8 GEMM is sm90's")
+    assert scaled_mm_available(torch.device("cuda", 0)), "torch._scaled_mm refused 1x128 / 128x128 block scales"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "scaled_mm"])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("k, n", DEEPSEEK_LINEARS)
+def test_fp8_block_linear_on_deepseek_shapes(monkeypatch, kernel, rows, k, n):
+    from ops_cuda.fp8_triton import cuda_kernel
+
+    force_gemm(monkeypatch, kernel)
+    weight, scale_inv = deepseek_weight(n, k)
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    expected_kernel = kernel if kernel == "triton" or n % 128 == 0 else "triton"
+    assert cuda_kernel(x, weight, DEEPSEEK_BLOCK) == expected_kernel
+    ours = fp8_block_linear(x, weight, scale_inv, DEEPSEEK_BLOCK, None)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    assert relative_error(ours, quantised_product(x, weight, scale_inv, DEEPSEEK_BLOCK)) <= KERNEL_TOL[torch.bfloat16]
+    reference = fp8_block_linear_reference(x, weight, scale_inv, DEEPSEEK_BLOCK, None)
+    assert relative_error(ours, reference) <= QUANTISATION_TOL["linear"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp8_block_linear_other_dtypes_bias_and_leading_dims(dtype):
+    weight, scale_inv = deepseek_weight(384, 1024)
+    x, bias = torch.randn(2, 7, 1024, device="cuda").to(dtype), torch.randn(384, device="cuda").to(dtype)
+    ours = fp8_block_linear(x, weight, scale_inv, DEEPSEEK_BLOCK, bias)
+    assert ours.dtype == dtype and ours.shape == (2, 7, 384)
+    expected = quantised_product(x.reshape(14, 1024).float(), weight, scale_inv, DEEPSEEK_BLOCK) + bias.float()
+    assert relative_error(ours.reshape(14, 384), expected) <= KERNEL_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+def test_fp8_moe_experts_on_deepseek_expert_shapes(tokens):
+    from ops_cuda.moe_triton import Fp8Scales, triton_supported
+
+    num_experts, hidden_size, intermediate = 16, 7168, 2048  # DeepSeek-V3's experts (top-8), fewer of them
+    gate_up, gate_up_scale = deepseek_weight(2 * intermediate, hidden_size, num_experts)
+    down, down_scale = deepseek_weight(hidden_size, intermediate, num_experts, seed=1)
+    hidden = torch.randn(tokens, hidden_size, device="cuda").bfloat16()
+    weights, ids = routed(tokens, 8, list(range(num_experts)), device="cuda")
+    assert triton_supported(hidden, gate_up, down, "silu", Fp8Scales(gate_up_scale, down_scale, DEEPSEEK_BLOCK))
+    ours = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu")
+    assert ours.dtype == torch.bfloat16 and ours.shape == hidden.shape
+    reference = fp8_moe_experts_reference(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale,
+                                          list(DEEPSEEK_BLOCK), "silu")
+    assert relative_error(ours, reference) <= QUANTISATION_TOL["moe"]
+    if tokens <= 8:  # the pair-by-pair oracle is slow; h's bf16 rounding may move a quantised value one step
+        expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu")
+        assert relative_error(ours, expected) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_fp8_ops_replay_in_a_cuda_graph():
+    weight, scale_inv = deepseek_weight(1536, 7168)
+    gate_up, gate_up_scale = deepseek_weight(512, 1024, 8)
+    down, down_scale = deepseek_weight(1024, 256, 8, seed=1)
+    x = torch.randn(4, 7168, device="cuda").bfloat16()
+    hidden = torch.randn(4, 1024, device="cuda").bfloat16()
+    weights, ids = routed(4, 2, list(range(8)), device="cuda")
+
+    def step():
+        return (fp8_block_linear(x, weight, scale_inv, DEEPSEEK_BLOCK, None),
+                fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu"))
+
+    step()  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x.copy_(torch.randn_like(x))
+    hidden.copy_(torch.randn_like(hidden))
+    new_weights, new_ids = routed(4, 2, list(range(8)), seed=1, device="cuda")
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    for replayed, eager in zip(captured, step(), strict=True):
+        assert torch.equal(replayed, eager)
+
+
+def kernel_arithmetic_on_cpu(monkeypatch):
+    """Makes the FP8 layers on the CPU compute what the CUDA kernels compute (``quantised_product``,
+    ``quantised_moe``) instead of the ops' references."""
+    import layers.linear
+    import layers.moe
+
+    def linear(x, weight, scale_inv, block, bias):
+        out = quantised_product(x.reshape(-1, x.shape[-1]).float(), weight, scale_inv, block)
+        out = out if bias is None else out + bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    monkeypatch.setattr(layers.linear, "fp8_block_linear", linear)
+    monkeypatch.setattr(layers.moe, "fp8_moe_experts", quantised_moe)
+
+
+@pytest.mark.gpu
+def test_deepseek_v3_fp8_checkpoint_on_cuda_keeps_fp8(tmp_path, monkeypatch):
+    from models import AutoModelForCausalLM
+    from tests.loaders.test_fp8 import QUANTIZATION, TOKENS, write_pair
+    from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
+
+    hf = deepseek_hf_model(deepseek_config())
+    # Blocks of 16 x 32: whole blocks for every expert's 16 gate and up rows, and K-steps of 32 columns.
+    fp8, twin = write_pair(hf, hf.state_dict(), tmp_path, quantization={**QUANTIZATION, "weight_block_size": [16, 32]})
+    model = AutoModelForCausalLM.from_pretrained(fp8, device="cuda")  # float32; FP8 kept: the default on CUDA
+    attention, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert attention.q_b_proj.weight.dtype == moe.experts.gate_up_proj.dtype == FP8_DTYPE
+    assert attention.q_b_proj.weight.is_cuda and attention.q_b_proj.weight_scale_inv.is_cuda
+    assert attention.kv_b_proj.weight.dtype == torch.float32
+    with torch.no_grad():
+        ours = model(TOKENS.cuda()).cpu()
+    # Against the twin, this tiny random model's logits move by ~25% of the largest one: every product
+    # quantises its activations to e4m3 first (measured on the CPU with the kernels' arithmetic). So the
+    # oracle is that arithmetic in float32 on the CPU. Where a float32 difference moves an activation
+    # to the neighbouring float8 (rare), that activation changes by 2^-3: hence 1e-2, not 1e-5.
+    with monkeypatch.context() as patched:
+        kernel_arithmetic_on_cpu(patched)
+        expected = AutoModelForCausalLM.from_pretrained(fp8, keep_fp8=True)
+        with torch.no_grad():
+            expected = expected(TOKENS)
+    assert relative_error(ours, expected) <= 1e-2
+    # Dequantised on load instead, on CUDA too: the twin's logits exactly.
+    dequantised = AutoModelForCausalLM.from_pretrained(fp8, dtype="bfloat16", device="cuda", keep_fp8=False)
+    assert dequantised.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.bfloat16
+    twin_model = AutoModelForCausalLM.from_pretrained(twin, dtype="bfloat16", device="cuda")
+    with torch.no_grad():
+        assert torch.equal(dequantised(TOKENS.cuda()), twin_model(TOKENS.cuda()))
