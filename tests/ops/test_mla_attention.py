@@ -188,8 +188,8 @@ def mla_layer(heads=3, rank=16, rope=8, nope=8, v_dim=12, q_lora_rank=None, dtyp
 
 def mixed_latent_step(layer, block_size=4, device="cpu"):
     """Layer inputs and metadata of one step: two prompts (one after cached context), then three
-    decodes (one of them a padding row of length 0), over a pool whose context was written by
-    running the layer's projections on earlier tokens."""
+    decodes (the last a padding row of length 0, slot -1), over a pool of random cached entries
+    whose unused slots are NaN."""
     context_lens, query_lens = [0, 6, 9, 3, 0], [7, 3, 1, 1, 1]
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     seq_lens[-1] = 0
@@ -204,11 +204,11 @@ def mixed_latent_step(layer, block_size=4, device="cpu"):
     for i, (context, n) in enumerate(zip(context_lens, seq_lens)):
         positions = torch.arange(n, device=device)
         seq_slots = tables[i, positions // block_size].long() * block_size + positions % block_size
-        entries = torch.randn(n, pool.shape[-1], generator=gen).to(dtype=dtype, device=device)
+        entries = torch.randn(max(n, 1), pool.shape[-1], generator=gen).to(dtype=dtype, device=device)
         pool.view(-1, pool.shape[-1])[seq_slots[:context]] = entries[:context]  # the cached context
         rows.append(entries[context:])
         slots.append(seq_slots[context:] if n else torch.tensor([-1], device=device))
-    new = torch.cat([r if r.shape[0] else torch.randn(1, pool.shape[-1], generator=gen).to(pool) for r in rows])
+    new = torch.cat(rows)
     tokens = new.shape[0]
     heads = layer.num_heads
     q_nope = torch.randn(tokens, heads, layer.qk_nope_head_dim, generator=gen).to(pool)
