@@ -186,9 +186,11 @@ def _api_error(exc: ValidationError) -> APIError:
     # Where a field takes several types, each type's failure is listed: the one that got
     # furthest into the value says best what is wrong.
     error = max((e for e in errors if e["loc"][:1] == field), key=lambda e: len(e["loc"]))
-    param = _param(error["loc"])
     if error["type"] == "extra_forbidden":
+        *parent, name = error["loc"]
+        param = f"{_param(tuple(parent))}.{name}" if parent else name
         return APIError(400, f"Unrecognized request argument supplied: {param}", param)
+    param = _param(error["loc"])
     if error["type"] == "missing":
         return APIError(400, f"{param} is required", param)
     value = repr(error["input"])

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from runtime.engine_loop import Delta, EngineLoop, RequestGroup, TokenLogprob
+from runtime.engine_loop import EngineLoop, RequestGroup, TokenLogprob
 from runtime.llm import LLM
 from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
