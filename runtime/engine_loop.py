@@ -98,7 +98,9 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[int, _Tracked] = {}
         self._request_ids = itertools.count()
-        self.metrics = ServingMetrics(self.engine, self._commands.qsize)
+        # Groups submitted and taken in, each counted by one thread: their difference is what waits in the queue.
+        self._num_submitted = self._num_taken_in = 0
+        self.metrics = ServingMetrics(self.engine, lambda: self._num_submitted - self._num_taken_in)
         self._thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
         self._thread.start()
 
@@ -107,10 +109,11 @@ class EngineLoop:
     async def submit(self, prompts: list, params: list[SamplingParams]) -> RequestGroup:
         """Queue requests (one per prompt, each with its params) as one group. A bad request
         raises ValueError naming what is wrong, and none of the group runs."""
-        if not self._thread.is_alive():
+        if not self.alive:
             raise RuntimeError("the engine loop has stopped")
         submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
                                  time.perf_counter())
+        self._num_submitted += len(prompts)
         self._commands.put(submission)
         try:
             accepted = await asyncio.wrap_future(submission.accepted)
@@ -123,6 +126,10 @@ class EngineLoop:
 
     def abort(self, request_ids) -> None:
         self._commands.put(list(request_ids))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         """End what still runs (its clients get an error delta) and the thread."""
@@ -138,13 +145,22 @@ class EngineLoop:
                 if command is _STOP:
                     self._fail(list(self._tracked), "the server is shutting down")
                     return
-                if isinstance(command, _Submission):
-                    self._admit(command)
-                else:
-                    self._abort(command)
+                try:
+                    self._handle(command)
+                except Exception as exc:  # a request the engine chokes on fails alone, never the loop
+                    logger.exception("a request failed to enter the engine")
+                    if isinstance(command, _Submission) and not command.accepted.done():
+                        command.accepted.set_exception(exc)
                 command = self._next_command(block=False)
             if self.engine.has_unfinished():
                 self._step()
+
+    def _handle(self, command) -> None:
+        if isinstance(command, _Submission):
+            self._num_taken_in += len(command.prompts)
+            self._admit(command)
+        else:
+            self._abort(command)
 
     def _next_command(self, block: bool):
         try:

@@ -50,6 +50,10 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
         return JSONResponse(APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).body(),
                             status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return JSONResponse(APIError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if api_key is not None and request.url.path != "/health":
@@ -69,6 +73,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
             return await app.state.engine_loop.submit(repeated, params * len(prompts))
         except ValueError as exc:
             raise APIError(400, str(exc), param) from exc
+        except Exception as exc:  # the engine loop logged it; the client gets the API's shape of it
+            raise APIError(500, f"internal error: {exc}", type="server_error") from exc
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
@@ -96,6 +102,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not app.state.engine_loop.alive:
+            return JSONResponse({"status": "the engine loop has stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -431,3 +431,34 @@ def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
             process.wait()
     log = process.stdout.read()
     assert "Shutting down" in log and "Traceback" not in log
+
+
+def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_on(server, client, monkeypatch):
+    base_url, llm = server
+    engine = llm.engine
+    add_request, step = engine.add_request, engine.step
+
+    def add_request_failing(request_id, prompt, params):
+        if prompt == "poison":
+            raise RuntimeError("the tokenizer broke")
+        return add_request(request_id, prompt, params)
+
+    failed_steps = []
+
+    def step_failing_once():
+        if not failed_steps:
+            failed_steps.append(True)
+            raise RuntimeError("a simulated device fault")
+        return step()
+
+    monkeypatch.setattr(engine, "add_request", add_request_failing)
+    with pytest.raises(openai.InternalServerError, match="the tokenizer broke"):
+        client.completions.create(model=MODEL, prompt="poison", max_tokens=4)
+    monkeypatch.setattr(engine, "step", step_failing_once)
+    with pytest.raises(openai.APIError, match="a simulated device fault"):
+        list(client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True))
+    assert failed_steps
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+    assert metric(base_url, "zoo:kv_cache_usage_perc") == 0
+    assert get(f"{base_url}/health", key=None)[0] == 200
