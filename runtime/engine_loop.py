@@ -98,7 +98,7 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[int, _Tracked] = {}
         self._request_ids = itertools.count()
-        # Groups submitted and taken in, each counted by one thread: their difference is what waits in the queue.
+        # Requests submitted and taken in, each counted by one thread: the difference waits in the queue.
         self._num_submitted = self._num_taken_in = 0
         self.metrics = ServingMetrics(self.engine, lambda: self._num_submitted - self._num_taken_in)
         self._thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
@@ -119,8 +119,11 @@ class EngineLoop:
             accepted = await asyncio.wrap_future(submission.accepted)
         except asyncio.CancelledError:
             # The caller left while the requests were being queued: they must not run for no one.
-            submission.accepted.add_done_callback(
-                lambda done: done.exception() or self.abort([request_id for request_id, _ in done.result()]))
+            def abort_once_accepted(done: Future) -> None:
+                if done.exception() is None:
+                    self.abort([request_id for request_id, _ in done.result()])
+
+            submission.accepted.add_done_callback(abort_once_accepted)
             raise
         return RequestGroup(self, accepted, submission.deltas)
 
@@ -145,12 +148,7 @@ class EngineLoop:
                 if command is _STOP:
                     self._fail(list(self._tracked), "the server is shutting down")
                     return
-                try:
-                    self._handle(command)
-                except Exception as exc:  # a request the engine chokes on fails alone, never the loop
-                    logger.exception("a request failed to enter the engine")
-                    if isinstance(command, _Submission) and not command.accepted.done():
-                        command.accepted.set_exception(exc)
+                self._handle(command)
                 command = self._next_command(block=False)
             if self.engine.has_unfinished():
                 self._step()
@@ -178,7 +176,9 @@ class EngineLoop:
                 if output.error:
                     raise ValueError(output.error.partition(": ")[2])  # without the engine's request id
                 added.append(output)
-        except ValueError as exc:
+        except Exception as exc:  # a request the engine rejects or chokes on fails alone, never the loop
+            if not isinstance(exc, ValueError):
+                logger.exception("a request failed to enter the engine")
             self.engine.abort([o.request_id for o in added])
             submission.accepted.set_exception(exc)
             return
