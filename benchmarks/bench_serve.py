@@ -1,9 +1,10 @@
 """Serving under open-loop load: `zoo serve` (and `transformers serve` with --peer hf) over HTTP.
 
 For each request rate, requests arrive as a Poisson process (exponential gaps, seeded) whatever
-the server's pace, each a streamed ``/v1/completions`` call through the openai client with a
-prompt and an output length drawn uniformly from [0.5, 1.5] x the given means (seeded: every
-server and rate gets the same requests). Reported per rate: output tokens/s over the span from
+the server's pace, each a streamed ``/v1/chat/completions`` call (one user message; the route
+every version of ``transformers serve`` has) through the openai client, greedy, with a prompt and
+an output length drawn uniformly from [0.5, 1.5] x the given means (seeded: every server and rate
+gets the same requests). Reported per rate: output tokens/s over the span from
 the first arrival to the last token, requests/s, time to first token (TTFT) and inter-token
 latency (ITL, the gaps between streamed chunks that carry text) at p50 and p99. zoo is asked to
 ignore EOS so each request produces its drawn length; the peer is not (it takes no such field).
@@ -13,7 +14,7 @@ The script starts each server on a free loopback port, runs every rate against i
 Models: the embedded SmolLM2-135M-Instruct (default), any checkpoint (--model), or --shape 8b: a
 random bf16 Llama-3.1-8B-shaped checkpoint (SmolLM2's tokenizer and vocabulary) written to
 --workdir and served by both servers. Prompts are random words of the tokenizer, decoded to
-text, so their lengths in tokens are close to the drawn ones.
+text, so their lengths in tokens are close to the drawn ones (plus the chat template's few).
 
     .venv/bin/python benchmarks/bench_serve.py --rates 0.5 --requests 16          # CPU, SmolLM2
     python3 benchmarks/bench_serve.py --shape 8b --rates 1,4,16 --requests 200 --peer hf   # H200
@@ -75,10 +76,11 @@ async def send(client, model: str, request: Request, start: float, extra_body: d
     await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
     result = Result(time.perf_counter())
     try:
-        stream = await client.completions.create(model=model, prompt=request.prompt, max_tokens=request.output_len,
-                                                 temperature=0.0, stream=True, extra_body=extra_body)
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": request.prompt}], max_tokens=request.output_len,
+            temperature=0.0, stream=True, extra_body=extra_body)
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
+            if chunk.choices and chunk.choices[0].delta.content:
                 result.chunk_times.append(time.perf_counter())
     except openai.APIError as exc:
         result.error = str(exc)
@@ -180,7 +182,8 @@ def main():
                        "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), *device]}
     if args.peer == "hf":
         transformers_cli = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
-        servers["hf"] = [transformers_cli, "serve", model, "--continuous-batching", *device]
+        # The model is named by each request and loaded by the first (the untimed one below).
+        servers["hf"] = [transformers_cli, "serve", "--continuous-batching", *device]
     print(f"bench_serve: {model}, rates {rates} req/s, {args.requests} requests each, prompts ~{args.input_len} "
           f"tokens, outputs ~{args.output_len} tokens (U[0.5, 1.5] x mean), seed {args.seed}", flush=True)
 
@@ -200,6 +203,7 @@ def main():
                 row = asyncio.run(run_rate(base_url, served, requests, extra_body))
                 results[f"{name}@{rate}"] = row
                 print(f"{name:>4} {rate:6.2f} req/s: {row['completed']}/{row['requests']} done, "
+                      f"{row['output_tokens']} tokens, "
                       f"{row['output_tokens_per_s']:8.1f} output tok/s, {row['requests_per_s']:6.2f} req/s, "
                       f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, "
                       f"ITL p50 {row['itl_p50_ms']:7.1f} ms p99 {row['itl_p99_ms']:7.1f} ms"
