@@ -2,6 +2,7 @@
 with a character-level tokenizer, the real ``openai`` client. Each token of the tokenizer is one
 character (special tokens none), so equal texts are equal tokens."""
 
+import contextlib
 import http.client
 import json
 import os
@@ -69,10 +70,9 @@ def reference(checkpoint):
     return LLM(str(checkpoint), device="cpu")
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    """The server's app under uvicorn in a thread; yields (base URL, the served LLM)."""
-    llm = LLM(str(checkpoint), device="cpu")
+@contextlib.contextmanager
+def serving(llm: LLM):
+    """The server's app for ``llm`` under uvicorn in a thread; yields its base URL."""
     port = free_port()
     uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(llm, MODEL, api_key=KEY), host="127.0.0.1", port=port,
                                                    log_level="warning"))
@@ -82,10 +82,18 @@ def server(checkpoint):
     while not uvicorn_server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
+    yield f"http://127.0.0.1:{port}"
     uvicorn_server.should_exit = True
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    """(base URL, the served LLM)."""
+    llm = LLM(str(checkpoint), device="cpu")
+    with serving(llm) as base_url:
+        yield base_url, llm
 
 
 @pytest.fixture(scope="module")
@@ -225,11 +233,14 @@ def test_penalties_stop_strings_and_n_choices_equal_llm_generate(client, referen
         assert chunks[-1].choices[0].finish_reason == "stop"
 
     # n seeded choices: choice i draws with seed + i.
-    choices = client.chat.completions.create(model=MODEL, messages=CONVERSATION, n=3, seed=10, max_tokens=8).choices
+    response = client.chat.completions.create(model=MODEL, messages=CONVERSATION, n=3, seed=10, max_tokens=8)
     expected = reference.chat([CONVERSATION] * 3, [SamplingParams(max_tokens=8, seed=10 + i) for i in range(3)],
                               use_tqdm=False)
-    assert [c.message.content for c in choices] == [o.text for o in expected]
+    assert [c.message.content for c in response.choices] == [o.text for o in expected]
     assert len({o.text for o in expected}) > 1
+    # The prompt counts once, the choices' tokens all.
+    assert response.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+    assert response.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
 
 
 def test_32_concurrent_streams_share_the_engine_and_all_finish_correctly(server, client, reference):
@@ -462,3 +473,23 @@ def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_
                                      extra_body={"ignore_eos": True}).usage.completion_tokens == 4
     assert metric(base_url, "zoo:kv_cache_usage_perc") == 0
     assert get(f"{base_url}/health", key=None)[0] == 200
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_thread_serves_what_llm_generate_gives(checkpoint):
+    """The engine steps (CUDA graphs, Triton kernels) in the server's thread, not the caller's."""
+    served = LLM(str(checkpoint), device="cuda", dtype="float32")
+    reference = LLM(str(checkpoint), device="cuda", dtype="float32")
+    prompts = [f"Request {i}: " + "abc"[i % 3] * i for i in range(16)]
+    expected = reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                  use_tqdm=False)
+    with serving(served) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def stream(prompt: str) -> str:
+            chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks)
+
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(stream, prompts)) == [o.text for o in expected]
