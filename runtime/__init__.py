@@ -1,5 +1,5 @@
 """The runtime: LLM + SamplingParams over a paged KV cache with continuous batching, its options
-(EngineConfig), and the CLI."""
+(EngineConfig), the CLI, and the OpenAI-compatible server (``runtime.server``, imported apart)."""
 
 from runtime.config import EngineConfig
 from runtime.engine import RequestOutput

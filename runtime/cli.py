@@ -82,6 +82,21 @@ def _chat(args) -> int:
         conversation.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _serve(args) -> int:
+    from loaders.default_model import default_model_path
+    from runtime import LLM
+    from runtime.server import serve
+
+    model = args.model or str(default_model_path())
+    options = {name: getattr(args, name) for name in ("max_model_len", "max_num_seqs", "num_blocks", "kv_cache_gib")
+               if getattr(args, name) is not None}
+    llm = LLM(model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, **options)
+    # The embedded model's file is SmolLM2-135M-Instruct.Q4_1.gguf: it is served as SmolLM2-135M-Instruct.
+    name = args.served_model_name or args.model or default_model_path().name.split(".")[0]
+    serve(llm, name, args.host, args.port, args.api_key)
+    return 0
+
+
 def main(argv=None) -> int:
     from runtime.diff import DEFAULT_PROMPT, DEFAULT_STEPS
 
@@ -121,6 +136,24 @@ def main(argv=None) -> int:
         command.add_argument("--device", help="cpu or cuda (default: cuda when available)")
         command.add_argument("--max-model-len", type=int, default=4096)
         command.set_defaults(run=run)
+
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
+    serve.add_argument("model", nargs="?", help="checkpoint directory, .gguf file or hub repo id "
+                                               "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the name clients give as `model` (default: MODEL as given)")
+    serve.add_argument("--api-key", help="a key every request but GET /health must bear (Authorization: Bearer KEY)")
+    serve.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                       help="auto: the checkpoint's dtype on CUDA, float32 on the CPU")
+    serve.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--max-num-seqs", type=int, help="sequences per step at most (default 64)")
+    serve.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: as many as the memory budget holds)")
+    serve.add_argument("--kv-cache-gib", type=float, help="the KV cache's memory (default: 1 GiB on the CPU, "
+                                                          "on CUDA what the model leaves of 90%% of the device)")
+    serve.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
+    serve.set_defaults(run=_serve)
 
     args = parser.parse_args(argv)
     try:

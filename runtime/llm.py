@@ -129,7 +129,7 @@ class LLM:
                     if output.finished:
                         text = output.text
                     else:
-                        text = _settled(output.text, self.engine.sequences[rid].params.stop)
+                        text = settled_text(output.text, self.engine.sequences[rid].params.stop)
                     yield StreamDelta(index_of[rid], output.token_ids[sent_tokens[rid]:], text[sent_text[rid]:],
                                       output.finish_reason, output.error)
                     sent_tokens[rid], sent_text[rid] = len(output.token_ids), len(text)
@@ -147,7 +147,7 @@ class LLM:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def _settled(text: str, stops: list[str]) -> str:
+def settled_text(text: str, stops: list[str]) -> str:
     """The part of a running request's text that no later token changes. A trailing U+FFFD is a
     character whose bytes have not all arrived yet; a tail that begins a stop string may be cut."""
     text = text.rstrip("\ufffd")

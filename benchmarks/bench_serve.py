@@ -1,0 +1,221 @@
+"""Serving under open-loop load: `zoo serve` (and `transformers serve` with --peer hf) over HTTP.
+
+For each request rate, requests arrive as a Poisson process (exponential gaps, seeded) whatever
+the server's pace, each a streamed ``/v1/chat/completions`` call (one user message; the route
+every version of ``transformers serve`` has) through the openai client, greedy, with a prompt and
+an output length drawn uniformly from [0.5, 1.5] x the given means (seeded: every server and rate
+gets the same requests). Reported per rate: output tokens/s over the span from
+the first arrival to the last token, requests/s, time to first token (TTFT) and inter-token
+latency (ITL, the gaps between streamed chunks that carry text) at p50 and p99. zoo is asked to
+ignore EOS so each request produces its drawn length; the peer is not (it takes no such field).
+Output tokens are counted as the streamed chunks that carry text (a chunk per token on both).
+
+The script starts each server on a free loopback port, runs every rate against it and stops it.
+Models: the embedded SmolLM2-135M-Instruct (default), any checkpoint (--model), or --shape 8b: a
+random bf16 Llama-3.1-8B-shaped checkpoint (SmolLM2's tokenizer and vocabulary) written to
+--workdir and served by both servers. Prompts are random words of the tokenizer, decoded to
+text, so their lengths in tokens are close to the drawn ones (plus the chat template's few).
+
+    .venv/bin/python benchmarks/bench_serve.py --rates 0.5 --requests 16          # CPU, SmolLM2
+    python3 benchmarks/bench_serve.py --shape 8b --rates 1,4,16 --requests 200 --peer hf   # H200
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loaders import load_tokenizer  # noqa: E402
+from loaders.default_model import default_model_path  # noqa: E402
+
+
+@dataclass
+class Request:
+    arrival: float  # seconds after the start of the run
+    prompt: str
+    output_len: int
+
+
+@dataclass
+class Result:
+    sent: float
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carries text
+    error: str | None = None
+
+
+def workload(tokenizer, rate: float, count: int, input_len: int, output_len: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    # Ordinary words: ids past the specials, whose decoded text re-tokenises to about as many ids.
+    words = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids][256:]
+    requests, clock = [], 0.0
+    for _ in range(count):
+        clock += rng.expovariate(rate)
+        length = rng.randint(max(1, input_len // 2), input_len * 3 // 2)
+        prompt = tokenizer.decode([rng.choice(words) for _ in range(length)])
+        requests.append(Request(clock, prompt, rng.randint(max(1, output_len // 2), output_len * 3 // 2)))
+    return requests
+
+
+async def send(client, model: str, request: Request, start: float, extra_body: dict) -> Result:
+    await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
+    result = Result(time.perf_counter())
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": request.prompt}], max_tokens=request.output_len,
+            temperature=0.0, stream=True, extra_body=extra_body)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                result.chunk_times.append(time.perf_counter())
+    except openai.APIError as exc:
+        result.error = str(exc)
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+async def run_rate(base_url: str, model: str, requests: list[Request], extra_body: dict) -> dict:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=3600)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(send(client, model, r, start, extra_body) for r in requests))
+    await client.close()
+    done = [r for r in results if r.error is None and r.chunk_times]
+    end = max((r.chunk_times[-1] for r in done), default=start)
+    ttft = [r.chunk_times[0] - r.sent for r in done]
+    itl = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tokens = sum(len(r.chunk_times) for r in done)  # both servers stream a chunk per token
+    errors = [r.error for r in results if r.error is not None]
+    return dict(requests=len(requests), completed=len(done), errors=len(errors), first_error=errors[0] if errors else None,
+                seconds=end - start, output_tokens=tokens, output_tokens_per_s=tokens / (end - start),
+                requests_per_s=len(done) / (end - start), ttft_p50_ms=1e3 * percentile(ttft, 50),
+                ttft_p99_ms=1e3 * percentile(ttft, 99), itl_p50_ms=1e3 * percentile(itl, 50),
+                itl_p99_ms=1e3 * percentile(itl, 99))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(command: list[str], base_url: str, log_path: Path, timeout_s: float) -> subprocess.Popen:
+    print(f"$ {' '.join(command)}  (log: {log_path})", flush=True)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with status {process.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return process
+        except OSError:
+            time.sleep(1)
+
+
+def random_8b_checkpoint(workdir: Path) -> Path:
+    """A random bf16 Llama-3.1-8B-shaped checkpoint with SmolLM2's tokenizer (built on the GPU)."""
+    import torch
+
+    from bench_gpu import LLAMA_8B, random_hf
+
+    path = workdir / "llama-8b-shape-random"
+    if (path / "config.json").exists():
+        return path
+    tokenizer = load_tokenizer(str(default_model_path()))
+    model = random_hf({**LLAMA_8B, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id})
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory, .gguf file or hub repo id (default: the embedded SmolLM2)")
+    parser.add_argument("--shape", choices=["8b"], help="serve a random Llama-3.1-8B-shaped bf16 checkpoint instead")
+    parser.add_argument("--workdir", help="where --shape 8b writes its checkpoint (default: a temporary directory)")
+    parser.add_argument("--rates", default="0.5", help="comma-separated request rates (requests/s)")
+    parser.add_argument("--requests", type=int, default=16, help="requests per rate")
+    parser.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="mean output tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer", choices=["hf"], help="also run `transformers serve` on the same requests")
+    parser.add_argument("--device", help="both servers' device (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", help="zoo's --dtype (the peer takes the checkpoint's)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="zoo's --max-num-seqs")
+    parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds a server may take to start")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_serve_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = str(random_8b_checkpoint(workdir)) if args.shape else args.model or str(default_model_path())
+    tokenizer = load_tokenizer(model)
+    rates = [float(rate) for rate in args.rates.split(",")]
+    device = ["--device", args.device] if args.device else []
+    servers = {"zoo": [sys.executable, "-m", "runtime.cli", "serve", model, "--served-model-name", "bench",
+                       "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), *device]}
+    if args.peer == "hf":
+        transformers_cli = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
+        # The model is named by each request and loaded by the first (the untimed one below).
+        servers["hf"] = [transformers_cli, "serve", "--continuous-batching", *device]
+    print(f"bench_serve: {model}, rates {rates} req/s, {args.requests} requests each, prompts ~{args.input_len} "
+          f"tokens, outputs ~{args.output_len} tokens (U[0.5, 1.5] x mean), seed {args.seed}", flush=True)
+
+    results = {}
+    for name, command in servers.items():
+        port = free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        command = [*command, "--host", "127.0.0.1", "--port", str(port)]
+        process = start_server(command, base_url, workdir / f"{name}_server.log", args.startup_timeout)
+        try:
+            served = "bench" if name == "zoo" else model
+            extra_body = {"ignore_eos": True} if name == "zoo" else {}
+            # One request first, untimed: the first call of each path (allocation, compile, graphs) is not load.
+            asyncio.run(run_rate(base_url, served, workload(tokenizer, 1.0, 1, 8, 4, args.seed + 1), extra_body))
+            for rate in rates:
+                requests = workload(tokenizer, rate, args.requests, args.input_len, args.output_len, args.seed)
+                row = asyncio.run(run_rate(base_url, served, requests, extra_body))
+                results[f"{name}@{rate}"] = row
+                print(f"{name:>4} {rate:6.2f} req/s: {row['completed']}/{row['requests']} done, "
+                      f"{row['output_tokens']} tokens, "
+                      f"{row['output_tokens_per_s']:8.1f} output tok/s, {row['requests_per_s']:6.2f} req/s, "
+                      f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, "
+                      f"ITL p50 {row['itl_p50_ms']:7.1f} ms p99 {row['itl_p99_ms']:7.1f} ms"
+                      + (f"; {row['errors']} errors, first: {row['first_error']}" if row["errors"] else ""),
+                      flush=True)
+        finally:
+            process.terminate()
+            print(f"{name} server exited with status {process.wait(timeout=120)}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(model=model, args=vars(args), results=results), indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

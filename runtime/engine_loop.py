@@ -1,0 +1,269 @@
+"""``EngineLoop``: one engine, many clients.
+
+A thread of its own owns the engine: it takes in submissions and aborts between steps, steps
+the engine while anything is unfinished, and hands each request's new tokens and text to the
+asyncio queue of the coroutine that submitted it. Requests submitted concurrently share the
+engine's continuous batching. Everything that touches the engine or the tokenizer (chat template,
+tokenizing, detokenizing) runs in that thread.
+"""
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from runtime.engine import RequestOutput
+from runtime.llm import LLM, settled_text
+from runtime.sampling_params import SamplingParams
+from runtime.serving_metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability, and those of the most likely tokens in its place."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # most likely first
+
+
+@dataclass
+class Delta:
+    """What one request of a group gained in one step."""
+
+    index: int  # the request's place in its group
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None  # one per token of token_ids, where the request asked for them
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass
+class _Submission:
+    prompts: list  # per request: a text, token ids, or a conversation (a list of messages)
+    params: list[SamplingParams]
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue
+    accepted: Future  # set to [(request_id, prompt_token_ids)], or to the ValueError of a bad request
+    arrival: float
+
+
+@dataclass
+class _Tracked:
+    """The engine thread's view of a running request: where its deltas go and what they carried."""
+
+    submission: _Submission
+    index: int
+    sent_tokens: int = 0
+    sent_text: int = 0
+    last_token_time: float | None = None
+
+
+_STOP = object()
+
+
+class RequestGroup:
+    """The requests of one submission: their ids, prompt ids, and their deltas as they come."""
+
+    def __init__(self, engine_loop: "EngineLoop", accepted: list[tuple[int, list[int]]], deltas: asyncio.Queue):
+        self.request_ids = [request_id for request_id, _ in accepted]
+        self.prompt_token_ids = [ids for _, ids in accepted]
+        self._engine_loop = engine_loop
+        self._deltas = deltas
+
+    async def deltas(self):
+        """Every delta of the group's requests until each has finished."""
+        unfinished = len(self.request_ids)
+        while unfinished:
+            delta = await self._deltas.get()
+            unfinished -= delta.finish_reason is not None
+            yield delta
+
+    def abort(self) -> None:
+        """Drop the group's unfinished requests; their blocks are freed before the next step."""
+        self._engine_loop.abort(self.request_ids)
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.engine = llm.engine
+        self._commands: queue.Queue = queue.Queue()
+        self._tracked: dict[int, _Tracked] = {}
+        self._request_ids = itertools.count()
+        # Requests submitted and taken in, each counted by one thread: the difference waits in the queue.
+        self._num_submitted = self._num_taken_in = 0
+        self.metrics = ServingMetrics(self.engine, lambda: self._num_submitted - self._num_taken_in)
+        self._thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
+        self._thread.start()
+
+    # -- the clients' side (any thread; submit from a coroutine) ------------------------------
+
+    async def submit(self, prompts: list, params: list[SamplingParams]) -> RequestGroup:
+        """Queue requests (one per prompt, each with its params) as one group. A bad request
+        raises ValueError naming what is wrong, and none of the group runs."""
+        if not self.alive:
+            raise RuntimeError("the engine loop has stopped")
+        submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
+                                 time.perf_counter())
+        self._num_submitted += len(prompts)
+        self._commands.put(submission)
+        try:
+            accepted = await asyncio.wrap_future(submission.accepted)
+        except asyncio.CancelledError:
+            # The caller left while the requests were being queued: they must not run for no one.
+            def abort_once_accepted(done: Future) -> None:
+                if done.exception() is None:
+                    self.abort([request_id for request_id, _ in done.result()])
+
+            submission.accepted.add_done_callback(abort_once_accepted)
+            raise
+        return RequestGroup(self, accepted, submission.deltas)
+
+    def abort(self, request_ids) -> None:
+        self._commands.put(list(request_ids))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """End what still runs (its clients get an error delta) and the thread."""
+        self._commands.put(_STOP)
+        self._thread.join()
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            command = self._next_command(block=not self.engine.has_unfinished())
+            while command is not None:
+                if command is _STOP:
+                    self._fail(list(self._tracked), "the server is shutting down")
+                    return
+                self._handle(command)
+                command = self._next_command(block=False)
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _handle(self, command) -> None:
+        if isinstance(command, _Submission):
+            self._num_taken_in += len(command.prompts)
+            self._admit(command)
+        else:
+            self._abort(command)
+
+    def _next_command(self, block: bool):
+        try:
+            return self._commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def _admit(self, submission: _Submission) -> None:
+        added = []
+        try:
+            for prompt, params in zip(submission.prompts, submission.params, strict=True):
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                    prompt = self._chat_prompt(prompt)
+                output = self.engine.add_request(next(self._request_ids), prompt, params)
+                if output.error:
+                    raise ValueError(output.error.partition(": ")[2])  # without the engine's request id
+                added.append(output)
+        except Exception as exc:  # a request the engine rejects or chokes on fails alone, never the loop
+            if not isinstance(exc, ValueError):
+                logger.exception("a request failed to enter the engine")
+            self.engine.abort([o.request_id for o in added])
+            submission.accepted.set_exception(exc)
+            return
+        for index, output in enumerate(added):
+            self._tracked[output.request_id] = _Tracked(submission, index)
+        submission.accepted.set_result([(o.request_id, o.prompt_token_ids) for o in added])
+
+    def _chat_prompt(self, conversation: list[dict]) -> list[int]:
+        if self.llm.tokenizer is None or not getattr(self.llm.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        try:
+            return self.llm.chat_prompt(conversation)
+        except Exception as exc:  # a template rejects a conversation by raising its own errors
+            raise ValueError(f"the chat template rejects the messages: {exc}") from exc
+
+    def _abort(self, request_ids: list[int]) -> None:
+        self.engine.abort(request_ids)
+        for request_id in request_ids:
+            self._tracked.pop(request_id, None)
+
+    def _step(self) -> None:
+        try:
+            changed = self.engine.step()
+        except Exception as exc:  # a failed step fails what runs, never the loop
+            logger.exception("an engine step failed")
+            self._fail(list(self._tracked), f"the engine failed: {exc}")
+            return
+        now = time.perf_counter()
+        for output in changed:
+            if output.request_id in self._tracked:
+                self._send(output, now)
+
+    def _fail(self, request_ids: list[int], message: str) -> None:
+        self.engine.abort(request_ids)
+        for request_id in request_ids:
+            tracked = self._tracked.pop(request_id)
+            self._put(tracked, Delta(tracked.index, [], "", None, "error", message))
+
+    def _send(self, output: RequestOutput, now: float) -> None:
+        tracked = self._tracked[output.request_id]
+        if output.finished:
+            del self._tracked[output.request_id]
+            text = output.text
+        else:
+            self.engine.refresh_text(output)
+            text = settled_text(output.text, self.engine.sequences[output.request_id].params.stop)
+        new_ids = output.token_ids[tracked.sent_tokens:]
+        logprobs = None
+        if output.logprobs is not None:
+            top = tracked.submission.params[tracked.index].logprobs
+            # Logprobs are recorded when a token is sampled, before it reaches the host: the
+            # entries of the tokens in this delta are those at the same places.
+            entries = output.logprobs[tracked.sent_tokens:len(output.token_ids)]
+            logprobs = [self._token_logprob(token, entry, top) for token, entry in zip(new_ids, entries)]
+        self._record_timing(tracked, output, len(new_ids), now)
+        self._put(tracked, Delta(tracked.index, new_ids, text[tracked.sent_text:], logprobs, output.finish_reason,
+                                 output.error))
+        tracked.sent_tokens, tracked.sent_text = len(output.token_ids), len(text)
+
+    def _token_logprob(self, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
+        ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
+        return TokenLogprob(self._token_text(token), entry[token], [(self._token_text(t), v) for t, v in ranked])
+
+    def _token_text(self, token: int) -> str:
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode([token]) if tokenizer is not None else ""
+
+    def _record_timing(self, tracked: _Tracked, output: RequestOutput, new_tokens: int, now: float) -> None:
+        if not new_tokens:
+            return
+        metrics = self.metrics
+        if tracked.last_token_time is None:
+            metrics.time_to_first_token.observe(now - tracked.submission.arrival)
+            metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+        else:
+            gap = (now - tracked.last_token_time) / new_tokens
+            for _ in range(new_tokens):
+                metrics.inter_token_latency.observe(gap)
+        metrics.generation_tokens.inc(new_tokens)
+        tracked.last_token_time = now
+
+    @staticmethod
+    def _put(tracked: _Tracked, delta: Delta) -> None:
+        submission = tracked.submission
+        try:
+            submission.loop.call_soon_threadsafe(submission.deltas.put_nowait, delta)
+        except RuntimeError:  # the client's event loop has closed: no one is listening
+            pass

@@ -1,0 +1,210 @@
+"""The OpenAI API's requests as the server takes them (pydantic models), turned into
+``SamplingParams``; and its error shape.
+
+Requests are checked strictly: a field of the wrong type or one the API does not have (or zoo
+does not take) is a 400 naming the field. zoo also takes vLLM's sampling extensions ``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos`` and ``stop_token_ids`` (the openai client sends
+them through ``extra_body``).
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runtime.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error the client gets as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _SamplingRequest(_Strict):
+    """The fields chat and completions share; ``None`` is the default, as in the API."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_model_len: int, vocab_size: int) -> list[SamplingParams]:
+        """One SamplingParams per choice, checked; choice i of a seeded request draws with seed + i.
+        Without max_tokens a request may run to max_model_len."""
+        given = {
+            "max_tokens": self._max_tokens(), "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "logprobs": self._logprobs(),
+        }
+        params = SamplingParams(**{name: value for name, value in given.items() if value is not None})
+        if self._max_tokens() is None:
+            params.max_tokens = max_model_len
+        choices = []
+        for index in range(self.num_choices):
+            choice = SamplingParams(**{**vars(params), "seed": None if self.seed is None else self.seed + index})
+            try:
+                choice.validate(vocab_size)
+            except ValueError as exc:
+                name = str(exc).split()[0]
+                raise APIError(400, str(exc), self._request_field(name)) from exc
+            choices.append(choice)
+        return choices
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return None
+
+    def _request_field(self, sampling_field: str) -> str:
+        """The request's field that sets a SamplingParams field of the same name."""
+        return sampling_field
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: its text parts joined."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _request_field(self, sampling_field: str) -> str:
+        if sampling_field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return {"logprobs": "top_logprobs"}.get(sampling_field, sampling_field)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+
+    def check(self) -> None:
+        if self.echo:
+            raise APIError(400, "echo is not supported: the response carries the generated text only", "echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError(400, "prompt is an empty list", "prompt")
+
+    @property
+    def prompts(self) -> list:
+        """Each prompt: a text or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return prompt
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+
+_FIELD_NAMES = {name for model in (StreamOptions, TextPart, ChatMessage, ChatCompletionRequest, CompletionRequest)
+                for name in model.model_fields}
+
+
+def parse_request(model: type[_SamplingRequest], body: bytes):
+    """The request ``body`` as a ``model``, or an APIError naming the first thing wrong with it."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _api_error(exc) from exc
+    request.check()
+    return request
+
+
+def _api_error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False)
+    if errors[0]["type"] == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {errors[0]['msg']}")
+    field = errors[0]["loc"][:1]
+    # Where a field takes several types, each type's failure is listed: the one that got
+    # furthest into the value says best what is wrong.
+    error = max((e for e in errors if e["loc"][:1] == field), key=lambda e: len(e["loc"]))
+    if error["type"] == "extra_forbidden":
+        *parent, name = error["loc"]
+        param = f"{_param(tuple(parent))}.{name}" if parent else name
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param)
+    param = _param(error["loc"])
+    if error["type"] == "missing":
+        return APIError(400, f"{param} is required", param)
+    value = repr(error["input"])
+    got = f", got {value}" if len(value) <= 80 else ""
+    return APIError(400, f"{param or 'the body'}: {error['msg']}{got}", param or None)
+
+
+def _param(loc: tuple) -> str:
+    """A pydantic location as a parameter path (``messages[0].content``), without the names
+    pydantic gives the member types of a union."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELD_NAMES:
+            param += f".{part}" if param else part
+    return param

@@ -1,0 +1,270 @@
+"""``zoo serve``: the OpenAI API over one ``LLM``, on FastAPI and uvicorn.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (Prometheus). Handlers submit their requests to one
+``EngineLoop`` and await the tokens; a stream whose client goes away aborts its requests. Errors
+take the API's shape, ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+import contextlib
+import json
+import secrets
+import signal
+import threading
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from runtime.engine_loop import EngineLoop, RequestGroup, TokenLogprob
+from runtime.llm import LLM
+from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+
+# On SIGINT/SIGTERM, how long running requests may take to finish before they are aborted.
+SHUTDOWN_GRACE_S = 30
+
+
+def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The server's app; its engine loop runs while the app does (uvicorn's lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.engine_loop = EngineLoop(llm)
+        yield
+        app.state.engine_loop.stop()
+
+    app = FastAPI(title="zoo", lifespan=lifespan)
+    max_model_len, vocab_size = llm.engine.config.max_model_len, llm.engine.vocab_size
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return JSONResponse(APIError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "").removeprefix("Bearer ")
+            if not secrets.compare_digest(given.encode(), api_key.encode()):
+                return JSONResponse(APIError(401, "Incorrect API key provided", code="invalid_api_key").body(),
+                                    status_code=401)
+        return await call_next(request)
+
+    async def submit(request, prompts: list, param: str) -> RequestGroup:
+        if request.model != model_name:
+            raise APIError(404, f"The model `{request.model}` does not exist; this server serves `{model_name}`",
+                           "model", "model_not_found")
+        params = request.sampling_params(max_model_len, vocab_size)
+        repeated = [prompt for prompt in prompts for _ in range(request.num_choices)]
+        try:
+            return await app.state.engine_loop.submit(repeated, params * len(prompts))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param) from exc
+        except Exception as exc:  # the engine loop logged it; the client gets the API's shape of it
+            raise APIError(500, f"internal error: {exc}", type="server_error") from exc
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        request = parse_request(ChatCompletionRequest, await raw.body())
+        conversation = [message.for_template() for message in request.messages]
+        group = await submit(request, [conversation], "messages")
+        reply = _Reply("chatcmpl", model_name, request.num_choices, group)
+        if request.stream:
+            return _StreamAbortingOnClose(reply.chat_chunks(request.include_usage), group)
+        return await reply.chat_completion()
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        request = parse_request(CompletionRequest, await raw.body())
+        group = await submit(request, request.prompts, "prompt")
+        reply = _Reply("cmpl", model_name, request.num_choices, group)
+        if request.stream:
+            return _StreamAbortingOnClose(reply.completion_chunks(request.include_usage), group)
+        return await reply.completion()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "zoo", "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not app.state.engine_loop.alive:
+            return JSONResponse({"status": "the engine loop has stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(app.state.engine_loop.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _StreamAbortingOnClose(StreamingResponse):
+    """Server-sent events; when the stream ends, early or not, its unfinished requests are
+    aborted (a client that goes away cancels the stream at once)."""
+
+    def __init__(self, events, group: RequestGroup):
+        super().__init__(events, media_type="text/event-stream")
+        self.group = group
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.abort()
+
+
+def _event(payload) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Reply:
+    """One response's choices (the group's requests, ``n`` per prompt), whole or as chunks."""
+
+    def __init__(self, prefix: str, model_name: str, n: int, group: RequestGroup):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model_name = model_name
+        self.group = group
+        # A prompt is counted once however many choices it has.
+        self.prompt_tokens = sum(len(ids) for ids in group.prompt_token_ids[::n])
+        self.completion_tokens = 0
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    async def deltas(self):
+        """The group's deltas; an error in any ends the reply with it."""
+        async for delta in self.group.deltas():
+            if delta.error:
+                raise APIError(500, delta.error, type="server_error")
+            self.completion_tokens += len(delta.token_ids)
+            yield delta
+
+    async def choices(self) -> list[dict]:
+        """Each choice's text, logprobs and finish reason once all have finished."""
+        choices = [{"text": "", "logprobs": None, "finish_reason": None} for _ in self.group.request_ids]
+        try:
+            async for delta in self.deltas():
+                choice = choices[delta.index]
+                choice["text"] += delta.text
+                if delta.logprobs is not None:
+                    choice["logprobs"] = (choice["logprobs"] or []) + delta.logprobs
+                choice["finish_reason"] = delta.finish_reason
+        finally:
+            self.group.abort()  # all finished, unless the handler was cancelled
+        return choices
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model_name}
+
+    # -- chat -----------------------------------------------------------------------------
+
+    async def chat_completion(self) -> dict:
+        choices = [{"index": index, "message": {"role": "assistant", "content": choice["text"]},
+                    "logprobs": _chat_logprobs(choice["logprobs"]), "finish_reason": choice["finish_reason"]}
+                   for index, choice in enumerate(await self.choices())]
+        return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
+
+    async def chat_chunks(self, include_usage: bool):
+        def chunk(choices: list[dict]) -> str:
+            return _event({**self._head("chat.completion.chunk"), "choices": choices,
+                           **({"usage": None} if include_usage else {})})
+
+        for index in range(len(self.group.request_ids)):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for event in self._chunks(chunk, lambda delta: (
+                {"index": delta.index, "delta": {"content": delta.text}, "logprobs": _chat_logprobs(delta.logprobs),
+                 "finish_reason": None}),
+                lambda delta: {"index": delta.index, "delta": {}, "logprobs": None,
+                               "finish_reason": delta.finish_reason}):
+            yield event
+        if include_usage:
+            yield _event({**self._head("chat.completion.chunk"), "choices": [], "usage": self.usage()})
+        yield "data: [DONE]\n\n"
+
+    # -- completions ----------------------------------------------------------------------
+
+    async def completion(self) -> dict:
+        choices = [{"index": index, "text": choice["text"], "logprobs": _completion_logprobs(choice["logprobs"]),
+                    "finish_reason": choice["finish_reason"]}
+                   for index, choice in enumerate(await self.choices())]
+        return {**self._head("text_completion"), "choices": choices, "usage": self.usage()}
+
+    async def completion_chunks(self, include_usage: bool):
+        def chunk(choices: list[dict]) -> str:
+            return _event({**self._head("text_completion"), "choices": choices,
+                           **({"usage": None} if include_usage else {})})
+
+        async for event in self._chunks(chunk, lambda delta: (
+                {"index": delta.index, "text": delta.text, "logprobs": _completion_logprobs(delta.logprobs),
+                 "finish_reason": None}),
+                lambda delta: {"index": delta.index, "text": "", "logprobs": None,
+                               "finish_reason": delta.finish_reason}):
+            yield event
+        if include_usage:
+            yield _event({**self._head("text_completion"), "choices": [], "usage": self.usage()})
+        yield "data: [DONE]\n\n"
+
+    async def _chunks(self, chunk, content, finish):
+        """A chunk per delta that carries text or tokens, and one per choice that finishes;
+        an error becomes the stream's last event."""
+        try:
+            async for delta in self.deltas():
+                if delta.text or delta.token_ids:
+                    yield chunk([content(delta)])
+                if delta.finish_reason is not None:
+                    yield chunk([finish(delta)])
+        except APIError as exc:
+            yield _event(exc.body())
+
+
+def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(*top) for top in t.top]}
+                        for t in logprobs]}
+
+
+def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+    offsets, offset = [], 0
+    for t in logprobs:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
+            "top_logprobs": [dict(t.top) for t in logprobs], "text_offset": offsets}
+
+
+def serve(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+    """Serve until SIGINT or SIGTERM: then stop accepting, let running requests finish (for up to
+    SHUTDOWN_GRACE_S, then abort them), and return."""
+    config = uvicorn.Config(build_app(llm, model_name, api_key), host=host, port=port,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn raises the signal that stopped it again once it has shut down, under the
+        # handlers it found: these make that a return, and the process's exit status 0.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: None)
+    uvicorn.Server(config).run()

@@ -1,0 +1,495 @@
+"""``zoo serve`` as its clients see it: the real server on a loopback port, a tiny random Llama
+with a character-level tokenizer, the real ``openai`` client. Each token of the tokenizer is one
+character (special tokens none), so equal texts are equal tokens."""
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import transformers
+import uvicorn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from runtime import LLM, SamplingParams
+from runtime.server import build_app
+from tests.conftest import hf_model, save_checkpoint, tiny_config
+
+MODEL = "tiny-llama"
+KEY = "test-key"
+MAX_MODEL_LEN = 1024
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def save_chat_checkpoint(path: Path) -> Path:
+    """A tiny random Llama whose tokenizer has a token per printable character and a ChatML template."""
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + [c for c in string.printable if c not in "\t\r\x0b\x0c"])}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", max_input_chars_per_word=10**6))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|im_end|>",
+                                                additional_special_tokens=specials[1:])
+    fast.chat_template = CHAT_TEMPLATE
+    config = tiny_config("llama", vocab_size=len(vocab), max_position_embeddings=MAX_MODEL_LEN,
+                         eos_token_id=vocab["<|im_end|>"])
+    save_checkpoint(hf_model(config), path)
+    fast.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """An LLM of its own on the same checkpoint: what the server's answers must equal."""
+    return LLM(str(checkpoint), device="cpu")
+
+
+@contextlib.contextmanager
+def serving(llm: LLM):
+    """The server's app for ``llm`` under uvicorn in a thread; yields its base URL."""
+    port = free_port()
+    uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(llm, MODEL, api_key=KEY), host="127.0.0.1", port=port,
+                                                   log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uvicorn_server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    uvicorn_server.should_exit = True
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    """(base URL, the served LLM)."""
+    llm = LLM(str(checkpoint), device="cpu")
+    with serving(llm) as base_url:
+        yield base_url, llm
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def post(url: str, body, key: str | None = KEY) -> tuple[int, dict]:
+    """(status, JSON body) of a POST; ``body`` bytes go as they are, anything else as JSON."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return fetch(urllib.request.Request(url, data=data, method="POST", headers=headers(key)))
+
+
+def get(url: str, key: str | None = KEY) -> tuple[int, str]:
+    status, body = fetch(urllib.request.Request(url, headers=headers(key)), parse=False)
+    return status, body
+
+
+def headers(key: str | None) -> dict:
+    found = {"Content-Type": "application/json"}
+    if key is not None:
+        found["Authorization"] = f"Bearer {key}"
+    return found
+
+
+def fetch(request, parse=True):
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, body = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read().decode()
+    return status, json.loads(body) if parse else body
+
+
+def metric(base_url: str, name: str) -> float:
+    _, text = get(f"{base_url}/metrics")
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+GREEDY = dict(max_tokens=12, temperature=0.0)
+SEEDED = dict(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_chat_equals_llm_chat_whole_and_streamed(settings, client, reference):
+    expected = reference.chat(CONVERSATION, SamplingParams(**settings), use_tqdm=False)[0]
+    assert expected.error is None and len(expected.token_ids) > 0
+
+    whole = client.chat.completions.create(model=MODEL, messages=CONVERSATION, **settings)
+    assert whole.model == MODEL and whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].finish_reason == expected.finish_reason
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        len(expected.prompt_token_ids), len(expected.token_ids))
+    assert whole.usage.total_tokens == len(expected.prompt_token_ids) + len(expected.token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CONVERSATION, stream=True,
+                                                 stream_options={"include_usage": True}, **settings))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        expected.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completions_of_text_and_token_ids_equal_llm_generate(settings, client, reference):
+    text_prompt, id_prompt = "The quick brown fox", [5, 17, 42, 60, 33, 8]
+    expected = reference.generate([text_prompt, id_prompt], SamplingParams(**settings), use_tqdm=False)
+    for prompt, output in zip((text_prompt, id_prompt), expected):
+        whole = client.completions.create(model=MODEL, prompt=prompt, **settings)
+        assert whole.choices[0].text == output.text
+        assert whole.usage.prompt_tokens == len(output.prompt_token_ids)
+        assert whole.usage.completion_tokens == len(output.token_ids)
+        streamed = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **settings))
+        assert "".join(c.choices[0].text for c in streamed) == output.text
+        assert streamed[-1].choices[0].finish_reason == output.finish_reason
+    # Several prompts in one request: a choice each, in order.
+    batch = client.completions.create(model=MODEL, prompt=[text_prompt, "Hi"], **settings)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == expected[0].text
+
+
+def test_logprobs_are_the_models(client, reference):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    expected = reference.chat(CONVERSATION, params, use_tqdm=False)[0]
+    tokenizer = reference.tokenizer
+
+    chat = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=6, temperature=0.0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in expected.token_ids]
+    for item, token, entry in zip(content, expected.token_ids, expected.logprobs):
+        assert item.logprob == pytest.approx(entry[token], abs=1e-5)
+        assert item.bytes == list(item.token.encode())
+        assert len(item.top_logprobs) == 3
+        best = sorted(entry.values(), reverse=True)[:3]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(best, abs=1e-5)
+        assert item.top_logprobs[0].token == item.token  # greedy: the token is the most likely
+
+    prompt = "Once upon"
+    expected = reference.generate(prompt, params, use_tqdm=False)[0]
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0.0, logprobs=3)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in expected.token_ids]
+    assert logprobs.token_logprobs == pytest.approx([e[t] for t, e in zip(expected.token_ids, expected.logprobs)],
+                                                    abs=1e-5)
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
+
+
+def test_penalties_stop_strings_and_n_choices_equal_llm_generate(client, reference):
+    prompt = "abcabcabc"
+    penalised = SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=0.8, frequency_penalty=0.5)
+    expected = reference.generate(prompt, penalised, use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
+                                    presence_penalty=0.8, frequency_penalty=0.5)
+    assert got.choices[0].text == expected.text
+
+    # A stop string: the text the first few characters after it would have been.
+    unstopped = reference.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].text
+    stop = unstopped[3:5]
+    stopped = reference.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]),
+                                 use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0, stop=stop,
+                                             stream=stream)
+        chunks = list(response) if stream else [response]
+        assert "".join(c.choices[0].text for c in chunks) == stopped.text
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # n seeded choices: choice i draws with seed + i.
+    response = client.chat.completions.create(model=MODEL, messages=CONVERSATION, n=3, seed=10, max_tokens=8)
+    expected = reference.chat([CONVERSATION] * 3, [SamplingParams(max_tokens=8, seed=10 + i) for i in range(3)],
+                              use_tqdm=False)
+    assert [c.message.content for c in response.choices] == [o.text for o in expected]
+    assert len({o.text for o in expected}) > 1
+    # The prompt counts once, the choices' tokens all.
+    assert response.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+    assert response.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+
+
+def test_32_concurrent_streams_share_the_engine_and_all_finish_correctly(server, client, reference):
+    base_url, llm = server
+    prompts = [f"Request {i}: " + "xyz"[i % 3] * (i % 7) for i in range(32)]
+    expected = reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                  use_tqdm=False)
+    peak_running = []
+
+    def watch():
+        while len(peak_running) < 400 and not done.is_set():
+            peak_running.append(len(llm.engine.scheduler.running))
+            time.sleep(0.005)
+
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks)
+
+    done = threading.Event()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(stream, prompts))
+    done.set()
+    watcher.join()
+    assert texts == [o.text for o in expected]
+    assert max(peak_running) > 1  # steps batched requests of different clients
+    assert metric(base_url, "zoo:num_requests_running") == 0
+
+
+def test_a_client_gone_mid_stream_frees_its_blocks_at_once(server, client):
+    base_url, _ = server
+    host, port = base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "stream": True,
+                       "ignore_eos": True})
+    connection.request("POST", "/v1/completions", body, headers(KEY))
+    response = connection.getresponse()
+    assert response.status == 200
+    events = [response.readline() for _ in range(6)]  # three events, each a line and a blank one
+    assert all(e.startswith(b"data: ") for e in events[::2])
+    assert metric(base_url, "zoo:num_requests_running") == 1
+    assert metric(base_url, "zoo:kv_cache_usage_perc") > 0
+    generated = metric(base_url, "zoo:generation_tokens_total")
+    connection.close()
+
+    deadline = time.monotonic() + 5
+    while metric(base_url, "zoo:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "the blocks of a request whose client left were not freed"
+        time.sleep(0.02)
+    assert metric(base_url, "zoo:num_requests_running") == 0
+    assert metric(base_url, "zoo:num_requests_waiting") == 0
+    assert metric(base_url, "zoo:generation_tokens_total") < generated + 900  # it stopped long before 1000 tokens
+    # The server carries on.
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_metrics_count_tokens_and_latencies(server, client):
+    base_url, _ = server
+    before = {name: metric(base_url, name) for name in (
+        "zoo:prompt_tokens_total", "zoo:generation_tokens_total", "zoo:time_to_first_token_seconds_count",
+        "zoo:inter_token_latency_seconds_count")}
+    usage = client.completions.create(model=MODEL, prompt="Count me", max_tokens=5, temperature=0.0,
+                                      extra_body={"ignore_eos": True}).usage
+    assert metric(base_url, "zoo:prompt_tokens_total") == before["zoo:prompt_tokens_total"] + usage.prompt_tokens
+    assert metric(base_url, "zoo:generation_tokens_total") == before["zoo:generation_tokens_total"] + 5
+    assert metric(base_url, "zoo:time_to_first_token_seconds_count") == (
+        before["zoo:time_to_first_token_seconds_count"] + 1)
+    assert metric(base_url, "zoo:inter_token_latency_seconds_count") == (
+        before["zoo:inter_token_latency_seconds_count"] + 4)
+
+
+CHAT = {"model": MODEL, "messages": CONVERSATION}
+BAD_REQUESTS = {
+    # name: (route, body, status, param, words the message must contain)
+    "malformed JSON": ("chat/completions", b'{"model": "tiny-llama", "messages": [', 400, None, "not valid JSON"),
+    "not an object": ("completions", b"[1, 2]", 400, None, "object"),
+    "wrong type": ("chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature", "'hot'"),
+    "wrong type in a message": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, 400,
+                                "messages[0].content", "5"),
+    "unknown role": ("chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400,
+                     "messages[0].role", "'robot'"),
+    "image part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400,
+                   "messages[0].content[0].type", "'text'"),
+    "no messages": ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
+    "missing prompt": ("completions", {"model": MODEL}, 400, "prompt", "required"),
+    "unknown field": ("completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of",
+                      "Unrecognized request argument"),
+    "unknown model": ("chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model", "gpt-9"),
+    "prompt over max_model_len": ("completions", {"model": MODEL, "prompt": "x" * MAX_MODEL_LEN}, 400, "prompt",
+                                  f"max_model_len is {MAX_MODEL_LEN}"),
+    "chat over max_model_len": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": "y" * MAX_MODEL_LEN}]},
+                                400, "messages", "max_model_len"),
+    "token id outside the vocabulary": ("completions", {"model": MODEL, "prompt": [1, 5000]}, 400, "prompt",
+                                        "5000"),
+    "negative temperature": ("chat/completions", {**CHAT, "temperature": -0.5}, 400, "temperature", ">= 0"),
+    "top_p 0": ("completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    "max_tokens 0": ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens",
+                     "positive"),
+    "max_completion_tokens 0": ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400,
+                                "max_completion_tokens", "positive"),
+    "presence_penalty 3": ("chat/completions", {**CHAT, "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
+    "n 0": ("chat/completions", {**CHAT, "n": 0}, 400, "n", "greater than or equal to 1"),
+    "top_logprobs 30": ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
+                        "30"),
+    "top_logprobs without logprobs": ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs",
+                                      "logprobs"),
+    "empty stop string": ("completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
+    "echo": ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "echo"),
+    "streamed, too long": ("completions", {"model": MODEL, "prompt": "z" * MAX_MODEL_LEN, "stream": True}, 400, "prompt",
+                           "max_model_len"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_requests_get_an_openai_error_naming_the_culprit(name, server):
+    route, body, status, param, words = BAD_REQUESTS[name]
+    got_status, got = post(f"{server[0]}/v1/{route}", body)
+    assert got_status == status, got
+    error = got["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert words in error["message"], error["message"]
+
+
+def test_bad_requests_leave_the_server_serving_the_others(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=CONVERSATION, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CONVERSATION)
+    assert client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=3).usage.completion_tokens
+
+
+def test_the_api_key_guards_every_route_but_health(server):
+    base_url, _ = server
+    assert get(f"{base_url}/health", key=None) == (200, '{"status":"ok"}')
+    for key in (None, "wrong-key"):
+        for status, body in (get(f"{base_url}/v1/models", key), get(f"{base_url}/metrics", key),
+                             post(f"{base_url}/v1/completions", {"model": MODEL, "prompt": "hi"}, key)):
+            assert status == 401
+            error = body["error"] if isinstance(body, dict) else json.loads(body)["error"]
+            assert error["code"] == "invalid_api_key"
+    status, body = get(f"{base_url}/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong-key", max_retries=0).models.list()
+
+
+def test_engine_abort_frees_the_blocks_of_running_and_waiting_requests(reference):
+    engine = reference.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    alone = reference.generate("the survivor", params, use_tqdm=False)[0]
+    free = engine.block_manager.num_free_blocks
+    survivor = engine.add_request(1000, "the survivor", params)
+    aborted = engine.add_request(1001, "a request aborted while running" * 3, params)
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < free
+    held_by_survivor = len(engine.sequences[survivor.request_id].block_table)
+    engine.abort([aborted.request_id])
+    assert engine.block_manager.num_free_blocks == free - held_by_survivor
+    assert aborted.request_id not in engine.sequences and aborted.request_id not in engine.outputs
+    assert len(engine.scheduler.running) == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert survivor.token_ids == alone.token_ids
+    assert engine.block_manager.num_free_blocks == free
+
+
+def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", str(checkpoint), "--port", str(port),
+                                "--served-model-name", MODEL, "--device", "cpu"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "zoo serve did not start"
+            try:
+                if get(f"http://127.0.0.1:{port}/health", key=None)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="Before the signal", max_tokens=60, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        process.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        assert chunks[-1].usage.completion_tokens == 60  # finished, not cut
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = process.stdout.read()
+    assert "Shutting down" in log and "Traceback" not in log
+
+
+def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_on(server, client, monkeypatch):
+    base_url, llm = server
+    engine = llm.engine
+    add_request, step = engine.add_request, engine.step
+
+    def add_request_failing(request_id, prompt, params):
+        if prompt == "poison":
+            raise RuntimeError("the tokenizer broke")
+        return add_request(request_id, prompt, params)
+
+    failed_steps = []
+
+    def step_failing_once():
+        if not failed_steps:
+            failed_steps.append(True)
+            raise RuntimeError("a simulated device fault")
+        return step()
+
+    monkeypatch.setattr(engine, "add_request", add_request_failing)
+    with pytest.raises(openai.InternalServerError, match="the tokenizer broke"):
+        client.completions.create(model=MODEL, prompt="poison", max_tokens=4)
+    monkeypatch.setattr(engine, "step", step_failing_once)
+    with pytest.raises(openai.APIError, match="a simulated device fault"):
+        list(client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True))
+    assert failed_steps
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+    assert metric(base_url, "zoo:kv_cache_usage_perc") == 0
+    assert get(f"{base_url}/health", key=None)[0] == 200
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_thread_serves_what_llm_generate_gives(checkpoint):
+    """The engine steps (CUDA graphs, Triton kernels) in the server's thread, not the caller's."""
+    served = LLM(str(checkpoint), device="cuda", dtype="float32")
+    reference = LLM(str(checkpoint), device="cuda", dtype="float32")
+    prompts = [f"Request {i}: " + "abc"[i % 3] * i for i in range(16)]
+    expected = reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                  use_tqdm=False)
+    with serving(served) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def stream(prompt: str) -> str:
+            chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks)
+
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(stream, prompts)) == [o.text for o in expected]
