@@ -9,7 +9,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from loaders import load_tokenizer, resolve_source
+from loaders import Source, from_checkpoint, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM, CausalLM
 from models.auto import model_device
 from runtime.config import EngineConfig
@@ -33,7 +33,7 @@ def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     try:
         if path_or_repo_id is None:
             raise OSError("no checkpoint")
-        config = transformers.GenerationConfig.from_pretrained(str(resolve_source(path_or_repo_id).directory))
+        config = from_checkpoint(transformers.GenerationConfig, Source(resolve_source(path_or_repo_id).directory))
     except OSError:
         config = transformers.GenerationConfig.from_model_config(model.config)
     eos = config.eos_token_id
@@ -63,8 +63,8 @@ class LLM:
             device = model_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             if dtype == "auto" and device.type == "cpu":
                 dtype = torch.float32
+            self.tokenizer = tokenizer or load_tokenizer(model)  # a damaged tokenizer fails before the weights load
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
-            self.tokenizer = tokenizer or load_tokenizer(model)
             checkpoint = model
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
