@@ -2,13 +2,18 @@
 
 import builtins
 import json
+import re
 
 import pytest
+import torch
 import transformers
+from gguf import GGUFReader
 
-from loaders import CheckpointError, load_config, load_tokenizer, resolve_source
-from loaders.config import from_checkpoint
+from loaders import CheckpointError, from_checkpoint, load_config, load_tokenizer, resolve_source
+from loaders.gguf_file import read_gguf
+from models import AutoModelForCausalLM
 from tests.conftest import tiny_config
+from tests.loaders.gguf_writer import T, write_llama_gguf
 
 # Code that leaves a mark beside itself when it runs.
 PLANTED = """
@@ -91,3 +96,55 @@ def test_a_hub_download_fetches_what_tokenizers_and_processors_need_and_no_code(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert resolve_source("zoo-test/planted").directory == tmp_path
     assert asked["files"] == needed
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/etc/model.safetensors", "sub/../../model.safetensors",
+                                   "..\\\\model.safetensors", "", 7])
+def test_shards_outside_the_checkpoint_are_refused(make_checkpoint, shard):
+    path, _ = make_checkpoint(tiny_config("llama"), max_shard_size="40KB")
+    outside = path.parent / "other"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(sorted(path.glob("model-*.safetensors"))[0].read_bytes())
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"index\.json: weight_map entry 'model\.norm\.weight' names the shard "
+                                              rf"{re.escape(repr(shard))}, which is not a file inside the checkpoint"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_shard_linked_from_elsewhere_loads(make_checkpoint, input_ids):
+    """The hub cache keeps each file as a link to its blob outside the snapshot directory."""
+    path, reference = make_checkpoint(tiny_config("llama"), max_shard_size="40KB")
+    blobs = path.parent / "blobs"
+    blobs.mkdir()
+    for shard in path.glob("model-*.safetensors"):
+        shard.rename(blobs / shard.name)
+        shard.symlink_to(blobs / shard.name)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.testing.assert_close(model(input_ids), reference(input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _move_tensor(path, index, offset):
+    reader = GGUFReader(path, "r+")
+    reader.tensors[index].field.parts[-1][0] = offset
+    reader.data.flush()
+    return reader.tensors[index].name
+
+
+def test_gguf_tensors_that_overlap_are_refused(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_llama_gguf(path, T.F32)
+    first = GGUFReader(path).tensors[1]
+    name = _move_tensor(path, 2, int(first.field.parts[-1][0]) + 32)  # inside tensor 1, still aligned
+    with pytest.raises(CheckpointError, match=rf"llama\.gguf: damaged GGUF header: tensor '{re.escape(name)}' .*overlaps "
+                                              rf"tensor '{re.escape(first.name)}'"):
+        read_gguf(path)
+
+
+def test_gguf_tensors_at_unaligned_offsets_are_refused(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_llama_gguf(path, T.F32)
+    name = _move_tensor(path, 1, int(GGUFReader(path).tensors[1].field.parts[-1][0]) + 4)
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' has offset \d+, not a multiple of the alignment 32"):
+        read_gguf(path)
