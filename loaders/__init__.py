@@ -7,9 +7,9 @@ from loaders.checkpoint import open_checkpoint, resolve_source
 from loaders.config import from_checkpoint, load_config, load_tokenizer
 from loaders.in_memory import copy_weights
 from loaders.load import load_weights
-from loaders.types import CheckpointError, Source, TensorRef
+from loaders.types import CheckpointError, NonFiniteWeightWarning, Source, TensorRef
 
 __all__ = [
-    "CheckpointError", "Source", "TensorRef", "copy_weights", "from_checkpoint", "load_config", "load_tokenizer",
+    "CheckpointError", "NonFiniteWeightWarning", "Source", "TensorRef", "copy_weights", "from_checkpoint", "load_config", "load_tokenizer",
     "load_weights", "open_checkpoint", "resolve_source",
 ]

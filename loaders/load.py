@@ -4,6 +4,7 @@ A checkpoint tensor that already is a whole parameter in the target dtype on the
 parameter as read, with no copy (``keepable``)."""
 
 import re
+import warnings
 from collections import Counter
 
 import torch
@@ -11,20 +12,21 @@ from torch import nn
 from tqdm import tqdm
 
 from layers.weights import OneOf, Shard
-from loaders.checkpoint import open_checkpoint
-from loaders.types import FLOAT_DTYPES, CheckpointError, Source, TensorRef, name_list
+from loaders.types import FLOAT_DTYPES, CheckpointError, NonFiniteWeightWarning, TensorRef, name_list
 
 # Checkpoints smaller than this load without a progress bar.
 PROGRESS_MIN_BYTES = 256 << 20
 
 
-def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Fill ``model``, built on the meta device, with the checkpoint at ``source`` in ``dtype`` on
-    ``device``; the model's declarations (``checkpoint_shards``, ``ignored_checkpoint_keys``,
-    ``checkpoint_aliases``, ``empty_parameter``) say where each tensor goes."""
-    checkpoint = open_checkpoint(source, model.config)
+def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torch.dtype,
+                 device: torch.device, mmap: bool = True) -> nn.Module:
+    """Fill ``model``, built on the meta device, with the tensors of ``checkpoint``
+    (``open_checkpoint``) in ``dtype`` on ``device``; the model's declarations
+    (``checkpoint_shards``, ``ignored_checkpoint_keys``, ``checkpoint_aliases``,
+    ``empty_parameter``) say where each tensor goes. ``mmap``: parameters may map their file
+    (``keepable``); False copies every tensor, for files that may change while the model lives."""
     plan = plan_loading(model, checkpoint)
-    kept = keepable(model, checkpoint, plan, dtype, device)
+    kept = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
     materialize(model, dtype, device, skip={plan[name][0] for name in kept})
     fill(model, checkpoint, plan, keep=kept)
     return model.eval()
@@ -121,7 +123,9 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
     a whole parameter alone (not a shard of a fused or stacked one), is stored in the target dtype,
     the target is the CPU, and the owning module lays out no storage of its own (``empty_parameter``).
     A safetensors tensor kept this way is a copy-on-write map of its file, read on first use (as
-    HuggingFace's loader does): the file must not be overwritten in place while the model lives."""
+    HuggingFace's loader does): the file must not be truncated or overwritten in place while the
+    model lives (a truncated mapping ends the process with SIGBUS); ``load_weights(mmap=False)``
+    copies instead."""
     if device.type != "cpu":
         return set()
     shards = Counter(param_name for param_name, _ in targets.values())
@@ -169,17 +173,27 @@ def fill(
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show) as bar:
         for name in names:
             param_name, index = targets[name]
+            ref = checkpoint[name]
+            tensor = ref.load()
+            _warn_if_not_finite(ref, tensor)
             if name in keep:
-                ref = checkpoint[name]
-                tensor = ref.load().to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
+                tensor = tensor.to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
                 if tuple(tensor.shape) != ref.shape:
                     raise CheckpointError(f"tensor {name!r} in {ref.file}: read with shape {tuple(tensor.shape)}, declared {ref.shape}")
                 kept = nn.Parameter(tensor, requires_grad=False)
                 for module, local_name in holders[id(model.get_parameter(param_name))]:
                     setattr(module, local_name, kept)
             else:
-                model.get_parameter(param_name)[index].copy_(checkpoint[name].load())
-            bar.update(checkpoint[name].nbytes)
+                model.get_parameter(param_name)[index].copy_(tensor)
+            bar.update(ref.nbytes)
+
+
+def _warn_if_not_finite(ref: TensorRef, tensor: torch.Tensor) -> None:
+    # NaN or Inf in a weight makes every logit NaN: the output would be token 0 with no sign why.
+    bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+    if bad:
+        warnings.warn(f"tensor {ref.name!r} in {ref.file}: {bad} of {tensor.numel()} values are NaN or Inf",
+                      NonFiniteWeightWarning, stacklevel=3)
 
 
 def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
