@@ -112,6 +112,10 @@ def validate_config(config, checkpoint: dict[str, TensorRef], origin: str) -> No
         if field not in UNBOUNDED_FIELDS and value > limit:
             raise CheckpointError(f"{origin}: config field {field!r} is {value}, more than the checkpoint's "
                                   f"{limit} {what} can hold")
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads and kv_heads and heads % kv_heads:
+        raise CheckpointError(f"{origin}: config field 'num_attention_heads' ({heads}) is not a multiple of "
+                              f"'num_key_value_heads' ({kv_heads})")
 
 
 def _build_on_meta(config, source: str) -> nn.Module:

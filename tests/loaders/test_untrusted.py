@@ -137,8 +137,8 @@ def test_gguf_tensors_that_overlap_are_refused(tmp_path):
     write_llama_gguf(path, T.F32)
     first = GGUFReader(path).tensors[1]
     name = _move_tensor(path, 2, int(first.field.parts[-1][0]) + 32)  # inside tensor 1, still aligned
-    with pytest.raises(CheckpointError, match=rf"llama\.gguf: damaged GGUF header: tensor '{re.escape(name)}' .*overlaps "
-                                              rf"tensor '{re.escape(first.name)}'"):
+    with pytest.raises(CheckpointError, match=rf"llama\.gguf: damaged GGUF header: tensor '{re.escape(name)}' has "
+                                              rf"offset \d+, expected \d+ \(right after the tensor before it"):
         read_gguf(path)
 
 
@@ -146,5 +146,19 @@ def test_gguf_tensors_at_unaligned_offsets_are_refused(tmp_path):
     path = tmp_path / "llama.gguf"
     write_llama_gguf(path, T.F32)
     name = _move_tensor(path, 1, int(GGUFReader(path).tensors[1].field.parts[-1][0]) + 4)
-    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' has offset \d+, not a multiple of the alignment 32"):
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' has offset \d+, expected \d+ "
+                                              rf"\(right after the tensor before it, padded to 32 bytes\)"):
+        read_gguf(path)
+
+
+def test_a_gguf_tensor_read_with_a_smaller_type_is_refused(tmp_path):
+    """F32 read as F16: the last tensor's bytes would load as other weights, leaving the file's tail unread."""
+    path = tmp_path / "llama.gguf"
+    write_llama_gguf(path, T.F32)
+    reader = GGUFReader(path, "r+")
+    last = reader.tensors[-1]
+    last.field.parts[-2][0] = int(T.F16)  # the type, before the offset
+    reader.data.flush()
+    with pytest.raises(CheckpointError, match=r"llama\.gguf: damaged GGUF header: its tensors end at byte \d+, "
+                                              r"but the file has \d+ bytes"):
         read_gguf(path)
