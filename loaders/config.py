@@ -52,9 +52,11 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model",
 
 
 def from_checkpoint(factory, source: Source, **kwargs):
-    """``factory.from_pretrained`` (a transformers config, tokenizer, processor or generation config
-    class) on a local checkpoint, never running code from it: transformers builds its own classes
-    and refuses a checkpoint that needs its code (an ``auto_map`` without a built-in equivalent)."""
+    """``factory.from_pretrained`` (a transformers config, tokenizer, processor, generation config or
+    model class) on a local checkpoint, never running code from it: transformers builds its own
+    classes and refuses a checkpoint that needs its code (an ``auto_map`` without a built-in
+    equivalent), which becomes a CheckpointError. Every transformers call on a checkpoint goes
+    through here."""
     if source.gguf_file is not None:
         kwargs["gguf_file"] = source.gguf_file
     try:
