@@ -11,8 +11,10 @@ from loaders.types import CheckpointError, Source, TensorRef
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
-# What a hub download fetches: configs, weights and tokenizer files; never pickles or code.
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+# What a hub download fetches: configs (model, generation, tokenizer, processor, preprocessor, chat
+# template), weights, tokenizer vocabularies and chat templates (chat_template.jinja and
+# additional_chat_templates/*.jinja); never pickles or code.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
 
 def resolve_source(path_or_repo_id) -> Source:

@@ -1,4 +1,4 @@
-"""The HuggingFace config object of a checkpoint (never with remote code)."""
+"""The HuggingFace config object and tokenizer of a checkpoint, never with code from it."""
 
 import json
 
@@ -22,7 +22,7 @@ def load_config(source: Source):
     try:
         config = _gguf_config(source) if source.gguf_file is not None else None
         if config is None:
-            config = AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file, trust_remote_code=False)
+            config = from_checkpoint(AutoConfig, source)
         return config
     except CheckpointError:  # zoo's GGUF reader names the damage itself
         raise
@@ -46,16 +46,58 @@ def _gguf_config(source: Source):
     return config
 
 
+# Files whose presence in a directory declares a tokenizer (transformers reads them by these names).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "tekken.json", "tokenizer.tiktoken")
+
+
+def from_checkpoint(factory, source: Source, **kwargs):
+    """``factory.from_pretrained`` (a transformers config, tokenizer, processor, generation config or
+    model class) on a local checkpoint, never running code from it: transformers builds its own
+    classes and refuses a checkpoint that needs its code (an ``auto_map`` without a built-in
+    equivalent), which becomes a CheckpointError. Every transformers call on a checkpoint goes
+    through here."""
+    if source.gguf_file is not None:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        return factory.from_pretrained(str(source.directory), trust_remote_code=False, **kwargs)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise CheckpointError(
+            f"{source.path}: {factory.__name__} needs code that the checkpoint ships (an auto_map to a .py file); "
+            f"zoo never runs code from a checkpoint"
+        ) from exc
+
+
 def load_tokenizer(path_or_repo_id):
-    """transformers' tokenizer of the checkpoint (GGUF included), or None when it has none."""
+    """transformers' tokenizer of the checkpoint (GGUF included); None for a checkpoint that has no
+    tokenizer files (tokenizer metadata, for GGUF). A declared tokenizer that cannot be built is a
+    CheckpointError naming its file and the cause."""
     import transformers
 
     source = resolve_source(path_or_repo_id)
-    try:
-        tokenizer_class = _gguf_tokenizer_class(source) or transformers.AutoTokenizer
-        return tokenizer_class.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
-    except (OSError, ValueError, TypeError, KeyError):
+    declared = _tokenizer_declaration(source)
+    if declared is None:
         return None
+    try:
+        return from_checkpoint(_gguf_tokenizer_class(source) or transformers.AutoTokenizer, source)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # tokenizers, sentencepiece and transformers each raise their own types
+        raise CheckpointError(f"{declared}: the checkpoint's tokenizer cannot be built ({type(exc).__name__}: {exc})") from exc
+
+
+def _tokenizer_declaration(source: Source) -> str | None:
+    """What declares the checkpoint's tokenizer, for errors; None when nothing does."""
+    files = [name for name in TOKENIZER_FILES if (source.directory / name).is_file()]
+    if files:
+        return str(source.directory / files[0])
+    if source.gguf_file is not None:
+        gguf = read_gguf(source.path)
+        if any(key.startswith("tokenizer.ggml.") for key in (*gguf.metadata, *gguf.array_lengths)):
+            return f"{source.path} (its tokenizer.ggml metadata)"
+    return None
 
 
 def _gguf_tokenizer_class(source: Source):

@@ -166,7 +166,7 @@ class _Header:
         try:
             for _ in range(count):
                 offset += _U64.size + unpack_length(buffer, offset)[0]
-        except struct.error:  # a length to read past the end of the file
+        except (struct.error, OverflowError):  # a length to read past the end of the file (or of any offset)
             offset = len(buffer) + 1
         self.take(offset - self.offset)  # reports strings that run past the end
 
@@ -222,7 +222,10 @@ def read_gguf(path: Path) -> GGUFFile:
         infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(raw_type), header.read(_U64)))
 
     data_start = header.offset + -header.offset % alignment  # the next multiple of alignment
-    tensors, names = [], set()
+    # The data section as llama.cpp lays it out and reads it: each tensor right after the one before
+    # it, padded to the alignment. A tensor anywhere else (overlapping another, or read with another
+    # type's size) is a damaged header.
+    tensors, names, expected = [], set(), 0
     for name, shape, ggml_type, offset in infos:
         if name in names:
             raise CheckpointError(f"{path}: tensor {name!r} appears twice")
@@ -232,14 +235,21 @@ def read_gguf(path: Path) -> GGUFFile:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has rows of {shape[-1]} elements, not whole {ggml_type.name} blocks of {block_size}"
             )
+        if offset != expected:
+            raise CheckpointError(f"{path}: damaged GGUF header: tensor {name!r} has offset {offset}, expected {expected} "
+                                  f"(right after the tensor before it, padded to {alignment} bytes)")
         row_bytes = shape[-1] // block_size * type_size
-        start = data_start + offset
-        end = start + math.prod(shape[:-1]) * row_bytes
+        nbytes = math.prod(shape[:-1]) * row_bytes
+        start, end = data_start + offset, data_start + offset + nbytes
         if end > len(data):
             raise CheckpointError(
                 f"{path}: truncated GGUF file: tensor {name!r} ends at byte {end}, past the end of the file ({len(data)} bytes)"
             )
         tensors.append(GGUFTensor(name, shape, ggml_type, data[start:end].reshape(*shape[:-1], row_bytes)))
+        expected = offset + nbytes + -nbytes % alignment
+    if infos and len(data) > data_start + expected:
+        raise CheckpointError(f"{path}: damaged GGUF header: its tensors end at byte {data_start + expected}, "
+                              f"but the file has {len(data)} bytes")
     return GGUFFile(architecture, tensors, metadata, array_lengths)
 
 

@@ -1,7 +1,7 @@
 """HuggingFace checkpoint directories: model.safetensors, or shards listed by model.safetensors.index.json."""
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from safetensors import SafetensorError, safe_open
 
@@ -19,8 +19,14 @@ def checkpoint_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: not a valid safetensors index (weight_map is not an object)")
+        for tensor, name in weight_map.items():
+            if not _inside(name):
+                raise CheckpointError(f"{index}: weight_map entry {tensor!r} names the shard {name!r}, "
+                                      f"which is not a file inside the checkpoint directory")
         files = [directory / name for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -31,6 +37,15 @@ def checkpoint_files(directory: Path) -> list[Path]:
     pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
     hint = f" (found {pickles}: pickle files are never loaded; convert them to safetensors)" if pickles else ""
     raise CheckpointError(f"{directory}: no {SINGLE} or {INDEX}{hint}")
+
+
+def _inside(name) -> bool:
+    """A shard name that stays in the checkpoint's directory: a relative path without "..". The
+    shard itself may be a link out (the hub cache links each file to its blob)."""
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts
 
 
 def _open(file: Path):

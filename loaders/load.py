@@ -11,6 +11,7 @@ are stored as float8_e4m3fn, their float32 scales in the module's ``<name>_scale
 the block in its ``fp8_block`` (``fp8_parameters_kept``)."""
 
 import re
+import warnings
 from collections import Counter
 
 import torch
@@ -18,26 +19,27 @@ from torch import nn
 from tqdm import tqdm
 
 from layers.weights import OneOf, Shard
-from loaders.checkpoint import open_checkpoint
 from loaders.fp8 import SCALE_SUFFIX
-from loaders.types import FLOAT_DTYPES, CheckpointError, Source, TensorRef, name_list
+from loaders.types import FLOAT_DTYPES, CheckpointError, NonFiniteWeightWarning, TensorRef, name_list
 from ops_cuda.fp8 import FP8_DTYPE, block_scale_shape
 
 # Checkpoints smaller than this load without a progress bar.
 PROGRESS_MIN_BYTES = 256 << 20
 
 
-def load_weights(model: nn.Module, source: Source, dtype: torch.dtype, device: torch.device,
-                 keep_fp8: bool | None = None) -> nn.Module:
-    """Fill ``model``, built on the meta device, with the checkpoint at ``source`` in ``dtype`` on
-    ``device``; the model's declarations (``checkpoint_shards``, ``ignored_checkpoint_keys``,
-    ``checkpoint_aliases``, ``empty_parameter``, ``fp8_parameters``) say where each tensor goes.
-    ``keep_fp8``: whether FP8 block-quantised weights stay in FP8 where their modules take them
-    (None: on a CUDA device with FP8 tensor cores, ``fp8_native``); else they are dequantised to ``dtype``."""
-    checkpoint = open_checkpoint(source, model.config)
+def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torch.dtype, device: torch.device,
+                 keep_fp8: bool | None = None, mmap: bool = True) -> nn.Module:
+    """Fill ``model``, built on the meta device, with the tensors of ``checkpoint``
+    (``open_checkpoint``) in ``dtype`` on ``device``; the model's declarations
+    (``checkpoint_shards``, ``ignored_checkpoint_keys``, ``checkpoint_aliases``, ``empty_parameter``,
+    ``fp8_parameters``) say where each tensor goes. ``keep_fp8``: whether FP8 block-quantised weights
+    stay in FP8 where their modules take them (None: on a CUDA device with FP8 tensor cores,
+    ``fp8_native``); else they are dequantised to ``dtype``. ``mmap``: parameters may map their file
+    (``keepable``); False copies every tensor, for files that may change while the model lives."""
     plan = plan_loading(model, checkpoint)
     fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
-    kept = {name for name in keepable(model, checkpoint, plan, dtype, device) if plan[name][0] not in fp8}
+    mapped = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
+    kept = {name for name in mapped if plan[name][0] not in fp8}
     materialize(model, dtype, device, skip={plan[name][0] for name in kept}, fp8=fp8)
     fill(model, checkpoint, plan, keep=kept, fp8=fp8)
     return model.eval()
@@ -134,7 +136,9 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
     a whole parameter alone (not a shard of a fused or stacked one), is stored in the target dtype,
     the target is the CPU, and the owning module lays out no storage of its own (``empty_parameter``).
     A safetensors tensor kept this way is a copy-on-write map of its file, read on first use (as
-    HuggingFace's loader does): the file must not be overwritten in place while the model lives."""
+    HuggingFace's loader does): the file must not be truncated or overwritten in place while the
+    model lives (a truncated mapping ends the process with SIGBUS); ``load_weights(mmap=False)``
+    copies instead."""
     if device.type != "cpu":
         return set()
     shards = Counter(param_name for param_name, _ in targets.values())
@@ -242,22 +246,39 @@ def fill(
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show) as bar:
         for name in names:
             param_name, index = targets[name]
+            ref = checkpoint[name]
+            if fp8 and param_name in fp8:  # copied as stored: never dequantised
+                stored, parameter = ref.fp8, model.get_parameter(param_name)
+                weight, scale_inv = stored.weight.load(), stored.scale_inv.load()
+                _warn_if_not_finite(ref, weight)
+                _warn_if_not_finite(ref, scale_inv)
+                parameter[index].copy_(weight)
+                scales = model.get_buffer(param_name + SCALE_SUFFIX)
+                scales[scale_index(index, parameter.shape, stored.block)].copy_(scale_inv)
+                bar.update(ref.nbytes)
+                continue
+            tensor = ref.load()
+            _warn_if_not_finite(ref, tensor)
             if name in keep:
-                ref = checkpoint[name]
-                tensor = ref.load().to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
+                tensor = tensor.to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
                 if tuple(tensor.shape) != ref.shape:
                     raise CheckpointError(f"tensor {name!r} in {ref.file}: read with shape {tuple(tensor.shape)}, declared {ref.shape}")
                 kept = nn.Parameter(tensor, requires_grad=False)
                 for module, local_name in holders[id(model.get_parameter(param_name))]:
                     setattr(module, local_name, kept)
-            elif fp8 and param_name in fp8:
-                stored, parameter = checkpoint[name].fp8, model.get_parameter(param_name)
-                parameter[index].copy_(stored.weight.load())
-                scales = model.get_buffer(param_name + SCALE_SUFFIX)
-                scales[scale_index(index, parameter.shape, stored.block)].copy_(stored.scale_inv.load())
             else:
-                model.get_parameter(param_name)[index].copy_(checkpoint[name].load())
-            bar.update(checkpoint[name].nbytes)
+                model.get_parameter(param_name)[index].copy_(tensor)
+            bar.update(ref.nbytes)
+
+
+def _warn_if_not_finite(ref: TensorRef, tensor: torch.Tensor) -> None:
+    # NaN or Inf in a weight makes every logit NaN: the output would be token 0 with no sign why.
+    # float8_e4m3fn has no infinities; its NaNs are the bytes 0x7f and 0xff.
+    finite = (tensor.view(torch.uint8) & 0x7F) != 0x7F if tensor.dtype == FP8_DTYPE else torch.isfinite(tensor)
+    bad = tensor.numel() - int(finite.sum())
+    if bad:
+        warnings.warn(f"tensor {ref.name!r} in {ref.file}: {bad} of {tensor.numel()} values are NaN or Inf",
+                      NonFiniteWeightWarning, stacklevel=3)
 
 
 def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

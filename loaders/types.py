@@ -13,6 +13,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
 
 
+class NonFiniteWeightWarning(UserWarning):
+    """A checkpoint tensor holds NaN or Inf values; ``warnings.simplefilter("error",
+    NonFiniteWeightWarning)`` makes loading such a checkpoint an error."""
+
+
 @dataclass(frozen=True)
 class Source:
     """A local checkpoint: a HuggingFace directory, or a GGUF file (``gguf_file`` inside ``directory``)."""

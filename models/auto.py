@@ -2,10 +2,12 @@
 the model on the meta device and hands it to a loader of ``loaders``, which reads the model's
 loading declarations off the object."""
 
+import math
+
 import torch
 from torch import nn
 
-from loaders import copy_weights, load_config, load_weights, resolve_source
+from loaders import CheckpointError, TensorRef, copy_weights, load_config, load_weights, open_checkpoint, resolve_source
 
 _REGISTRY: dict[str, type] = {}
 
@@ -33,8 +35,13 @@ def supported_architectures() -> list[str]:
 
 def architecture_of(config) -> str:
     """``config.architectures[0]``; configs built from GGUF metadata carry only a model_type."""
-    if getattr(config, "architectures", None):
-        return config.architectures[0]
+    architectures = getattr(config, "architectures", None)
+    if architectures is not None and not (
+        isinstance(architectures, (list, tuple)) and all(isinstance(name, str) for name in architectures)
+    ):
+        raise ValueError(f"config field 'architectures' must be a list of class names, got {architectures!r}")
+    if architectures:
+        return architectures[0]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, f"<model_type {config.model_type}>")
@@ -79,6 +86,38 @@ def checkpoint_dtype(config) -> torch.dtype:
     return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
 
 
+# The config fields that size a model (its tensors, the tables built with it, its cache): each, where
+# a config has it, is a positive integer. A count of layers is at most the checkpoint's tensor count;
+# every other size at most its element count, so a damaged field fails before anything is allocated.
+SIZE_FIELDS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "max_position_embeddings", "num_hidden_layers", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+)
+UNBOUNDED_FIELDS = ("max_position_embeddings",)  # sizes the KV cache, which the engine's budget bounds
+
+
+def validate_config(config, checkpoint: dict[str, TensorRef], origin: str) -> None:
+    """Raise a CheckpointError naming the first config field that cannot size a model of this
+    checkpoint: not a positive integer, or larger than the checkpoint could hold."""
+    elements = sum(math.prod(ref.shape) for ref in checkpoint.values())
+    for field in SIZE_FIELDS:
+        value = getattr(config, field, None)
+        if value is None:
+            continue
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise CheckpointError(f"{origin}: config field {field!r} must be a positive integer, got {value!r}")
+        limit, what = (len(checkpoint), "tensors") if field == "num_hidden_layers" else (elements, "elements")
+        if field not in UNBOUNDED_FIELDS and value > limit:
+            raise CheckpointError(f"{origin}: config field {field!r} is {value}, more than the checkpoint's "
+                                  f"{limit} {what} can hold")
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads and kv_heads and heads % kv_heads:
+        raise CheckpointError(f"{origin}: config field 'num_attention_heads' ({heads}) is not a multiple of "
+                              f"'num_key_value_heads' ({kv_heads})")
+
+
 def _build_on_meta(config, source: str) -> nn.Module:
     with torch.device("meta"):
         return model_class_for(config, source)(config)
@@ -87,18 +126,24 @@ def _build_on_meta(config, source: str) -> nn.Module:
 class AutoModelForCausalLM:
     @staticmethod
     def from_pretrained(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu",
-                        keep_fp8: bool | None = None):
+                        keep_fp8: bool | None = None, mmap: bool = True):
         """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id, in ``dtype``
         (a floating-point torch dtype or its name; ``"auto"``: the checkpoint's, see
         ``checkpoint_dtype``) on ``device``. The linear weights of an FP8 block-quantised checkpoint
-        stay in FP8 when ``keep_fp8`` (None: on CUDA devices of sm89 onward), else they are dequantised to
-        ``dtype``."""
+        stay in FP8 when ``keep_fp8`` (None: on CUDA devices of sm89 onward), else they are dequantised
+        to ``dtype``. On the CPU, a safetensors tensor already in ``dtype`` maps its file instead of
+        being copied: truncating or rewriting the file in place while the model lives ends the process
+        (SIGBUS); ``mmap=False`` copies every tensor. A tensor with NaN or Inf values is named in a
+        ``loaders.NonFiniteWeightWarning``."""
         dtype = None if dtype == "auto" else model_dtype(dtype)
         device = model_device(device)
         source = resolve_source(path_or_repo_id)
         config = load_config(source)
+        model_class_for(config, str(source.path))
+        checkpoint = open_checkpoint(source, config)
+        validate_config(config, checkpoint, str(source.path))
         model = _build_on_meta(config, str(source.path))
-        return load_weights(model, source, dtype or checkpoint_dtype(config), device, keep_fp8)
+        return load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap)
 
     @staticmethod
     def from_hf(reference: nn.Module, dtype: torch.dtype | str | None = None, device=None):

@@ -254,9 +254,15 @@ def _dot_precision(q: torch.Tensor) -> str:
 # 256 spills.
 
 
+def _head_block(head_dim: int) -> int:
+    """The head-dim block: a power of two, and at least the 16 that tl.dot takes along each
+    dimension on a GPU; the dims past ``head_dim`` are masked to zeros."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _decode_tiles(q: torch.Tensor) -> tuple[int, int]:
     """(key tile rows, head-dim block) of the decode kernel."""
-    block_d = triton.next_power_of_2(q.shape[-1])
+    block_d = _head_block(q.shape[-1])
     if not q.is_cuda or q.dtype == torch.float32:
         return 16, block_d
     return max(16, min(64, 16384 // (block_d * q.element_size()))), block_d
@@ -264,7 +270,7 @@ def _decode_tiles(q: torch.Tensor) -> tuple[int, int]:
 
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
     """(query tile rows, key tile rows, head-dim block, warps) of the prefill kernel."""
-    block_d = triton.next_power_of_2(q.shape[-1])
+    block_d = _head_block(q.shape[-1])
     if not q.is_cuda:
         return 16, 16, block_d, 4
     if q.dtype == torch.float32:

@@ -1,21 +1,41 @@
-"""The ``zoo`` command line."""
+"""The ``zoo`` command line. Flags are checked before a model loads; output streams as it is
+generated; Ctrl-C stops generation without a traceback (exit status 130) and, in ``zoo chat``,
+only the current reply."""
 
 import argparse
 import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
+MODEL_HELP = "checkpoint directory, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct GGUF)"
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default after its description, unless the description says it."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
+def token_ids(text: str) -> list[int]:
+    """``--token-ids``: a non-empty comma-separated list of non-negative integers."""
+    try:
+        ids = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids, as 1,2,3") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: token ids are >= 0")
+    return ids
 
 
 def _diff(args) -> int:
     import torch
 
-    from loaders.default_model import default_model_path
+    from loaders import default_model_path
     from runtime.diff import diff_checkpoint, format_rows
 
     model = args.model or str(default_model_path())
-    input_ids = None
-    if args.token_ids:
-        input_ids = torch.tensor([[int(t) for t in args.token_ids.split(",")]])
+    input_ids = torch.tensor([args.token_ids]) if args.token_ids else None
     path = f"the runtime's prefill and {args.steps} decode steps" if args.runtime else "a cache-free forward"
     print(f"zoo diff: {model} ({args.dtype}, {args.device}, {path}) against HuggingFace transformers", flush=True)
     rows = diff_checkpoint(model, input_ids=input_ids, prompt=args.prompt, dtype=getattr(torch, args.dtype),
@@ -25,65 +45,128 @@ def _diff(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def _sampling(args):
+    """The command's sampling flags, checked (a ValueError names the first bad one)."""
+    from runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    params.validate()
+    return params
+
+
 def _load_llm(args):
-    from loaders.default_model import default_model_path
+    from loaders import default_model_path
     from runtime import LLM
 
     return LLM(args.model or str(default_model_path()), dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len)
 
 
-def _sampling(args):
-    from runtime import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
-
-
 def _generate(args) -> int:
     import time
 
-    llm = _load_llm(args)
+    if bool(args.prompt) == bool(args.token_ids):
+        raise ValueError("give either PROMPT text or --token-ids, not both and not neither")
     params = _sampling(args)
+    llm = _load_llm(args)
+    if args.prompt and llm.tokenizer is None:
+        raise ValueError(f"{args.model or 'the model'} has no tokenizer: give the prompt as --token-ids 1,2,3")
+    prompts = args.prompt or [args.token_ids]
+    texts, ids, errors = [""] * len(prompts), [[] for _ in prompts], [None] * len(prompts)
+    finished = [False] * len(prompts)
+    single = len(prompts) == 1
+    if single:  # one prompt streams: first the prompt, then each piece as it is generated
+        print(prompts[0] if args.prompt else ",".join(map(str, prompts[0])) + " ->", end="", flush=True)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+    try:
+        for delta in llm.stream(prompts, params):
+            i = delta.index
+            texts[i] += delta.text
+            ids[i] += delta.token_ids
+            errors[i], finished[i] = delta.error, delta.finish_reason is not None
+            if single and not delta.error:
+                print(delta.text if args.prompt else "".join(f" {t}" for t in delta.token_ids), end="", flush=True)
+            elif delta.finish_reason and not delta.error:
+                _print_output(args, prompts[i], i, texts[i], ids[i])
+    except KeyboardInterrupt:
+        if single:
+            print(flush=True)
+        else:  # what the unfinished prompts had when Ctrl-C came
+            for i, prompt in enumerate(prompts):
+                if not finished[i]:
+                    _print_output(args, prompt, i, texts[i], ids[i], " (interrupted)")
+        print("zoo generate: interrupted", file=sys.stderr)
+        return INTERRUPTED
     elapsed = time.perf_counter() - start
-    for output in outputs:
-        if output.error:
-            print(f"error: {output.error}", file=sys.stderr)
-            continue
-        print(f"{output.prompt}{output.text}" if len(outputs) == 1 else f"[{output.request_id}] {output.prompt!r} -> {output.text!r}")
-    tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"-- {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s", file=sys.stderr)
-    return 1 if any(o.error for o in outputs) else 0
+    if single:
+        print()
+    for error in filter(None, errors):
+        print(f"zoo generate: error: {error}", file=sys.stderr)
+    tokens = sum(map(len, ids))
+    if tokens:
+        print(f"-- {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s", file=sys.stderr)
+    return 1 if any(errors) else 0
+
+
+def _print_output(args, prompt, index: int, text: str, ids: list[int], note: str = "") -> None:
+    generated = repr(text) if args.prompt else ",".join(map(str, ids))
+    shown = repr(prompt) if args.prompt else ",".join(map(str, prompt))
+    print(f"[{index}] {shown} -> {generated}{note}", flush=True)
 
 
 def _chat(args) -> int:
-    llm = _load_llm(args)
     params = _sampling(args)
+    llm = _load_llm(args)
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        what = "no tokenizer" if llm.tokenizer is None else "a tokenizer without a chat template"
+        raise ValueError(f"{args.model or 'the model'} has {what}: zoo chat needs one "
+                         f"(zoo generate --token-ids 1,2,3 takes token ids)")
     conversation = [{"role": "system", "content": args.system}] if args.system else []
-    print("zoo chat: an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
+    print("zoo chat: Ctrl-C stops a reply; an empty line, Ctrl-D or Ctrl-C at the prompt ends the conversation.",
+          file=sys.stderr)
     while True:
         try:
             line = input("> ").strip()
         except EOFError:
             print(file=sys.stderr)
             return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return INTERRUPTED
         if not line:
             return 0
         conversation.append({"role": "user", "content": line})
         reply = []
-        for delta in llm.stream([llm.chat_prompt(conversation)], params):
-            print(delta.text, end="", flush=True)
-            reply.append(delta.text)
-            if delta.error:
-                print(f"error: {delta.error}", file=sys.stderr)
-        print()
+        try:
+            for delta in llm.stream([llm.chat_prompt(conversation)], params):
+                print(delta.text, end="", flush=True)
+                reply.append(delta.text)
+                if delta.error:
+                    print(f"error: {delta.error}", file=sys.stderr)
+        except KeyboardInterrupt:  # the reply so far stays in the conversation
+            print(" [stopped]", end="", flush=True)
+        print(flush=True)
         conversation.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _add_sampling_flags(command, max_tokens: int, temperature: float) -> None:
+    command.add_argument("--model", help=MODEL_HELP)
+    command.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most per prompt")
+    command.add_argument("--temperature", type=float, default=temperature, help="sampling temperature; 0 is greedy")
+    command.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                                                                   "holding this probability (1 is off)")
+    command.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 is off)")
+    command.add_argument("--seed", type=int, help="seed of the samples, for reproducible output (default: none)")
+    command.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                         help="weights' dtype; auto: the checkpoint's dtype on CUDA, float32 on the CPU")
+    command.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    command.add_argument("--max-model-len", type=int, default=4096,
+                         help="prompt + generated tokens of a sequence at most (capped by the model's limit)")
+
+
 def _serve(args) -> int:
-    from loaders.default_model import default_model_path
+    from loaders import default_model_path
     from runtime import LLM
     from runtime.server import serve
 
@@ -97,19 +180,42 @@ def _serve(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from runtime.diff import DEFAULT_PROMPT, DEFAULT_STEPS
 
-    parser = argparse.ArgumentParser(prog="zoo", description="zoo: a model zoo for LLM inference")
-    commands = parser.add_subparsers(dest="command", required=True)
+    formatter = HelpFormatter
+    parser = argparse.ArgumentParser(prog="zoo", description="zoo: a model zoo for LLM inference",
+                                     formatter_class=formatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,diff,serve}")
 
-    diff = commands.add_parser("diff", help="diff a model layer by layer against HuggingFace transformers")
-    diff.add_argument("model", nargs="?", help="checkpoint directory, .gguf file or hub repo id "
-                                              "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    generate = commands.add_parser("generate", help="generate text for one or more prompts, streaming one",
+                                   description="Generate text for one or more prompts (several run as one batch); "
+                                               "one prompt streams as it is generated.", formatter_class=formatter)
+    generate.add_argument("prompt", nargs="*", help="prompt text; several run as one batch (default: none, "
+                                                    "when --token-ids gives the prompt)")
+    generate.add_argument("--token-ids", type=token_ids,
+                          help="a prompt as comma-separated token ids instead of text (for checkpoints without a "
+                               "tokenizer); prints the generated ids (default: none)")
+    _add_sampling_flags(generate, max_tokens=64, temperature=0.0)
+    generate.set_defaults(run=_generate)
+
+    chat = commands.add_parser("chat", help="chat interactively, streaming the replies",
+                               description="Chat interactively, streaming the replies. Ctrl-C stops a reply; an "
+                                           "empty line, Ctrl-D or Ctrl-C at the prompt ends the conversation.",
+                               formatter_class=formatter)
+    chat.add_argument("--system", help="system message (default: none)")
+    _add_sampling_flags(chat, max_tokens=256, temperature=0.7)
+    chat.set_defaults(run=_chat)
+
+    diff = commands.add_parser("diff", help="diff a model layer by layer against HuggingFace transformers",
+                               description="Diff a model layer by layer against HuggingFace transformers.",
+                               formatter_class=formatter)
+    diff.add_argument("model", nargs="?", help=MODEL_HELP)
     diff.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run through both models")
-    diff.add_argument("--token-ids", help="comma-separated token ids to use instead of --prompt")
-    diff.add_argument("--dtype", choices=DTYPES, default="float32")
-    diff.add_argument("--device", default="cpu")
+    diff.add_argument("--token-ids", type=token_ids,
+                      help="comma-separated token ids to use instead of --prompt (default: none)")
+    diff.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of both models")
+    diff.add_argument("--device", default="cpu", help="device of both models")
     diff.add_argument("--atol", type=float, help="absolute tolerance (default by dtype)")
     diff.add_argument("--rtol", type=float, help="tolerance relative to the reference's max abs value (default by dtype)")
     diff.add_argument("--runtime", action="store_true", help="diff the runtime's path: a prefill through the paged "
@@ -117,50 +223,40 @@ def main(argv=None) -> int:
     diff.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="decode steps of --runtime")
     diff.set_defaults(run=_diff)
 
-    for name, run, text in (("generate", _generate, "generate text for one or more prompts"),
-                            ("chat", _chat, "chat interactively, streaming the replies")):
-        command = commands.add_parser(name, help=text)
-        if name == "generate":
-            command.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
-        else:
-            command.add_argument("--system", help="system message")
-        command.add_argument("--model", help="checkpoint directory, .gguf file or hub repo id "
-                                             "(default: the embedded SmolLM2-135M-Instruct GGUF)")
-        command.add_argument("--max-tokens", type=int, default=64 if name == "generate" else 256)
-        command.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.7)
-        command.add_argument("--top-p", type=float, default=1.0)
-        command.add_argument("--top-k", type=int, default=0)
-        command.add_argument("--seed", type=int)
-        command.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                             help="auto: the checkpoint's dtype on CUDA, float32 on the CPU")
-        command.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-        command.add_argument("--max-model-len", type=int, default=4096)
-        command.set_defaults(run=run)
-
-    serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
-    serve.add_argument("model", nargs="?", help="checkpoint directory, .gguf file or hub repo id "
-                                               "(default: the embedded SmolLM2-135M-Instruct GGUF)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP)",
+                                description="Serve a model over the OpenAI API: chat and text completions, "
+                                            "models, health and Prometheus metrics.", formatter_class=formatter)
+    serve.add_argument("model", nargs="?", help=MODEL_HELP)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", help="the name clients give as `model` (default: MODEL as given)")
-    serve.add_argument("--api-key", help="a key every request but GET /health must bear (Authorization: Bearer KEY)")
+    serve.add_argument("--api-key", help="a key every request but GET /health must bear as `Authorization: Bearer "
+                                         "KEY` (default: none, no key)")
     serve.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                       help="auto: the checkpoint's dtype on CUDA, float32 on the CPU")
+                       help="weights' dtype; auto: the checkpoint's dtype on CUDA, float32 on the CPU")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--max-model-len", type=int, default=4096,
+                       help="prompt + generated tokens of a sequence at most (capped by the model's limit)")
     serve.add_argument("--max-num-seqs", type=int, help="sequences per step at most (default 64)")
     serve.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: as many as the memory budget holds)")
     serve.add_argument("--kv-cache-gib", type=float, help="the KV cache's memory (default: 1 GiB on the CPU, "
                                                           "on CUDA what the model leaves of 90%% of the device)")
-    serve.add_argument("--enforce-eager", action="store_true", help="on CUDA, run decode steps without CUDA graphs")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA, run decode steps without CUDA graphs (default: graphs where the model allows)")
     serve.set_defaults(run=_serve)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"zoo {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while the model loads, or between steps of zoo diff
+        print(f"\nzoo {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

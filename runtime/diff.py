@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loaders import load_tokenizer, resolve_source
+from loaders import from_checkpoint, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 
@@ -44,10 +44,7 @@ def load_reference(path_or_repo_id, dtype: torch.dtype, device):
     """HuggingFace transformers' model of the same checkpoint (never with remote code)."""
     import transformers
 
-    source = resolve_source(path_or_repo_id)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.directory), gguf_file=source.gguf_file, dtype=dtype, trust_remote_code=False
-    )
+    model = from_checkpoint(transformers.AutoModelForCausalLM, resolve_source(path_or_repo_id), dtype=dtype)
     return model.to(device).eval()
 
 

@@ -1,6 +1,7 @@
 """``LLM``: offline generation with any registered model."""
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from loaders import load_tokenizer, resolve_source
+from loaders import Source, from_checkpoint, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM, CausalLM
 from models.auto import model_device
 from runtime.config import EngineConfig
@@ -33,7 +34,7 @@ def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     try:
         if path_or_repo_id is None:
             raise OSError("no checkpoint")
-        config = transformers.GenerationConfig.from_pretrained(str(resolve_source(path_or_repo_id).directory))
+        config = from_checkpoint(transformers.GenerationConfig, Source(resolve_source(path_or_repo_id).directory))
     except OSError:
         config = transformers.GenerationConfig.from_model_config(model.config)
     eos = config.eos_token_id
@@ -48,14 +49,19 @@ class LLM:
     ``dtype``: "auto" (the default) is the checkpoint's dtype on CUDA and float32 on the CPU.
     ``device``: CUDA when there is one, else the CPU. The engine's options (``EngineConfig``) are
     keywords, ``LLM(path, max_num_seqs=8)``, or a ``config``, and are checked before the model
-    loads. On the CPU, ``compile_decode`` runs decode steps of up to 16 sequences through
+    loads. On the CPU, weights already in ``dtype`` map their safetensors file: truncating or
+    rewriting it in place while the ``LLM`` lives ends the process (SIGBUS); ``mmap=False`` copies
+    them. On the CPU, ``compile_decode`` runs decode steps of up to 16 sequences through
     torch.compile: SmolLM2's take about a quarter less time in float32, over a third less in
     bfloat16, after a compile of about a minute when ``LLM`` starts (inductor keeps what it
     built on disk).
+
+    An ``LLM`` is not thread-safe: a call from a second thread while another thread's call (or
+    stream) runs raises a RuntimeError at once. Use one ``LLM`` per thread, or ``zoo serve``.
     """
 
     def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, config: EngineConfig | None = None,
-                 **options):
+                 mmap: bool = True, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
         if isinstance(model, CausalLM):
             self.model, self.tokenizer, checkpoint = model, tokenizer, None
@@ -63,14 +69,32 @@ class LLM:
             device = model_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             if dtype == "auto" and device.type == "cpu":
                 dtype = torch.float32
-            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device)
-            self.tokenizer = tokenizer or load_tokenizer(model)
+            self.tokenizer = tokenizer or load_tokenizer(model)  # a damaged tokenizer fails before the weights load
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device, mmap=mmap)
             checkpoint = model
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
         with torch.inference_mode(False):
             self.engine = Engine(self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), config)
         self._next_id = 0
+        self._owner: int | None = None  # the thread whose call is running
+        self._owner_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _one_thread(self):
+        """Marks a call as running in this thread; a call from another thread meanwhile raises
+        (the engine's state is one batch, which two threads would corrupt)."""
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self._owner not in (None, me):
+                raise RuntimeError("LLM is not thread-safe: another thread is generating with it; "
+                                   "use one LLM per thread, or `zoo serve`")
+            outermost, self._owner = self._owner is None, me
+        try:
+            yield
+        finally:
+            if outermost:
+                self._owner = None
 
     def _add_requests(self, prompts, sampling_params) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
@@ -87,21 +111,22 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts (strings or token-id lists) -> finished outputs, in input order."""
-        outputs = self._add_requests(prompts, sampling_params)
-        done = sum(o.finished for o in outputs)
-        start, generated = time.perf_counter(), 0
-        with self._aborting_unfinished(outputs), \
-                tqdm(total=len(outputs), initial=done, desc="Generating", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                changed = self.engine.step()
-                if bar.disable:  # the bar's figures cost a pass over all outputs: only when it shows
-                    continue
-                generated += sum(1 for o in changed if o.error is None)
-                finished = sum(o.finished for o in outputs)
-                bar.update(finished - done)
-                done = finished
-                bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}", refresh=False)
-        return outputs
+        with self._one_thread():
+            outputs = self._add_requests(prompts, sampling_params)
+            done = sum(o.finished for o in outputs)
+            start, generated = time.perf_counter(), 0
+            with self._aborting_unfinished(outputs), \
+                    tqdm(total=len(outputs), initial=done, desc="Generating", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished():
+                    changed = self.engine.step()
+                    if bar.disable:  # the bar's figures cost a pass over all outputs: only when it shows
+                        continue
+                    generated += sum(1 for o in changed if o.error is None)
+                    finished = sum(o.finished for o in outputs)
+                    bar.update(finished - done)
+                    done = finished
+                    bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}", refresh=False)
+            return outputs
 
     @contextlib.contextmanager
     def _aborting_unfinished(self, outputs):
@@ -114,6 +139,10 @@ class LLM:
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamDelta]:
         """Yield each request's new tokens and text as they are generated."""
+        with self._one_thread():
+            yield from self._stream(prompts, sampling_params)
+
+    def _stream(self, prompts, sampling_params) -> Iterator[StreamDelta]:
         outputs = self._add_requests(prompts, sampling_params)
         index_of = {o.request_id: i for i, o in enumerate(outputs)}
         sent_tokens = {o.request_id: 0 for o in outputs}

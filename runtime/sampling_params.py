@@ -1,5 +1,6 @@
 """What a request asks of generation."""
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -49,12 +50,14 @@ class SamplingParams:
         """Greedy, unpenalised, no logprobs: the token is the logits' argmax and nothing more (most requests)."""
         return self.greedy and not self.penalised and self.logprobs is None
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first invalid field."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first invalid field; ``stop_token_ids`` are checked against
+        ``vocab_size`` when it is given."""
         numeric = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
         for name in numeric:
-            if not is_number(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (is_number(value) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         checks = [
             (is_integer(self.max_tokens) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -67,7 +70,7 @@ class SamplingParams:
             # The range torch.Generator.manual_seed takes.
             (self.seed is None or (is_integer(self.seed) and -(2**63) <= self.seed < 2**64), f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}"),
             (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop!r}"),
-            (isinstance(self.stop_token_ids, (list, tuple)) and all(is_integer(t) and 0 <= t < vocab_size for t in self.stop_token_ids), f"stop_token_ids must be integers in [0, {vocab_size}), got {self.stop_token_ids!r}"),
+            (isinstance(self.stop_token_ids, (list, tuple)) and all(is_integer(t) and 0 <= t < (vocab_size or math.inf) for t in self.stop_token_ids), f"stop_token_ids must be integers in [0, {vocab_size or 'the vocabulary size'}), got {self.stop_token_ids!r}"),
             (self.logprobs is None or (is_integer(self.logprobs) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
         ]
         for ok, message in checks:

@@ -19,7 +19,6 @@ TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
 
 # Rows are multiples of 256 (the K-quant block size) along every stored row.
 SHAPE = dict(hidden=256, intermediate=512, layers=2, vocab=512, heads=4, kv_heads=2)
-HEAD_DIM = SHAPE["hidden"] // SHAPE["heads"]
 RMS_EPS = 1e-5
 ROPE_THETA = 10000.0
 
@@ -105,7 +104,7 @@ def _add(writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizatio
 
 def write_llama_gguf(
     path: Path, qtype: GGMLQuantizationType, *, arch: str = "llama", tied: bool = False, seed: int = 0,
-    tokenizer: str | None = None,
+    tokenizer: str | None = None, shape: dict = SHAPE,
 ) -> dict:
     """Write the file; return its 2D weights in stored form before the q/k permutation, by GGUF name.
 
@@ -114,7 +113,8 @@ def write_llama_gguf(
     ``tied``: no output.weight, which is how llama.cpp stores tied embeddings. q/k rows are permuted
     after quantising where the converter permutes before: the same bytes, since quantisation
     blocks run along a row and the permutation only moves whole rows."""
-    s, rng = SHAPE, np.random.default_rng(seed)
+    s, rng = shape, np.random.default_rng(seed)
+    head_dim = s["hidden"] // s["heads"]
     writer = GGUFWriter(str(path), arch)
     writer.add_name("tiny-llama")
     writer.add_context_length(128)
@@ -123,14 +123,14 @@ def write_llama_gguf(
     writer.add_feed_forward_length(s["intermediate"])
     writer.add_head_count(s["heads"])
     writer.add_head_count_kv(s["kv_heads"])
-    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(RMS_EPS)
     writer.add_vocab_size(s["vocab"])
     if tokenizer is not None:
         _add_tokenizer(writer, tokenizer)
 
-    kv = s["kv_heads"] * HEAD_DIM
+    kv = s["kv_heads"] * head_dim
     shapes = {"token_embd.weight": (s["vocab"], s["hidden"])}
     for i in range(s["layers"]):
         shapes |= {

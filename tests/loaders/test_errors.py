@@ -168,3 +168,67 @@ def test_cuda_asked_for_without_cuda(checkpoint):
 
     with pytest.raises(ValueError, match="device 'cuda' asked for, but this torch sees no CUDA device"):
         LLM(str(checkpoint), device="cuda")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", -64, r"config field 'hidden_size' must be a positive integer, got -64"),
+    ("max_position_embeddings", 0, r"config field 'max_position_embeddings' must be a positive integer, got 0"),
+    ("num_key_value_heads", 0, r"config field 'num_key_value_heads' must be a positive integer, got 0"),
+    ("head_dim", 2**24, r"config field 'head_dim' is 16777216, more than the checkpoint's \d+ elements can hold"),
+    ("intermediate_size", 2**40, r"config field 'intermediate_size' is 1099511627776, more than the checkpoint's"),
+    ("num_hidden_layers", 100_000, r"config field 'num_hidden_layers' is 100000, more than the checkpoint's 21 tensors"),
+    ("architectures", "LlamaForCausalLM", r"config field 'architectures' must be a list of class names, got 'LlamaForCausalLM'"),
+    ("num_key_value_heads", 3, r"config field 'num_attention_heads' \(4\) is not a multiple of 'num_key_value_heads' \(3\)"),
+])
+def test_config_fields_that_size_the_model_are_checked_before_it_is_built(checkpoint, field, value, message, monkeypatch):
+    import models.auto
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("the model was built before its config was checked")
+
+    monkeypatch.setattr(models.auto, "_build_on_meta", no_building)
+    fields = json.loads((checkpoint / "config.json").read_text())
+    fields[field] = value
+    (checkpoint / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.rope.dimension_count", 0x40000040, r"config field 'head_dim' is 1073741888, more than the checkpoint's"),
+    ("llama.embedding_length", 0, r"config field 'hidden_size' must be a positive integer, got 0"),
+    ("llama.block_count", 0xFFFFFFFF, r"config field 'num_hidden_layers' is 4294967295, more than the checkpoint's"),
+])
+def test_gguf_metadata_that_sizes_the_model_is_checked_before_it_is_built(tmp_path, key, value, message):
+    from gguf import GGUFReader
+
+    from tests.loaders.gguf_writer import T, write_llama_gguf
+
+    path = tmp_path / "llama.gguf"
+    write_llama_gguf(path, T.F32)
+    reader = GGUFReader(path, "r+")
+    reader.fields[key].parts[-1][0] = value
+    reader.data.flush()
+    del reader
+    with pytest.raises(CheckpointError, match=r"llama\.gguf: " + message):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_nan_or_inf_in_a_weight_is_named_in_a_warning(checkpoint):
+    import warnings
+
+    from loaders import NonFiniteWeightWarning
+
+    def poison(tensors):
+        tensors["model.layers.1.mlp.down_proj.weight"][3, :5] = float("nan")
+        tensors["model.layers.1.mlp.down_proj.weight"][4, 0] = float("-inf")
+
+    rewrite_tensors(checkpoint, poison)
+    with pytest.warns(NonFiniteWeightWarning, match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight' in .*"
+                                                    r"model\.safetensors: 6 of 7168 values are NaN or Inf") as caught:
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype="bfloat16")
+    assert len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonFiniteWeightWarning)
+        with pytest.raises(NonFiniteWeightWarning, match="down_proj"):
+            AutoModelForCausalLM.from_pretrained(checkpoint)

@@ -15,7 +15,7 @@ from loaders.config import _gguf_tokenizer_class
 from loaders.gguf_file import gguf_tensors, read_gguf
 from loaders.load import choose_layouts, declared_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
-from tests.conftest import relative_error
+from tests.conftest import relative_error, tiny_config
 from tests.loaders.gguf_writer import SHAPE, TYPES, T, llama_cpp_permute, write_llama_gguf
 
 RTOL = 1e-5
@@ -158,6 +158,29 @@ def test_file_without_tokenizer_has_none(tmp_path):
     path = tmp_path / "llama.gguf"
     write_llama_gguf(path, T.F32)
     assert load_tokenizer(str(path)) is None
+
+
+@pytest.mark.parametrize("damage, cause", [
+    ((b"wor ld", b"wor zz"), r"Exception: Error while initializing BPE: Token `zz` out of vocabulary"),
+    ((b"hell", b"\xffell"), r"UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"),
+    ((b"gpt2", b"gpt9"), r"Cannot build a tokenizer from a GGUF file stating tokenizer 'gpt9'"),
+], ids=["merge", "non-utf8-token", "model"])
+def test_a_damaged_vocabulary_is_an_error_naming_the_file(tmp_path, damage, cause):
+    path = tmp_path / "llama.gguf"
+    write_llama_gguf(path, T.F32, tokenizer="gpt2")
+    data = path.read_bytes()
+    assert damage[0] in data
+    path.write_bytes(data.replace(*damage, 1))
+    with pytest.raises(CheckpointError, match=r"llama\.gguf \(its tokenizer\.ggml metadata\): the checkpoint's "
+                                              r"tokenizer cannot be built \(.*" + cause):
+        load_tokenizer(str(path))
+
+
+def test_a_damaged_tokenizer_file_is_an_error_naming_it(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("llama"))
+    (path / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}}')
+    with pytest.raises(CheckpointError, match=r"ckpt/tokenizer\.json: the checkpoint's tokenizer cannot be built"):
+        load_tokenizer(str(path))
 
 
 def test_tied_embeddings(tmp_path):

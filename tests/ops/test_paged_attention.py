@@ -131,7 +131,7 @@ def run_prefill(batch, sliding_window, softcap=0.0):
 
 # --- CPU: the Triton kernels in the interpreter --------------------------------------------------
 
-GEOMETRIES = {"d16-block4": (16, 4), "d32-block16": (32, 16)}
+GEOMETRIES = {"d8-block4": (8, 4), "d12-block4": (12, 4), "d16-block4": (16, 4), "d32-block16": (32, 16)}
 
 
 @pytest.mark.interpreter
@@ -157,6 +157,38 @@ def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
     # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query.
     batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, head_dim, block_size, dtype)
     assert_close(run_prefill(batch, sliding_window), batch.reference_prefill(sliding_window), TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("head_dim", [8, 12, 16])
+def test_heads_narrower_than_a_dot_tile_are_padded(head_dim, monkeypatch):
+    """On a GPU tl.dot takes operands of at least 16 along each dimension (the interpreter does not
+    check): every kernel's head-dim block is at least 16, and the padded dims change nothing."""
+    import ops_cuda.paged_attention_triton as kernels
+
+    blocks = []
+    for name in ("_decode_split_kernel", "_prefill_kernel"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, _Recording(kernel, blocks))
+    batch = decode_batch([9, 1, 0, 8], 4, 2, head_dim, 4, torch.float32)
+    assert_close(run_decode(batch, 0, 2), batch.reference_decode(0), TOL[torch.float32])
+    batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, head_dim, 4, torch.float32)
+    assert_close(run_prefill(batch, 0), batch.reference_prefill(0), TOL[torch.float32])
+    assert blocks == [16, 16]
+
+
+class _Recording:
+    """A Triton kernel that records the BLOCK_D of each launch."""
+
+    def __init__(self, kernel, blocks):
+        self.kernel, self.blocks = kernel, blocks
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.blocks.append(kwargs["BLOCK_D"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 @pytest.mark.interpreter

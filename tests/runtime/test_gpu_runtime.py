@@ -139,3 +139,23 @@ def test_deepseek_v3_bf16_cuda_graphs_give_the_eager_tokens():
                          n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, moe_intermediate_size=256,
                          n_shared_experts=1, first_k_dense_replace=1)
     assert_graphs_give_the_eager_tokens(AutoModelForCausalLM.from_hf(random_hf(config)))
+
+
+@pytest.mark.parametrize("head_dim", [8, 12, 16, 256])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_triton_backend_runs_every_head_dim_as_the_torch_backend(head_dim, enforce_eager, tmp_path):
+    """Heads narrower than tl.dot's 16 are padded in the kernels; wide ones take smaller tiles."""
+    from tests.conftest import hf_model, save_checkpoint
+    from tests.runtime.test_runtime import GREEDY, prompts
+
+    config = tiny_config("llama", head_dim=head_dim)
+    path = save_checkpoint(hf_model(config), tmp_path)
+    batch = prompts(6, seed=5)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(path), device="cuda", num_blocks=128, max_num_batched_tokens=24,
+                  enforce_eager=enforce_eager, attention_backend=backend)
+        outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert all(o.error is None for o in outputs)
+        tokens[backend] = [o.token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]

@@ -432,7 +432,7 @@ def test_bad_requests_fail_alone(checkpoints):
         "repetition_penalty must be > 0": ([5], SamplingParams(repetition_penalty=0.0)),
         "a prompt is a string or a list of token ids": ([1.5, 2], GREEDY),
         "stop strings need a tokenizer": ([5], SamplingParams(stop=["x"])),
-        "temperature must be a number, got 'hot'": ([5], SamplingParams(temperature="hot")),
+        "temperature must be a finite number, got 'hot'": ([5], SamplingParams(temperature="hot")),
         "seed must be None or an integer": ([5], SamplingParams(seed="abc")),
         "seed must be None or an integer in [-2**63, 2**64), got 1180591620717411303424": (
             [5], SamplingParams(seed=2**70)),

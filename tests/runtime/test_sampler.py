@@ -119,3 +119,19 @@ def test_sampling_follows_the_distribution():
     draws = [sample_tokens(x[None].clone(), [seq]).tolist()[0] for _ in range(4000)]
     counts = torch.bincount(torch.tensor(draws), minlength=3)
     assert torch.allclose(counts / 4000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                   "frequency_penalty"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_sampling_values_are_rejected(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be a finite number, got {value}$"):
+        SamplingParams(**{field: value}).validate(50)
+
+
+def test_sampling_values_are_checked_without_a_vocabulary():
+    SamplingParams(stop_token_ids=[10**9]).validate()
+    with pytest.raises(ValueError, match=r"top_k must be an integer >= 0"):
+        SamplingParams(top_k=-1).validate()
+    with pytest.raises(ValueError, match=r"stop_token_ids must be integers in \[0, 50\)"):
+        SamplingParams(stop_token_ids=[50]).validate(50)

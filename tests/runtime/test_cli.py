@@ -1,0 +1,194 @@
+"""The zoo command line as a user meets it: flags checked before loading, streamed output, Ctrl-C,
+checkpoints without a tokenizer, and help that shows every flag."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+import runtime
+from runtime import LLM, SamplingParams
+from runtime.cli import build_parser, main
+from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.loaders.gguf_writer import T, write_llama_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT_IDS = [5, 9, 13, 2]
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(tmp_path_factory):
+    """A checkpoint without a tokenizer, long enough a context for long generations."""
+    config = tiny_config("llama", max_position_embeddings=4096, eos_token_id=None, bos_token_id=None)
+    return save_checkpoint(hf_model(config), tmp_path_factory.mktemp("cli") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def with_chat_template(tmp_path_factory):
+    """A GGUF file with a tokenizer and a chat template, and a context of 4096 tokens."""
+    path = tmp_path_factory.mktemp("cli") / "chat.gguf"
+    write_llama_gguf(path, T.F32, tokenizer="gpt2")
+    reader = GGUFReader(path, "r+")
+    reader.fields["llama.context_length"].parts[-1][0] = 4096
+    reader.data.flush()
+    return path
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(runtime, "LLM", refuse)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "inf"], "temperature must be a finite number, got inf"),
+    (["--top-p", "0"], r"top_p must be in \(0, 1\], got 0.0"),
+    (["--max-tokens", "0"], "max_tokens must be a positive integer, got 0"),
+    (["--top-k", "-3"], r"top_k must be an integer >= 0 \(0 = off\), got -3"),
+])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_sampling_flags_are_checked_before_the_model_loads(command, flags, message, no_loading, capsys):
+    argv = [command, *flags] + (["Hello"] if command == "generate" else [])
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert re.fullmatch(rf"zoo {command}: error: {message}\n", captured.err)
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("command", ["diff", "generate"])
+@pytest.mark.parametrize("value", ["1,a", "", "1,,2", "-1"])
+def test_bad_token_ids_name_the_flag(command, value, no_loading, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--token-ids", value])
+    assert exit_.value.code == 2
+    assert f"zoo {command}: error: argument --token-ids: {value!r}" in capsys.readouterr().err
+
+
+def test_generate_takes_a_prompt_or_token_ids(no_loading, capsys):
+    assert main(["generate"]) == 2
+    assert main(["generate", "--token-ids", "1,2", "Hello"]) == 2
+    assert capsys.readouterr().err.count("give either PROMPT text or --token-ids") == 2
+
+
+def test_generate_takes_token_ids_for_a_checkpoint_without_a_tokenizer(no_tokenizer, capsys):
+    params = SamplingParams(max_tokens=5, temperature=0)
+    expected = LLM(str(no_tokenizer), device="cpu").generate([PROMPT_IDS], params, use_tqdm=False)[0].token_ids
+    argv = ["generate", "--model", str(no_tokenizer), "--device", "cpu", "--max-tokens", "5", "--token-ids",
+            ",".join(map(str, PROMPT_IDS))]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"5,9,13,2 -> {' '.join(map(str, expected))}\n"
+    assert "-- 5 tokens in" in captured.err
+
+
+def test_text_or_chat_without_a_tokenizer_is_a_clear_error(no_tokenizer, capsys):
+    assert main(["generate", "--model", str(no_tokenizer), "--device", "cpu", "Hello"]) == 2
+    assert main(["chat", "--model", str(no_tokenizer), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"zoo generate: error: {no_tokenizer} has no tokenizer: give the prompt as --token-ids 1,2,3" in err
+    assert f"zoo chat: error: {no_tokenizer} has no tokenizer: zoo chat needs one" in err
+
+
+class Cli:
+    """``zoo`` in a subprocess, its output read as it comes."""
+
+    def __init__(self, *argv):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen([sys.executable, "-m", "runtime.cli", *argv], cwd=ROOT, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        self.out, self.err = "", ""
+        for stream, name in ((self.process.stdout, "out"), (self.process.stderr, "err")):
+            threading.Thread(target=self._read, args=(stream, name), daemon=True).start()
+
+    def _read(self, stream, name):
+        while chunk := stream.read(1):
+            setattr(self, name, getattr(self, name) + chunk)
+
+    def wait_for(self, condition, timeout=180):
+        deadline = time.monotonic() + timeout
+        while not condition(self.out):
+            assert self.process.poll() is None, f"zoo exited early: {self.out!r} {self.err!r}"
+            assert time.monotonic() < deadline, f"timed out: {self.out!r} {self.err!r}"
+            time.sleep(0.05)
+
+    def interrupt(self):
+        self.process.send_signal(signal.SIGINT)
+
+    def exit_code(self, timeout=60):
+        code = self.process.wait(timeout)
+        time.sleep(0.2)  # the reader threads take the last output
+        return code
+
+
+@pytest.mark.slow  # a fresh Python process imports torch and transformers
+def test_ctrl_c_in_generate_keeps_what_was_streamed_and_exits_130(no_tokenizer):
+    cli = Cli("generate", "--model", str(no_tokenizer), "--device", "cpu", "--max-tokens", "4000",
+              "--token-ids", ",".join(map(str, PROMPT_IDS)))
+    cli.wait_for(lambda out: len(out.split(" -> ")[-1].split()) >= 3)  # streaming: ids before the end
+    cli.interrupt()
+    assert cli.exit_code() == 130
+    assert "Traceback" not in cli.err and "zoo generate: interrupted" in cli.err
+    streamed = cli.out.split(" -> ")[1].split()
+    assert cli.out.startswith("5,9,13,2 -> ") and 3 <= len(streamed) < 4000
+
+
+@pytest.mark.slow  # a fresh Python process imports torch and transformers
+def test_ctrl_c_in_chat_stops_the_reply_and_a_second_at_the_prompt_quits(with_chat_template):
+    cli = Cli("chat", "--model", str(with_chat_template), "--device", "cpu", "--max-tokens", "4000",
+              "--temperature", "0")
+    cli.wait_for(lambda out: out == "> ")
+    cli.process.stdin.write("hello\n")
+    cli.process.stdin.flush()
+    cli.wait_for(lambda out: len(out) > 12)
+    cli.interrupt()
+    cli.wait_for(lambda out: out.endswith(" [stopped]\n> "))  # back at the prompt, conversation kept
+    cli.process.stdin.write("the world\n")
+    cli.process.stdin.flush()
+    cli.wait_for(lambda out: len(out.split("[stopped]\n> ")[1]) > 12)
+    cli.interrupt()
+    cli.wait_for(lambda out: out.count(" [stopped]\n> ") == 2)
+    cli.interrupt()
+    assert cli.exit_code() == 130
+    assert "Traceback" not in cli.err
+
+
+@pytest.mark.slow  # a fresh Python process imports torch and transformers
+def test_chat_ends_at_eof_with_status_0(with_chat_template):
+    cli = Cli("chat", "--model", str(with_chat_template), "--device", "cpu")
+    cli.wait_for(lambda out: out == "> ")
+    cli.process.stdin.close()
+    assert cli.exit_code() == 0
+    assert "Traceback" not in cli.err
+
+
+def _flags(help_text: str) -> list[str]:
+    return re.findall(r"^  (--[\w-]+)", help_text, flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "diff"])
+def test_help_describes_every_flag_with_its_default_and_the_readme_lists_them(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = capsys.readouterr().out
+    entries = re.split(r"\n(?=  -)", help_text.split("options:\n", 1)[1])
+    flags = [entry for entry in entries if not entry.startswith("  -h")]
+    assert len(flags) >= 5
+    for entry in flags:
+        name = entry.split()[0]
+        description = re.sub(r"^  --[\w-]+( [A-Z_]+| \{[\w,]+\})?\s+", "", entry.strip("\n"), count=1)
+        assert len(description) > 10, f"{command} {name} has no description"
+        assert "default" in description, f"{command} {name} does not say its default"
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Command line", 1)[1].split("```")[1].replace("\n   ", " ")  # continuation lines
+    synopsis = " ".join(line for line in block.splitlines() if line.startswith(f"zoo {command}"))
+    assert set(_flags(help_text)) - {"--help"} == set(re.findall(r"--[\w-]+", synopsis))
