@@ -34,12 +34,16 @@ SCALED_MM_MIN_ROWS = 64
 SCALED_MM_BLOCK = (128, 128)
 
 
+def quantised_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] as the FP8 kernels see it: quantised per token and group, dequantised to float32."""
+    quantised, scales = quantise_groups(x, group)
+    return quantised.float() * scales.repeat_interleave(group, dim=1)[:, : x.shape[1]]
+
+
 def quantised_product(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
     """What the FP8 GEMMs compute, in float32: x [M, K] quantised per group of block[1] columns,
-    times the dequantised weight. (The tests' oracle for the kernels.)"""
-    quantised, scales = quantise_groups(x, block[1])
-    activations = quantised.float() * scales.repeat_interleave(block[1], dim=1)[:, : x.shape[1]]
-    return activations @ dequantise(weight, scale_inv, block).t()
+    times the dequantised weight. (The kernels' oracle in the tests.)"""
+    return quantised_activations(x, block[1]) @ dequantise(weight, scale_inv, block).t()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,10 @@ from ops_cuda.moe import fp8_moe_experts_reference
 from tests.loaders.test_fp8 import quantise
 from tests.ops.test_moe_triton import routed
 
+pytest.importorskip("triton")
+
+from ops_cuda.fp8_triton import quantised_activations, quantised_product  # noqa: E402
+
 # Largest difference from the op's reference, relative to the reference's largest magnitude. e4m3 keeps
 # 3 mantissa bits: each activation is rounded to within 2^-4 of itself, and an output sums K such errors
 # with random signs, about 2^-4 / sqrt(3) ~ 3.6% of the output's typical size; measured, at most 2-3% of
@@ -50,18 +54,6 @@ def fp8_weight(out_features, in_features, block, device="cpu", leading=(), seed=
     weight = torch.randn(*leading, out_features, in_features, generator=generator) / in_features**0.5
     fp8, scale_inv, _ = quantise(weight, block)
     return fp8.to(device), scale_inv.to(device)
-
-
-def quantised_activations(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x as the kernels see it: quantised per token and group, dequantised to float32."""
-    from ops_cuda.fp8_triton import quantise_groups
-
-    quantised, scales = quantise_groups(x, group)
-    return quantised.float() * scales.repeat_interleave(group, dim=1)[:, : x.shape[1]]
-
-
-def quantised_product(x, weight, scale_inv, block):
-    return quantised_activations(x, block[1]) @ dequantise(weight, scale_inv, block).t()
 
 
 def quantised_moe(hidden, topk_weights, topk_ids, gate_up, gate_up_scale, down, down_scale, block, activation):
