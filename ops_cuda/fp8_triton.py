@@ -21,6 +21,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -210,8 +211,12 @@ def fp8_block_gemm_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: t
     """``fp8_block_gemm_triton`` by ``torch._scaled_mm``: x [M, K] with 1x128 scales (column-major, as
     cuBLASLt reads them), the weight [N, K] as the column-major [K, N] operand with its 128x128 scales
     transposed to [K / 128, N / 128]."""
-    quantised, scales = quantise_groups(x, SCALED_MM_BLOCK[1])
-    out = torch._scaled_mm(quantised, weight.t(), scale_a=scales, scale_b=scale_inv.t(), out_dtype=x.dtype)
+    rows = x.shape[0]
+    # cuBLASLt's block-scaled FP8 GEMM takes rows in multiples of 4 only (measured on the H200 with
+    # torch 2.11 / CUDA 13: 65 rows fail, 68 run): zero rows pad the others.
+    padded = F.pad(x, (0, 0, 0, -rows % 4)) if rows % 4 else x
+    quantised, scales = quantise_groups(padded, SCALED_MM_BLOCK[1])
+    out = torch._scaled_mm(quantised, weight.t(), scale_a=scales, scale_b=scale_inv.t(), out_dtype=x.dtype)[:rows]
     return out if bias is None else out + bias
 
 
