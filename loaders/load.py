@@ -23,6 +23,8 @@ from loaders.fp8 import SCALE_SUFFIX
 from loaders.types import FLOAT_DTYPES, CheckpointError, NonFiniteWeightWarning, TensorRef, name_list
 from ops_cuda.fp8 import FP8_DTYPE, block_scale_shape
 
+# The values the check for NaN and Inf masks at once.
+FINITE_CHECK_ELEMENTS = 1 << 24
 # Checkpoints smaller than this load without a progress bar.
 PROGRESS_MIN_BYTES = 256 << 20
 
@@ -273,12 +275,20 @@ def fill(
 
 def _warn_if_not_finite(ref: TensorRef, tensor: torch.Tensor) -> None:
     # NaN or Inf in a weight makes every logit NaN: the output would be token 0 with no sign why.
-    # float8_e4m3fn has no infinities; its NaNs are the bytes 0x7f and 0xff.
-    finite = (tensor.view(torch.uint8) & 0x7F) != 0x7F if tensor.dtype == FP8_DTYPE else torch.isfinite(tensor)
-    bad = tensor.numel() - int(finite.sum())
+    # Checked a slice of rows at a time: the mask of a whole stack of experts would take gigabytes.
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
+    step = max(1, FINITE_CHECK_ELEMENTS // max(1, rows.shape[1]))
+    bad = sum(part.numel() - int(torch.count_nonzero(_finite(part))) for part in rows.split(step))
     if bad:
         warnings.warn(f"tensor {ref.name!r} in {ref.file}: {bad} of {tensor.numel()} values are NaN or Inf",
                       NonFiniteWeightWarning, stacklevel=3)
+
+
+def _finite(values: torch.Tensor) -> torch.Tensor:
+    # float8_e4m3fn has no infinities; its NaNs are the bytes 0x7f and 0xff.
+    if values.dtype == FP8_DTYPE:
+        return (values.view(torch.uint8) & 0x7F) != 0x7F
+    return torch.isfinite(values)
 
 
 def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

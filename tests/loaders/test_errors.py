@@ -214,10 +214,14 @@ def test_gguf_metadata_that_sizes_the_model_is_checked_before_it_is_built(tmp_pa
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_nan_or_inf_in_a_weight_is_named_in_a_warning(checkpoint):
+@pytest.mark.parametrize("slice_elements", [1 << 24, 100], ids=["whole", "slices"])
+def test_nan_or_inf_in_a_weight_is_named_in_a_warning(checkpoint, slice_elements, monkeypatch):
     import warnings
 
+    import loaders.load
     from loaders import NonFiniteWeightWarning
+
+    monkeypatch.setattr(loaders.load, "FINITE_CHECK_ELEMENTS", slice_elements)  # rows 3 and 4 in different slices
 
     def poison(tensors):
         tensors["model.layers.1.mlp.down_proj.weight"][3, :5] = float("nan")
