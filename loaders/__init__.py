@@ -4,12 +4,12 @@ tokenizers; the loader that fills a model built on the meta device from its decl
 Nothing here imports ``models``."""
 
 from loaders.checkpoint import open_checkpoint, resolve_source
-from loaders.config import load_config, load_tokenizer
+from loaders.config import load_config, load_processor, load_tokenizer
 from loaders.in_memory import copy_weights
 from loaders.load import load_weights
 from loaders.types import CheckpointError, Source, TensorRef
 
 __all__ = [
-    "CheckpointError", "Source", "TensorRef", "copy_weights", "load_config", "load_tokenizer", "load_weights",
-    "open_checkpoint", "resolve_source",
+    "CheckpointError", "Source", "TensorRef", "copy_weights", "load_config", "load_processor", "load_tokenizer",
+    "load_weights", "open_checkpoint", "resolve_source",
 ]

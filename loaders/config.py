@@ -58,6 +58,21 @@ def load_tokenizer(path_or_repo_id):
         return None
 
 
+def load_processor(path_or_repo_id):
+    """transformers' processor of a checkpoint whose model takes images (its image processor, the
+    tokenizer and the chat template), or None when the checkpoint has no image processor."""
+    import transformers
+
+    source = resolve_source(path_or_repo_id)
+    if source.gguf_file is not None:
+        return None
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(str(source.directory), trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return processor if hasattr(processor, "image_processor") else None
+
+
 def _gguf_tokenizer_class(source: Source):
     """The class AutoTokenizer picks for a GGUF file zoo's reader takes, with no tokenizer_config.json
     beside it: the one transformers registers for the config's type. AutoTokenizer builds that config
