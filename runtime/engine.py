@@ -39,14 +39,15 @@ class Engine:
     def __init__(self, model, tokenizer, generation_eos: list[int], config: EngineConfig, processor=None):
         """``config``: the engine's options, resolved here against the model's limits. ``processor``:
         transformers' processor of a model that takes images (``loaders.load_processor``)."""
-        self.config = config = config.resolved(model.config.max_position_embeddings)
+        text_config = model.config.get_text_config()  # a model that takes images: its language model's
+        self.config = config = config.resolved(text_config.max_position_embeddings)
         self.tokenizer = tokenizer
         self.architecture = type(model).__name__
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.images = (ImagePreprocessor(processor, self.image_token_id)
                        if processor is not None and self.image_token_id is not None else None)
         self.eos_token_ids = set(generation_eos)
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = text_config.vocab_size
         device = next(model.parameters()).device
         backend = select_backend(config.attention_backend, device, score_modifiers_used(model))
         # A model runs in one engine at a time: the cache an earlier engine bound to it goes, or
