@@ -10,7 +10,7 @@ import transformers
 from tqdm import tqdm
 
 from loaders import load_processor, load_tokenizer, resolve_source
-from models import AutoModelForCausalLM, CausalLM
+from models import AutoModelForCausalLM
 from models.auto import model_device
 from runtime.config import EngineConfig
 from runtime.engine import Engine, RequestOutput
@@ -59,7 +59,7 @@ class LLM:
     def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, processor=None,
                  config: EngineConfig | None = None, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
-        if isinstance(model, CausalLM):
+        if isinstance(model, torch.nn.Module):
             self.model, self.tokenizer, self.processor, checkpoint = model, tokenizer, processor, None
         else:
             device = model_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -4,6 +4,7 @@ prefill, prefix caching and preemption; chat with content parts; bad images fail
 request."""
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -137,3 +138,173 @@ def test_an_image_request_generates_what_hf_generates(llava):
     assert output.prompt == PROMPT and output.prompt_token_ids == expected
     assert output.prompt_token_ids.count(IMAGE_TOKEN_ID) == 16
     assert token_ids([output]) == [hf_generate(model, processor, PROMPT, [img])]
+
+
+def test_image_requests_batched_with_text_requests_generate_what_each_generates_alone(llava):
+    path, model, processor = llava
+    first, second, third = image(1), image(2, 64, 20), image(3, 25, 50)
+    two_images = "USER: <image> and <image>\nSame? ASSISTANT:"
+    tokenizer = processor.tokenizer
+    requests = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": [first]}},
+        "USER: no image here ASSISTANT:",
+        {"prompt_token_ids": tokenizer(two_images).input_ids, "multi_modal_data": {"image": [second, third]}},
+        tokenizer("Just text").input_ids,
+    ]
+    outputs = llm(path, max_num_seqs=4).generate(requests, GREEDY)
+    # Token-id prompts are expanded as the processor expands text.
+    assert outputs[2].prompt_token_ids == processor(text=two_images, images=[second, third]).input_ids[0]
+    assert token_ids(outputs) == [
+        hf_generate(model, processor, PROMPT, [first]),
+        hf_generate(model, processor, "USER: no image here ASSISTANT:", []),
+        hf_generate(model, processor, two_images, [second, third]),
+        hf_generate(model, processor, "Just text", []),
+    ]
+
+
+def counting_encodes(llm_):
+    """Wrap the model's encode_images to count its calls."""
+    calls = []
+    encode = llm_.model.encode_images
+
+    def counted(pixel_values, image_sizes=None):
+        calls.append(len(pixel_values))
+        return encode(pixel_values, image_sizes)
+
+    llm_.model.encode_images = counted
+    return calls
+
+
+def test_chunks_that_split_the_image_tokens_generate_what_hf_generates(llava):
+    path, model, processor = llava
+    images = [image(4), image(5, 30, 60)]
+    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": img}} for img in images]
+    engine = llm(path, max_num_batched_tokens=5, enable_prefix_caching=False)
+    calls = counting_encodes(engine)
+    outputs = engine.generate(requests, GREEDY)
+    assert token_ids(outputs) == [hf_generate(model, processor, PROMPT, [img]) for img in images]
+    assert calls == [1, 1]  # the vision tower ran once per request, at its first image token
+
+
+def test_features_are_let_go_once_the_step_computes_the_last_image_token(llava):
+    path, _, _ = llava
+    engine = llm(path, max_num_batched_tokens=8, enable_prefix_caching=False).engine
+    engine.add_request(0, {"prompt": PROMPT, "multi_modal_data": {"image": image(6)}}, GREEDY)
+    seq = engine.sequences[0]
+    last_image_token = int(seq.images.token_positions[-1])
+    held = []
+    while seq.num_computed_tokens <= last_image_token:
+        engine.step()
+        held.append(seq.image_features is not None)
+    assert held == [True, True, False]  # 6 text and image tokens 0-1, image tokens 2-9, image tokens 10-15
+
+
+def test_prefix_cache_shares_blocks_of_the_same_image_and_never_of_another(llava):
+    path, model, processor = llava
+    engine = llm(path)
+    same, other = image(7), image(8)  # the same size and mode: only their pixels differ
+    prompt_len = len(processor(text=PROMPT, images=same).input_ids[0])
+    first_image_token = PROMPT.index("<image>")  # one token per character before it
+    calls = counting_encodes(engine)
+    [first] = engine.generate([{"prompt": PROMPT, "multi_modal_data": {"image": same}}], GREEDY)
+    [again] = engine.generate([{"prompt": PROMPT, "multi_modal_data": {"image": same}}], GREEDY)
+    [different] = engine.generate([{"prompt": PROMPT, "multi_modal_data": {"image": other}}], GREEDY)
+    assert again.num_cached_tokens == (prompt_len - 1) // 4 * 4  # every full block but the one to compute
+    assert different.num_cached_tokens == first_image_token // 4 * 4  # only the blocks before the image
+    assert calls == [1, 1]  # the cached request computed no image token: its images were not encoded
+    expected_same, expected_other = (hf_generate(model, processor, PROMPT, [img]) for img in (same, other))
+    assert expected_same != expected_other  # the image decides the tokens
+    assert token_ids([first, again, different]) == [expected_same, expected_same, expected_other]
+
+
+def test_preempted_image_requests_are_recomputed_to_the_same_tokens(llava):
+    path, model, processor = llava
+    images = [image(9), image(10), image(11, 20, 70)]
+    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": img}} for img in images]
+    engine = llm(path, num_blocks=16, max_num_batched_tokens=12, enable_prefix_caching=False)
+    outputs = engine.generate(requests, GREEDY)
+    assert engine.engine.scheduler.num_preemptions > 0
+    assert token_ids(outputs) == [hf_generate(model, processor, PROMPT, [img]) for img in images]
+
+
+def test_chat_renders_content_parts_through_the_processors_template(llava):
+    path, model, processor = llava
+    img = image(12)
+    with_image = [{"role": "user", "content": [{"type": "image", "image": img},
+                                               {"type": "text", "text": "What is shown?"}]}]
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+    outputs = llm(path).chat([with_image, text_only], GREEDY)
+    expected = []
+    for conversation in (with_image, text_only):
+        inputs = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+        assert outputs[len(expected) - 1].prompt_token_ids == inputs["input_ids"][0].tolist()
+    expected = [tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens for tokens in expected]
+    assert token_ids(outputs) == expected
+
+
+@pytest.mark.parametrize("variant", ["full-strategy", "next"])
+def test_other_variants_generate_what_hf_generates(variant, tmp_path):
+    path, model, processor = (make_llava(tmp_path, "full") if variant == "full-strategy"
+                              else make_llava_next(tmp_path))
+    images = [image(13, 50, 20), image(14, 20, 50), image(15, 33, 33)]
+    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": img}} for img in images]
+    outputs = llm(path, max_num_batched_tokens=16).generate(requests + ["USER: hi ASSISTANT:"], GREEDY)
+    counts = [o.prompt_token_ids.count(IMAGE_TOKEN_ID) for o in outputs[:3]]
+    assert counts == [processor(text=PROMPT, images=img).input_ids[0].count(IMAGE_TOKEN_ID) for img in images]
+    assert token_ids(outputs) == [hf_generate(model, processor, PROMPT, [img]) for img in images] + [
+        hf_generate(model, processor, "USER: hi ASSISTANT:", [])]
+
+
+def truncated_png():
+    buffer = io.BytesIO()
+    image(16).save(buffer, "PNG")
+    return Image.open(io.BytesIO(buffer.getvalue()[:200]))  # the header reads; the pixels do not
+
+
+def test_bad_images_fail_their_own_request_and_the_others_complete(llava):
+    path, model, processor = llava
+    good = image(17)
+    two_placeholders = "USER: <image><image> ASSISTANT:"
+    bad = {
+        "image 0 cannot be decoded: image file is truncated": {"image": truncated_png()},
+        r"image 0 is empty \(0x30 pixels\)": {"image": Image.new("RGB", (0, 30))},
+        "image 0 is a ndarray, not a PIL.Image.Image": {"image": np.zeros((30, 30, 3), np.uint8)},
+        "multi_modal_data is a dict with the one key 'image'": {"video": [good]},
+        r"the prompt has 2 image placeholders \('<image>'\) but multi_modal_data has 1 images": {"image": good},
+    }
+    requests = [{"prompt": PROMPT, "multi_modal_data": data} for data in bad.values()]
+    requests[-1]["prompt"] = two_placeholders
+    others = {
+        "image 1 has mode 'F'; the modes taken are 1, L, LA, P, PA, RGB, RGBA, RGBX, CMYK, YCbCr":
+            {"prompt": two_placeholders, "multi_modal_data": {"image": [good, image(18).convert("F")]}},
+        r"the prompt has 0 image placeholders \('<image>'\) but multi_modal_data has 1 images":
+            {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": good}},
+        r"the prompt has 1 image placeholders and no image is given": PROMPT,
+    }
+    requests += list(others.values())
+    outputs = llm(path).generate([{"prompt": PROMPT, "multi_modal_data": {"image": good}}, *requests], GREEDY)
+    assert token_ids(outputs[:1]) == [hf_generate(model, processor, PROMPT, [good])]
+    for index, (output, message) in enumerate(zip(outputs[1:], [*bad, *others]), start=1):
+        assert output.finish_reason == "error" and output.token_ids == []
+        assert output.error.startswith(f"request {index}: ")
+        assert re.search(message, output.error), output.error
+
+
+def test_images_for_a_model_that_takes_none_or_without_a_processor_fail_their_request(llava, tmp_path):
+    from models import AutoModelForCausalLM
+
+    llama = save_checkpoint(hf_model(tiny_config("llama")), tmp_path / "llama")
+    request = {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": image(19)}}
+    text_model = LLM(str(llama), device="cpu")
+    failed, completed = text_model.generate([request, [5, 6, 7]], GREEDY)
+    assert failed.error == "request 0: multi_modal_data is given, but LlamaForCausalLM takes no images"
+    assert completed.error is None and len(completed.token_ids) == GREEDY.max_tokens
+
+    path, _, processor = llava
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    [output] = LLM(model, tokenizer=processor.tokenizer).generate([{**request, "prompt_token_ids": [3]}], GREEDY)
+    assert output.error == "request 0: multi_modal_data is given, but the checkpoint has no image processor"
