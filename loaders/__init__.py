@@ -1,6 +1,6 @@
 """Checkpoint formats: HF safetensors directories (single or sharded, FP8 block-quantised ones
-dequantised on load), GGUF files, hub repo ids, state dicts in memory; their configs and
-tokenizers and processors; the loader that fills a model built on the meta device from its declarations.
+dequantised on load), GGUF files, hub repo ids, state dicts in memory; their configs, tokenizers
+and processors; the loader that fills a model built on the meta device from its declarations.
 Nothing here imports ``models``."""
 
 from loaders.checkpoint import open_checkpoint, resolve_source
