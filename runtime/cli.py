@@ -40,13 +40,30 @@ def _sampling(args):
                           top_k=args.top_k, seed=args.seed)
 
 
+def _open_images(paths: list[str]) -> list:
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        try:
+            images.append(Image.open(path))
+        except OSError as exc:  # a missing file, or one PIL does not read as an image
+            raise ValueError(f"--image {path}: {exc}") from exc
+    return images
+
+
 def _generate(args) -> int:
     import time
 
+    prompts = args.prompt
+    if args.image:
+        if len(prompts) > 1:
+            raise ValueError("--image goes with one prompt, whose <image> placeholders take the images in order")
+        prompts = [{"prompt": prompts[0], "multi_modal_data": {"image": _open_images(args.image)}}]
     llm = _load_llm(args)
     params = _sampling(args)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1)
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     elapsed = time.perf_counter() - start
     for output in outputs:
         if output.error:
@@ -107,6 +124,8 @@ def main(argv=None) -> int:
         command = commands.add_parser(name, help=text)
         if name == "generate":
             command.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+            command.add_argument("--image", action="append", metavar="PATH",
+                                 help="an image for the prompt's <image> placeholders, in order (repeat for several)")
         else:
             command.add_argument("--system", help="system message")
         command.add_argument("--model", help="checkpoint directory, .gguf file or hub repo id "

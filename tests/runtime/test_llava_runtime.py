@@ -308,3 +308,19 @@ def test_images_for_a_model_that_takes_none_or_without_a_processor_fail_their_re
     model = AutoModelForCausalLM.from_pretrained(str(path))
     [output] = LLM(model, tokenizer=processor.tokenizer).generate([{**request, "prompt_token_ids": [3]}], GREEDY)
     assert output.error == "request 0: multi_modal_data is given, but the checkpoint has no image processor"
+
+
+def test_zoo_generate_takes_images(llava, tmp_path, capsys):
+    from runtime.cli import main
+
+    path, model, processor = llava
+    img = image(20)
+    img.save(tmp_path / "image.png")
+    command = ["generate", "--model", str(path), "--max-tokens", str(GREEDY.max_tokens)]
+    assert main([*command, "--image", str(tmp_path / "image.png"), PROMPT]) == 0
+    expected = processor.tokenizer.decode(hf_generate(model, processor, PROMPT, [img]), skip_special_tokens=True)
+    assert capsys.readouterr().out == f"{PROMPT}{expected}\n"
+
+    (tmp_path / "text.png").write_text("not an image")
+    assert main([*command, "--image", str(tmp_path / "text.png"), PROMPT]) == 2
+    assert f"--image {tmp_path / 'text.png'}: cannot identify image file" in capsys.readouterr().err
