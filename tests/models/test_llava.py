@@ -61,8 +61,7 @@ def hf_llava(config, seed=0):
     return model
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+def tiny_tokenizer():
     """Words w1..w94 and <image> (id 96) of the tiny vocabulary."""
     vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, 95)}, "<pad>": 95, "<image>": IMAGE_TOKEN}
     backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
@@ -70,6 +69,11 @@ def tokenizer():
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", extra_special_tokens={"image_token": "<image>"}
     )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
 
 
 def processor(config, tokenizer):
@@ -132,13 +136,17 @@ def test_llava_logits_match_huggingface(variant, tokenizer, tmp_path):
         assert_matches(model(input_ids, **images_in), reference(input_ids=input_ids, **images_in).logits)
 
 
-@pytest.mark.parametrize("grid", PINPOINTS)
+NEXT_VARIANTS = {grid: llava_config(text=tiny_config("mistral", head_dim=16), next_pinpoints=pinpoints)
+                 for grid, pinpoints in PINPOINTS.items()}
+NEXT_PROMPTS = ["w1 <image> w2"] * len(IMAGE_SIZES)  # one image of each size
+
+
+@pytest.mark.parametrize("grid", NEXT_VARIANTS)
 def test_llava_next_logits_and_feature_counts_match_huggingface(grid, tokenizer, tmp_path):
-    config = llava_config(text=tiny_config("mistral", head_dim=16), next_pinpoints=PINPOINTS[grid])
+    config = NEXT_VARIANTS[grid]
     reference = hf_llava(config)
     model = AutoModelForCausalLM.from_pretrained(checkpoint(reference, tmp_path / "ckpt"))
-    prompts = ["w1 <image> w2"] * len(IMAGE_SIZES)
-    input_ids, images_in = inputs(config, tokenizer, IMAGE_SIZES, prompts)
+    input_ids, images_in = inputs(config, tokenizer, IMAGE_SIZES, NEXT_PROMPTS)
     with torch.no_grad():
         features = model.encode_images(**images_in)
         theirs = reference.model.get_image_features(**images_in).pooler_output
