@@ -26,8 +26,6 @@ from layers.vision import CLIPVisionTower, MultiModalProjector, pack_anyres, sel
 from models.auto import model_class_for, register
 from models.base import CausalLM, check_batch
 
-STRATEGIES = ("default", "full")
-
 # The module tree's names (transformers 5's) -> the layout transformers 5 saves -> the hub's
 # (llava-hf/*), each rewrite applied after the ones before it (see loaders.load.declared_layouts).
 LAYOUT_ALIASES = (
@@ -58,9 +56,6 @@ class LlavaModel(nn.Module):
                              "CLIP's vision encoder (clip_vision_model)")
         layers = config.vision_feature_layer
         self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
-        if config.vision_feature_select_strategy not in STRATEGIES:
-            raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not one "
-                             f"of {STRATEGIES}")
         self.drop_cls = config.vision_feature_select_strategy == "default"
         self.vision_tower = CLIPVisionTower(vision)
         self.multi_modal_projector = MultiModalProjector(

@@ -59,15 +59,29 @@ def tokenize(path_or_repo_id, prompt: str) -> torch.Tensor:
 
 
 def compared_paths(model: nn.Module, reference: nn.Module) -> list[str]:
-    """Block-level module paths present on both sides, then the returned logits."""
+    """Block-level module paths present on both sides, then the returned logits: a LLaVA model's
+    vision tower (embeddings, pre-norm, each encoder layer and its children) and projector, then
+    the decoder (``model`` or LLaVA's ``model.language_model``): embeddings, each layer and its
+    children, final norm; the LM head."""
     ours = dict(model.named_modules())
     theirs = dict(reference.named_modules())
-    paths = ["model.embed_tokens"]
-    for i, layer in enumerate(model.model.layers):
-        paths += [f"model.layers.{i}.{child}" for child, _ in layer.named_children()]
-        paths.append(f"model.layers.{i}")
-    paths += ["model.norm", "lm_head"]
+    paths = []
+    tower = "model.vision_tower"
+    if tower in ours:
+        paths += [f"{tower}.embeddings", f"{tower}.pre_layrnorm"]
+        paths += block_paths(f"{tower}.encoder.layers", ours)
+        paths.append("model.multi_modal_projector")
+    decoder = "model.language_model" if "model.language_model" in ours else "model"
+    paths += [f"{decoder}.embed_tokens", *block_paths(f"{decoder}.layers", ours), f"{decoder}.norm", "lm_head"]
     return [p for p in paths if p in ours and p in theirs] + [LOGITS]
+
+
+def block_paths(stack: str, modules: dict[str, nn.Module]) -> list[str]:
+    """Each layer of the ModuleList at ``stack``: its children, then the layer itself."""
+    paths = []
+    for i, layer in enumerate(modules[stack]):
+        paths += [f"{stack}.{i}.{child}" for child, _ in layer.named_children()] + [f"{stack}.{i}"]
+    return paths
 
 
 def _capture(model: nn.Module, paths: list[str], steps: list[dict], hf_view: bool):
@@ -113,15 +127,23 @@ def _compare(ours: dict, theirs: dict, atol: float, rtol: float, label: str = ""
 
 
 @torch.no_grad()
-def diff_models(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor, atol=None, rtol=None) -> list[DiffRow]:
-    """Run ``input_ids`` [B, T] through both models and compare each hooked module's output."""
+def diff_models(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor, atol=None, rtol=None,
+                **image_inputs) -> list[DiffRow]:
+    """Run ``input_ids`` [B, T] through both models and compare each hooked module's output.
+    ``image_inputs``: the images a LLaVA model takes with them (``pixel_values``, ``image_sizes``)."""
     atol, rtol = _tolerances(model, atol, rtol)
     paths = compared_paths(model, reference)
     ours, theirs = [], []
     handles = _capture(model, paths, ours, hf_view=False) + _capture(reference, paths, theirs, hf_view=True)
+
+    def on_device_of(module):
+        device = next(module.parameters()).device
+        return {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                for name, value in dict(image_inputs, input_ids=input_ids).items()}
+
     try:
-        model(input_ids.to(next(model.parameters()).device))
-        reference(input_ids=input_ids.to(next(reference.parameters()).device), use_cache=False)
+        model(**on_device_of(model))
+        reference(**on_device_of(reference), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
