@@ -6,6 +6,18 @@ import sys
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _open_images(paths: list[str]) -> list:
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        try:
+            images.append(Image.open(path))
+        except OSError as exc:  # a missing file, or one PIL does not read as an image
+            raise ValueError(f"--image {path}: {exc}") from exc
+    return images
+
+
 def _diff(args) -> int:
     import torch
 
@@ -16,11 +28,12 @@ def _diff(args) -> int:
     input_ids = None
     if args.token_ids:
         input_ids = torch.tensor([[int(t) for t in args.token_ids.split(",")]])
+    images = _open_images(args.image or [])
     path = f"the runtime's prefill and {args.steps} decode steps" if args.runtime else "a cache-free forward"
     print(f"zoo diff: {model} ({args.dtype}, {args.device}, {path}) against HuggingFace transformers", flush=True)
     rows = diff_checkpoint(model, input_ids=input_ids, prompt=args.prompt, dtype=getattr(torch, args.dtype),
                            device=args.device, atol=args.atol, rtol=args.rtol,
-                           runtime_steps=args.steps if args.runtime else None)
+                           runtime_steps=args.steps if args.runtime else None, images=images)
     print(format_rows(rows))
     return 0 if all(r.ok for r in rows) else 1
 
@@ -38,18 +51,6 @@ def _sampling(args):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed)
-
-
-def _open_images(paths: list[str]) -> list:
-    from PIL import Image
-
-    images = []
-    for path in paths:
-        try:
-            images.append(Image.open(path))
-        except OSError as exc:  # a missing file, or one PIL does not read as an image
-            raise ValueError(f"--image {path}: {exc}") from exc
-    return images
 
 
 def _generate(args) -> int:
@@ -110,6 +111,9 @@ def main(argv=None) -> int:
                                               "(default: the embedded SmolLM2-135M-Instruct GGUF)")
     diff.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run through both models")
     diff.add_argument("--token-ids", help="comma-separated token ids to use instead of --prompt")
+    diff.add_argument("--image", action="append", metavar="PATH",
+                      help="an image for the prompt's <image> placeholders (put before the prompt where it has none); "
+                           "repeat for several")
     diff.add_argument("--dtype", choices=DTYPES, default="float32")
     diff.add_argument("--device", default="cpu")
     diff.add_argument("--atol", type=float, help="absolute tolerance (default by dtype)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loaders import load_tokenizer, resolve_source
+from loaders import load_config, load_processor, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 
@@ -45,7 +45,9 @@ def load_reference(path_or_repo_id, dtype: torch.dtype, device):
     import transformers
 
     source = resolve_source(path_or_repo_id)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    takes_images = getattr(load_config(source), "vision_config", None) is not None  # LLaVA's kind
+    auto_class = transformers.AutoModelForImageTextToText if takes_images else transformers.AutoModelForCausalLM
+    model = auto_class.from_pretrained(
         str(source.directory), gguf_file=source.gguf_file, dtype=dtype, trust_remote_code=False
     )
     return model.to(device).eval()
@@ -196,16 +198,35 @@ def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor
 
 
 def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtype=torch.float32, device="cpu",
-                    atol=None, rtol=None, runtime_steps: int | None = None) -> list[DiffRow]:
+                    atol=None, rtol=None, runtime_steps: int | None = None, images=None) -> list[DiffRow]:
     """Load zoo's and HuggingFace's model from one checkpoint and diff them layer by layer: one
-    cache-free forward, or with ``runtime_steps``, the runtime's prefill and that many decode steps."""
-    if input_ids is None:
+    cache-free forward, or with ``runtime_steps``, the runtime's prefill and that many decode steps.
+    ``images`` (PIL images, for LLaVA) go with ``prompt`` through the checkpoint's processor, in the
+    prompt's ``<image>`` placeholders, or before the prompt where it has none; the cache-free
+    forward takes them."""
+    image_inputs = {}
+    if images:
+        if input_ids is not None or runtime_steps is not None:
+            raise ValueError("images go with a prompt (not token ids) through the cache-free forward (not the runtime's)")
+        input_ids, image_inputs = process_images(path_or_repo_id, prompt, images)
+    elif input_ids is None:
         input_ids = tokenize(path_or_repo_id, prompt)
     model = AutoModelForCausalLM.from_pretrained(path_or_repo_id, dtype=dtype, device=device)
     reference = load_reference(path_or_repo_id, dtype, device)
     if runtime_steps is None:
-        return diff_models(model, reference, input_ids, atol=atol, rtol=rtol)
+        return diff_models(model, reference, input_ids, atol=atol, rtol=rtol, **image_inputs)
     return diff_runtime(model, reference, input_ids, runtime_steps, atol=atol, rtol=rtol)
+
+
+def process_images(path_or_repo_id, prompt: str, images: list) -> tuple[torch.Tensor, dict]:
+    """The input ids [1, T], placeholders expanded, and the image tensors of the prompt and images."""
+    processor = load_processor(path_or_repo_id)
+    if processor is None:
+        raise ValueError(f"{resolve_source(path_or_repo_id).path}: no image processor, so no images")
+    if processor.image_token not in prompt:
+        prompt = f"{processor.image_token}\n" * len(images) + prompt
+    batch = processor(text=prompt, images=images, return_tensors="pt")
+    return batch["input_ids"], {name: batch[name] for name in ("pixel_values", "image_sizes") if name in batch}
 
 
 def format_rows(rows: list[DiffRow]) -> str:

@@ -324,3 +324,30 @@ def test_zoo_generate_takes_images(llava, tmp_path, capsys):
     (tmp_path / "text.png").write_text("not an image")
     assert main([*command, "--image", str(tmp_path / "text.png"), PROMPT]) == 2
     assert f"--image {tmp_path / 'text.png'}: cannot identify image file" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_image_requests_on_cuda_generate_what_hf_generates(llava):
+    """Image steps run eagerly with the triton backend; the decode steps between them replay CUDA graphs."""
+    path, model, processor = llava
+    images = [image(21), image(22, 70, 25)]
+    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": img}} for img in images] + ["USER: hi ASSISTANT:"]
+    expected = [hf_generate(model, processor, PROMPT, [img]) for img in images]
+    expected.append(hf_generate(model, processor, "USER: hi ASSISTANT:", []))
+    for options in ({}, {"enforce_eager": True}, {"max_num_batched_tokens": 7}):
+        engine = LLM(str(path), dtype="float32", device="cuda", block_size=16, **options)
+        assert (engine.engine.runner.graphs is None) == bool(options.get("enforce_eager"))
+        assert token_ids(engine.generate(requests, GREEDY)) == expected, options
+
+
+def test_zoo_diff_takes_images(llava, tmp_path, capsys):
+    from runtime.cli import main
+
+    path, _, _ = llava
+    image(23).save(tmp_path / "image.png")
+    assert main(["diff", str(path), "--prompt", PROMPT, "--image", str(tmp_path / "image.png")]) == 0
+    table = capsys.readouterr().out
+    for row in ("model.vision_tower.encoder.layers.0 ", "model.multi_modal_projector ",
+                "model.language_model.layers.1 ", "logits "):
+        assert row in table
+    assert table.splitlines()[-1] == "all 22 modules within tolerance"
