@@ -57,21 +57,24 @@ def is_token_list(prompt) -> bool:
 
 
 def image_digest(index: int, image) -> bytes:
-    """A hash of the image's mode, size and pixels, after checking it is an image the processor takes."""
+    """A hash of all that makes the image's RGB pixels (mode, size, pixels, palette, transparent
+    colour), after checking it is an image the processor takes."""
     from PIL import Image
 
     if not isinstance(image, Image.Image):
         raise ValueError(f"image {index} is a {type(image).__name__}, not a PIL.Image.Image")
     try:
         image.load()
-    except (OSError, ValueError, SyntaxError) as exc:  # PIL's errors for damaged and truncated files
+    except Exception as exc:  # a damaged file fails in PIL's decoders with errors of many types
         raise ValueError(f"image {index} cannot be decoded: {exc}") from exc
     width, height = image.size
     if width == 0 or height == 0:
         raise ValueError(f"image {index} is empty ({width}x{height} pixels)")
     if image.mode not in IMAGE_MODES:
         raise ValueError(f"image {index} has mode {image.mode!r}; the modes taken are {', '.join(IMAGE_MODES)}")
-    digest = hashlib.blake2b(f"{image.mode} {width}x{height} ".encode(), digest_size=16)
+    digest = hashlib.blake2b(f"{image.mode} {width}x{height} {image.info.get('transparency')!r} ".encode(),
+                             digest_size=16)
+    digest.update(bytes(image.getpalette() or ()))
     digest.update(image.tobytes())
     return digest.digest()
 

@@ -259,6 +259,25 @@ def test_other_variants_generate_what_hf_generates(variant, tmp_path):
         hf_generate(model, processor, "USER: hi ASSISTANT:", [])]
 
 
+def test_block_keys_name_the_images_whose_tokens_a_range_holds():
+    from runtime.multimodal import ImageInputs
+
+    # Image a at prompt positions 2-4, image b at 5-6 and 9.
+    inputs = ImageInputs(torch.zeros(2, 3, 4, 4), None, [b"a", b"b"], np.array([2, 3, 4, 5, 6, 9]), np.array([3, 6]))
+    assert [inputs.digests_in(start, start + 4) for start in (0, 4, 8, 12)] == [(b"a",), (b"a", b"b"), (b"b",), ()]
+    assert inputs.feature_rows(4, 8) == (2, 5) and inputs.feature_rows(0, 2) == (0, 0)
+
+
+def test_image_digests_cover_what_makes_the_pixels():
+    from runtime.multimodal import image_digest
+
+    indexed = Image.fromarray(np.arange(12, dtype=np.uint8).reshape(3, 4)).convert("P")
+    repainted = indexed.copy()
+    repainted.putpalette([(7 * i) % 256 for i in range(768)])  # the same indices, other colours
+    assert image_digest(0, indexed) == image_digest(0, indexed.copy()) != image_digest(0, repainted)
+    assert image_digest(0, image(0)) != image_digest(0, image(0).convert("RGBA"))
+
+
 def truncated_png():
     buffer = io.BytesIO()
     image(16).save(buffer, "PNG")
