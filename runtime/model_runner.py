@@ -62,10 +62,8 @@ class ModelRunner:
                 continue
             if seq.image_features is None:  # also after a preemption that let them go
                 pixel_values = seq.images.pixel_values.to(self.device, self.dtype)
-                image_sizes = seq.images.image_sizes
-                if image_sizes is not None:
-                    image_sizes = image_sizes.to(self.device)
-                seq.image_features = torch.cat(self.model.encode_images(pixel_values, image_sizes))
+                # image_sizes stay on the host: they decide shapes (LLaVA-NeXT's tile grids)
+                seq.image_features = torch.cat(self.model.encode_images(pixel_values, seq.images.image_sizes))
                 if len(seq.image_features) != seq.images.num_tokens:
                     raise RuntimeError(f"request {seq.request_id}: the model encodes its images to "
                                        f"{len(seq.image_features)} feature rows, the processor gave them "
