@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's lo
 
 The variants are the tiny random checkpoints of tests/models/test_parity.py, those of tests/models/test_moe.py
 in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts), and those of
-tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2).
+tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2), and
+those of tests/models/test_llava.py (LLaVA 1.5 and LLaVA-NeXT, images of odd sizes through transformers' processors).
 """
 
 import sys
@@ -21,6 +22,9 @@ from models import AutoModelForCausalLM, architecture_of  # noqa: E402
 from runtime.diff import load_reference, tokenize  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
 from tests.models.test_deepseek_v3 import V2_VARIANTS, VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model  # noqa: E402
+from tests.models.test_llava import (  # noqa: E402
+    IMAGE_SIZES, NEXT_PROMPTS, NEXT_VARIANTS, VARIANTS as LLAVA_VARIANTS, hf_llava, inputs, tiny_tokenizer,
+)
 from tests.models.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, write_checkpoint  # noqa: E402
 from tests.models.test_parity import VARIANTS  # noqa: E402
 from tests.models.test_smollm2 import SENTENCE  # noqa: E402
@@ -56,6 +60,16 @@ def main():
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
         print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits),
               flush=True)
+    tokenizer = tiny_tokenizer()
+    llava = [(name, config, inputs(config, tokenizer)) for name, config in LLAVA_VARIANTS.items()]
+    llava += [(f"next-{name}", config, inputs(config, tokenizer, IMAGE_SIZES, NEXT_PROMPTS))
+              for name, config in NEXT_VARIANTS.items()]
+    for name, config, (image_input_ids, images) in llava:
+        reference = hf_llava(config)
+        with tempfile.TemporaryDirectory() as directory:
+            model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
+        print(row(f"llava-{name}", architecture_of(model.config), model(image_input_ids, **images),
+                  reference(input_ids=image_input_ids, **images).logits), flush=True)
     path = default_model_path()
     input_ids = tokenize(path, SENTENCE)
     model = AutoModelForCausalLM.from_pretrained(path)

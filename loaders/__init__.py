@@ -1,10 +1,10 @@
 """Checkpoint formats: HF safetensors directories (single or sharded, FP8 block-quantised ones
-dequantised on load), GGUF files, hub repo ids, state dicts in memory; their configs and
-tokenizers; the loader that fills a model built on the meta device from its declarations.
+dequantised on load), GGUF files, hub repo ids, state dicts in memory; their configs, tokenizers
+and processors; the loader that fills a model built on the meta device from its declarations.
 Nothing here imports ``models``."""
 
 from loaders.checkpoint import open_checkpoint, resolve_source
-from loaders.config import from_checkpoint, load_config, load_tokenizer
+from loaders.config import from_checkpoint, load_config, load_processor, load_tokenizer
 from loaders.default_model import default_model_path
 from loaders.in_memory import copy_weights
 from loaders.load import load_weights
@@ -12,5 +12,6 @@ from loaders.types import CheckpointError, NonFiniteWeightWarning, Source, Tenso
 
 __all__ = [
     "CheckpointError", "NonFiniteWeightWarning", "Source", "TensorRef", "copy_weights", "default_model_path",
-    "from_checkpoint", "load_config", "load_tokenizer", "load_weights", "open_checkpoint", "resolve_source",
+    "from_checkpoint", "load_config", "load_processor", "load_tokenizer", "load_weights", "open_checkpoint",
+    "resolve_source",
 ]

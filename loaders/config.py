@@ -100,6 +100,26 @@ def _tokenizer_declaration(source: Source) -> str | None:
     return None
 
 
+def load_processor(path_or_repo_id):
+    """transformers' processor of a checkpoint whose model takes images (its image processor, the
+    tokenizer and the chat template); None for a checkpoint without an image processor (no
+    ``preprocessor_config.json``). One that the checkpoint declares but that cannot be built is a
+    CheckpointError naming the file and the cause."""
+    import transformers
+
+    source = resolve_source(path_or_repo_id)
+    declared = source.directory / "preprocessor_config.json"
+    if source.gguf_file is not None or not declared.exists():
+        return None
+    try:
+        processor = from_checkpoint(transformers.AutoProcessor, source)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{declared}: the checkpoint's processor cannot be built: {exc}") from exc
+    return processor if hasattr(processor, "image_processor") else None
+
+
 def _gguf_tokenizer_class(source: Source):
     """The class AutoTokenizer picks for a GGUF file zoo's reader takes, with no tokenizer_config.json
     beside it: the one transformers registers for the config's type. AutoTokenizer builds that config

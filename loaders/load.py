@@ -53,8 +53,10 @@ def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...
     A layout is a tuple of shards that tiles the parameter: by default the one tensor of the
     parameter's own name; a module's ``checkpoint_shards`` declares fused parameters (a list of
     shards) or several alternative layouts (``OneOf``). Each layout is also accepted in the
-    spelling of the model's ``checkpoint_aliases`` (regex rewrites of tensor names, applied in
-    order). A parameter shared by two modules (tied embeddings) is declared once, by its first owner."""
+    spellings of the model's ``checkpoint_aliases`` (regex rewrites of tensor names, applied in
+    order): the spelling after each rewrite, so that a chain of rewrites names several layouts
+    (LLaVA's module tree, the layout transformers saves, the hub's). A parameter shared by two
+    modules (tied embeddings) is declared once, by its first owner."""
     aliases = [(re.compile(pattern), replacement) for pattern, replacement in getattr(model, "checkpoint_aliases", ())]
     layouts: dict[str, tuple[tuple[Shard, ...], ...]] = {}
     owners: set[int] = set()
@@ -70,17 +72,15 @@ def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...
             for layout in options:
                 covered = sum(param[shard.index].numel() for shard in layout)
                 assert covered == param.numel(), f"{name}: declared shards cover {covered} of {param.numel()} elements"
-            if aliases:
-                spelled = [tuple(Shard(_respell(s.name, aliases), s.index) for s in layout) for layout in options]
-                options += [layout for layout in spelled if layout not in options]
+            for layout in list(options):
+                names = [shard.name for shard in layout]
+                for pattern, replacement in aliases:
+                    names = [pattern.sub(replacement, n) for n in names]
+                    spelled = tuple(Shard(n, shard.index) for n, shard in zip(names, layout))
+                    if spelled not in options:
+                        options.append(spelled)
             layouts[name] = tuple(options)
     return layouts
-
-
-def _respell(name: str, aliases) -> str:
-    for pattern, replacement in aliases:
-        name = pattern.sub(replacement, name)
-    return name
 
 
 def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple]], list[str]]:

@@ -119,14 +119,26 @@ class DecoderModel(nn.Module):
         self.norm = decoder_layer.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim(config))
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, metadata: AttentionMetadata, inputs_embeds=None) -> torch.Tensor:
+        """Final hidden states of the tokens ``input_ids``, or of the embeddings ``inputs_embeds``
+        given instead (LLaVA's, holding image features at its image tokens)."""
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         position_embeddings = self.rotary_emb(positions)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, position_embeddings, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+def check_batch(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """What a cache-free forward ``model(input_ids[B, T])`` takes: a non-empty [B, T] batch of ids in the vocabulary."""
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch, seq_len] tensor, got shape {tuple(input_ids.shape)}")
+    if input_ids.min() < 0 or input_ids.max() >= vocab_size:
+        raise ValueError(
+            f"input_ids hold ids outside [0, {vocab_size}): min {int(input_ids.min())}, max {int(input_ids.max())}"
+        )
 
 
 class CausalLM(nn.Module):
@@ -184,13 +196,7 @@ class CausalLM(nn.Module):
         return logits
 
     def _batched_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.dim() != 2 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty [batch, seq_len] tensor, got shape {tuple(input_ids.shape)}")
-        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-            raise ValueError(
-                f"input_ids hold ids outside [0, {self.config.vocab_size}): "
-                f"min {int(input_ids.min())}, max {int(input_ids.max())}"
-            )
+        check_batch(input_ids, self.config.vocab_size)
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).repeat(batch)
         metadata = AttentionMetadata.causal_prefill(batch, length)

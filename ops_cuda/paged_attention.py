@@ -30,12 +30,13 @@ def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: 
     return mask
 
 
-def attend(q, k, v, mask, scale, softcap=0.0):
+def attend(q, k, v, mask, scale, softcap=0.0, causal=True):
     """Softmax attention in heads-first layout: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], mask bool
-    [B or 1, 1 or Hq, Tq, Tk] (True = attend) or None (causal, aligned at the first key)."""
+    [B or 1, 1 or Hq, Tq, Tk] (True = attend) or None: causal, aligned at the first key, or every
+    query sees every key where not ``causal`` (a vision encoder's attention)."""
     grouped = q.shape[1] != k.shape[1]
     if not softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale,
                                               enable_gqa=grouped)
     # SDPA has no hook for the scores: HuggingFace's eager attention, step by step.
     if grouped:
@@ -43,15 +44,17 @@ def attend(q, k, v, mask, scale, softcap=0.0):
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    if mask is None:
+    if mask is None and causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
-def sdpa(q, k, v, mask, scale, softcap=0.0):
-    # q: [B, Tq, Hq, D], k/v: [B, Tk, Hkv, D], mask: [B or 1, 1, Tq, Tk] or None (plain causal)
-    return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, softcap).transpose(1, 2)
+def sdpa(q, k, v, mask, scale, softcap=0.0, causal=True):
+    # q: [B, Tq, Hq, D], k/v: [B, Tk, Hkv, D], mask: [B or 1, 1, Tq, Tk] or None (causal, or none where not causal)
+    return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, softcap,
+                  causal).transpose(1, 2)
 
 
 def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Allocation of KV-cache blocks, with reference counts and prefix caching.
 
-A full block is keyed by the tokens it holds and the key of the block before it (a chain), so
-two prompts that share their leading blocks share those blocks' keys and values. Freed blocks
-keep their content and key until they are reused, least recently freed first.
+A full block is keyed by the tokens it holds, the digests of the images whose tokens it holds,
+and the key of the block before it (a chain), so two prompts that share their leading blocks
+(images included) share those blocks' keys and values. Freed blocks keep their content and key
+until they are reused, least recently freed first.
 
 Each sequence that holds blocks also has a row of ``block_tables``, its block table as the model
 reads it (zero-padded), written here whenever it gains blocks: a step's tables are a gather of
@@ -40,8 +41,9 @@ class BlockManager:
 
     def _block_key(self, seq: Sequence, index: int) -> tuple:
         parent = seq.block_hashes[index - 1] if index else None
-        start = index * self.block_size
-        return parent, tuple(seq.token_ids[start : start + self.block_size])
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        images = seq.images.digests_in(start, end) if seq.images is not None else ()
+        return parent, tuple(seq.token_ids[start:end]), images
 
     def _take_free_block(self) -> int:
         block, _ = self.free.popitem(last=False)

@@ -28,6 +28,18 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def _open_images(paths: list[str]) -> list:
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        try:
+            images.append(Image.open(path))
+        except OSError as exc:  # a missing file, or one PIL does not read as an image
+            raise ValueError(f"--image {path}: {exc}") from exc
+    return images
+
+
 def _diff(args) -> int:
     import torch
 
@@ -36,11 +48,12 @@ def _diff(args) -> int:
 
     model = args.model or str(default_model_path())
     input_ids = torch.tensor([args.token_ids]) if args.token_ids else None
+    images = _open_images(args.image or [])
     path = f"the runtime's prefill and {args.steps} decode steps" if args.runtime else "a cache-free forward"
     print(f"zoo diff: {model} ({args.dtype}, {args.device}, {path}) against HuggingFace transformers", flush=True)
     rows = diff_checkpoint(model, input_ids=input_ids, prompt=args.prompt, dtype=getattr(torch, args.dtype),
                            device=args.device, atol=args.atol, rtol=args.rtol,
-                           runtime_steps=args.steps if args.runtime else None)
+                           runtime_steps=args.steps if args.runtime else None, images=images)
     print(format_rows(rows))
     return 0 if all(r.ok for r in rows) else 1
 
@@ -68,11 +81,15 @@ def _generate(args) -> int:
 
     if bool(args.prompt) == bool(args.token_ids):
         raise ValueError("give either PROMPT text or --token-ids, not both and not neither")
+    if args.image and len(args.prompt) != 1:
+        raise ValueError("--image goes with one PROMPT, whose <image> placeholders take the images in order")
+    images = _open_images(args.image or [])  # a bad image is reported before the model loads
     params = _sampling(args)
     llm = _load_llm(args)
     if args.prompt and llm.tokenizer is None:
         raise ValueError(f"{args.model or 'the model'} has no tokenizer: give the prompt as --token-ids 1,2,3")
     prompts = args.prompt or [args.token_ids]
+    requests = [{"prompt": prompts[0], "multi_modal_data": {"image": images}}] if images else prompts
     texts, ids, errors = [""] * len(prompts), [[] for _ in prompts], [None] * len(prompts)
     finished = [False] * len(prompts)
     single = len(prompts) == 1
@@ -80,7 +97,7 @@ def _generate(args) -> int:
         print(prompts[0] if args.prompt else ",".join(map(str, prompts[0])) + " ->", end="", flush=True)
     start = time.perf_counter()
     try:
-        for delta in llm.stream(prompts, params):
+        for delta in llm.stream(requests, params):
             i = delta.index
             texts[i] += delta.text
             ids[i] += delta.token_ids
@@ -196,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--token-ids", type=token_ids,
                           help="a prompt as comma-separated token ids instead of text (for checkpoints without a "
                                "tokenizer); prints the generated ids (default: none)")
+    generate.add_argument("--image", action="append", metavar="PATH",
+                          help="an image for the prompt's <image> placeholders, in order; repeat for several "
+                               "(default: none)")
     _add_sampling_flags(generate, max_tokens=64, temperature=0.0)
     generate.set_defaults(run=_generate)
 
@@ -214,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run through both models")
     diff.add_argument("--token-ids", type=token_ids,
                       help="comma-separated token ids to use instead of --prompt (default: none)")
+    diff.add_argument("--image", action="append", metavar="PATH",
+                      help="an image for the prompt's <image> placeholders (put before the prompt where it has none); "
+                           "repeat for several (default: none)")
     diff.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of both models")
     diff.add_argument("--device", default="cpu", help="device of both models")
     diff.add_argument("--atol", type=float, help="absolute tolerance (default by dtype)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loaders import from_checkpoint, load_tokenizer, resolve_source
+from loaders import from_checkpoint, load_config, load_processor, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 
@@ -44,7 +44,10 @@ def load_reference(path_or_repo_id, dtype: torch.dtype, device):
     """HuggingFace transformers' model of the same checkpoint (never with remote code)."""
     import transformers
 
-    model = from_checkpoint(transformers.AutoModelForCausalLM, resolve_source(path_or_repo_id), dtype=dtype)
+    source = resolve_source(path_or_repo_id)
+    takes_images = getattr(load_config(source), "vision_config", None) is not None  # LLaVA's kind
+    auto_class = transformers.AutoModelForImageTextToText if takes_images else transformers.AutoModelForCausalLM
+    model = from_checkpoint(auto_class, source, dtype=dtype)
     return model.to(device).eval()
 
 
@@ -56,15 +59,29 @@ def tokenize(path_or_repo_id, prompt: str) -> torch.Tensor:
 
 
 def compared_paths(model: nn.Module, reference: nn.Module) -> list[str]:
-    """Block-level module paths present on both sides, then the returned logits."""
+    """Block-level module paths present on both sides, then the returned logits: a LLaVA model's
+    vision tower (embeddings, pre-norm, each encoder layer and its children) and projector, then
+    the decoder (``model`` or LLaVA's ``model.language_model``): embeddings, each layer and its
+    children, final norm; the LM head."""
     ours = dict(model.named_modules())
     theirs = dict(reference.named_modules())
-    paths = ["model.embed_tokens"]
-    for i, layer in enumerate(model.model.layers):
-        paths += [f"model.layers.{i}.{child}" for child, _ in layer.named_children()]
-        paths.append(f"model.layers.{i}")
-    paths += ["model.norm", "lm_head"]
+    paths = []
+    tower = "model.vision_tower"
+    if tower in ours:
+        paths += [f"{tower}.embeddings", f"{tower}.pre_layrnorm"]
+        paths += block_paths(f"{tower}.encoder.layers", ours)
+        paths.append("model.multi_modal_projector")
+    decoder = "model.language_model" if "model.language_model" in ours else "model"
+    paths += [f"{decoder}.embed_tokens", *block_paths(f"{decoder}.layers", ours), f"{decoder}.norm", "lm_head"]
     return [p for p in paths if p in ours and p in theirs] + [LOGITS]
+
+
+def block_paths(stack: str, modules: dict[str, nn.Module]) -> list[str]:
+    """Each layer of the ModuleList at ``stack``: its children, then the layer itself."""
+    paths = []
+    for i, layer in enumerate(modules[stack]):
+        paths += [f"{stack}.{i}.{child}" for child, _ in layer.named_children()] + [f"{stack}.{i}"]
+    return paths
 
 
 def _capture(model: nn.Module, paths: list[str], steps: list[dict], hf_view: bool):
@@ -110,15 +127,23 @@ def _compare(ours: dict, theirs: dict, atol: float, rtol: float, label: str = ""
 
 
 @torch.no_grad()
-def diff_models(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor, atol=None, rtol=None) -> list[DiffRow]:
-    """Run ``input_ids`` [B, T] through both models and compare each hooked module's output."""
+def diff_models(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor, atol=None, rtol=None,
+                **image_inputs) -> list[DiffRow]:
+    """Run ``input_ids`` [B, T] through both models and compare each hooked module's output.
+    ``image_inputs``: the images a LLaVA model takes with them (``pixel_values``, ``image_sizes``)."""
     atol, rtol = _tolerances(model, atol, rtol)
     paths = compared_paths(model, reference)
     ours, theirs = [], []
     handles = _capture(model, paths, ours, hf_view=False) + _capture(reference, paths, theirs, hf_view=True)
+
+    def on_device_of(module):
+        device = next(module.parameters()).device
+        return {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                for name, value in dict(image_inputs, input_ids=input_ids).items()}
+
     try:
-        model(input_ids.to(next(model.parameters()).device))
-        reference(input_ids=input_ids.to(next(reference.parameters()).device), use_cache=False)
+        model(**on_device_of(model))
+        reference(**on_device_of(reference), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -171,16 +196,35 @@ def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor
 
 
 def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtype=torch.float32, device="cpu",
-                    atol=None, rtol=None, runtime_steps: int | None = None) -> list[DiffRow]:
+                    atol=None, rtol=None, runtime_steps: int | None = None, images=None) -> list[DiffRow]:
     """Load zoo's and HuggingFace's model from one checkpoint and diff them layer by layer: one
-    cache-free forward, or with ``runtime_steps``, the runtime's prefill and that many decode steps."""
-    if input_ids is None:
+    cache-free forward, or with ``runtime_steps``, the runtime's prefill and that many decode steps.
+    ``images`` (PIL images, for LLaVA) go with ``prompt`` through the checkpoint's processor, in the
+    prompt's ``<image>`` placeholders, or before the prompt where it has none; the cache-free
+    forward takes them."""
+    image_inputs = {}
+    if images:
+        if input_ids is not None or runtime_steps is not None:
+            raise ValueError("images go with a prompt (not token ids) through the cache-free forward (not the runtime's)")
+        input_ids, image_inputs = process_images(path_or_repo_id, prompt, images)
+    elif input_ids is None:
         input_ids = tokenize(path_or_repo_id, prompt)
     model = AutoModelForCausalLM.from_pretrained(path_or_repo_id, dtype=dtype, device=device)
     reference = load_reference(path_or_repo_id, dtype, device)
     if runtime_steps is None:
-        return diff_models(model, reference, input_ids, atol=atol, rtol=rtol)
+        return diff_models(model, reference, input_ids, atol=atol, rtol=rtol, **image_inputs)
     return diff_runtime(model, reference, input_ids, runtime_steps, atol=atol, rtol=rtol)
+
+
+def process_images(path_or_repo_id, prompt: str, images: list) -> tuple[torch.Tensor, dict]:
+    """The input ids [1, T], placeholders expanded, and the image tensors of the prompt and images."""
+    processor = load_processor(path_or_repo_id)
+    if processor is None:
+        raise ValueError(f"{resolve_source(path_or_repo_id).path}: no image processor, so no images")
+    if processor.image_token not in prompt:
+        prompt = f"{processor.image_token}\n" * len(images) + prompt
+    batch = processor(text=prompt, images=images, return_tensors="pt")
+    return batch["input_ids"], {name: batch[name] for name in ("pixel_values", "image_sizes") if name in batch}
 
 
 def format_rows(rows: list[DiffRow]) -> str:

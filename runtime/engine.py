@@ -8,9 +8,10 @@ from runtime.compiled_decode import check_compilable
 from runtime.config import EngineConfig
 from runtime.kv_cache import KVCache, blocks_for_budget
 from runtime.model_runner import ModelRunner
+from runtime.multimodal import ImageInputs, ImagePreprocessor, split_prompt
 from runtime.run_ahead import LaunchedStep, RunAhead
 from runtime.sampler import sample_tokens
-from runtime.sampling_params import SamplingParams, is_integer
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence, Status
 
@@ -35,12 +36,18 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, generation_eos: list[int], config: EngineConfig):
-        """``config``: the engine's options, resolved here against the model's limits."""
-        self.config = config = config.resolved(model.config.max_position_embeddings)
+    def __init__(self, model, tokenizer, generation_eos: list[int], config: EngineConfig, processor=None):
+        """``config``: the engine's options, resolved here against the model's limits. ``processor``:
+        transformers' processor of a model that takes images (``loaders.load_processor``)."""
+        text_config = model.config.get_text_config()  # a model that takes images: its language model's
+        self.config = config = config.resolved(text_config.max_position_embeddings)
         self.tokenizer = tokenizer
+        self.architecture = type(model).__name__
+        self.image_token_id = getattr(model.config, "image_token_id", None)
+        self.images = (ImagePreprocessor(processor, self.image_token_id)
+                       if processor is not None and self.image_token_id is not None else None)
         self.eos_token_ids = set(generation_eos)
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = text_config.vocab_size
         device = next(model.parameters()).device
         backend = select_backend(config.attention_backend, device, score_modifiers_used(model))
         # A model runs in one engine at a time: the cache an earlier engine bound to it goes, or
@@ -68,15 +75,16 @@ class Engine:
 
     def add_request(self, request_id: int, prompt, params: SamplingParams) -> RequestOutput:
         """Queue one request. A bad one gets a finished output with the error, and nothing else changes."""
-        text = prompt if isinstance(prompt, str) else None
-        output = RequestOutput(request_id, text, [])
+        output = RequestOutput(request_id, None, [])
         try:
-            output.prompt_token_ids = self._prompt_ids(prompt)
+            text, token_ids, images = split_prompt(prompt)
+            output.prompt = text
+            output.prompt_token_ids, image_inputs = self._prompt_ids(text, token_ids, images)
             self._validate(output.prompt_token_ids, params)
         except ValueError as exc:
             output.finish_reason, output.error = "error", f"request {request_id}: {exc}"
             return output
-        seq = Sequence(request_id, output.prompt_token_ids, params)
+        seq = Sequence(request_id, output.prompt_token_ids, params, image_inputs)
         seq.seed_generator(self.runner.device)
         output.token_ids, output.logprobs = seq.output_token_ids, seq.logprobs
         self.outputs[request_id] = output
@@ -94,14 +102,22 @@ class Engine:
                 seq.finish("abort")
                 del self.outputs[request_id]
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("the model has no tokenizer: pass token ids instead of text")
-            return self.tokenizer(prompt).input_ids
-        if not isinstance(prompt, (list, tuple)) or not all(is_integer(t) for t in prompt):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        return [int(t) for t in prompt]
+    def _prompt_ids(self, text: str | None, token_ids: list[int] | None,
+                    images: list) -> tuple[list[int], ImageInputs | None]:
+        """The prompt's token ids, image placeholders expanded, and its images' inputs (None without images)."""
+        if text is not None and self.tokenizer is None:
+            raise ValueError("the model has no tokenizer: pass token ids instead of text")
+        if images:
+            if self.image_token_id is None:
+                raise ValueError(f"multi_modal_data is given, but {self.architecture} takes no images")
+            if self.images is None:
+                raise ValueError("multi_modal_data is given, but the checkpoint has no image processor")
+            return self.images(text, token_ids, images)
+        ids = token_ids if text is None else self.tokenizer(text).input_ids
+        if self.image_token_id is not None and self.image_token_id in ids:
+            raise ValueError(f"the prompt has {ids.count(self.image_token_id)} image placeholders and no image "
+                             f"is given (multi_modal_data)")
+        return ids, None
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -10,8 +10,8 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from loaders import Source, from_checkpoint, load_tokenizer, resolve_source
-from models import AutoModelForCausalLM, CausalLM
+from loaders import Source, from_checkpoint, load_processor, load_tokenizer, resolve_source
+from models import AutoModelForCausalLM
 from models.auto import model_device
 from runtime.config import EngineConfig
 from runtime.engine import Engine, RequestOutput
@@ -45,7 +45,9 @@ class LLM:
     """Load a model and generate with continuous batching over a paged KV cache.
 
     ``model``: a checkpoint directory, ``.gguf`` file or hub repo id, or a zoo model already
-    built (then without a tokenizer unless one is given; ``dtype``/``device`` are the model's).
+    built (then without a tokenizer or processor unless one is given; ``dtype``/``device`` are the
+    model's). A model that takes images (LLaVA) preprocesses them with the checkpoint's
+    ``processor`` (transformers' ``AutoProcessor``).
     ``dtype``: "auto" (the default) is the checkpoint's dtype on CUDA and float32 on the CPU.
     ``device``: CUDA when there is one, else the CPU. The engine's options (``EngineConfig``) are
     keywords, ``LLM(path, max_num_seqs=8)``, or a ``config``, and are checked before the model
@@ -60,22 +62,25 @@ class LLM:
     stream) runs raises a RuntimeError at once. Use one ``LLM`` per thread, or ``zoo serve``.
     """
 
-    def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, config: EngineConfig | None = None,
-                 mmap: bool = True, **options):
+    def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, processor=None,
+                 config: EngineConfig | None = None, mmap: bool = True, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
-        if isinstance(model, CausalLM):
-            self.model, self.tokenizer, checkpoint = model, tokenizer, None
+        if isinstance(model, torch.nn.Module):
+            self.model, self.tokenizer, self.processor, checkpoint = model, tokenizer, processor, None
         else:
             device = model_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             if dtype == "auto" and device.type == "cpu":
                 dtype = torch.float32
             self.tokenizer = tokenizer or load_tokenizer(model)  # a damaged tokenizer fails before the weights load
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device, mmap=mmap)
+            takes_images = getattr(self.model.config, "image_token_id", None) is not None
+            self.processor = processor or (load_processor(model) if takes_images else None)
             checkpoint = model
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
         with torch.inference_mode(False):
-            self.engine = Engine(self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), config)
+            self.engine = Engine(self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), config,
+                                 self.processor)
         self._next_id = 0
         self._owner: int | None = None  # the thread whose call is running
         self._owner_lock = threading.Lock()
@@ -97,7 +102,7 @@ class LLM:
                 self._owner = None
 
     def _add_requests(self, prompts, sampling_params) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -110,7 +115,9 @@ class LLM:
         return outputs
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts (strings or token-id lists) -> finished outputs, in input order."""
+        """Prompts -> finished outputs, in input order. A prompt is a string, a list of token ids, or
+        a dict of vLLM's shape: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, with images in
+        ``"multi_modal_data": {"image": img or [img, ...]}`` (``runtime.multimodal``)."""
         with self._one_thread():
             outputs = self._add_requests(prompts, sampling_params)
             done = sum(o.finished for o in outputs)
@@ -164,16 +171,24 @@ class LLM:
                     sent_tokens[rid], sent_text[rid] = len(output.token_ids), len(text)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
+        """One conversation (a list of {"role", "content"} dicts) or a list of them. A content is a
+        string or a list of OpenAI-style parts, ``{"type": "text", "text": ...}`` and, for a model
+        that takes images, ``{"type": "image", "image": img}``, rendered by the processor's chat
+        template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt(self, conversation: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def chat_prompt(self, conversation: list[dict]) -> list[int] | dict:
+        """The conversation's prompt: its token ids, or with images a ``prompt_token_ids`` dict."""
+        images = [part["image"] for message in conversation if isinstance(message.get("content"), list)
+                  for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
+        renderer = self.processor if self.processor is not None else self.tokenizer
+        if renderer is None or not getattr(renderer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = renderer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
 
 
 def settled_text(text: str, stops: list[str]) -> str:

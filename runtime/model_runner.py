@@ -1,4 +1,5 @@
-"""Runs the model on a scheduled step: eagerly, as a replayed CUDA graph, or compiled on the CPU."""
+"""Runs the model on a scheduled step: eagerly, as a replayed CUDA graph, or compiled on the CPU.
+A step that holds image tokens runs eagerly, with their rows of the images' features."""
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ class ModelRunner:
         self.block_tables = block_tables
         self.run_ahead = run_ahead
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         if self.device.type == "cpu" and not compile_decode:  # a compiled graph packs its own weights
             pack_for_cpu_decode(model)
         max_num_seqs, table_width = block_tables.shape
@@ -35,10 +37,38 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [len(sampled), vocab], in the model's dtype, for the sequences that sample this step."""
         step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size, self.run_ahead)
-        if self.graphs is not None and step.decode_only and self.graphs.fits(len(step.input_ids)):
+        image_embeds = self.image_embeds(scheduled)
+        # A one-token prompt chunk counts as a decode: a decode-only step may hold an image token.
+        plain_decode = step.decode_only and image_embeds is None
+        if self.graphs is not None and plain_decode and self.graphs.fits(len(step.input_ids)):
             return self.graphs.run(step), step.sampled
-        if self.compiled is not None and step.decode_only and self.compiled.fits(len(step.input_ids)):
+        if self.compiled is not None and plain_decode and self.compiled.fits(len(step.input_ids)):
             return self.compiled.run(step), step.sampled
         input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device, self.staging)
         input_ids = self.run_ahead.fill_pending(input_ids, sources)
-        return self.model(input_ids, positions, metadata, logits_indices=logits_rows), step.sampled
+        images = {} if image_embeds is None else {"image_embeds": image_embeds}
+        return self.model(input_ids, positions, metadata, logits_indices=logits_rows, **images), step.sampled
+
+    def image_embeds(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor | None:
+        """The features of the image tokens the step computes, in the order of the flat stream (None
+        when it computes none). A request's images are encoded at the step that computes its first
+        image token, and their features let go at the step that computes its last."""
+        rows = []
+        for seq, count in scheduled:
+            if seq.images is None:
+                continue
+            first, last = seq.images.feature_rows(seq.num_computed_tokens, seq.num_computed_tokens + count)
+            if first == last:
+                continue
+            if seq.image_features is None:  # also after a preemption that let them go
+                pixel_values = seq.images.pixel_values.to(self.device, self.dtype)
+                # image_sizes stay on the host: they decide shapes (LLaVA-NeXT's tile grids)
+                seq.image_features = torch.cat(self.model.encode_images(pixel_values, seq.images.image_sizes))
+                if len(seq.image_features) != seq.images.num_tokens:
+                    raise RuntimeError(f"request {seq.request_id}: the model encodes its images to "
+                                       f"{len(seq.image_features)} feature rows, the processor gave them "
+                                       f"{seq.images.num_tokens} image tokens")
+            rows.append(seq.image_features[first:last])
+            if last == seq.images.num_tokens:
+                seq.image_features = None
+        return torch.cat(rows) if rows else None

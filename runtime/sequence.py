@@ -4,6 +4,7 @@ import enum
 
 import torch
 
+from runtime.multimodal import ImageInputs
 from runtime.sampling_params import SamplingParams
 
 
@@ -18,11 +19,17 @@ class Sequence:
 
     A sampled token enters ``token_ids`` before the host has it: ``runtime.run_ahead`` marks it
     pending there, and fills it in and adds it to the output once it arrives.
+
+    A request with images holds their inputs (``images``), and their features from the step that
+    computes its first image token until the step that computes its last (``image_features``).
     """
 
-    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                 images: ImageInputs | None = None):
         self.request_id = request_id
         self.params = params
+        self.images = images
+        self.image_features: torch.Tensor | None = None  # [images.num_tokens, hidden] while needed
         self.token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []  # the resolved generated ids; the request's output shares this list
         self.num_pending = 0  # trailing entries of token_ids still on their way from the device
