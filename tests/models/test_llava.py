@@ -309,3 +309,21 @@ def test_unsupported_vision_tower_is_named():
                                                                         num_hidden_layers=1, num_attention_heads=4))
     with torch.device("meta"), pytest.raises(ValueError, match="vision_config.model_type 'siglip_vision_model'"):
         model_class_for(config)(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llava", "llava-next"])
+def test_float32_on_cuda_matches_huggingface(kind, tokenizer):
+    """The vision tower and the decoder through zoo's CUDA ops (Triton norms, fused q/k/v, SDPA
+    without the causal mask) against HF on the same GPU; cuBLAS sums in other orders than the
+    CPU's, so the bar is 1e-4."""
+    config = llava_config(next_pinpoints=PINPOINTS["large"] if kind == "llava-next" else None)
+    reference = hf_llava(config).cuda()
+    model = AutoModelForCausalLM.from_hf(reference)
+    prompts = ["w1 <image> w2", "w3 <image> w4 <image>"]
+    input_ids, images_in = inputs(config, tokenizer, IMAGE_SIZES[2:], prompts)
+    input_ids, images_in = input_ids.cuda(), {k: v.cuda() for k, v in images_in.items()}
+    with torch.no_grad():
+        ours, theirs = model(input_ids, **images_in), reference(input_ids=input_ids, **images_in).logits
+    assert relative_error(ours, theirs) <= 1e-4
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
