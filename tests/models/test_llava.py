@@ -3,6 +3,8 @@ sizes through transformers' image processors and processors, every tensor layout
 loads; what the runtime uses (encode_images, the flat forward with image_embeds, over a paged KV
 cache in chunks that split an image); and the layer-by-layer diff through the vision tower."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from layers import AttentionMetadata
 from layers.attention import select_backend
 from layers.vision import select_best_resolution
 from models import AutoModelForCausalLM, model_class_for
-from models.modeling_llava import image_token_id
+from models.modeling_llava import image_token_id, under_language_model
 from runtime.diff import diff_models
 from tests.conftest import INIT_STD, relative_error, tiny_config
 
@@ -260,6 +262,15 @@ def test_runtime_api_is_the_text_model_s(tokenizer):
     model.unbind_kv_cache(pools)
     assert model.bound_kv_cache is None
     assert model.image_token_id == config.image_token_id == IMAGE_TOKEN
+
+
+def test_the_text_model_s_ignored_tensors_are_found_under_llava_s_prefixes():
+    mtp = re.compile(under_language_model(r"^model\.layers\.(3)\."))  # DeepSeek-V3's MTP layer past 3 layers
+    assert mtp.search("model.language_model.layers.3.mlp.gate.weight")
+    assert mtp.search("language_model.model.layers.3.eh_proj.weight")
+    assert not mtp.search("model.language_model.layers.13.mlp.gate.weight")
+    assert not mtp.search("model.vision_tower.encoder.layers.3.mlp.fc1.weight")
+    assert under_language_model(r"\.rotary_emb\.inv_freq$") == r"\.rotary_emb\.inv_freq$"
 
 
 def test_image_token_id_of_older_configs():
