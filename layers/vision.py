@@ -6,7 +6,8 @@ anyres packing, with HuggingFace's module names:
                   post_layernorm}
     multi_modal_projector.{linear_1, linear_2}
 
-The encoder is built from a ``CLIPVisionConfig``. Its attention is full (every patch sees every
+The encoder is built from a ``CLIPVisionConfig``. Its q/k/v projections run as one fused linear
+(``self_attn.qkv_proj``, filled from HF's three); its attention is full (every patch sees every
 patch), through the same SDPA call as the decoders' cache-free attention.
 """
 
@@ -40,7 +41,6 @@ class CLIPVisionEmbeddings(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.image_size = config.image_size
-        self.patch_size = config.patch_size
         num_positions = (config.image_size // config.patch_size) ** 2 + 1
         self.class_embedding = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
         self.patch_embedding = nn.Conv2d(
@@ -116,7 +116,6 @@ class CLIPVisionTower(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.patch_size = config.patch_size
         self.embeddings = CLIPVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.encoder = CLIPEncoder(config)

@@ -35,8 +35,14 @@ LAYOUT_ALIASES = (
     (r"^vision_tower\.", "vision_tower.vision_model."),
 )
 
-# The text model's own tensor names start with ``model.``; under LLaVA that part is one of these.
-TEXT_MODEL_PREFIXES = r"^(?:model\.language_model|language_model\.model)\."
+
+def under_language_model(pattern: str) -> str:
+    """A regex of the text model's tensor names, anchored at its ``model.``, for the same tensors
+    under LLaVA: ``model.language_model.`` (the module tree) or ``language_model.model.`` (saved, hub)."""
+    anchor = r"^model\."
+    if not pattern.startswith(anchor):
+        return pattern
+    return r"^(?:model\.language_model|language_model\.model)\." + pattern.removeprefix(anchor)
 
 
 def image_token_id(config) -> int:
@@ -98,7 +104,7 @@ class LlavaForConditionalGeneration(nn.Module):
         # and ``lm_head``: in a tuple, so that its modules stay registered under LLaVA's paths alone.
         self.text = (text,)
         self.checkpoint_aliases = LAYOUT_ALIASES + tuple(text.checkpoint_aliases)
-        ignored = [p.replace(r"^model\.", TEXT_MODEL_PREFIXES, 1) for p in text.ignored_checkpoint_keys]
+        ignored = [under_language_model(pattern) for pattern in text.ignored_checkpoint_keys]
         ignored.append(r"\.embeddings\.position_ids$")  # CLIP's position index buffer, in older checkpoints
         if text.lm_head.weight is text.model.embed_tokens.weight:
             ignored.append(r"^language_model\.lm_head\.weight$")  # the tied head's copy, hub layout

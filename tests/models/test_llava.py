@@ -3,6 +3,8 @@ sizes through transformers' image processors and processors, every tensor layout
 loads; what the runtime uses (encode_images, the flat forward with image_embeds, over a paged KV
 cache in chunks that split an image); and the layer-by-layer diff through the vision tower."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from layers import AttentionMetadata
 from layers.attention import select_backend
 from layers.vision import select_best_resolution
 from models import AutoModelForCausalLM, model_class_for
-from models.modeling_llava import image_token_id
+from models.modeling_llava import image_token_id, under_language_model
 from runtime.diff import diff_models
 from tests.conftest import INIT_STD, relative_error, tiny_config
 
@@ -262,6 +264,15 @@ def test_runtime_api_is_the_text_model_s(tokenizer):
     assert model.image_token_id == config.image_token_id == IMAGE_TOKEN
 
 
+def test_the_text_model_s_ignored_tensors_are_found_under_llava_s_prefixes():
+    mtp = re.compile(under_language_model(r"^model\.layers\.(3)\."))  # DeepSeek-V3's MTP layer past 3 layers
+    assert mtp.search("model.language_model.layers.3.mlp.gate.weight")
+    assert mtp.search("language_model.model.layers.3.eh_proj.weight")
+    assert not mtp.search("model.language_model.layers.13.mlp.gate.weight")
+    assert not mtp.search("model.vision_tower.encoder.layers.3.mlp.fc1.weight")
+    assert under_language_model(r"\.rotary_emb\.inv_freq$") == r"\.rotary_emb\.inv_freq$"
+
+
 def test_image_token_id_of_older_configs():
     class Older:  # a config from before transformers named it image_token_id
         image_token_index = 32000
@@ -309,3 +320,21 @@ def test_unsupported_vision_tower_is_named():
                                                                         num_hidden_layers=1, num_attention_heads=4))
     with torch.device("meta"), pytest.raises(ValueError, match="vision_config.model_type 'siglip_vision_model'"):
         model_class_for(config)(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llava", "llava-next"])
+def test_float32_on_cuda_matches_huggingface(kind, tokenizer):
+    """The vision tower and the decoder through zoo's CUDA ops (Triton norms, fused q/k/v, SDPA
+    without the causal mask) against HF on the same GPU; cuBLAS sums in other orders than the
+    CPU's, so the bar is 1e-4."""
+    config = llava_config(next_pinpoints=PINPOINTS["large"] if kind == "llava-next" else None)
+    reference = hf_llava(config).cuda()
+    model = AutoModelForCausalLM.from_hf(reference)
+    prompts = ["w1 <image> w2", "w3 <image> w4 <image>"]
+    input_ids, images_in = inputs(config, tokenizer, IMAGE_SIZES[2:], prompts)
+    input_ids, images_in = input_ids.cuda(), {k: v.cuda() for k, v in images_in.items()}
+    with torch.no_grad():
+        ours, theirs = model(input_ids, **images_in), reference(input_ids=input_ids, **images_in).logits
+    assert relative_error(ours, theirs) <= 1e-4
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
