@@ -16,21 +16,6 @@ def is_decode(seq: Sequence, count: int) -> bool:
     return count == 1 and seq.num_computed_tokens > 0
 
 
-def computes_image_tokens(seq: Sequence, count: int) -> bool:
-    if seq.images is None:
-        return False
-    first, last = seq.images.feature_rows(seq.num_computed_tokens, seq.num_computed_tokens + count)
-    return first < last
-
-
-def prompt_tokens_only(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-    """The step cut to the sequences' prompt tokens: the model takes every image-token id of a step
-    that computes image tokens for an image's, and a generated token may be that id. Decodes and
-    recomputed generated tokens wait for a step without image tokens; their blocks stay allocated."""
-    cut = [(seq, min(count, seq.num_prompt_tokens - seq.num_computed_tokens)) for seq, count in scheduled]
-    return [(seq, count) for seq, count in cut if count > 0]
-
-
 class Scheduler:
     def __init__(
         self,
@@ -112,11 +97,7 @@ class Scheduler:
             (decodes if is_decode(seq, count) else prefills).append((seq, count))
             budget -= count
         # Prefills first, then decodes: the layout AttentionMetadata describes.
-        scheduled = prefills + decodes
-        if any(computes_image_tokens(seq, count) for seq, count in scheduled):
-            # A prompt chunk cut to one token is a decode to attention: sorted again.
-            scheduled = sorted(prompt_tokens_only(scheduled), key=lambda item: is_decode(*item))
-        return scheduled, failed
+        return prefills + decodes, failed
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -227,24 +227,6 @@ def test_preempted_image_requests_are_recomputed_to_the_same_tokens(llava):
     assert token_ids(outputs) == [hf_generate(model, processor, PROMPT, [img]) for img in images]
 
 
-def test_generated_image_token_ids_are_not_taken_for_images(tmp_path):
-    """A model may generate the image token's id; HF embeds it as a token. Steps that compute image
-    tokens (whose every image-token id the model replaces) hold no generated tokens."""
-    path, model, processor = make_llava(tmp_path)
-    with torch.no_grad():  # the image token wins every greedy choice
-        model.lm_head.weight[IMAGE_TOKEN_ID] = model.model.language_model.norm.weight.sign() * 5
-    save_checkpoint(model, path)
-    images = [image(24), image(25)]
-    requests = ["USER: hi", *({"prompt": PROMPT, "multi_modal_data": {"image": img}} for img in images)]
-    engine = llm(path, max_num_batched_tokens=6, num_blocks=20, enable_prefix_caching=False)
-    outputs = engine.generate(requests, GREEDY)
-    expected = [hf_generate(model, processor, "USER: hi", [])] + [
-        hf_generate(model, processor, PROMPT, [img]) for img in images]
-    assert expected[0] == [IMAGE_TOKEN_ID] * GREEDY.max_tokens
-    assert engine.engine.scheduler.num_preemptions > 0  # recomputing generated image-token ids too
-    assert token_ids(outputs) == expected
-
-
 def test_chat_renders_content_parts_through_the_processors_template(llava):
     path, model, processor = llava
     img = image(12)
