@@ -100,23 +100,27 @@ def _tokenizer_declaration(source: Source) -> str | None:
     return None
 
 
+# The files in which a checkpoint declares a processor: an image processor's, or a whole processor's.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
 def load_processor(path_or_repo_id):
     """transformers' processor of a checkpoint whose model takes images (its image processor, the
-    tokenizer and the chat template); None for a checkpoint without an image processor (no
-    ``preprocessor_config.json``). One that the checkpoint declares but that cannot be built is a
-    CheckpointError naming the file and the cause."""
+    tokenizer and the chat template); None for a checkpoint without an image processor (neither
+    ``preprocessor_config.json`` nor transformers 5's ``processor_config.json``). One that the
+    checkpoint declares but that cannot be built is a CheckpointError naming the file and the cause."""
     import transformers
 
     source = resolve_source(path_or_repo_id)
-    declared = source.directory / "preprocessor_config.json"
-    if source.gguf_file is not None or not declared.exists():
+    declared = [source.directory / name for name in PROCESSOR_FILES if (source.directory / name).exists()]
+    if source.gguf_file is not None or not declared:
         return None
     try:
         processor = from_checkpoint(transformers.AutoProcessor, source)
     except CheckpointError:
         raise
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"{declared}: the checkpoint's processor cannot be built: {exc}") from exc
+        raise CheckpointError(f"{declared[0]}: the checkpoint's processor cannot be built: {exc}") from exc
     return processor if hasattr(processor, "image_processor") else None
 
 

@@ -14,8 +14,9 @@ delegated to the text model):
 
 - ``encode_images(pixel_values, image_sizes=None)``: one [tokens, text hidden] tensor per image,
   ``tokens`` the number of image tokens the HF processor expands that image's placeholder to;
-- ``model(input_ids[N], positions[N], metadata, image_embeds=...)``: ``image_embeds`` holds one row
-  per image token of ``input_ids``, in order, and replaces those tokens' embeddings.
+- ``model(input_ids[N], positions[N], metadata, image_embeds=..., image_rows=...)``: ``image_embeds``
+  holds one row per prompt image token of the flat stream and replaces the embeddings of the rows
+  ``image_rows`` (a generated token that carries the image token's id is embedded as a token).
 """
 
 import torch
@@ -126,12 +127,14 @@ class LlavaForConditionalGeneration(nn.Module):
         attn_metadata: AttentionMetadata | None = None,
         logits_indices: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
+        image_rows: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_sizes=None,
     ) -> torch.Tensor:
         """``input_ids[N], positions[N], attn_metadata`` -> logits [N, vocab] over a flat token
-        stream (the rows ``logits_indices`` when given), ``image_embeds`` [image tokens in
-        input_ids, text hidden] replacing the image tokens' embeddings in order; or
+        stream (the rows ``logits_indices`` when given), ``image_embeds`` [image tokens, text hidden]
+        replacing the embeddings of the stream's rows ``image_rows`` (by default: the image tokens of
+        input_ids, in order); or
         ``input_ids[B, T]`` with ``pixel_values`` (and ``image_sizes`` for NeXT) -> logits
         [B, T, vocab] of a cache-free causal prefill, the image tokens filled image by image in
         the order they appear in the batch."""
@@ -139,23 +142,27 @@ class LlavaForConditionalGeneration(nn.Module):
             return self._batched_prefill(input_ids, pixel_values, image_sizes, image_embeds)
         if pixel_values is not None:
             raise ValueError("the flat forward takes image_embeds (from encode_images), not pixel_values")
-        embeddings = self.embed(input_ids, image_embeds)
+        embeddings = self.embed(input_ids, image_embeds, image_rows)
         hidden_states = self.model.language_model(input_ids, positions, attn_metadata, inputs_embeds=embeddings)
         if logits_indices is not None:
             hidden_states = hidden_states[logits_indices]
         return self.compute_logits(hidden_states)
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
-        """The token embeddings of ``input_ids``, the image tokens' replaced by ``image_embeds``."""
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None,
+              image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The token embeddings of ``input_ids`` [N], the rows ``image_rows`` replaced by
+        ``image_embeds`` (by default the image tokens' rows; the runtime names them, as a generated
+        token may carry the image token's id)."""
         embeddings = self.model.language_model.embed_tokens(input_ids)
         if image_embeds is None:
             return embeddings
-        is_image = input_ids == self.image_token_id
-        count = int(is_image.sum())
-        if image_embeds.dim() != 2 or image_embeds.shape != (count, embeddings.shape[-1]):
-            raise ValueError(f"image_embeds of shape {tuple(image_embeds.shape)} for {count} image tokens "
+        if image_rows is None:
+            image_rows = (input_ids.reshape(-1) == self.image_token_id).nonzero()[:, 0]
+        if image_embeds.dim() != 2 or image_embeds.shape != (len(image_rows), embeddings.shape[-1]):
+            raise ValueError(f"image_embeds of shape {tuple(image_embeds.shape)} for {len(image_rows)} image tokens "
                              f"(id {self.image_token_id}) of hidden size {embeddings.shape[-1]}")
-        return embeddings.masked_scatter(is_image[..., None], image_embeds.to(embeddings.dtype))
+        flat = embeddings.reshape(-1, embeddings.shape[-1])
+        return flat.index_copy(0, image_rows, image_embeds.to(embeddings.dtype)).view(embeddings.shape)
 
     def _batched_prefill(self, input_ids, pixel_values, image_sizes, image_embeds) -> torch.Tensor:
         check_batch(input_ids, self.config.text_config.vocab_size)

@@ -37,27 +37,30 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [len(sampled), vocab], in the model's dtype, for the sequences that sample this step."""
         step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size, self.run_ahead)
-        image_embeds = self.image_embeds(scheduled)
+        images = self.image_embeds(scheduled)
         # A one-token prompt chunk counts as a decode: a decode-only step may hold an image token.
-        plain_decode = step.decode_only and image_embeds is None
+        plain_decode = step.decode_only and not images
         if self.graphs is not None and plain_decode and self.graphs.fits(len(step.input_ids)):
             return self.graphs.run(step), step.sampled
         if self.compiled is not None and plain_decode and self.compiled.fits(len(step.input_ids)):
             return self.compiled.run(step), step.sampled
         input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device, self.staging)
         input_ids = self.run_ahead.fill_pending(input_ids, sources)
-        images = {} if image_embeds is None else {"image_embeds": image_embeds}
         return self.model(input_ids, positions, metadata, logits_indices=logits_rows, **images), step.sampled
 
-    def image_embeds(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor | None:
-        """The features of the image tokens the step computes, in the order of the flat stream (None
-        when it computes none). A request's images are encoded at the step that computes its first
-        image token, and their features let go at the step that computes its last."""
-        rows = []
+    def image_embeds(self, scheduled: list[tuple[Sequence, int]]) -> dict:
+        """The model's image arguments for the step: the features of the prompt image tokens it
+        computes (``image_embeds``) and their rows in the flat stream (``image_rows``); none when it
+        computes none. A request's images are encoded at the step that computes its first image
+        token, and their features let go at the step that computes its last. Rows, not the image
+        token's id, say where features go: a generated token may carry that id like any other."""
+        features, rows, stream_start = [], [], 0
         for seq, count in scheduled:
+            start, stream_start = stream_start, stream_start + count
             if seq.images is None:
                 continue
-            first, last = seq.images.feature_rows(seq.num_computed_tokens, seq.num_computed_tokens + count)
+            computed = seq.num_computed_tokens
+            first, last = seq.images.feature_rows(computed, computed + count)
             if first == last:
                 continue
             if seq.image_features is None:  # also after a preemption that let them go
@@ -68,7 +71,11 @@ class ModelRunner:
                     raise RuntimeError(f"request {seq.request_id}: the model encodes its images to "
                                        f"{len(seq.image_features)} feature rows, the processor gave them "
                                        f"{seq.images.num_tokens} image tokens")
-            rows.append(seq.image_features[first:last])
+            features.append(seq.image_features[first:last])
+            rows.append(seq.images.token_positions[first:last] - computed + start)
             if last == seq.images.num_tokens:
                 seq.image_features = None
-        return torch.cat(rows) if rows else None
+        if not features:
+            return {}
+        return {"image_embeds": torch.cat(features),
+                "image_rows": torch.from_numpy(np.concatenate(rows)).to(self.device)}

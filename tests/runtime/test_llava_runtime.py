@@ -370,3 +370,22 @@ def test_zoo_diff_takes_images(llava, tmp_path, capsys):
                 "model.language_model.layers.1 ", "logits "):
         assert row in table
     assert table.splitlines()[-1] == "all 22 modules within tolerance"
+
+
+def test_a_generated_image_token_id_is_a_token_in_a_step_with_image_tokens(tmp_path):
+    """A model that generates the image token's id: its decodes share steps with another request's
+    prompt image tokens, and the features go to the prompt's rows only, as HF embeds a generated
+    image token as a token."""
+    path, model, processor = make_llava(tmp_path / "ckpt")
+    with torch.no_grad():  # the image token's id wins every greedy step
+        model.lm_head.weight[IMAGE_TOKEN_ID] = model.model.language_model.norm.weight.sign() * 5
+    save_checkpoint(model, path)
+    processor.save_pretrained(path)
+    llm = LLM(str(path), device="cpu", block_size=4, max_num_batched_tokens=6)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    requests = ["USER: hi", {"prompt": PROMPT, "multi_modal_data": {"image": image(1)}}]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    assert [o.error for o in outputs] == [None, None]
+    assert IMAGE_TOKEN_ID in outputs[0].token_ids
+    assert outputs[0].token_ids == hf_generate(model, processor, "USER: hi", [], 6)
+    assert outputs[1].token_ids == hf_generate(model, processor, PROMPT, [image(1)], 6)
