@@ -175,7 +175,7 @@ def _flags(help_text: str) -> list[str]:
     return re.findall(r"^  (--[\w-]+)", help_text, flags=re.MULTILINE)
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "diff"])
+@pytest.mark.parametrize("command", ["generate", "chat", "diff", "serve"])
 def test_help_describes_every_flag_with_its_default_and_the_readme_lists_them(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])

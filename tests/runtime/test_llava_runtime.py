@@ -389,3 +389,13 @@ def test_a_generated_image_token_id_is_a_token_in_a_step_with_image_tokens(tmp_p
     assert IMAGE_TOKEN_ID in outputs[0].token_ids
     assert outputs[0].token_ids == hf_generate(model, processor, "USER: hi", [], 6)
     assert outputs[1].token_ids == hf_generate(model, processor, PROMPT, [image(1)], 6)
+
+
+def test_the_readmes_image_snippet_runs_on_a_llava_checkpoint(llava, tmp_path, capsys):
+    """The README's image requests as pasted, but for the checkpoint's name and the image's file."""
+    from tests.test_readme import snippet
+
+    image(1).save(tmp_path / "photo.png")
+    code = snippet("multi_modal_data").replace('"llava-hf/llava-1.5-7b-hf"', repr(str(llava[0])))
+    exec(code.replace('"photo.jpg"', repr(str(tmp_path / "photo.png"))), {})  # noqa: S102 (the README's own code)
+    assert len(capsys.readouterr().out.splitlines()) >= 2

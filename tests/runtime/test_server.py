@@ -493,3 +493,13 @@ def test_on_cuda_the_engine_thread_serves_what_llm_generate_gives(checkpoint):
 
         with ThreadPoolExecutor(16) as pool:
             assert list(pool.map(stream, prompts)) == [o.text for o in expected]
+
+
+def test_the_readmes_openai_example_runs_against_the_server(server, capsys):
+    """The README's openai client example as pasted, but for this server's address, model and key."""
+    from tests.test_readme import snippet
+
+    code = snippet("from openai import OpenAI").replace("http://127.0.0.1:8000/v1", f"{server[0]}/v1")
+    code = code.replace('"SmolLM2-135M-Instruct"', repr(MODEL)).replace('api_key="unused"', f"api_key={KEY!r}")
+    exec(code, {})  # noqa: S102 (the README's own code)
+    assert len(capsys.readouterr().out.splitlines()) >= 2
