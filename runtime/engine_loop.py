@@ -186,11 +186,11 @@ class EngineLoop:
             self._tracked[output.request_id] = _Tracked(submission, index)
         submission.accepted.set_result([(o.request_id, o.prompt_token_ids) for o in added])
 
-    def _chat_prompt(self, conversation: list[dict]) -> list[int]:
-        if self.llm.tokenizer is None or not getattr(self.llm.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
+    def _chat_prompt(self, conversation: list[dict]) -> list[int] | dict:
         try:
             return self.llm.chat_prompt(conversation)
+        except ValueError:  # no chat template
+            raise
         except Exception as exc:  # a template rejects a conversation by raising its own errors
             raise ValueError(f"the chat template rejects the messages: {exc}") from exc
 

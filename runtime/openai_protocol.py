@@ -7,7 +7,10 @@ does not take) is a 400 naming the field. zoo also takes vLLM's sampling extensi
 them through ``extra_body``).
 """
 
-from typing import Literal
+import base64
+import binascii
+import io
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -103,20 +106,53 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
 
-    def for_template(self) -> dict:
-        """The message as chat templates take it: its text parts joined."""
+    def for_template(self, index: int) -> dict:
+        """The message (``messages[index]``) as chat templates take it: its text parts joined, or with
+        images its parts as ``LLM.chat`` takes them, each image decoded from its data URL."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            if any(isinstance(part, ImagePart) for part in content):
+                content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
+                           else {"type": "image", "image": decoded_image(part.image_url.url,
+                                                                         f"messages[{index}].content[{i}].image_url.url")}
+                           for i, part in enumerate(content)]
+            else:
+                content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+def decoded_image(url: str, param: str):
+    """The PIL image of a ``data:image/...;base64,...`` URL. zoo fetches nothing: other URLs are an error."""
+    from PIL import Image
+
+    header, comma, payload = url.partition(",")
+    if not (url.startswith("data:image/") and header.endswith(";base64") and comma):
+        raise APIError(400, "an image_url must be a data URL (data:image/<format>;base64,<data>); zoo fetches no "
+                            "URLs", param)
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        image.load()
+    except (binascii.Error, OSError, ValueError) as exc:
+        raise APIError(400, f"the image in the data URL cannot be read: {exc}", param) from exc
+    return image
 
 
 class ChatCompletionRequest(_SamplingRequest):

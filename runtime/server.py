@@ -79,7 +79,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         request = parse_request(ChatCompletionRequest, await raw.body())
-        conversation = [message.for_template() for message in request.messages]
+        conversation = [message.for_template(i) for i, message in enumerate(request.messages)]
         group = await submit(request, [conversation], "messages")
         reply = _Reply("chatcmpl", model_name, request.num_choices, group)
         if request.stream:

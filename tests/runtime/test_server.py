@@ -324,9 +324,14 @@ BAD_REQUESTS = {
                                 "messages[0].content", "5"),
     "unknown role": ("chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400,
                      "messages[0].role", "'robot'"),
-    "image part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400,
-                   "messages[0].content[0].type", "'text'"),
+    "unreadable image": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+                         400, "messages[0].content[1].image_url.url", "cannot be read"),
+    "image from the web": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, 400,
+                           "messages[0].content[0].image_url.url", "data URL"),
+    "unknown content part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "audio", "audio": "..."}]}]}, 400, "messages[0].content[0]", "audio"),
     "no messages": ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
     "missing prompt": ("completions", {"model": MODEL}, 400, "prompt", "required"),
     "unknown field": ("completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of",
@@ -503,3 +508,31 @@ def test_the_readmes_openai_example_runs_against_the_server(server, capsys):
     code = code.replace('"SmolLM2-135M-Instruct"', repr(MODEL)).replace('api_key="unused"', f"api_key={KEY!r}")
     exec(code, {})  # noqa: S102 (the README's own code)
     assert len(capsys.readouterr().out.splitlines()) >= 2
+
+
+def test_image_content_parts_answer_as_llm_chat_does(tmp_path):
+    """A LLaVA checkpoint served: a chat message's image as a data URL gives LLM.chat's greedy answer."""
+    import base64
+    import io
+
+    from tests.runtime.test_llava_runtime import image, make_llava
+
+    path = make_llava(tmp_path / "llava")[0]
+    llm = LLM(str(path), device="cpu", block_size=4)
+    picture = image(2)
+    png = io.BytesIO()
+    picture.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": picture},
+                                                      {"type": "text", "text": "What is shown?"}]}], params,
+                        use_tqdm=False)[0]
+    assert expected.error is None
+    with serving(llm) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        answer = client.chat.completions.create(
+            model=MODEL, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "What is shown?"}]}])
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.completion_tokens == 6
