@@ -50,16 +50,19 @@ def random_hf(fields):
         return transformers.AutoModelForCausalLM.from_config(config_of(fields), dtype=torch.bfloat16).eval()
 
 
-def sync_time(fn, repeats=3):
+def timed(fn) -> float:
+    """Seconds of one call of fn, the GPU's work included."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def sync_time(fn, repeats=3):
+    """The median of ``repeats`` timed calls of fn, after one untimed."""
+    fn()
+    return statistics.median(timed(fn) for _ in range(repeats))
 
 
 def graph_us(fn, replays=20, flush_l2_bytes=0) -> float:

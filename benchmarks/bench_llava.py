@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,9 @@ from PIL import Image
 from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_gpu import timed  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 VOCAB = 32064
@@ -85,14 +86,6 @@ def workload(count: int, seed: int = 0):
         prompts.append(" ".join(words[:4] + ["<image>"] + words[4:]))
     images = [Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)) for _ in range(count)]
     return prompts, images
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def zoo_side(directory: Path, prompts, images) -> dict:

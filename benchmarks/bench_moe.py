@@ -47,7 +47,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import graph_us, hbm_bandwidth, sync_time, workload  # noqa: E402
+from bench_gpu import graph_us, hbm_bandwidth, sync_time, timed, workload  # noqa: E402
 from layers.moe import Experts  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
@@ -230,14 +230,6 @@ def zoo_throughput(results, model, max_requests):
 
 
 # -- HF -----------------------------------------------------------------------------------------
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def hf_decode(results, reference, prompt, mode):
