@@ -28,6 +28,7 @@ from layers.weights import OneOf, Shard
 __all__ = [
     "Attention", "AttentionMetadata", "ColumnParallelLinear", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
     "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
-    "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead", "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
+    "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
+    "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
     "select_backend", "tensor_parallel",
 ]

@@ -149,7 +149,7 @@ def tensor_parallel(model: nn.Module, group) -> nn.Module:
     for name, module in model.named_modules():
         if isinstance(module, parallel_types) or isinstance(module, (RMSNorm, RotaryEmbedding)):
             continue
-        if any(True for _ in module.parameters(recurse=False)) or isinstance(module, Linear):
+        if next(module.parameters(recurse=False), None) is not None:
             raise NotImplementedError(f"tensor parallelism cannot split {name} ({type(module).__name__}): "
                                       "it splits attention, gated MLPs, embeddings and LM heads")
     return model

@@ -184,8 +184,8 @@ def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
         for name in names:
             refs = shards.get(name, [])
             shape = model.get_parameter(name).shape
-            if refs and all(ref is not None and ref.fp8 is not None and scale_index(index, shape, ref.fp8.block) is not None
-                            for ref, index in refs):
+            if refs and all(ref is not None and ref.fp8 is not None
+                            and scale_index(index, shape, ref.fp8.block) is not None for ref, index in refs):
                 blocks[name] = refs[0][0].fp8.block
         if names and len(blocks) == len(names):
             kept.update(blocks)

@@ -1,6 +1,6 @@
-"""Tensor parallelism on the CPU: two gloo ranks (spawned processes) load tiny checkpoints split
-over them; their logits equal the one-rank model's, each rank reads only its part of the
-checkpoint, and layouts the ranks cannot split are refused by name."""
+"""Tensor parallelism: two ranks (spawned processes; gloo on the CPU, NCCL on two GPUs) load tiny
+checkpoints split over them; their logits equal the one-rank model's, each rank reads only its part
+of the checkpoint, and layouts the ranks cannot split are refused by name."""
 
 import socket
 import time
@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from layers import tensor_parallel
 from models import AutoModelForCausalLM
+from models.auto import model_class_for
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 
 RANKS = 2
@@ -58,42 +60,55 @@ def counting_reads(checkpoint, counts):
     return checkpoint
 
 
-def run_rank(rank, port, paths, input_ids, out_dir):
+def rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def run_rank(rank, device_type, port, paths, input_ids, out_dir):
     import models.auto
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS,
-                            timeout=timedelta(seconds=60))
+    device = rank_device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=RANKS, timeout=timedelta(seconds=60))
     open_checkpoint = models.auto.open_checkpoint
     results = {}
     for variant, path in paths.items():
         counts = {"whole": 0, "part": 0}
         models.auto.open_checkpoint = lambda *a, counts=counts: counting_reads(open_checkpoint(*a), counts)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tensor_parallel=dist.group.WORLD)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device=device,
+                                                     tensor_parallel=dist.group.WORLD)
         with torch.no_grad():
-            logits = model(input_ids)
+            logits = model(input_ids.to(device)).cpu()
         held = sum(p.numel() * p.element_size() for p in model.parameters())
-        results[variant] = dict(logits=logits, counts=counts, held=held,
-                                kv_cache=model.kv_cache_spec()[0], qkv_rows=model.model.layers[0].self_attn.qkv_proj.source_rows)
+        qkv_rows = model.model.layers[0].self_attn.qkv_proj.source_rows
+        results[variant] = dict(logits=logits, counts=counts, held=held, kv_cache=model.kv_cache_spec()[0],
+                                qkv_rows=qkv_rows)
     models.auto.open_checkpoint = open_checkpoint
     errors = {}
     for name, (config, _, _) in UNSPLITTABLE.items():
         try:
             with torch.device("meta"):
-                models.auto.layers.tensor_parallel(models.auto.model_class_for(config)(config), dist.group.WORLD)
+                tensor_parallel(model_class_for(config)(config), dist.group.WORLD)
         except Exception as exc:  # the test compares type and message
             errors[name] = (type(exc), str(exc))
     torch.save({"results": results, "errors": errors}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks_run(tmp_path_factory):
-    """Every variant's checkpoint, loaded and run by two ranks in one process group: (paths, inputs, per-rank results)."""
-    root = tmp_path_factory.mktemp("tp")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def ranks_run(request, tmp_path_factory):
+    """Every variant's checkpoint, loaded and run by two ranks in one process group on ``request.param``
+    devices: (device type, paths, inputs, per-rank results)."""
+    device_type = request.param
+    if device_type == "cuda" and torch.cuda.device_count() < RANKS:
+        pytest.skip(f"needs {RANKS} CUDA devices")
+    root = tmp_path_factory.mktemp(f"tp_{device_type}")
     paths = {name: str(save_checkpoint(hf_model(config), root / name)) for name, config in VARIANTS.items()}
     torch.manual_seed(1)
     input_ids = torch.randint(0, 97, (2, 24))
-    context = mp.start_processes(run_rank, args=(free_port(), paths, input_ids, str(root)), nprocs=RANKS,
+    context = mp.start_processes(run_rank, args=(device_type, free_port(), paths, input_ids, str(root)), nprocs=RANKS,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -105,14 +120,16 @@ def ranks_run(tmp_path_factory):
             if process.is_alive():
                 process.kill()
     outputs = [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
-    return paths, input_ids, outputs
+    return device_type, paths, input_ids, outputs
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_two_ranks_give_the_one_rank_logits(variant, ranks_run):
-    paths, input_ids, outputs = ranks_run
+    device_type, paths, input_ids, outputs = ranks_run
+    device = rank_device(device_type, 0)
     with torch.no_grad():
-        dense = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=torch.float32)(input_ids)
+        dense = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=torch.float32, device=device)(
+            input_ids.to(device)).cpu()
     for output in outputs:
         logits = output["results"][variant]["logits"]
         assert logits.shape == dense.shape == (2, 24, 97)
@@ -121,7 +138,7 @@ def test_two_ranks_give_the_one_rank_logits(variant, ranks_run):
 
 
 def test_kv_heads_split_or_replicated(ranks_run):
-    _, _, outputs = ranks_run
+    _, _, _, outputs = ranks_run
     head_dim = 16
     for rank, output in enumerate(outputs):
         gqa, kv1 = output["results"]["llama-gqa"], output["results"]["llama-kv1"]
@@ -134,7 +151,7 @@ def test_kv_heads_split_or_replicated(ranks_run):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_rank_reads_only_its_part(variant, ranks_run):
-    paths, _, outputs = ranks_run
+    _, paths, _, outputs = ranks_run
     whole = sum(t.numel() * t.element_size() for t in _checkpoint_tensors(paths[variant]))
     for output in outputs:
         result = output["results"][variant]
@@ -147,7 +164,7 @@ def test_each_rank_reads_only_its_part(variant, ranks_run):
 
 @pytest.mark.parametrize("name", UNSPLITTABLE)
 def test_unsplittable_layouts_are_refused(name, ranks_run):
-    _, _, outputs = ranks_run
+    _, _, _, outputs = ranks_run
     _, error_type, words = UNSPLITTABLE[name]
     for output in outputs:
         raised, message = output["errors"][name]
