@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch import nn
 
-from layers import tensor_parallel
+from layers import ColumnParallelLinear, tensor_parallel
+from loaders import CheckpointError, copy_weights
 from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
@@ -152,7 +155,7 @@ def test_kv_heads_split_or_replicated(ranks_run):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_rank_reads_only_its_part(variant, ranks_run):
     _, paths, _, outputs = ranks_run
-    whole = sum(t.numel() * t.element_size() for t in _checkpoint_tensors(paths[variant]))
+    whole = sum(t.numel() * t.element_size() for t in load_file(f"{paths[variant]}/model.safetensors").values())
     for output in outputs:
         result = output["results"][variant]
         # Every byte read fills one parameter element of the rank: its slices, and the norms and
@@ -172,7 +175,20 @@ def test_unsplittable_layouts_are_refused(name, ranks_run):
         assert words in message
 
 
-def _checkpoint_tensors(path):
-    from safetensors.torch import load_file
+def test_a_declared_part_is_filled_and_a_short_tensor_named():
+    # A state dict in memory has no part reader: the loader cuts the part from the whole tensor.
+    def block():
+        with torch.device("meta"):
+            model = nn.Module()
+            model.mlp = nn.Module()
+            model.mlp.gate_up_proj = ColumnParallelLinear(8, [slice(4, 8), slice(4, 8)], ["gate_proj", "up_proj"])
+        return model
 
-    return load_file(f"{path}/model.safetensors").values()
+    gate, up = torch.randn(8, 8), torch.randn(8, 8)
+    loaded = copy_weights(block(), {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up}, torch.float32,
+                          torch.device("cpu"), origin="parts")
+    assert torch.equal(loaded.mlp.gate_up_proj.weight, torch.cat([gate[4:8], up[4:8]]))
+    with pytest.raises(CheckpointError, match=r"'mlp.up_proj.weight' in parts: the part \(slice\(4, 8, None\),\) "
+                                              r"this rank reads has shape \(2, 8\), expected \(4, 8\)"):
+        copy_weights(block(), {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up[:6]}, torch.float32,
+                     torch.device("cpu"), origin="parts")
