@@ -15,12 +15,20 @@ from layers.mla import MLAttention
 from layers.mlp import GatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
 from layers.norm import RMSNorm
+from layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    tensor_parallel,
+)
 from layers.rotary import RotaryEmbedding, rope_parameters
 from layers.weights import OneOf, Shard
 
 __all__ = [
-    "Attention", "AttentionMetadata", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
-    "OneOf", "RotaryEmbedding", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
-    "TritonAttentionBackend", "VocabEmbedding", "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
-    "select_backend",
+    "Attention", "AttentionMetadata", "ColumnParallelLinear", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
+    "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
+    "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
+    "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
+    "select_backend", "tensor_parallel",
 ]

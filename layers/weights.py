@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Shard:
-    """The checkpoint tensor ``name`` fills ``parameter[index]`` (an index tuple of ints/slices)."""
+    """The checkpoint tensor ``name``, or only its part ``name[source]``, fills ``parameter[index]``
+    (index tuples of ints/slices). A tensor-parallel layer declares the part its rank holds in
+    ``source``; the loader then reads only that part's bytes."""
 
     name: str
     index: tuple = ()
+    source: tuple = ()
 
 
 class OneOf(tuple):

@@ -68,7 +68,8 @@ def safetensors_tensors(directory: Path) -> dict[str, TensorRef]:
             for size in shape:
                 numel *= size
             tensors[name] = TensorRef(
-                name, shape, dtype, file, _reader(handle, file, name), numel * _DTYPE_BYTES.get(dtype, 1)
+                name, shape, dtype, file, _reader(handle, file, name), numel * _DTYPE_BYTES.get(dtype, 1),
+                read_part=_part_reader(handle, file, name),
             )
     return tensors
 
@@ -81,3 +82,14 @@ def _reader(handle, file: Path, name: str):
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({exc})") from exc
 
     return load
+
+
+def _part_reader(handle, file: Path, name: str):
+    """Reads ``tensor[index]`` through safetensors' ``get_slice``: only those bytes of the mapped file."""
+    def load_part(index: tuple):
+        try:
+            return handle.get_slice(name)[index]
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r} ({exc})") from exc
+
+    return load_part

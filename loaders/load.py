@@ -76,18 +76,19 @@ def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...
                 names = [shard.name for shard in layout]
                 for pattern, replacement in aliases:
                     names = [pattern.sub(replacement, n) for n in names]
-                    spelled = tuple(Shard(n, shard.index) for n, shard in zip(names, layout))
+                    spelled = tuple(Shard(n, shard.index, shard.source) for n, shard in zip(names, layout))
                     if spelled not in options:
                         options.append(spelled)
             layouts[name] = tuple(options)
     return layouts
 
 
-def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple]], list[str]]:
+def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple, tuple]], list[str]]:
     """Per parameter, the first layout the checkpoint holds completely, else the one it holds most
-    of. Returns (checkpoint tensor name -> (parameter name, index into it), tensors missing; a
+    of. Returns (checkpoint tensor name -> (parameter name, index into it, the part of the tensor
+    read: ``Shard.source``), tensors missing; a
     parameter of which no layout has a tensor is missing as "A or B")."""
-    targets: dict[str, tuple[str, tuple]] = {}
+    targets: dict[str, tuple[str, tuple, tuple]] = {}
     missing: list[str] = []
     for param_name, options in layouts.items():
         held = [sum(shard.name in checkpoint for shard in layout) for layout in options]
@@ -98,15 +99,15 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple]], l
             missing += [shard.name for shard in layout if shard.name not in checkpoint]
         for shard in layout:
             assert shard.name not in targets, f"{shard.name} declared for {targets[shard.name][0]} and {param_name}"
-            targets[shard.name] = (param_name, shard.index)
+            targets[shard.name] = (param_name, shard.index, shard.source)
     return targets, missing
 
 
-def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, tuple[str, tuple]]:
+def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, tuple[str, tuple, tuple]]:
     """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem."""
     targets, missing = choose_layouts(declared_layouts(model), checkpoint)
     ignored = [re.compile(pattern) for pattern in getattr(model, "ignored_checkpoint_keys", ())]
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in targets.values()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {t[0] for t in targets.values()}
 
     problems = []
     unexpected = [
@@ -117,12 +118,17 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
         problems.append(f"unexpected tensors (no parameter takes them): {name_list(unexpected, checkpoint)}")
     if missing:
         problems.append(f"missing tensors: {name_list(missing)}")
-    for name, (param_name, index) in targets.items():
+    for name, (param_name, index, source) in targets.items():
         ref = checkpoint.get(name)
         if ref is None:
             continue
         expected = tuple(model.get_parameter(param_name)[index].shape)
-        if ref.shape != expected:
+        if source:
+            part = _part_shape(ref.shape, source)
+            if part != expected:
+                problems.append(f"tensor {name!r} in {ref.file}: the part {source} this rank reads has shape "
+                                f"{part}, expected {expected} (the whole tensor: {ref.shape})")
+        elif ref.shape != expected:
             problems.append(f"tensor {name!r} in {ref.file}: expected shape {expected}, got {ref.shape}")
         if ref.dtype not in FLOAT_DTYPES:
             problems.append(f"tensor {name!r} in {ref.file}: dtype {ref.dtype} is not a floating-point type")
@@ -131,8 +137,11 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
     return targets
 
 
+def _part_shape(shape: tuple[int, ...], source: tuple) -> tuple[int, ...]:
+    return tuple(torch.empty(shape, device="meta")[source].shape)
 
-def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple]], dtype,
+
+def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple, tuple]], dtype,
              device) -> set[str]:
     """The checkpoint tensors ``fill`` keeps as their parameter instead of copying them: each fills
     a whole parameter alone (not a shard of a fused or stacked one), is stored in the target dtype,
@@ -143,10 +152,10 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
     copies instead."""
     if device.type != "cpu":
         return set()
-    shards = Counter(param_name for param_name, _ in targets.values())
+    shards = Counter(param_name for param_name, _, _ in targets.values())
     return {
-        name for name, (param_name, index) in targets.items()
-        if index == () and shards[param_name] == 1 and name in checkpoint
+        name for name, (param_name, index, source) in targets.items()
+        if index == () and source == () and shards[param_name] == 1 and name in checkpoint
         and FLOAT_DTYPES.get(checkpoint[name].dtype) == dtype
         and not hasattr(model.get_submodule(param_name.rpartition(".")[0]), "empty_parameter")
     }
@@ -159,13 +168,15 @@ def fp8_native(device: torch.device) -> bool:
 
 
 def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
-                        targets: dict[str, tuple[str, tuple]]) -> dict[str, tuple[int, int]]:
+                        targets: dict[str, tuple[str, tuple, tuple]]) -> dict[str, tuple[int, int]]:
     """parameter name -> scale block, for the parameters that stay in FP8: those a module names in its
-    ``fp8_parameters``, all of them or none per module, each filled only by FP8 block-quantised tensors
-    whose shards cover whole blocks of the parameter's rows (``scale_index``)."""
-    shards: dict[str, list[tuple[TensorRef, tuple]]] = {}
-    for name, (param_name, index) in targets.items():
-        shards.setdefault(param_name, []).append((checkpoint[name], index))
+    ``fp8_parameters``, all of them or none per module, each filled only by whole FP8 block-quantised
+    tensors (not a rank's part, ``Shard.source``) whose shards cover whole blocks of the parameter's
+    rows (``scale_index``)."""
+    shards: dict[str, list[tuple[TensorRef | None, tuple]]] = {}
+    for name, (param_name, index, source) in targets.items():
+        # A rank's part of a tensor loads dequantised: its scales would need the same cut.
+        shards.setdefault(param_name, []).append((checkpoint[name] if source == () else None, index))
     kept = {}
     for prefix, module in model.named_modules():
         names = [f"{prefix}.{local}" if prefix else local for local in getattr(module, "fp8_parameters", ())]
@@ -173,8 +184,8 @@ def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
         for name in names:
             refs = shards.get(name, [])
             shape = model.get_parameter(name).shape
-            if refs and all(ref.fp8 is not None and scale_index(index, shape, ref.fp8.block) is not None
-                            for ref, index in refs):
+            if refs and all(ref is not None and ref.fp8 is not None
+                            and scale_index(index, shape, ref.fp8.block) is not None for ref, index in refs):
                 blocks[name] = refs[0][0].fp8.block
         if names and len(blocks) == len(names):
             kept.update(blocks)
@@ -247,7 +258,7 @@ def fill(
     holders = _holders(model) if keep else {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show) as bar:
         for name in names:
-            param_name, index = targets[name]
+            param_name, index, source = targets[name]
             ref = checkpoint[name]
             if fp8 and param_name in fp8:  # copied as stored: never dequantised
                 stored, parameter = ref.fp8, model.get_parameter(param_name)
@@ -259,7 +270,7 @@ def fill(
                 scales[scale_index(index, parameter.shape, stored.block)].copy_(scale_inv)
                 bar.update(ref.nbytes)
                 continue
-            tensor = ref.load()
+            tensor = ref.load_part(source) if source else ref.load()
             _warn_if_not_finite(ref, tensor)
             if name in keep:
                 tensor = tensor.to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises

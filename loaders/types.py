@@ -32,8 +32,9 @@ class Source:
 
 @dataclass
 class TensorRef:
-    """A checkpoint tensor not read yet: ``load()`` returns it as a CPU tensor. A tensor stored
-    quantised in FP8 blocks loads dequantised, and keeps its stored form in ``fp8``."""
+    """A checkpoint tensor not read yet: ``load()`` returns it as a CPU tensor, ``load_part(index)``
+    only ``tensor[index]`` (reading only those bytes where the format can: ``read_part``). A tensor
+    stored quantised in FP8 blocks loads dequantised, and keeps its stored form in ``fp8``."""
 
     name: str
     shape: tuple[int, ...]
@@ -42,6 +43,12 @@ class TensorRef:
     load: Callable[[], torch.Tensor]
     nbytes: int
     fp8: "Fp8Blocks | None" = None
+    read_part: Callable[[tuple], torch.Tensor] | None = None
+
+    def load_part(self, index: tuple) -> torch.Tensor:
+        if self.read_part is None:
+            return self.load()[index]
+        return self.read_part(index)
 
 
 @dataclass(frozen=True)

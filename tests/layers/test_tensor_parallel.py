@@ -1,0 +1,194 @@
+"""Tensor parallelism: two ranks (spawned processes; gloo on the CPU, NCCL on two GPUs) load tiny
+checkpoints split over them; their logits equal the one-rank model's, each rank reads only its part
+of the checkpoint, and layouts the ranks cannot split are refused by name."""
+
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch import nn
+
+from layers import ColumnParallelLinear, tensor_parallel
+from loaders import CheckpointError, copy_weights
+from models import AutoModelForCausalLM
+from models.auto import model_class_for
+from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+
+RANKS = 2
+TIMEOUT_S = 120  # the whole two-rank run; a rank that fails or hangs ends the test, never CI
+TOLERANCE = 1e-5
+
+VARIANTS = {
+    "llama-gqa": tiny_config("llama"),  # 4 heads, 2 KV heads: one KV head per rank
+    "llama-kv1": tiny_config("llama", num_key_value_heads=1),  # the one KV head replicated on both ranks
+    "llama-bias-tied": tiny_config("llama", attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    "qwen3": tiny_config("qwen3", head_dim=32),  # per-head q/k norms
+    "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),  # scaled embeddings
+}
+
+UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message
+    "heads": (tiny_config("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48),
+              ValueError, "attention heads (3) is not a multiple of 2"),
+    "olmo2": (tiny_config("olmo2"), NotImplementedError, "q/k norm spans all heads"),
+    "qwen3_moe": (tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                  NotImplementedError, "cannot split model.layers.0.mlp"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def counting_reads(checkpoint, counts):
+    """Wraps each tensor's readers to add the bytes they return to ``counts`` (whole, part)."""
+    for ref in checkpoint.values():
+        def load(load=ref.load):
+            tensor = load()
+            counts["whole"] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        def load_part(index, ref=ref):
+            tensor = ref.read_part(index)
+            counts["part"] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        ref.load, ref.load_part = load, load_part
+    return checkpoint
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def run_rank(rank, device_type, port, paths, input_ids, out_dir):
+    import models.auto
+
+    device = rank_device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=RANKS, timeout=timedelta(seconds=60))
+    open_checkpoint = models.auto.open_checkpoint
+    results = {}
+    for variant, path in paths.items():
+        counts = {"whole": 0, "part": 0}
+        models.auto.open_checkpoint = lambda *a, counts=counts: counting_reads(open_checkpoint(*a), counts)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device=device,
+                                                     tensor_parallel=dist.group.WORLD)
+        with torch.no_grad():
+            logits = model(input_ids.to(device)).cpu()
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        qkv_rows = model.model.layers[0].self_attn.qkv_proj.source_rows
+        results[variant] = dict(logits=logits, counts=counts, held=held, kv_cache=model.kv_cache_spec()[0],
+                                qkv_rows=qkv_rows)
+    models.auto.open_checkpoint = open_checkpoint
+    errors = {}
+    for name, (config, _, _) in UNSPLITTABLE.items():
+        try:
+            with torch.device("meta"):
+                tensor_parallel(model_class_for(config)(config), dist.group.WORLD)
+        except Exception as exc:  # the test compares type and message
+            errors[name] = (type(exc), str(exc))
+    torch.save({"results": results, "errors": errors}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def ranks_run(request, tmp_path_factory):
+    """Every variant's checkpoint, loaded and run by two ranks in one process group on ``request.param``
+    devices: (device type, paths, inputs, per-rank results)."""
+    device_type = request.param
+    if device_type == "cuda" and torch.cuda.device_count() < RANKS:
+        pytest.skip(f"needs {RANKS} CUDA devices")
+    root = tmp_path_factory.mktemp(f"tp_{device_type}")
+    paths = {name: str(save_checkpoint(hf_model(config), root / name)) for name, config in VARIANTS.items()}
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 97, (2, 24))
+    context = mp.start_processes(run_rank, args=(device_type, free_port(), paths, input_ids, str(root)), nprocs=RANKS,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {RANKS} ranks did not finish within {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    outputs = [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+    return device_type, paths, input_ids, outputs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_ranks_give_the_one_rank_logits(variant, ranks_run):
+    device_type, paths, input_ids, outputs = ranks_run
+    device = rank_device(device_type, 0)
+    with torch.no_grad():
+        dense = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=torch.float32, device=device)(
+            input_ids.to(device)).cpu()
+    for output in outputs:
+        logits = output["results"][variant]["logits"]
+        assert logits.shape == dense.shape == (2, 24, 97)
+        assert relative_error(logits, dense) <= TOLERANCE
+        assert torch.equal(logits.argmax(-1), dense.argmax(-1))
+
+
+def test_kv_heads_split_or_replicated(ranks_run):
+    _, _, _, outputs = ranks_run
+    head_dim = 16
+    for rank, output in enumerate(outputs):
+        gqa, kv1 = output["results"]["llama-gqa"], output["results"]["llama-kv1"]
+        assert gqa["kv_cache"] == kv1["kv_cache"] == ((1, head_dim),) * 2
+        q_rows = slice(rank * 2 * head_dim, (rank + 1) * 2 * head_dim)
+        kv_rows = slice(rank * head_dim, (rank + 1) * head_dim)
+        assert gqa["qkv_rows"] == [q_rows, kv_rows, kv_rows]
+        assert kv1["qkv_rows"] == [q_rows, slice(0, head_dim), slice(0, head_dim)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_rank_reads_only_its_part(variant, ranks_run):
+    _, paths, _, outputs = ranks_run
+    whole = sum(t.numel() * t.element_size() for t in load_file(f"{paths[variant]}/model.safetensors").values())
+    for output in outputs:
+        result = output["results"][variant]
+        # Every byte read fills one parameter element of the rank: its slices, and the norms and
+        # row-parallel biases every rank holds whole.
+        assert result["counts"]["whole"] + result["counts"]["part"] == result["held"]
+        assert result["counts"]["part"] > result["counts"]["whole"]
+        assert result["held"] < 0.6 * whole
+
+
+@pytest.mark.parametrize("name", UNSPLITTABLE)
+def test_unsplittable_layouts_are_refused(name, ranks_run):
+    _, _, _, outputs = ranks_run
+    _, error_type, words = UNSPLITTABLE[name]
+    for output in outputs:
+        raised, message = output["errors"][name]
+        assert raised is error_type
+        assert words in message
+
+
+def test_a_declared_part_is_filled_and_a_short_tensor_named():
+    # A state dict in memory has no part reader: the loader cuts the part from the whole tensor.
+    def block():
+        with torch.device("meta"):
+            model = nn.Module()
+            model.mlp = nn.Module()
+            model.mlp.gate_up_proj = ColumnParallelLinear(8, [slice(4, 8), slice(4, 8)], ["gate_proj", "up_proj"])
+        return model
+
+    gate, up = torch.randn(8, 8), torch.randn(8, 8)
+    loaded = copy_weights(block(), {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up}, torch.float32,
+                          torch.device("cpu"), origin="parts")
+    assert torch.equal(loaded.mlp.gate_up_proj.weight, torch.cat([gate[4:8], up[4:8]]))
+    with pytest.raises(CheckpointError, match=r"'mlp.up_proj.weight' in parts: the part \(slice\(4, 8, None\),\) "
+                                              r"this rank reads has shape \(2, 8\), expected \(4, 8\)"):
+        copy_weights(block(), {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up[:6]}, torch.float32,
+                     torch.device("cpu"), origin="parts")
