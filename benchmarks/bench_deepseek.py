@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import hbm_bandwidth, sync_time  # noqa: E402
+from bench_gpu import decode_ms_per_token, hbm_bandwidth, sync_time  # noqa: E402
 from layers import AttentionMetadata  # noqa: E402
 from layers.attention import select_backend  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
@@ -210,13 +210,7 @@ def decode_steps(results, model, weights: str, context: int):
 
 def zoo_decode(results, model, weights: str, prompt):
     llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
-    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
-
-    def run(n):
-        out = llm.generate([prompt], params(n), use_tqdm=False)
-        assert out[0].error is None and len(out[0].token_ids) == n, out[0].error
-
-    ms = (sync_time(lambda: run(DECODE_TOKENS)) - sync_time(lambda: run(1))) / (DECODE_TOKENS - 1) * 1e3
+    ms = decode_ms_per_token(llm, prompt, DECODE_TOKENS)
     graphs = llm.engine.runner.graphs is not None
     active = active_weight_bytes(model)
     roofline = active / results["hbm_tb_s"] / 1e9

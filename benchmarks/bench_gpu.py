@@ -89,6 +89,17 @@ def graph_us(fn, replays=20, flush_l2_bytes=0) -> float:
     return statistics.median(times)
 
 
+def decode_ms_per_token(llm, prompt: list[int], tokens: int) -> float:
+    """Batch-1 greedy decode through ``llm``, EOS ignored: (time for ``tokens`` new tokens - time for
+    1) / (tokens - 1), in ms, so that the prompt's prefill cancels out."""
+
+    def run(n):
+        out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert out[0].error is None and len(out[0].token_ids) == n, out[0].error
+
+    return (sync_time(lambda: run(tokens)) - sync_time(lambda: run(1))) / (tokens - 1) * 1e3
+
+
 def hbm_bandwidth() -> float:
     """Bytes read + written per second by a 4 GiB device-to-device copy."""
     src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").normal_()
@@ -114,11 +125,7 @@ def decode(results):
 
     llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
 
-    def zoo(n):
-        out = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].token_ids) == n
-
-    zoo_ms = (sync_time(lambda: zoo(256)) - sync_time(lambda: zoo(1))) / 255 * 1e3
+    zoo_ms = decode_ms_per_token(llm, prompt, 256)
     del llm
     ids = torch.tensor([prompt], device="cuda")
 

@@ -47,7 +47,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import graph_us, hbm_bandwidth, sync_time, timed, workload  # noqa: E402
+from bench_gpu import decode_ms_per_token, graph_us, hbm_bandwidth, timed, workload  # noqa: E402
 from layers.moe import Experts  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
@@ -192,13 +192,7 @@ def decode_moe_kernel(model) -> str:
 def zoo_decode(results, model, prompt):
     results["decode"]["moe_kernel"] = decode_moe_kernel(model)
     llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
-    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
-
-    def run(n):
-        out = llm.generate([prompt], params(n), use_tqdm=False)
-        assert out[0].error is None and len(out[0].token_ids) == n, out[0].error
-
-    ms = (sync_time(lambda: run(DECODE_TOKENS)) - sync_time(lambda: run(1))) / (DECODE_TOKENS - 1) * 1e3
+    ms = decode_ms_per_token(llm, prompt, DECODE_TOKENS)
     results["decode"]["zoo_ms_per_token"] = ms
     roofline = results["decode"]["roofline_ms"]
     log(f"zoo decode: {ms:.2f} ms/token (CUDA graphs, experts: {results['decode']['moe_kernel']} kernel), "
