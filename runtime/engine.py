@@ -43,7 +43,7 @@ class Engine:
         self.config = config = config.resolved(text_config.max_position_embeddings)
         self.tokenizer = tokenizer
         self.architecture = type(model).__name__
-        self.image_token_id = getattr(model.config, "image_token_id", None)
+        self.image_token_id = getattr(model, "image_token_id", None)  # the model reads its config's spelling
         self.images = (ImagePreprocessor(processor, self.image_token_id)
                        if processor is not None and self.image_token_id is not None else None)
         self.eos_token_ids = set(generation_eos)

@@ -73,7 +73,7 @@ class LLM:
                 dtype = torch.float32
             self.tokenizer = tokenizer or load_tokenizer(model)  # a damaged tokenizer fails before the weights load
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device, mmap=mmap)
-            takes_images = getattr(self.model.config, "image_token_id", None) is not None
+            takes_images = getattr(self.model, "image_token_id", None) is not None
             self.processor = processor or (load_processor(model) if takes_images else None)
             checkpoint = model
         # The engine writes its buffers in place at every step, whether generate runs under
