@@ -135,8 +135,9 @@ def start_server(command: list[str], base_url: str, log_path: Path, timeout_s: f
             time.sleep(1)
 
 
-def random_8b_checkpoint(workdir: Path) -> Path:
-    """A random bf16 Llama-3.1-8B-shaped checkpoint with SmolLM2's tokenizer (built on the GPU)."""
+def random_8b_checkpoint(workdir: Path, tokenizer_path: str | None) -> Path:
+    """A random bf16 Llama-3.1-8B-shaped checkpoint with SmolLM2's tokenizer, or the one at
+    ``tokenizer_path`` (built on the GPU)."""
     import torch
 
     from bench_gpu import LLAMA_8B, random_hf
@@ -144,7 +145,7 @@ def random_8b_checkpoint(workdir: Path) -> Path:
     path = workdir / "llama-8b-shape-random"
     if (path / "config.json").exists():
         return path
-    tokenizer = load_tokenizer(str(default_model_path()))
+    tokenizer = load_tokenizer(tokenizer_path or str(default_model_path()))
     model = random_hf({**LLAMA_8B, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id})
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
@@ -158,6 +159,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory, .gguf file or hub repo id (default: the embedded SmolLM2)")
     parser.add_argument("--shape", choices=["8b"], help="serve a random Llama-3.1-8B-shaped bf16 checkpoint instead")
+    parser.add_argument("--tokenizer", help="the tokenizer of --shape 8b's checkpoint (default: SmolLM2's)")
     parser.add_argument("--workdir", help="where --shape 8b writes its checkpoint (default: a temporary directory)")
     parser.add_argument("--rates", default="0.5", help="comma-separated request rates (requests/s)")
     parser.add_argument("--requests", type=int, default=16, help="requests per rate")
@@ -174,7 +176,7 @@ def main():
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_serve_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model = str(random_8b_checkpoint(workdir)) if args.shape else args.model or str(default_model_path())
+    model = str(random_8b_checkpoint(workdir, args.tokenizer)) if args.shape else args.model or str(default_model_path())
     tokenizer = load_tokenizer(model)
     rates = [float(rate) for rate in args.rates.split(",")]
     device = ["--device", args.device] if args.device else []
@@ -209,11 +211,11 @@ def main():
                       f"ITL p50 {row['itl_p50_ms']:7.1f} ms p99 {row['itl_p99_ms']:7.1f} ms"
                       + (f"; {row['errors']} errors, first: {row['first_error']}" if row["errors"] else ""),
                       flush=True)
+                if args.json:  # written after every rate, so an interrupted run keeps what it measured
+                    Path(args.json).write_text(json.dumps(dict(model=model, args=vars(args), results=results), indent=2))
         finally:
             process.terminate()
             print(f"{name} server exited with status {process.wait(timeout=120)}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(model=model, args=vars(args), results=results), indent=2))
 
 
 if __name__ == "__main__":
