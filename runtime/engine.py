@@ -6,6 +6,7 @@ from layers.attention import score_modifiers_used, select_backend
 from runtime.block_manager import BlockManager
 from runtime.compiled_decode import check_compilable
 from runtime.config import EngineConfig
+from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv_cache import KVCache, blocks_for_budget
 from runtime.model_runner import ModelRunner
 from runtime.multimodal import ImageInputs, ImagePreprocessor, split_prompt
@@ -193,7 +194,7 @@ class Engine:
     def _cut_at_stop_string(self, seq: Sequence) -> bool:
         output = self.outputs[seq.request_id]
         previous_length = len(output.text)
-        output.text = self.detokenize(seq.output_token_ids)
+        output.text = self._running_text(seq)
         for stop in seq.params.stop:
             # Only text this token added can complete a stop string.
             start = output.text.find(stop, max(0, previous_length - len(stop) + 1))
@@ -208,7 +209,14 @@ class Engine:
     def refresh_text(self, output: RequestOutput) -> None:
         """Decode a running request's text so far (streaming); finished ones have theirs."""
         if not output.finished:
-            output.text = self.detokenize(output.token_ids)
+            output.text = self._running_text(self.sequences[output.request_id])
+
+    def _running_text(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        return seq.detokenizer.update(seq.output_token_ids)
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         output = self.outputs[seq.request_id]

@@ -97,6 +97,8 @@ class EngineLoop:
         self.engine = llm.engine
         self._commands: queue.Queue = queue.Queue()
         self._tracked: dict[int, _Tracked] = {}
+        # The deltas of one pass of the thread, per client event loop: each loop is woken once a pass.
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
         self._request_ids = itertools.count()
         # Requests submitted and taken in, each counted by one thread: the difference waits in the queue.
         self._num_submitted = self._num_taken_in = 0
@@ -147,11 +149,13 @@ class EngineLoop:
             while command is not None:
                 if command is _STOP:
                     self._fail(list(self._tracked), "the server is shutting down")
+                    self._deliver()
                     return
                 self._handle(command)
                 command = self._next_command(block=False)
             if self.engine.has_unfinished():
                 self._step()
+            self._deliver()
 
     def _handle(self, command) -> None:
         if isinstance(command, _Submission):
@@ -260,10 +264,19 @@ class EngineLoop:
         metrics.generation_tokens.inc(new_tokens)
         tracked.last_token_time = now
 
-    @staticmethod
-    def _put(tracked: _Tracked, delta: Delta) -> None:
+    def _put(self, tracked: _Tracked, delta: Delta) -> None:
         submission = tracked.submission
-        try:
-            submission.loop.call_soon_threadsafe(submission.deltas.put_nowait, delta)
-        except RuntimeError:  # the client's event loop has closed: no one is listening
-            pass
+        self._outbox.setdefault(submission.loop, []).append((submission.deltas, delta))
+
+    def _deliver(self) -> None:
+        for loop, deltas in self._outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, deltas)
+            except RuntimeError:  # the client's event loop has closed: no one is listening
+                pass
+        self._outbox = {}
+
+
+def _put_all(deltas: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for deltas_queue, delta in deltas:
+        deltas_queue.put_nowait(delta)

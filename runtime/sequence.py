@@ -4,6 +4,7 @@ import enum
 
 import torch
 
+from runtime.detokenizer import IncrementalDetokenizer
 from runtime.multimodal import ImageInputs
 from runtime.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ class Sequence:
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None  # a seeded request's own, on the model's device
+        self.detokenizer: IncrementalDetokenizer | None = None  # its text while it runs, where asked for
 
     def seed_generator(self, device: torch.device) -> None:
         if self.params.seed is not None:

@@ -54,14 +54,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     async def internal_error(request: Request, exc: Exception):
         return JSONResponse(APIError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "").removeprefix("Bearer ")
-            if not secrets.compare_digest(given.encode(), api_key.encode()):
-                return JSONResponse(APIError(401, "Incorrect API key provided", code="invalid_api_key").body(),
-                                    status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_RequireAPIKey, api_key=api_key)
 
     async def submit(request, prompts: list, param: str) -> RequestGroup:
         if request.model != model_name:
@@ -111,6 +105,24 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
         return Response(app.state.engine_loop.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _RequireAPIKey:
+    """Every route but /health answers 401 without the key. A plain ASGI middleware: the responses
+    that pass it, streams included, go through untouched."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"").removeprefix(b"Bearer ")
+            if not secrets.compare_digest(given, self.api_key):
+                refusal = JSONResponse(APIError(401, "Incorrect API key provided", code="invalid_api_key").body(),
+                                       status_code=401)
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _StreamAbortingOnClose(StreamingResponse):
