@@ -34,9 +34,13 @@ CASES["softmax_biased"] = (32, dict(CASES["qwen3"][1], top_k=4))
 def routing_inputs(case, num_tokens, device="cpu", dtype=torch.float32, seed=0):
     num_experts, options = CASES[case]
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(device=device, dtype=dtype)
+    if dtype == torch.bfloat16:  # random bf16 logits tie often: a shuffled grid of values bf16 holds exactly
+        grid = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_tokens)])
+        logits = ((grid - num_experts // 2) / 16).to(device=device, dtype=dtype)
+    else:
+        logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(device=device, dtype=dtype)
     bias = (torch.randn(num_experts, generator=g) * 0.5).to(device) if case in BIASED else None
-    if bias is not None or options["num_groups"] > 1:  # as TopKRouter computes them for these routers
+    if options["scoring"] != "softmax" or bias is not None or options["num_groups"] > 1:  # as TopKRouter does
         logits = logits.float()
     return logits, bias, options
 
