@@ -97,7 +97,7 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
 # Triton wins or ties up to 8192 pairs and loses by 27% at 32768: the switch sits between the two.
 GROUPED_MM_MIN_PAIRS = 16384
 # Up to this many pairs, fp16/bf16, the decode kernel runs the experts: it reads each picked expert once
-# and launches three kernels (gate_up, down, combine) where the fused-MoE kernel launches six (sort,
+# and launches three kernels (gate_up, down, combine) where the fused-MoE kernel launches six or more (sort,
 # searchsorted, align, gate_up, down, combine). A conservative default, 8 tokens of top-8: the rows for 1
 # to 16 tokens of `python3 benchmarks/bench_moe.py --task kernels` ("decode" beside "triton") place it.
 DECODE_MAX_PAIRS = 64
