@@ -12,13 +12,16 @@ generate_batch takes ~1000 decode steps at HF's step time whatever --hf-requests
 
 kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
             bf16; router-like routing: softmax top-8 of random logits, some experts favoured), for 1 to 4096
-            tokens: the grouped-GEMM kernel (ops_cuda/moe_grouped_mm.py) and the Triton fused-MoE kernel
-            (ops_cuda/moe_triton.py), each called directly, and the one the op's dispatch picks
-            (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS comes from this table). Time per call: the median of CUDA
+            tokens: the grouped-GEMM kernel (ops_cuda/moe_grouped_mm.py), the Triton fused-MoE kernel
+            (ops_cuda/moe_triton.py) and, up to DECODE_MAX_TOKENS tokens, the decode kernel
+            (ops_cuda/moe_decode.py), each called directly, and the one the op's dispatch picks
+            (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS and DECODE_MAX_PAIRS come from this table). Time per call: the median of CUDA
             graph replays (CUDA events) of one call on each of KERNEL_LAYERS weight copies in turn, as the
             model's layers run, so the experts are read from HBM and not from L2; achieved weight bandwidth:
             the bytes of the distinct experts the routing touches over that time; max |diff|: against the
-            op's PyTorch reference in bf16.
+            op's PyTorch reference in bf16. Beside them the router after its logits GEMM (top-8 of 128,
+            softmax, renormalised): zoo::route_topk's Triton kernel and its PyTorch reference
+            (softmax, top-k, renormalisation: several launches), each in a CUDA graph.
 decode      batch 1, 128-token prompt, 256 new tokens (greedy, EOS ignored): zoo (CUDA graphs) ms/token as
             (time for 256 tokens - time for 1) / 255, against the active-weight roofline: the bytes of weight
             one decode step reads (attention, norms, router, top-k of the experts per layer, lm_head, one
@@ -51,6 +54,7 @@ from bench_gpu import decode_ms_per_token, graph_us, hbm_bandwidth, timed, workl
 from layers.moe import Experts  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
+from ops_cuda.router import route_topk_reference  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 QWEN3_30B_A3B = dict(
@@ -60,7 +64,7 @@ QWEN3_30B_A3B = dict(
     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
 PROMPT_LEN, DECODE_TOKENS = 128, 256
-KERNEL_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+KERNEL_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 KERNEL_LAYERS = 8  # weight copies the timed graph runs through: 8 x 1.2 GB, far over the 50 MB L2
 IN_LEN, OUT_LEN = 1000, 1000
 START = time.perf_counter()
@@ -116,8 +120,10 @@ def short_error(exc: BaseException) -> str:
 
 
 def kernels(results):
+    from ops_cuda.moe_decode import decode_supported, moe_experts_decode
     from ops_cuda.moe_grouped_mm import grouped_mm_supported, moe_experts_grouped_mm
     from ops_cuda.moe_triton import moe_experts_triton
+    from ops_cuda.router_triton import route_topk_triton
 
     hidden_size, intermediate = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["moe_intermediate_size"]
     num_experts, top_k = QWEN3_30B_A3B["num_experts"], QWEN3_30B_A3B["num_experts_per_tok"]
@@ -130,7 +136,7 @@ def kernels(results):
         for _ in range(KERNEL_LAYERS)
     ]
     expert_bytes = (3 * intermediate * hidden_size) * 2  # gate, up and down of one expert, bf16
-    paths = {"triton": moe_experts_triton}
+    paths = {"triton": moe_experts_triton, "decode": moe_experts_decode}
     if grouped_mm_supported(torch.empty(1, hidden_size, device="cuda", dtype=torch.bfloat16), *layer_weights[0]):
         paths = {"grouped_mm": moe_experts_grouped_mm, **paths}
     log(f"kernels: {', '.join(paths)} on {KERNEL_LAYERS} layers of {num_experts} experts "
@@ -147,11 +153,19 @@ def kernels(results):
         row = dict(tokens=tokens, pairs=ids.numel(), experts=touched, weight_mb=touched * expert_bytes / 1e6,
                    dispatch=cuda_kernel(hidden, ids, *layer_weights[0], "silu"))
         for name, kernel in paths.items():
+            if name == "decode" and not decode_supported(hidden, ids, *layer_weights[0], "silu"):
+                continue
             diff = (kernel(hidden, weights, ids, *layer_weights[0], "silu").float() - reference).abs().max().item()
             us = graph_us(lambda: [kernel(hidden, weights, ids, *layer, "silu") for layer in layer_weights]) / KERNEL_LAYERS
             row[name] = dict(us=us, gb_s=touched * expert_bytes / us / 1e3, max_diff=diff)
+        router_logits = logits.bfloat16()
+        router_options = (None, top_k, "softmax", True, 1, 1, "top2_sum", 1.0)
+        row["router_us"] = {name: graph_us(lambda: route(router_logits, *router_options))
+                            for name, route in (("kernel", route_topk_triton), ("reference", route_topk_reference))}
         rows.append(row)
-        log(f"kernels: {tokens} tokens: " + ", ".join(f"{name} {row[name]['us']:.1f} µs" for name in paths))
+        log(f"kernels: {tokens} tokens: " + ", ".join(f"{name} {row[name]['us']:.1f} µs" for name in paths
+                                                      if name in row)
+            + ", router kernel {kernel:.1f} µs, reference {reference:.1f} µs".format(**row["router_us"]))
     results["kernels"] = rows
     del layer_weights
     free_memory()
@@ -159,22 +173,28 @@ def kernels(results):
 
 def kernels_table(results) -> str:
     rows = results["kernels"]
-    names = [name for name in ("grouped_mm", "triton") if name in rows[0]]
+    names = [name for name in ("grouped_mm", "triton", "decode") if name in rows[0]]
     header = "| tokens | pairs | experts touched | their weights (MB) | " + " | ".join(
-        f"{name} µs | {name} GB/s | {name} max \\|diff\\|" for name in names) + " | dispatch picks |"
+        f"{name} µs | {name} GB/s | {name} max \\|diff\\|" for name in names) + (
+        " | dispatch picks | router µs: kernel / reference |")
     lines = [
         f"zoo::moe_experts, Qwen3-30B-A3B expert shapes (128 experts, top-8, 2048 -> 768 -> 2048, bf16). "
         f"{results['date']}, {results['device']}, torch {results['torch']}, triton {results['triton']}; "
         f"HBM copy bandwidth {results['hbm_tb_s']:.2f} TB/s.",
         "",
         header,
-        "|" + "---|" * (5 + 3 * len(names)),
+        "|" + "---|" * (6 + 3 * len(names)),
     ]
     for row in rows:
         cells = [str(row["tokens"]), str(row["pairs"]), str(row["experts"]), f"{row['weight_mb']:.0f}"]
         for name in names:
-            cells += [f"{row[name]['us']:.1f}", f"{row[name]['gb_s']:.0f}", f"{row[name]['max_diff']:.1e}"]
-        lines.append("| " + " | ".join(cells) + f" | {row['dispatch']} |")
+            if name in row:
+                cells += [f"{row[name]['us']:.1f}", f"{row[name]['gb_s']:.0f}", f"{row[name]['max_diff']:.1e}"]
+            else:
+                cells += ["n/a"] * 3
+        router = row["router_us"]
+        lines.append("| " + " | ".join(cells) + f" | {row['dispatch']} | {router['kernel']:.1f} / "
+                     f"{router['reference']:.1f} |")
     return "\n".join(lines)
 
 

@@ -1,15 +1,25 @@
 """Where a batch-1 decode step's time goes on the GPU: the kernels of the captured graph, summed by
 name over the steps of one generation, next to the wall-clock time per step.
 
-Llama-3.1-8B shape, random bf16 weights, 128-token prompt, greedy, EOS ignored. On Hopper the
-decode chain's Triton kernels use programmatic dependent launch: each starts while the previous
-one still runs and waits inside, so their times here include those waits and overlap.
+Random bf16 weights of one of three shapes (--shape): Llama-3.1-8B (the default), Qwen3-30B-A3B (48
+MoE layers, 128 experts, top-8) or DeepSeek-V3 with 3 layers (1 dense, 2 MoE: 256 experts in 8 groups,
+top-8, a shared expert); 128-token prompt, greedy, EOS ignored. The roofline counts the weight bytes a
+decode step reads (the picked experts only). On Hopper the decode chain's Triton kernels use
+programmatic dependent launch: each starts while the previous one still runs and waits inside, so
+their times here include those waits and overlap.
 
-    python3 benchmarks/profile_decode.py                 # 64 decode steps
+--baseline profiles the same model twice, first with the MoE decode paths off (zoo::moe_experts's
+decode kernel, DECODE_MAX_PAIRS = 0, and zoo::route_topk's Triton kernel: the PyTorch router), then on:
+the before and after of one run.
+
+    python3 benchmarks/profile_decode.py                 # 64 decode steps, Llama-3.1-8B shape
     python3 benchmarks/profile_decode.py --steps 128
+    python3 benchmarks/profile_decode.py --shape qwen3-30b-a3b --baseline
+    python3 benchmarks/profile_decode.py --shape deepseek-v3-3layer --baseline
 """
 
 import argparse
+import gc
 import sys
 import time
 from collections import defaultdict
@@ -21,26 +31,56 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ops_cuda.moe  # noqa: E402
+import ops_cuda.router  # noqa: E402
 from bench_gpu import LLAMA_8B, hbm_bandwidth, random_hf  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.triton_helpers import pdl  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
+DECODE_MAX_PAIRS = ops_cuda.moe.DECODE_MAX_PAIRS
+
+
+def llama_8b():
+    model = AutoModelForCausalLM.from_hf(random_hf(LLAMA_8B))
+    return model, sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def qwen3_30b_a3b():
+    import bench_moe
+
+    reference = bench_moe.random_hf()
+    model = AutoModelForCausalLM.from_hf(reference)
+    del reference
+    return model, bench_moe.active_weight_bytes(model)[0]
+
+
+def deepseek_v3_3layer():
+    import bench_deepseek
+
+    reference = bench_deepseek.random_hf(3)
+    model = AutoModelForCausalLM.from_hf(reference)
+    del reference
+    return model, bench_deepseek.active_weight_bytes(model)
+
+
+SHAPES = {"llama-8b": llama_8b, "qwen3-30b-a3b": qwen3_30b_a3b, "deepseek-v3-3layer": deepseek_v3_3layer}
+
+
+def use_moe_decode_paths(enabled: bool) -> None:
+    """The MoE decode kernel and the router kernel on (the defaults) or off (the paths before them)."""
+    ops_cuda.moe.DECODE_MAX_PAIRS = DECODE_MAX_PAIRS if enabled else 0
+    ops_cuda.router.ROUTER_KERNEL = enabled
+
 
 HOST_GAP_US = 10
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=64)
-    args = parser.parse_args()
-
-    model = AutoModelForCausalLM.from_hf(random_hf(LLAMA_8B))
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    bandwidth = hbm_bandwidth()
+def profile_decode(model, weight_bytes: int, bandwidth: float, steps: int, label: str) -> None:
     llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
-    prompt = torch.randint(0, LLAMA_8B["vocab_size"], (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    vocab_size = model.config.vocab_size
+    prompt = torch.randint(0, vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)  # warm-up
 
     torch.cuda.synchronize()
@@ -52,6 +92,9 @@ def main():
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
     kernels = defaultdict(lambda: [0.0, 0])
     intervals = []
     for event in prof.events():
@@ -67,23 +110,44 @@ def main():
     for start, end in intervals[1:]:
         gaps.append(max(0.0, start - busy_until))
         busy_until = max(busy_until, end)
-    tokens = args.steps + 1
+    tokens = steps + 1
+    print(f"\n## {label}\n")
     short = sum(g for g in gaps if g < HOST_GAP_US)
     long = [g for g in gaps if g >= HOST_GAP_US]
     print(f"GPU idle per token: {short / tokens:.1f} µs in gaps under {HOST_GAP_US} µs (between kernels), "
           f"{sum(long) / tokens:.1f} µs in {len(long)} longer gaps (waiting on the host)")
     gpu_us = sum(total for total, _ in kernels.values())
     roofline_ms = weight_bytes / bandwidth * 1e3
-    print(f"{args.steps + 1} tokens (one prefill): {wall_ms / (args.steps + 1):.3f} ms/token wall; "
-          f"GPU busy {gpu_us / 1e3 / (args.steps + 1):.3f} ms/token; roofline {roofline_ms:.3f} ms "
-          f"({weight_bytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s)")
+    wall_per_token = wall_ms / tokens
+    print(f"{tokens} tokens (one prefill): {wall_per_token:.3f} ms/token wall; "
+          f"GPU busy {gpu_us / 1e3 / tokens:.3f} ms/token; roofline {roofline_ms:.3f} ms "
+          f"({weight_bytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s), {roofline_ms / wall_per_token:.0%} of it")
     if pdl(next(model.parameters())):
         print("programmatic dependent launch is on: Triton kernels' times include their wait for the kernel before")
     print("| kernel | µs per token | calls per token | share |")
     print("|---|---:|---:|---:|")
     for name, (total, calls) in sorted(kernels.items(), key=lambda item: -item[1][0])[:25]:
-        print(f"| {name} | {total / (args.steps + 1):.1f} | {calls / (args.steps + 1):.1f} | {total / gpu_us:.1%} |")
+        print(f"| {name} | {total / tokens:.1f} | {calls / tokens:.1f} | {total / gpu_us:.1%} |")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    parser.add_argument("--baseline", action="store_true",
+                        help="profile with the MoE decode kernel and the router kernel off first, then on")
+    args = parser.parse_args()
+
+    model, weight_bytes = SHAPES[args.shape]()
+    gc.collect()
+    torch.cuda.empty_cache()
+    bandwidth = hbm_bandwidth()
+    runs = [("baseline: MoE decode kernel and router kernel off", False)] if args.baseline else []
+    for label, enabled in [*runs, ("MoE decode kernel and router kernel on (the defaults)", True)]:
+        use_moe_decode_paths(enabled)
+        profile_decode(model, weight_bytes, bandwidth, args.steps, f"{args.shape}, {label}")
+    use_moe_decode_paths(True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
     mlp.shared_expert, mlp.shared_expert_gate optional: a dense expert every token takes, gated by a sigmoid (Qwen2-MoE)
     mlp.shared_experts                        optional: dense experts every token takes, ungated (DeepSeek)
 
-The experts' math is the ``zoo::moe_experts`` op; the router and the shared expert are plain layers.
+The experts' math is the ``zoo::moe_experts`` op, the router's after its linear layer ``zoo::route_topk``;
+the shared expert is a plain layer.
 """
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from layers.linear import Linear
 from layers.mlp import GatedMLP
 from layers.weights import OneOf, Shard
-from ops_cuda import ACTIVATIONS, fp8_moe_experts, moe_experts
+from ops_cuda import ACTIVATIONS, fp8_moe_experts, moe_experts, route_topk
 
 
 class TopKRouter(nn.Module):
@@ -36,7 +37,8 @@ class TopKRouter(nn.Module):
     by its best expert (``group_score="max"``, V2) or its two best summed (``"top2_sum"``, V3).
 
     Either way the weights are then renormalised when ``renormalize`` and multiplied by
-    ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``).
+    ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``). All of it after the linear layer is the
+    op ``zoo::route_topk`` (one Triton kernel on CUDA).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
@@ -74,33 +76,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
-        if self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None:
-            weights, ids = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
-        else:
-            logits = F.linear(x.float(), self.weight.float())
-            scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
-            ids = self.choose(scores)
-            weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.scaling_factor != 1.0:
-            weights = weights * self.scaling_factor
-        return weights, ids
-
-    def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """The top-k experts of each token by the (bias-corrected, group-limited) scores [N, E]."""
-        if self.e_score_correction_bias is not None:
-            scores = scores + self.e_score_correction_bias
-        if self.num_groups > 1:
-            grouped = scores.view(scores.shape[0], self.num_groups, -1)
-            if self.group_score == "max":
-                group_scores = grouped.max(dim=-1).values
-            else:
-                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-            best_groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
-            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-            scores = grouped.masked_fill(~kept[..., None], float("-inf")).view_as(scores)
-        return scores.topk(self.top_k, dim=-1, sorted=False)[1]
+        # The logits in float32 wherever the scores are more than a softmax of them (as HF computes them).
+        plain_softmax = self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None
+        logits = F.linear(x, self.weight) if plain_softmax else F.linear(x.float(), self.weight.float())
+        return route_topk(logits, self.e_score_correction_bias, self.top_k, self.scoring, self.renormalize,
+                          self.num_groups, self.topk_groups, self.group_score, self.scaling_factor)
 
     def extra_repr(self) -> str:
         options = f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.renormalize}"

@@ -4,8 +4,10 @@ Experts are stacked as HuggingFace transformers 5 stores them: ``gate_up [E, 2 *
 first, then up) and ``down [E, H, I]``. A token's output is the sum over its top-k experts of
 ``weight * down_e(act(gate_e(x)) * up_e(x))``.
 
-On CUDA the pairs are grouped by expert, then run through one of two grouped-GEMM kernels, chosen by
-the number of (token, slot) pairs (``GROUPED_MM_MIN_PAIRS``, set by measurement): the Triton fused-MoE kernel
+On CUDA, up to ``DECODE_MAX_PAIRS`` (token, slot) pairs in fp16/bf16 (a decode step) run the decode kernel
+(``ops_cuda/moe_decode.py``): each picked expert's weights streamed once, no sort. More pairs are grouped by
+expert, then run through one of two grouped-GEMM kernels, chosen by
+the number of pairs (``GROUPED_MM_MIN_PAIRS``, set by measurement): the Triton fused-MoE kernel
 (``ops_cuda/moe_triton.py``; fp16, bf16, fp32), which reads only the experts that have tokens, or PyTorch's
 grouped GEMM (``ops_cuda/moe_grouped_mm.py``; bf16 on sm90/sm100 with H and I multiples of 8). Anything neither
 takes runs the reference below, whose grouped form reads the expert loads on the host and so under
@@ -94,14 +96,25 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
 # 128 pairs 104.5 / 150.8, 2048 pairs 252.4 / 246.4, 8192 pairs 358.2 / 423.6, 32768 pairs 1145 / 836.
 # Triton wins or ties up to 8192 pairs and loses by 27% at 32768: the switch sits between the two.
 GROUPED_MM_MIN_PAIRS = 16384
+# Up to this many pairs, fp16/bf16, the decode kernel runs the experts: it reads each picked expert once
+# and launches three kernels (gate_up, down, combine) where the fused-MoE kernel launches six or more (sort,
+# searchsorted, align, gate_up, down, combine). A conservative default, 8 tokens of top-8: the rows for 1
+# to 16 tokens of `python3 benchmarks/bench_moe.py --task kernels` ("decode" beside "triton") place it.
+DECODE_MAX_PAIRS = 64
+DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
-    """Which kernel the op's CUDA dispatch runs on these inputs: "grouped_mm", "triton" or "reference"."""
+    """Which kernel the op's CUDA dispatch runs on these inputs: "decode", "grouped_mm", "triton" or
+    "reference"."""
     # triton (and the grouped-GEMM path) are imported only where a kernel runs
+    from ops_cuda.moe_decode import decode_supported
     from ops_cuda.moe_grouped_mm import grouped_mm_supported
     from ops_cuda.moe_triton import triton_supported
 
+    if (topk_ids.numel() <= DECODE_MAX_PAIRS and hidden.dtype in DECODE_DTYPES
+            and decode_supported(hidden, topk_ids, gate_up, down, activation)):
+        return "decode"
     if topk_ids.numel() >= GROUPED_MM_MIN_PAIRS and grouped_mm_supported(hidden, gate_up, down):
         return "grouped_mm"
     if triton_supported(hidden, gate_up, down, activation):
@@ -111,10 +124,13 @@ def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
 
 @moe_experts_op.register_kernel("cuda")
 def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
+    from ops_cuda.moe_decode import moe_experts_decode
     from ops_cuda.moe_grouped_mm import moe_experts_grouped_mm
     from ops_cuda.moe_triton import moe_experts_triton
 
     kernel = cuda_kernel(hidden, topk_ids, gate_up, down, activation)
+    if kernel == "decode":
+        return moe_experts_decode(hidden, topk_weights, topk_ids, gate_up, down, activation)
     if kernel == "grouped_mm":
         return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, gate_up, down, activation)
     if kernel == "triton":

@@ -1,7 +1,8 @@
 """The CUDA kernels of ``zoo::moe_experts`` against the op's PyTorch reference: the grouped GEMMs
-(``ops_cuda/moe_grouped_mm.py``, bf16 on sm90/sm100) and the Triton fused-MoE kernel
+(``ops_cuda/moe_grouped_mm.py``, bf16 on sm90/sm100), the Triton fused-MoE kernel
 (``ops_cuda/moe_triton.py``, fp16 and bf16 here; float32 and the CPU interpreter in
-``tests/ops/test_moe_triton.py``), each forced through the dispatch's threshold: uneven expert loads,
+``tests/ops/test_moe_triton.py``) and the decode kernel (``ops_cuda/moe_decode.py``; its interpreter
+tests in ``tests/ops/test_moe_decode.py``), each forced through the dispatch's thresholds: uneven expert loads,
 experts without tokens, one expert for all, one token, none; Qwen3-30B-A3B layer shapes; buffers poisoned
 with NaN; under CUDA-graph capture with the routing changed between replays; and a tiny Qwen3-MoE through
 the runtime giving the same greedy tokens eagerly and with CUDA graphs. The dispatch itself: which kernel
@@ -15,7 +16,8 @@ import torch
 
 import ops_cuda.moe
 from ops_cuda import moe_experts
-from ops_cuda.moe import GROUPED_MM_MIN_PAIRS, cuda_kernel, moe_experts_reference
+from ops_cuda.moe import DECODE_MAX_PAIRS, GROUPED_MM_MIN_PAIRS, cuda_kernel, moe_experts_reference
+from ops_cuda.moe_decode import DECODE_MAX_TOKENS
 
 pytestmark = pytest.mark.gpu
 
@@ -24,19 +26,24 @@ pytestmark = pytest.mark.gpu
 # at the largest values. The same in fp16, whose unit in the last place is 2^-10 relative (with margin).
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 5e-3}
 # (dtype, kernel) pairs the tests force through the dispatch: grouped_mm takes bf16 only.
-KERNELS = [(torch.bfloat16, "grouped_mm"), (torch.bfloat16, "triton"), (torch.float16, "triton")]
-KERNEL_IDS = ["bf16-grouped_mm", "bf16-triton", "fp16-triton"]
+KERNELS = [(torch.bfloat16, "grouped_mm"), (torch.bfloat16, "triton"), (torch.float16, "triton"),
+           (torch.bfloat16, "decode"), (torch.float16, "decode")]
+KERNEL_IDS = ["bf16-grouped_mm", "bf16-triton", "fp16-triton", "bf16-decode", "fp16-decode"]
 
 
 def fast_path_device() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
 
 
-def force_kernel(monkeypatch, kernel: str) -> None:
-    """Moves the dispatch's threshold so that ``kernel`` runs whatever the number of pairs."""
+def force_kernel(monkeypatch, kernel: str, tokens: int = 1) -> None:
+    """Moves the dispatch's thresholds so that ``kernel`` runs whatever the number of pairs (the decode
+    kernel: up to DECODE_MAX_TOKENS tokens)."""
     if kernel == "grouped_mm" and not fast_path_device():
         pytest.skip("torch's grouped GEMM kernel needs sm90/sm100")
+    if kernel == "decode" and not 0 < tokens <= DECODE_MAX_TOKENS:
+        pytest.skip(f"the decode kernel takes 1 to {DECODE_MAX_TOKENS} tokens")
     monkeypatch.setattr(ops_cuda.moe, "GROUPED_MM_MIN_PAIRS", 0 if kernel == "grouped_mm" else 1 << 62)
+    monkeypatch.setattr(ops_cuda.moe, "DECODE_MAX_PAIRS", 1 << 62 if kernel == "decode" else 0)
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
@@ -115,14 +122,20 @@ def check(hidden, weights, ids, gate_up, down, activation, kernel):
 
 
 def test_dispatch_picks_the_kernel():
-    """grouped_mm from GROUPED_MM_MIN_PAIRS pairs on, for what it takes (bf16 on sm90/sm100, 16-byte rows);
-    the Triton kernel below that and for what grouped_mm does not take; the reference for mixed dtypes."""
+    """The decode kernel up to DECODE_MAX_PAIRS pairs in fp16/bf16; grouped_mm from GROUPED_MM_MIN_PAIRS pairs
+    on, for what it takes (bf16 on sm90/sm100, 16-byte rows); the Triton kernel between them and for what
+    neither takes; the reference for mixed dtypes."""
     gate_up, down = experts(8, 64, 32, torch.bfloat16)
     few = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
     many = torch.randn(GROUPED_MM_MIN_PAIRS, 64, device="cuda", dtype=torch.bfloat16)  # top-1: a pair per token
     few_ids, many_ids = routed(5, 2, list(range(8)), seed=0)[1], routed(len(many), 1, list(range(8)), seed=0)[1]
     large = "grouped_mm" if fast_path_device() else "triton"
-    assert cuda_kernel(few, few_ids, gate_up, down, "silu") == "triton"
+    assert cuda_kernel(few, few_ids, gate_up, down, "silu") == "decode"
+    assert cuda_kernel(few.half(), few_ids, gate_up.half(), down.half(), "silu") == "decode"
+    assert cuda_kernel(few.float(), few_ids, gate_up.float(), down.float(), "silu") == "triton"
+    top8 = routed(DECODE_MAX_PAIRS // 8 + 1, 8, list(range(8)), seed=0)[1]
+    assert cuda_kernel(many[: DECODE_MAX_PAIRS // 8], top8[:-1], gate_up, down, "silu") == "decode"
+    assert cuda_kernel(many[: DECODE_MAX_PAIRS // 8 + 1], top8, gate_up, down, "silu") == "triton"
     assert cuda_kernel(many, many_ids, gate_up, down, "silu") == large
     assert cuda_kernel(many[:-1], many_ids[:-1], gate_up, down, "silu") == "triton"  # one pair short
     for dtype in (torch.float16, torch.float32):
@@ -167,8 +180,8 @@ CASES = {
 @pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(case, dtype, kernel, activation, monkeypatch):
-    force_kernel(monkeypatch, kernel)
     spec = CASES[case]
+    force_kernel(monkeypatch, kernel, spec["tokens"])
     gate_up, down = experts(16, 256, 128, dtype)
     hidden = torch.randn(spec["tokens"], 256, device="cuda").to(dtype)
     weights, ids = routed(spec["tokens"], spec["top_k"], spec["allowed"], seed=1)
@@ -181,7 +194,7 @@ def test_qwen3_30b_a3b_layer_shape(tokens, dtype, kernel, monkeypatch):
     """128 experts of 2048 -> 768 -> 2048, top-8 (one layer of Qwen3-30B-A3B): decode steps (most experts
     empty or with one row; the Triton kernel's 16-row blocks up to 256 tokens) and prefill chunks (its
     64-row blocks; ~256 rows per expert at 4096 tokens)."""
-    force_kernel(monkeypatch, kernel)
+    force_kernel(monkeypatch, kernel, tokens)
     gate_up, down = experts(128, 2048, 768, dtype)
     hidden = torch.randn(tokens, 2048, device="cuda", dtype=dtype)
     weights, ids = router(tokens, 128, 8, seed=tokens)
@@ -210,6 +223,36 @@ def test_fake_kernel_matches_cuda_kernel(dtype, kernel, monkeypatch):
     weights, ids = routed(9, 2, [0, 1, 3], seed=2)
     args = (torch.randn(9, 256, device="cuda", dtype=dtype), weights, ids, gate_up, down, "silu")
     torch.library.opcheck(torch.ops.zoo.moe_experts.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_decode_kernel_skips_experts_of_other_ranks(tokens, dtype):
+    """Ids of -1 (experts on another rank under expert parallelism) add nothing: the reference on the other
+    pairs, a token whose experts are all elsewhere gives zeros. Qwen3-30B-A3B expert shapes, 32 experts."""
+    gate_up, down = experts(32, 2048, 768, dtype)
+    hidden = torch.randn(tokens, 2048, device="cuda", dtype=dtype)
+    weights, ids = router(tokens, 32, 8, seed=tokens)
+    ids[:, 1::3] = -1
+    ids[0] = -1
+    assert cuda_kernel(hidden, ids, gate_up, down, "silu") == "decode"
+    ours = run_poisoned(hidden, weights, ids, gate_up, down, "silu")
+    missing = ids < 0
+    reference = moe_experts_reference(hidden, weights.masked_fill(missing, 0.0), ids.masked_fill(missing, 0), gate_up,
+                                      down, "silu")
+    assert not ours.isnan().any()
+    assert torch.equal(ours[0], torch.zeros_like(ours[0]))
+    if tokens > 1:
+        assert relative_error(ours, reference) < TOL[dtype]
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_decode_kernel_deepseek_v3_expert_shape(tokens):
+    """DeepSeek-V3's expert shape (7168 -> 2048 -> 7168, top-8; 16 experts here rather than 256)."""
+    gate_up, down = experts(16, 7168, 2048, torch.bfloat16)
+    weights, ids = router(tokens, 16, 8, seed=tokens)
+    check(torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16), weights * 2.5, ids, gate_up, down, "silu",
+          "decode")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""The Triton kernel of ``zoo::route_topk``: a token's routing in one program, after the router's logits.
+
+    scores  = softmax(logits) or sigmoid(logits), float32            [E]
+    choice  = scores + correction bias                                (to choose only)
+    groups  : each group's best choice, or its two best summed; the topk_groups best groups kept,
+              the other groups' experts out of the choice
+    top-k   : k times the largest remaining choice (the lowest id among equals), its score the weight
+    weights : renormalised to sum to one, times the scaling factor
+
+One program per token holds all E scores (E up to ``ops_cuda.router.ROUTER_KERNEL_MAX_EXPERTS``); every
+shape depends on N, E and k only, so the op runs under CUDA-graph capture.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _best(values, index, BLOCK: tl.constexpr):
+    # The largest value of a vector and its lowest index among equals.
+    top = tl.max(values, 0)
+    return tl.min(tl.where(values == top, index, BLOCK), 0)
+
+
+@triton.jit
+def _route_topk_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, logits_stride, scaling_factor,
+    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + token * logits_stride + experts, mask=valid, other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        exps = tl.exp(logits - tl.max(logits, 0))  # padding: exp(-inf) = 0
+        scores = exps / tl.sum(exps, 0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    choice = scores
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if NUM_GROUPS > 1:
+        groups = tl.arange(0, BLOCK_G)
+        member = ((experts[None, :] // group_size) == groups[:, None]) & valid[None, :]  # [BLOCK_G, BLOCK_E]
+        in_group = tl.where(member, choice[None, :], float("-inf"))
+        group_scores = tl.max(in_group, 1)
+        if GROUP_TOP2:  # the best again with the best's expert left out: the second best
+            first = tl.min(tl.where(in_group == group_scores[:, None], experts[None, :], BLOCK_E), 1)
+            group_scores += tl.max(tl.where(experts[None, :] == first[:, None], float("-inf"), in_group), 1)
+        group_scores = tl.where(groups < NUM_GROUPS, group_scores, float("-inf"))
+        kept = tl.zeros([BLOCK_G], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUPS):
+            group = _best(group_scores, groups, BLOCK_G)
+            kept = tl.where(groups == group, 1, kept)
+            group_scores = tl.where(groups == group, float("-inf"), group_scores)
+        kept_expert = tl.sum(tl.where(member, kept[:, None], 0), 0) > 0
+        choice = tl.where(kept_expert, choice, float("-inf"))
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        expert = _best(choice, experts, BLOCK_E)
+        picked = experts == expert
+        weights = tl.where(slots == k, tl.sum(tl.where(picked, scores, 0.0), 0), weights)
+        ids = tl.where(slots == k, expert.to(tl.int64), ids)
+        choice = tl.where(picked, float("-inf"), choice)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)  # slots past k hold zero
+    weights = weights * scaling_factor
+    tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def route_topk_triton(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    num_groups: int,
+    topk_groups: int,
+    group_score: str,
+    scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``zoo::route_topk`` on options ``layers.TopKRouter`` has checked."""
+    num_tokens, num_experts = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    bias = correction_bias.contiguous() if correction_bias is not None else logits
+    _route_topk_kernel[(num_tokens,)](
+        logits, bias, weights, ids, num_experts, num_experts // num_groups, logits.stride(0), float(scaling_factor),
+        TOP_K=top_k, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None, NUM_GROUPS=num_groups,
+        TOPK_GROUPS=topk_groups, GROUP_TOP2=group_score == "top2_sum", RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(num_groups),
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=2,
+    )
+    return weights, ids

@@ -1,0 +1,87 @@
+"""The decode kernel of ``zoo::moe_experts`` (``ops_cuda/moe_decode.py``) against the op's PyTorch
+reference, in Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1): tiny
+experts in float32 and float16 (the interpreter's bfloat16 tl.dot is wrong), one token and several,
+experts shared by several tokens, ids of -1 (experts on another rank), a token listing an expert twice,
+a top-k that is not a power of two. The bf16/fp16 GPU cases, CUDA-graph replay and the dispatch are in
+``tests/ops/test_moe_gpu.py``.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ops_cuda.moe import moe_experts_reference  # noqa: E402
+from ops_cuda.moe_decode import DECODE_MAX_TOKENS, decode_supported, moe_experts_decode  # noqa: E402
+from tests.ops.test_moe_triton import TOL, assert_close, experts  # noqa: E402
+
+NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 40, 24  # H and I: partial column and K tiles
+
+
+def reference_skipping_missing(hidden, weights, ids, gate_up, down, activation):
+    """The reference with each id of -1 (not on this rank) read as expert 0 at weight zero: what skipping it gives."""
+    missing = ids < 0
+    return moe_experts_reference(hidden, weights.masked_fill(missing, 0.0), ids.masked_fill(missing, 0), gate_up,
+                                 down, activation)
+
+
+def inputs(ids, dtype, seed=0):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, INTERMEDIATE, dtype, seed=seed)
+    hidden = torch.randn(ids.shape[0], HIDDEN, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(seed + 2)).softmax(-1)
+    return hidden, weights, ids, gate_up, down
+
+
+# name -> topk ids [tokens, k] on NUM_EXPERTS experts
+CASES = {
+    "one_token": [[3, 0, 6, 1]],
+    "one_token_top1": [[5]],
+    "shared_experts": [[1, 2], [2, 1], [1, 7], [7, 2], [2, 5]],  # expert 2 read once for four tokens
+    "all_tokens_one_expert": [[4]] * 6,
+    "missing_experts": [[-1, 3, -1, 0], [3, -1, -1, -1], [-1, -1, -1, -1], [0, 5, 3, -1]],  # a token with none
+    "repeated_in_a_token": [[2, 2, 6], [6, 1, 6]],  # each listing counted, as the reference counts it
+    "top3": [[0, 4, 7], [7, 6, 5], [1, 0, 4]],  # slots padded to 4
+    "sixteen_tokens": [[(3 * t + j) % 8 for j in range(8)] for t in range(16)],  # 128 pairs, every expert
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_interpreted(case, dtype):
+    args = inputs(CASES[case], dtype)
+    ours = moe_experts_decode(*args, "silu")
+    assert_close(ours, reference_skipping_missing(*args, "silu"), TOL[dtype])
+    if case == "missing_experts":
+        assert torch.equal(ours[2], torch.zeros(HIDDEN, dtype=dtype)), "a token with no expert here gives zeros"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("activation", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_activations_interpreted(activation):
+    hidden, weights, ids, gate_up, down = inputs([[0, 3], [3, 5], [6, 0]], torch.float32, seed=3)
+    hidden = hidden * 3  # reach the activations' tails
+    ours = moe_experts_decode(hidden, weights, ids, gate_up, down, activation)
+    assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, activation), TOL[torch.float32])
+
+
+@pytest.mark.interpreter
+def test_int32_ids_and_strided_hidden_interpreted():
+    hidden, weights, ids, gate_up, down = inputs([[1, 4], [4, 0], [2, 1]], torch.float16, seed=4)
+    strided = torch.cat([hidden, hidden], dim=1)[:, HIDDEN:]
+    assert strided.stride(-1) == 1 and strided.stride(0) == 2 * HIDDEN
+    ours = moe_experts_decode(strided, weights, ids.int(), gate_up, down, "silu")
+    assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, "silu"), TOL[torch.float16])
+
+
+def test_supported_inputs():
+    hidden, _, ids, gate_up, down = inputs([[1, 4]], torch.float16)
+    assert decode_supported(hidden, ids, gate_up, down, "silu")
+    assert not decode_supported(hidden, ids, gate_up, down, "tanh")  # no kernel formula
+    assert not decode_supported(hidden.float(), ids, gate_up, down, "silu")  # mixed dtypes
+    assert not decode_supported(hidden[:0], ids[:0], gate_up, down, "silu")  # no pairs
+    many = hidden.expand(DECODE_MAX_TOKENS + 1, -1)
+    assert decode_supported(many[:-1], ids.expand(DECODE_MAX_TOKENS, -1), gate_up, down, "silu")
+    assert not decode_supported(many, ids.expand(DECODE_MAX_TOKENS + 1, -1), gate_up, down, "silu")
+    assert not decode_supported(hidden, ids, gate_up[:, :-2], down, "silu")  # gate_up rows != 2 I

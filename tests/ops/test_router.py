@@ -1,0 +1,123 @@
+"""``zoo::route_topk``: the Triton router kernel (``ops_cuda/router_triton.py``) against the op's PyTorch
+reference, in Triton's interpreter on CPU tensors and on the GPU: every option of ``layers.TopKRouter``
+(softmax or sigmoid, correction bias, group-limited top-k scored by the best expert or the two best,
+renormalisation, scaling), expert counts that are not powers of two, DeepSeek-V3's and Qwen3's routers.
+A token's ids may come out in another order than the reference's: both are sorted by id to compare.
+"""
+
+import pytest
+import torch
+
+from ops_cuda.router import route_topk, route_topk_reference
+
+# name -> (experts, route_topk options after the logits and bias)
+CASES = {
+    "qwen3": (128, dict(top_k=8, scoring="softmax", renormalize=True, num_groups=1, topk_groups=1,
+                        group_score="top2_sum", scaling_factor=1.0)),
+    "mixtral_not_renormalised": (8, dict(top_k=2, scoring="softmax", renormalize=False, num_groups=1, topk_groups=1,
+                                         group_score="top2_sum", scaling_factor=1.0)),
+    "qwen2_moe_60_experts": (60, dict(top_k=4, scoring="softmax", renormalize=False, num_groups=1, topk_groups=1,
+                                      group_score="top2_sum", scaling_factor=1.0)),
+    "deepseek_v3": (256, dict(top_k=8, scoring="sigmoid", renormalize=True, num_groups=8, topk_groups=4,
+                              group_score="top2_sum", scaling_factor=2.5)),
+    "deepseek_v2_group_max": (160, dict(top_k=6, scoring="softmax", renormalize=False, num_groups=8, topk_groups=3,
+                                        group_score="max", scaling_factor=16.0)),
+    "sigmoid_no_groups": (24, dict(top_k=3, scoring="sigmoid", renormalize=False, num_groups=1, topk_groups=1,
+                                   group_score="top2_sum", scaling_factor=1.0)),
+    "three_groups_of_six": (18, dict(top_k=5, scoring="sigmoid", renormalize=True, num_groups=3, topk_groups=2,
+                                     group_score="top2_sum", scaling_factor=1.0)),
+}
+BIASED = {"deepseek_v3", "three_groups_of_six", "softmax_biased"}
+CASES["softmax_biased"] = (32, dict(CASES["qwen3"][1], top_k=4))
+
+
+def routing_inputs(case, num_tokens, device="cpu", dtype=torch.float32, seed=0):
+    num_experts, options = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bfloat16:  # random bf16 logits tie often: a shuffled grid of values bf16 holds exactly
+        grid = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_tokens)])
+        logits = ((grid - num_experts // 2) / 16).to(device=device, dtype=dtype)
+    else:
+        logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(device=device, dtype=dtype)
+    bias = (torch.randn(num_experts, generator=g) * 0.5).to(device) if case in BIASED else None
+    if options["scoring"] != "softmax" or bias is not None or options["num_groups"] > 1:  # as TopKRouter does
+        logits = logits.float()
+    return logits, bias, options
+
+
+def sorted_by_id(weights, ids):
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
+def check(ours, reference):
+    (weights, ids), (ref_weights, ref_ids) = sorted_by_id(*ours), sorted_by_id(*reference)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_weights.cpu(), rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_interpreted(case):
+    from ops_cuda.router_triton import route_topk_triton
+
+    logits, bias, options = routing_inputs(case, 5)
+    check(route_topk_triton(logits, bias, **options), route_topk_reference(logits, bias, **options))
+
+
+@pytest.mark.interpreter
+def test_half_logits_strided_and_no_tokens_interpreted():
+    from ops_cuda.router_triton import route_topk_triton
+
+    logits, bias, options = routing_inputs("qwen3", 3, dtype=torch.float16)
+    strided = torch.cat([logits, logits], dim=1)[:, 128:]
+    check(route_topk_triton(strided, bias, **options), route_topk_reference(logits, bias, **options))
+    weights, ids = route_topk_triton(logits[:0], bias, **options)
+    assert weights.shape == ids.shape == (0, 8)
+
+
+def test_groups_limit_the_choice():
+    """DeepSeek-V3's choice on hand-made scores: the best experts sit in groups that lose to groups of two
+    good experts, so the top-k comes from those groups only."""
+    logits = torch.full((1, 8), -4.0)
+    logits[0, [0, 1]] = 1.0  # group 0: two good experts
+    logits[0, [4, 5]] = torch.tensor([0.9, 0.8])  # group 2: two good experts
+    logits[0, 2] = 3.0  # group 1: the best expert, alone
+    options = dict(top_k=3, scoring="sigmoid", renormalize=False, num_groups=4, topk_groups=2,
+                   group_score="top2_sum", scaling_factor=1.0)
+    weights, ids = sorted_by_id(*route_topk(logits, None, **options))
+    assert ids.tolist() == [[0, 1, 4]]
+    torch.testing.assert_close(weights, logits[:, [0, 1, 4]].sigmoid())
+    _, by_max = route_topk(logits, None, **dict(options, group_score="max"))
+    assert 2 in by_max.tolist()[0]  # scored by its best expert, group 1 wins
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_gpu(case, tokens):
+    logits, bias, options = routing_inputs(case, tokens, device="cuda", dtype=torch.bfloat16, seed=tokens)
+    check(route_topk(logits, bias, **options), route_topk_reference(logits, bias, **options))
+
+
+@pytest.mark.gpu
+def test_fake_kernel_and_captured_graph_gpu():
+    logits, bias, options = routing_inputs("deepseek_v3", 16, device="cuda")
+    args = (logits, bias, *options.values())
+    torch.library.opcheck(torch.ops.zoo.route_topk.default, args, test_utils=("test_schema", "test_faketensor"))
+    route_topk(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_topk(*args)
+    for seed in range(3):
+        logits.copy_(routing_inputs("deepseek_v3", 16, device="cuda", seed=seed + 1)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        check((weights, ids), route_topk_reference(logits, bias, **options))
