@@ -98,9 +98,10 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
 GROUPED_MM_MIN_PAIRS = 16384
 # Up to this many pairs, fp16/bf16, the decode kernel runs the experts: it reads each picked expert once
 # and launches three kernels (gate_up, down, combine) where the fused-MoE kernel launches six or more (sort,
-# searchsorted, align, gate_up, down, combine). A conservative default, 8 tokens of top-8: the rows for 1
-# to 16 tokens of `python3 benchmarks/bench_moe.py --task kernels` ("decode" beside "triton") place it.
-DECODE_MAX_PAIRS = 64
+# searchsorted, align, gate_up, down, combine). `python3 benchmarks/bench_moe.py --task kernels` (H200,
+# triton 3.6, the shapes above), µs decode / triton: 8 pairs 29.4 / 40.1, 64 pairs 71.8 / 79.5, 128 pairs
+# 87.9 / 90.5, 512 pairs 207.6 / 133.1: the decode kernel wins through 16 tokens of top-8.
+DECODE_MAX_PAIRS = 128
 DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
