@@ -192,7 +192,8 @@ class TensorParallelExperts(Experts):
             Shard(f"{prefix}.{e}.{source}.weight", (e, rows), (self.rows,)) for e in range(self.num_experts)
             for source, rows in (("gate_proj", slice(0, size)), ("up_proj", slice(size, 2 * size)))
         ]
-        down = [Shard(f"{prefix}.{e}.down_proj.weight", (e,), (slice(None), self.rows)) for e in range(self.num_experts)]
+        down = [Shard(f"{prefix}.{e}.down_proj.weight", (e,), (slice(None), self.rows))
+                for e in range(self.num_experts)]
         return {"gate_up_proj": gate_up, "down_proj": down}
 
 
@@ -286,7 +287,8 @@ def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks:
     attention.kv_b_proj = ColumnParallelLinear(
         kv_b.in_features, [head_rows(attention.qk_nope_head_dim + attention.v_head_dim)], ["kv_b_proj"])
     o = attention.o_proj
-    attention.o_proj = RowParallelLinear(head_rows(attention.v_head_dim), o.out_features, group, bias=o.bias is not None)
+    attention.o_proj = RowParallelLinear(head_rows(attention.v_head_dim), o.out_features, group,
+                                         bias=o.bias is not None)
     attention.num_heads = heads.stop - heads.start
 
 

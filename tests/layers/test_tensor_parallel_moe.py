@@ -11,8 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from layers import tensor_parallel
-from layers.parallel import ExpertParallelExperts, TensorParallelExperts
+from layers import ExpertParallelExperts, TensorParallelExperts, tensor_parallel
 from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from ops_cuda.fp8 import FP8_DTYPE
@@ -41,8 +40,9 @@ VARIANTS = {
                    hf_llava, {}, None),  # the vision tower, projector and image_newline replicated
 }
 # An FP8 block-quantised DeepSeek-V3 (blocks of 16 x 32, experts per expert as on the hub), against its
-# dequantised twin: the experts, read whole, stay FP8 on the CPU (whose FP8 ops dequantise and multiply); sliced weights load dequantised.
-# On CUDA the FP8 kernels quantise the activations too, so there it loads dequantised (keep_fp8=False).
+# dequantised twin: the experts, read whole, stay FP8 on the CPU (whose FP8 ops dequantise and multiply);
+# sliced weights load dequantised. On CUDA the FP8 kernels quantise the activations too, so there it
+# loads dequantised (keep_fp8=False).
 FP8_VARIANT = "deepseek_v3-fp8-ep"
 VARIANTS[FP8_VARIANT] = (deepseek_config(), deepseek_hf_model, None, None)
 FP8_QUANTIZATION = {**QUANTIZATION, "weight_block_size": [16, 32]}
@@ -202,7 +202,8 @@ def test_fp8_experts_stay_fp8_and_sliced_weights_load_dequantised(ranks_run):
     for output in outputs:
         dtypes = output["results"][FP8_VARIANT]["dtypes"]
         kept = FP8_DTYPE if device_type == "cpu" else torch.float32
-        assert dtypes["model.layers.1.mlp.experts.gate_up_proj"] == dtypes["model.layers.1.mlp.experts.down_proj"] == kept
+        experts = "model.layers.1.mlp.experts"
+        assert dtypes[f"{experts}.gate_up_proj"] == dtypes[f"{experts}.down_proj"] == kept
         assert dtypes["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] == kept  # replicated: read whole
         for sliced in ("self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.shared_experts.down_proj"):
             assert dtypes[f"model.layers.1.{sliced}.weight"] == torch.float32

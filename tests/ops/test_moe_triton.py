@@ -172,7 +172,8 @@ def test_skipped_ids_add_nothing_in_the_references():
     assert_close(moe_experts_reference(hidden, weights, local_ids, gate_up, down, "silu"), expected, 1e-6)
     assert_close(moe_experts_dense_reference(hidden, weights, local_ids, gate_up, down, "silu"), expected, 1e-6)
     none_held = torch.full_like(ids, -1)
-    assert torch.equal(moe_experts_reference(hidden, weights, none_held, gate_up, down, "silu"), torch.zeros_like(hidden))
+    assert torch.equal(moe_experts_reference(hidden, weights, none_held, gate_up, down, "silu"),
+                       torch.zeros_like(hidden))
 
 
 @pytest.mark.interpreter
