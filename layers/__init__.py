@@ -17,7 +17,9 @@ from layers.moe import Experts, SparseMoE, TopKRouter
 from layers.norm import RMSNorm
 from layers.parallel import (
     ColumnParallelLinear,
+    ExpertParallelExperts,
     RowParallelLinear,
+    TensorParallelExperts,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     tensor_parallel,
@@ -26,9 +28,9 @@ from layers.rotary import RotaryEmbedding, rope_parameters
 from layers.weights import OneOf, Shard
 
 __all__ = [
-    "Attention", "AttentionMetadata", "ColumnParallelLinear", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
+    "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
     "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
-    "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
+    "TensorParallelExperts", "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
     "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
     "select_backend", "tensor_parallel",
 ]

@@ -8,10 +8,11 @@
     mlp.shared_experts                        optional: dense experts every token takes, ungated (DeepSeek)
 
 The experts' math is the ``zoo::moe_experts`` op, the router's after its linear layer ``zoo::route_topk``;
-the shared expert is a plain layer.
+the shared expert is a plain layer. Their tensor- and expert-parallel forms are in ``layers/parallel.py``.
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -148,7 +149,10 @@ class SparseMoE(nn.Module):
     """A sparse MoE MLP: each token through its router's top-k experts, weighted; plus, when
     ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``
     (Qwen2-MoE), or when ``shared_experts_intermediate_size`` is, ``shared_experts(x)`` ungated
-    (DeepSeek). ``router_options`` are ``TopKRouter``'s scoring options."""
+    (DeepSeek). ``router_options`` are ``TopKRouter``'s scoring options.
+
+    Split over ranks (``layers.parallel.tensor_parallel``), each rank's experts and shared experts
+    give a partial output and ``group`` is set: the block's one all-reduce sums the partial outputs."""
 
     def __init__(
         self,
@@ -174,6 +178,7 @@ class SparseMoE(nn.Module):
             self.shared_experts = GatedMLP(hidden_size, shared_experts_intermediate_size, hidden_act)
         else:
             self.shared_experts = None
+        self.group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
@@ -181,4 +186,6 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)
         return out

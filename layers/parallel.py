@@ -12,7 +12,15 @@ tensor it reads (``Shard.source``), so the one loader reads each rank's bytes al
 - the vocabulary-parallel embedding (``VocabParallelEmbedding``: rows of the rank's vocabulary
   range, others zero, all-reduced) and LM head (``VocabParallelLMHead``: the rank's logits,
   gathered); a tied head shares the embedding's slice.
-Norms and rotary tables are replicated.
+- a mixture of experts: each rank holds whole experts (``ExpertParallelExperts``: E / ranks of
+  them) or every expert's slice of intermediate rows (``TensorParallelExperts``), its shared
+  experts column/row-parallel; the block's partial outputs are summed by one all-reduce
+  (``SparseMoE.group``). Every rank holds every token (the activations are replicated after each
+  all-reduce), so the router runs unchanged on each and dispatch is a local selection: no all-to-all.
+- multi-head latent attention: heads split (``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
+  column-parallel by heads, ``o_proj`` row-parallel), the latent path replicated, so every rank
+  caches the same whole latent.
+Norms, rotary tables, routers, a vision tower and its projector are replicated.
 """
 
 import torch
@@ -23,10 +31,13 @@ from torch import nn
 from layers.attention import Attention
 from layers.embedding import LMHead, VocabEmbedding
 from layers.linear import Linear, MergedLinear
+from layers.mla import MLAttention
 from layers.mlp import GatedMLP
+from layers.moe import Experts, SparseMoE, TopKRouter
 from layers.norm import RMSNorm
 from layers.rotary import RotaryEmbedding
-from layers.weights import Shard, parent_of
+from layers.vision import CLIPVisionTower, MultiModalProjector
+from layers.weights import OneOf, Shard, parent_of
 from ops_cuda.linear import linear
 
 
@@ -65,9 +76,12 @@ class ColumnParallelLinear(MergedLinear):
 
 
 class RowParallelLinear(Linear):
-    """The rank's ``columns`` of the input features; the outputs of all ranks summed."""
+    """The rank's ``columns`` of the input features; the outputs of all ranks summed over ``group``,
+    or by the caller where ``group`` is None (a mixture of experts sums its parts in one all-reduce)."""
 
     def __init__(self, columns: slice, out_features: int, group, bias: bool = False):
+        if bias and group is None:
+            raise ValueError("a row-parallel bias is added once, after the all-reduce: it needs the group")
         super().__init__(columns.stop - columns.start, out_features, bias, fp8=False)
         self.columns, self.group = columns, group
 
@@ -79,7 +93,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, None, self.packed)
-        dist.all_reduce(y, group=self.group)
+        if self.group is not None:
+            dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -124,16 +139,95 @@ class VocabParallelLMHead(LMHead):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-def tensor_parallel(model: nn.Module, group) -> nn.Module:
+class ExpertParallelExperts(Experts):
+    """The rank's ``experts`` (a range of the ``num_experts``) whole. Routed ids of other ranks'
+    experts become -1, which the expert op skips: the rank's output is its experts' part of the sum.
+    Declares only its experts' tensors as read (the others ``Shard.elsewhere``), or its slice of
+    the stacked tensors."""
+
+    def __init__(self, experts: slice, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__(experts.stop - experts.start, hidden_size, intermediate_size, hidden_act)
+        self.experts, self.total_experts = experts, num_experts
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
+        size = self.intermediate_size
+        gate_up, down = [], []
+        for e in range(self.total_experts):
+            names = [f"{prefix}.{e}.{source}.weight" for source in ("gate_proj", "up_proj", "down_proj")]
+            if self.experts.start <= e < self.experts.stop:
+                local = e - self.experts.start
+                gate_up += [Shard(names[0], (local, slice(0, size))), Shard(names[1], (local, slice(size, 2 * size)))]
+                down.append(Shard(names[2], (local,)))
+            else:
+                gate_up += [Shard.elsewhere(names[0]), Shard.elsewhere(names[1])]
+                down.append(Shard.elsewhere(names[2]))
+        return {
+            "gate_up_proj": OneOf(gate_up, [Shard(f"{prefix}.gate_up_proj", (), (self.experts,))]),
+            "down_proj": OneOf(down, [Shard(f"{prefix}.down_proj", (), (self.experts,))]),
+        }
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        local = topk_ids - self.experts.start
+        held = (local >= 0) & (local < self.num_experts)
+        return super().forward(x, topk_weights, torch.where(held, local, -1))
+
+    def extra_repr(self) -> str:
+        return f"experts={self.experts.start}..{self.experts.stop - 1} of {self.total_experts}, " + super().extra_repr()
+
+
+class TensorParallelExperts(Experts):
+    """Every expert's ``rows`` of its intermediate size (its gate and up rows, its down columns): the
+    rank's output is its rows' part of every expert's. Sliced tensors load dequantised. Reads the
+    per-expert layout of the hub's checkpoints (a stacked gate_up tensor would be read twice, its
+    gate rows and its up rows: the loader reads each tensor once)."""
+
+    def __init__(self, rows: slice, num_experts: int, hidden_size: int, hidden_act: str):
+        super().__init__(num_experts, hidden_size, rows.stop - rows.start, hidden_act)
+        self.fp8_parameters = ()
+        self.rows = rows
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
+        size = self.intermediate_size
+        gate_up = [
+            Shard(f"{prefix}.{e}.{source}.weight", (e, rows), (self.rows,)) for e in range(self.num_experts)
+            for source, rows in (("gate_proj", slice(0, size)), ("up_proj", slice(size, 2 * size)))
+        ]
+        down = [Shard(f"{prefix}.{e}.down_proj.weight", (e,), (slice(None), self.rows))
+                for e in range(self.num_experts)]
+        return {"gate_up_proj": gate_up, "down_proj": down}
+
+
+def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None) -> nn.Module:
     """Replace, in place, the dense layers of ``model`` (built on the meta device, not loaded) by
     their parallel forms for this process's rank in ``group`` (a ``torch.distributed`` process
-    group): attention, gated MLP, embedding and LM head. Raises for a module with weights it cannot
-    split (experts, latent attention, a vision tower), and for sizes the ranks do not divide."""
+    group): attention, latent attention, gated MLP, mixture of experts, embedding and LM head.
+    ``expert_parallel``: a mixture of experts holds whole experts per rank (True) or every expert's
+    slice of intermediate rows (False); None: whole experts where the ranks divide the experts.
+    Routers, norms, rotary tables, a vision tower and its projector, and the parameters a module names
+    in ``replicated_parameters`` are replicated. Raises for a module with weights it cannot split,
+    and for sizes the ranks do not divide."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     embeddings: dict[int, VocabParallelEmbedding] = {}
+    replicated: set[int] = set()  # modules every rank holds whole
+    split: set[int] = set()  # shared experts, split with their mixture of experts
     for name, module in list(model.named_modules()):
-        if isinstance(module, Attention):
+        if id(module) in split or id(module) in replicated:
+            continue
+        if isinstance(module, (CLIPVisionTower, MultiModalProjector)):
+            replicated.update(id(m) for m in module.modules())
+        elif isinstance(module, Attention):
             _split_attention(module, name, rank, ranks, group)
+        elif isinstance(module, MLAttention):
+            _split_latent_attention(module, name, rank, ranks, group)
+            latent = [module.kv_a_proj_with_mqa, module.kv_a_layernorm]
+            if module.q_lora_rank is not None:
+                latent += [module.q_a_proj, module.q_a_layernorm]
+            replicated.update(id(m) for m in latent)
+        elif isinstance(module, SparseMoE):
+            _split_moe(module, name, rank, ranks, group, expert_parallel)
+            split.update(id(m) for m in (module.shared_expert, module.shared_experts) if m is not None)
+            if module.shared_expert_gate is not None:
+                replicated.add(id(module.shared_expert_gate))
         elif isinstance(module, GatedMLP):
             _split_mlp(module, rank, ranks, group)
         elif type(module) is VocabEmbedding:
@@ -145,13 +239,15 @@ def tensor_parallel(model: nn.Module, group) -> nn.Module:
             vocab_size, hidden_size = module.weight.shape
             _replace(model, name, VocabParallelLMHead(rank_range(vocab_size, rank, ranks), vocab_size, hidden_size,
                                                       group, ranks, tie_to=embeddings.get(id(module.weight))))
-    parallel_types = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead)
+    parallel_types = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead,
+                      ExpertParallelExperts, TensorParallelExperts)
     for name, module in model.named_modules():
-        if isinstance(module, parallel_types) or isinstance(module, (RMSNorm, RotaryEmbedding)):
+        if isinstance(module, parallel_types + (RMSNorm, RotaryEmbedding, TopKRouter)) or id(module) in replicated:
             continue
-        if next(module.parameters(recurse=False), None) is not None:
-            raise NotImplementedError(f"tensor parallelism cannot split {name} ({type(module).__name__}): "
-                                      "it splits attention, gated MLPs, embeddings and LM heads")
+        own = {local for local, _ in module.named_parameters(recurse=False)}
+        if own - set(getattr(module, "replicated_parameters", ())):
+            raise NotImplementedError(f"tensor parallelism cannot split {name} ({type(module).__name__}): it splits "
+                                      "attention, latent attention, gated MLPs, experts, embeddings and LM heads")
     return model
 
 
@@ -175,6 +271,46 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
     o = attention.o_proj
     attention.o_proj = RowParallelLinear(rows[0], o.out_features, group, bias=o.bias is not None)
     attention.num_heads, attention.num_kv_heads = q_heads.stop - q_heads.start, kv.stop - kv.start
+
+
+def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks: int, group) -> None:
+    heads = split_evenly(attention.num_heads, rank, ranks, f"{name}'s attention heads")
+
+    def head_rows(head_size: int) -> slice:
+        return slice(heads.start * head_size, heads.stop * head_size)
+
+    q_head = attention.qk_nope_head_dim + attention.qk_rope_head_dim
+    q_name = "q_proj" if attention.q_lora_rank is None else "q_b_proj"
+    q = getattr(attention, q_name)
+    setattr(attention, q_name, ColumnParallelLinear(q.in_features, [head_rows(q_head)], [q_name]))
+    kv_b = attention.kv_b_proj
+    attention.kv_b_proj = ColumnParallelLinear(
+        kv_b.in_features, [head_rows(attention.qk_nope_head_dim + attention.v_head_dim)], ["kv_b_proj"])
+    o = attention.o_proj
+    attention.o_proj = RowParallelLinear(head_rows(attention.v_head_dim), o.out_features, group,
+                                         bias=o.bias is not None)
+    attention.num_heads = heads.stop - heads.start
+
+
+def _split_moe(moe: SparseMoE, name: str, rank: int, ranks: int, group, expert_parallel: bool | None) -> None:
+    experts = moe.experts
+    num_experts, intermediate = experts.num_experts, experts.intermediate_size
+    hidden_size = experts.gate_up_proj.shape[2]
+    if expert_parallel is None:
+        if num_experts % ranks and intermediate % ranks:
+            raise ValueError(f"parallelism over {ranks} ranks: {name} has {num_experts} experts of intermediate size "
+                             f"{intermediate}, neither a multiple of {ranks}")
+        expert_parallel = num_experts % ranks == 0
+    if expert_parallel:
+        held = split_evenly(num_experts, rank, ranks, f"{name}'s experts")
+        moe.experts = ExpertParallelExperts(held, num_experts, hidden_size, intermediate, experts.hidden_act)
+    else:
+        rows = split_evenly(intermediate, rank, ranks, f"{name}'s expert intermediate size")
+        moe.experts = TensorParallelExperts(rows, num_experts, hidden_size, experts.hidden_act)
+    for shared in (moe.shared_expert, moe.shared_experts):
+        if shared is not None:  # its partial output joins the experts' in the block's all-reduce
+            _split_mlp(shared, rank, ranks, None)
+    moe.group = group
 
 
 def _split_mlp(mlp: GatedMLP, rank: int, ranks: int, group) -> None:

@@ -16,11 +16,17 @@ from dataclasses import dataclass
 class Shard:
     """The checkpoint tensor ``name``, or only its part ``name[source]``, fills ``parameter[index]``
     (index tuples of ints/slices). A tensor-parallel layer declares the part its rank holds in
-    ``source``; the loader then reads only that part's bytes."""
+    ``source``; the loader then reads only that part's bytes. ``source=None`` (``elsewhere``): a
+    tensor another rank holds whole (an expert of expert parallelism), part of the layout but never
+    read here; its ``index`` is empty."""
 
     name: str
     index: tuple = ()
-    source: tuple = ()
+    source: tuple | None = ()
+
+    @classmethod
+    def elsewhere(cls, name: str) -> "Shard":
+        return cls(name, (slice(0, 0),), None)
 
 
 class OneOf(tuple):

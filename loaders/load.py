@@ -70,7 +70,7 @@ def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...
             declaration = declared.get(local_name, [Shard(name)])
             options = list(declaration) if isinstance(declaration, OneOf) else [tuple(declaration)]
             for layout in options:
-                covered = sum(param[shard.index].numel() for shard in layout)
+                covered = sum(param[shard.index].numel() for shard in layout if shard.source is not None)
                 assert covered == param.numel(), f"{name}: declared shards cover {covered} of {param.numel()} elements"
             for layout in list(options):
                 names = [shard.name for shard in layout]
@@ -104,7 +104,8 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple, tup
 
 
 def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, tuple[str, tuple, tuple]]:
-    """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem."""
+    """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem.
+    Returns the tensors this rank reads: not those its layouts name as another rank's (``Shard.elsewhere``)."""
     targets, missing = choose_layouts(declared_layouts(model), checkpoint)
     ignored = [re.compile(pattern) for pattern in getattr(model, "ignored_checkpoint_keys", ())]
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {t[0] for t in targets.values()}
@@ -118,6 +119,7 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
         problems.append(f"unexpected tensors (no parameter takes them): {name_list(unexpected, checkpoint)}")
     if missing:
         problems.append(f"missing tensors: {name_list(missing)}")
+    targets = {name: target for name, target in targets.items() if target[2] is not None}
     for name, (param_name, index, source) in targets.items():
         ref = checkpoint.get(name)
         if ref is None:

@@ -119,16 +119,17 @@ def validate_config(config, checkpoint: dict[str, TensorRef], origin: str) -> No
                               f"'num_key_value_heads' ({kv_heads})")
 
 
-def _build_on_meta(config, source: str, tensor_parallel=None) -> nn.Module:
+def _build_on_meta(config, source: str, tensor_parallel=None, expert_parallel: bool | None = None) -> nn.Module:
     with torch.device("meta"):
         model = model_class_for(config, source)(config)
-        return model if tensor_parallel is None else layers.tensor_parallel(model, tensor_parallel)
+        return model if tensor_parallel is None else layers.tensor_parallel(model, tensor_parallel, expert_parallel)
 
 
 class AutoModelForCausalLM:
     @staticmethod
     def from_pretrained(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu",
-                        keep_fp8: bool | None = None, mmap: bool = True, tensor_parallel=None):
+                        keep_fp8: bool | None = None, mmap: bool = True, tensor_parallel=None,
+                        expert_parallel: bool | None = None):
         """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id, in ``dtype``
         (a floating-point torch dtype or its name; ``"auto"``: the checkpoint's, see
         ``checkpoint_dtype``) on ``device``. The linear weights of an FP8 block-quantised checkpoint
@@ -138,7 +139,9 @@ class AutoModelForCausalLM:
         (SIGBUS); ``mmap=False`` copies every tensor. A tensor with NaN or Inf values is named in a
         ``loaders.NonFiniteWeightWarning``. ``tensor_parallel``: a ``torch.distributed`` process group
         to split the model over (every rank of it calls this); this process builds and loads its
-        rank's slice of each layer (``layers.tensor_parallel``) and returns the whole model's logits."""
+        rank's slice of each layer (``layers.tensor_parallel``) and returns the whole model's logits.
+        ``expert_parallel``, with ``tensor_parallel``: each rank holds whole experts (True) or every
+        expert's slice (False); None: whole experts where the ranks divide the number of experts."""
         dtype = None if dtype == "auto" else model_dtype(dtype)
         device = model_device(device)
         source = resolve_source(path_or_repo_id)
@@ -146,7 +149,7 @@ class AutoModelForCausalLM:
         model_class_for(config, str(source.path))
         checkpoint = open_checkpoint(source, config)
         validate_config(config, checkpoint, str(source.path))
-        model = _build_on_meta(config, str(source.path), tensor_parallel)
+        model = _build_on_meta(config, str(source.path), tensor_parallel, expert_parallel)
         return load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap)
 
     @staticmethod

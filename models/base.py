@@ -189,7 +189,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits; every forward (flat stream, cache-free batch, a captured
         CUDA graph) calls it once, on the rows it returns."""
-        logits = self.lm_head(hidden_states)
+        return self.cap_logits(self.lm_head(hidden_states))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Final-logit soft-capping (Gemma 2's), where the config asks for it."""
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

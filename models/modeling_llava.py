@@ -82,6 +82,8 @@ class LlavaModel(nn.Module):
 class LlavaNextModel(LlavaModel):
     """``LlavaModel`` with the learned ``image_newline`` that closes each row of an image's tile grid."""
 
+    replicated_parameters = ("image_newline",)  # every rank holds it whole (layers.tensor_parallel)
+
     def __init__(self, config, language_model: nn.Module):
         super().__init__(config, language_model)
         self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size), requires_grad=False)
@@ -179,7 +181,8 @@ class LlavaForConditionalGeneration(nn.Module):
     # -- What the runtime asks of a causal LM: the text model's answers.
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.text_model.compute_logits(hidden_states)
+        # LLaVA's own lm_head, the text model's until tensor_parallel replaces the module at this path.
+        return self.text_model.cap_logits(self.lm_head(hidden_states))
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], ...]]:
         return self.text_model.kv_cache_spec()

@@ -2,7 +2,8 @@
 
 Experts are stacked as HuggingFace transformers 5 stores them: ``gate_up [E, 2 * I, H]`` (gate rows
 first, then up) and ``down [E, H, I]``. A token's output is the sum over its top-k experts of
-``weight * down_e(act(gate_e(x)) * up_e(x))``.
+``weight * down_e(act(gate_e(x)) * up_e(x))``. An id of -1 names an expert this rank does not hold
+(expert parallelism, ``layers.parallel``): every path skips that slot, as if its weight were zero.
 
 On CUDA, up to ``DECODE_MAX_PAIRS`` (token, slot) pairs in fp16/bf16 (a decode step) run the decode kernel
 (``ops_cuda/moe_decode.py``): each picked expert's weights streamed once, no sort. More pairs are grouped by
@@ -34,8 +35,8 @@ def moe_experts_reference(
     down: torch.Tensor,
     activation: str,
 ) -> torch.Tensor:
-    """hidden [N, H] through the experts each token picked (topk_ids [N, K]), weighted by topk_weights
-    [N, K] and summed: [N, H]."""
+    """hidden [N, H] through the experts each token picked (topk_ids [N, K], -1 for none), weighted by
+    topk_weights [N, K] and summed: [N, H]."""
     # The (token, slot) pairs are grouped by expert; each expert that has tokens runs one pair of
     # matmuls over its group. Contributions are weighted and summed in float32, expert by expert.
     # Group sizes are data-dependent (read on the host), so under CUDA-graph capture the dense form runs.
@@ -43,11 +44,11 @@ def moe_experts_reference(
         return moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
     num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)  # pair indices, grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    order = flat_ids.argsort(stable=True)  # pair indices, grouped by expert, the skipped (-1) first
+    skipped, *counts = torch.bincount(flat_ids + 1, minlength=num_experts + 1).tolist()
     weights = topk_weights.reshape(-1, 1).to(torch.float32)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    start = 0
+    start = skipped
     for expert, count in enumerate(counts):
         if not count:
             continue
@@ -60,8 +61,9 @@ def moe_experts_reference(
 
 
 def moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, activation) -> torch.Tensor:
-    """Every expert over every token, weighted by zero where the token did not pick it: static shapes
-    (capturable in a CUDA graph) at num_experts / top_k times the work. Same sums, in the same order."""
+    """Every expert over every token, weighted by zero where the token did not pick it (-1 matches no
+    expert): static shapes (capturable in a CUDA graph) at num_experts / top_k times the work. Same
+    sums, in the same order."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.to(torch.float32)
     for expert in range(gate_up.shape[0]):

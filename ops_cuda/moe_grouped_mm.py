@@ -4,12 +4,13 @@ kernels around them. The op's dispatch (``ops_cuda/moe.py``) runs it from ``GROU
 on; below that the Triton fused-MoE kernel (``ops_cuda/moe_triton.py``) runs, sharing this file's sort
 of the pairs (``sort_pairs_by_expert``) and its combine (``moe_combine``).
 
-    sorted_ids, order = topk_ids.flatten().sort(stable=True)   # pairs in expert order
+    sorted_ids, order = topk_ids.flatten().sort(stable=True)   # pairs in expert order, -1 ids last
     offsets = searchsorted(sorted_ids, 0..E-1, right=True)      # int32 end of each expert's rows
     x = hidden[order // top_k]                                  # permute (Triton), also inverts `order`
     h = act_and_mul_triton(grouped_mm(x, gate_up^T, offsets))   # [pairs, I]
     y = grouped_mm(h, down^T, offsets)                          # [pairs, H]
-    out[t] = sum_k w[t, k] * y[position of (t, k)]              # combine (Triton), float32, k in order
+    out[t] = sum_k w[t, k] * y[position of (t, k)]              # combine (Triton), float32, k in order,
+                                                                #   skipping the pairs of id -1
 
 Everything is sized by the number of pairs, never by how they fall on the experts, and nothing reads
 a device value on the host (no ``.item()``, no ``bincount``: CUDA's bincount reads its input's max on
@@ -84,10 +85,12 @@ def grouped_mm_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torc
 
 def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order [P]: the pair indices t * top_k + k grouped by expert, offsets [E] int32: the end of each
-    expert's run in ``order``, i.e. the number of pairs routed to experts 0..e). Shared by both kernels."""
+    expert's run in ``order``, i.e. the number of pairs routed to experts 0..e). Pairs of id -1 (an
+    expert on another rank) come last, past every expert's run. Shared by both kernels."""
     # Stable, so the rows of one expert keep token order (not needed for the result: each row of a
     # GEMM depends on its own input row only; it keeps every launch's data layout reproducible).
-    sorted_ids, order = topk_ids.reshape(-1).sort(stable=True)
+    ids = topk_ids.reshape(-1)
+    sorted_ids, order = torch.where(ids < 0, num_experts, ids).sort(stable=True)
     experts = torch.arange(num_experts, dtype=sorted_ids.dtype, device=topk_ids.device)
     return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
 
@@ -117,18 +120,21 @@ def _moe_permute_kernel(
 
 @triton.jit
 def _moe_combine_kernel(
-    y_ptr, position_ptr, weights_ptr, out_ptr, hidden_size, y_stride, weights_stride, out_stride,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    y_ptr, position_ptr, weights_ptr, ids_ptr, out_ptr, hidden_size, y_stride, weights_stride, ids_stride,
+    out_stride, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Program (t, c): out[t] = sum over k, in order, of weight[t, k] * y[position of pair (t, k)], in float32.
+    # A pair of id -1 has no row of y (its position is never written): it adds nothing.
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden_size
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + token * ids_stride + k)
         row = tl.load(position_ptr + token * TOP_K + k).to(tl.int64)
         weight = tl.load(weights_ptr + token * weights_stride + k).to(tl.float32)
-        y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        held = mask & (cols * 0 + expert >= 0)  # a vector: Triton's interpreter takes no scalar into a mask
+        y = tl.load(y_ptr + row * y_stride + cols, mask=held, other=0.0).to(tl.float32)
         acc += y * weight
     tl.store(out_ptr + token * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -153,9 +159,10 @@ def moe_permute(hidden: torch.Tensor, order: torch.Tensor, top_k: int) -> tuple[
 
 
 def moe_combine(
-    y: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype
+    y: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """out [N, H] (dtype) with out[t] = sum_k topk_weights[t, k] * y[position[t * top_k + k]], in float32."""
+    """out [N, H] (dtype) with out[t] = sum_k topk_weights[t, k] * y[position[t * top_k + k]], in float32,
+    over the slots whose ``topk_ids`` are not -1."""
     num_tokens, top_k = topk_weights.shape
     hidden_size = y.shape[1]
     weights = topk_weights.to(torch.float32).contiguous()
@@ -164,7 +171,8 @@ def moe_combine(
     out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=y.device)
     block = _block(hidden_size)
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
-        y, position, weights, out, hidden_size, y.stride(0), weights.stride(0), out.stride(0),
+        y, position, weights, topk_ids, out, hidden_size, y.stride(0), weights.stride(0), topk_ids.stride(0),
+        out.stride(0),
         TOP_K=top_k, BLOCK=block, num_warps=4,
     )
     return out
@@ -193,4 +201,4 @@ def moe_experts_grouped_mm(
     h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets)  # [P, 2I], bf16 (fp32 accumulate)
     h = act_and_mul_triton(h, activation)  # [P, I]
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)  # [P, H]
-    return moe_combine(y, position, topk_weights, hidden.dtype)
+    return moe_combine(y, position, topk_weights, topk_ids, hidden.dtype)

@@ -11,6 +11,9 @@ every group). The idea is vLLM's ``fused_moe``; the code is zoo's own.
     combine: out[t] = sum_k w[t, k] * y[row of (t, k)], float32, k in order
              (moe_grouped_mm.moe_combine)
 
+A pair of id -1 (an expert on another rank) sorts after every expert's run, gets no row and adds
+nothing to the combine.
+
 The buffers are sized for the worst case, P pairs on min(E, P) experts each padding up to BLOCK_M - 1
 rows, so every shape and grid depends on P only and nothing is read back to the host: the op runs
 under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed return at once.
@@ -256,7 +259,7 @@ def _moe_down_kernel(
 
 class Layout(NamedTuple):
     row_pair: torch.Tensor  # [blocks * block_m] int32: the pair each row holds, num_pairs for padding
-    pair_row: torch.Tensor  # [P] int32: the row each pair landed on
+    pair_row: torch.Tensor  # [P] int32: the row each pair landed on (unwritten for a pair of id -1)
     block_expert: torch.Tensor  # [blocks] int32: each block's expert, -1 for unused blocks
 
 
@@ -323,7 +326,7 @@ def moe_experts_triton(
         h_in.stride(0), *down.stride(), y.stride(0),
         *_scale_arguments(h_scales, fp8.down if fp8 else None), **launch,
     )
-    return moe_combine(y, layout.pair_row, topk_weights, hidden.dtype)
+    return moe_combine(y, layout.pair_row, topk_weights, topk_ids, hidden.dtype)
 
 
 def _scale_arguments(x_scales: torch.Tensor, w_scales: torch.Tensor | None) -> tuple:

@@ -35,8 +35,6 @@ UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its
     "heads": (tiny_config("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48),
               ValueError, "attention heads (3) is not a multiple of 2"),
     "olmo2": (tiny_config("olmo2"), NotImplementedError, "q/k norm spans all heads"),
-    "qwen3_moe": (tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-                  NotImplementedError, "cannot split model.layers.0.mlp"),
 }
 
 

@@ -202,6 +202,29 @@ def test_qwen3_30b_a3b_layer_shape(tokens, dtype, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("tokens", [1, 300, 4096])
+@pytest.mark.parametrize("held", [range(0, 64), range(96, 128)], ids=["first_half", "last_quarter"])
+def test_ids_of_experts_on_other_ranks_are_skipped(held, tokens, dtype, kernel, monkeypatch):
+    """Expert parallelism: a rank holding the experts ``held`` of Qwen3-30B-A3B's routing (128 experts,
+    top-8; those of rank 0 of 2 and of rank 3 of 4) gets the other ids as -1. Those pairs get no row
+    (NaN-poisoned buffers would show one read) and add nothing: the output is the whole model's with
+    their weights zeroed. With no held expert picked, the output is zero."""
+    force_kernel(monkeypatch, kernel)
+    gate_up, down = experts(128, 256, 128, dtype)
+    hidden = torch.randn(tokens, 256, device="cuda", dtype=dtype)
+    weights, ids = router(tokens, 128, 8, seed=tokens)
+    mine = (ids >= held.start) & (ids < held.stop)
+    local_ids = torch.where(mine, ids - held.start, -1)
+    local_gate_up, local_down = gate_up[held.start : held.stop], down[held.start : held.stop]
+    check(hidden, weights, local_ids, local_gate_up, local_down, "silu", kernel)
+    ours = run_poisoned(hidden, weights, local_ids, local_gate_up, local_down, "silu")
+    whole = moe_experts_reference(hidden, weights.masked_fill(~mine, 0.0), ids, gate_up, down, "silu")
+    assert relative_error(ours, whole) < TOL[dtype]
+    none_picked = run_poisoned(hidden, weights, torch.full_like(ids, -1), local_gate_up, local_down, "silu")
+    assert torch.equal(none_picked, torch.zeros_like(hidden))
+
+
+@pytest.mark.parametrize("dtype, kernel", KERNELS, ids=KERNEL_IDS)
 def test_int32_ids_and_strided_hidden(dtype, kernel, monkeypatch):
     force_kernel(monkeypatch, kernel)
     gate_up, down = experts(16, 256, 128, dtype)

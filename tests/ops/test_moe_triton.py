@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ops_cuda.moe import moe_experts_reference  # noqa: E402
+from ops_cuda.moe import moe_experts_dense_reference, moe_experts_reference  # noqa: E402
+from ops_cuda.moe_grouped_mm import moe_experts_grouped_mm  # noqa: E402
 from ops_cuda.moe_triton import (  # noqa: E402
     INTERPRETER_TILES,
     LARGE_TILES,
@@ -152,6 +153,48 @@ def test_int32_ids_strided_hidden_and_no_tokens_interpreted():
     assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, "silu"), TOL[torch.float16])
     empty = moe_experts_triton(hidden[:0], weights[:0], ids[:0], gate_up, down, "silu")
     assert empty.shape == (0, HIDDEN) and empty.dtype == torch.float16
+
+
+def not_on_this_rank(ids, weights, held):
+    """The ids of experts outside ``held`` replaced by -1 (expert parallelism), and what the op must
+    equal: the original ids with those slots weighted zero."""
+    skipped = ~torch.isin(ids, torch.tensor(held))
+    return ids.masked_fill(skipped, -1), weights.masked_fill(skipped, 0.0)
+
+
+def test_skipped_ids_add_nothing_in_the_references():
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, 16, torch.float32)
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    weights, ids = routed(9, 3, list(range(8)), seed=5)
+    local_ids, zeroed = not_on_this_rank(ids, weights, [0, 1, 2, 3])
+    assert (local_ids == -1).any() and (local_ids >= 0).any()
+    expected = moe_experts_reference(hidden, zeroed, ids, gate_up, down, "silu")
+    assert_close(moe_experts_reference(hidden, weights, local_ids, gate_up, down, "silu"), expected, 1e-6)
+    assert_close(moe_experts_dense_reference(hidden, weights, local_ids, gate_up, down, "silu"), expected, 1e-6)
+    none_held = torch.full_like(ids, -1)
+    assert torch.equal(moe_experts_reference(hidden, weights, none_held, gate_up, down, "silu"),
+                       torch.zeros_like(hidden))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("held", [[0, 1, 2, 3], [4, 5, 6, 7], []], ids=["first_half", "second_half", "none"])
+def test_skipped_ids_add_nothing_interpreted(held):
+    """Ids of -1 get no row of the padded layout and add nothing, in the fused-MoE kernel and in the
+    grouped-GEMM path (its permute and combine kernels interpreted; torch._grouped_mm's CPU form)."""
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, 24, torch.float32)
+    hidden = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(1))
+    weights, ids = routed(11, 2, list(range(8)), seed=6)
+    local_ids, zeroed = not_on_this_rank(ids, weights, held)
+    expected = moe_experts_reference(hidden, zeroed, ids, gate_up, down, "silu")
+    for kernel in (moe_experts_triton, moe_experts_grouped_mm):
+        ours = kernel(hidden, weights, local_ids, gate_up, down, "silu")
+        assert torch.isfinite(ours).all()
+        assert_close(ours, expected, TOL[torch.float32])
+    layout = moe_align(local_ids, NUM_EXPERTS, 16)
+    held_pairs = torch.nonzero(local_ids.reshape(-1) >= 0).flatten()
+    rows = layout.pair_row.long()[held_pairs]
+    assert torch.equal(layout.row_pair.long()[rows], held_pairs)
+    assert (layout.block_expert >= 0).sum() == sum(-(-int((local_ids == e).sum()) // 16) for e in held)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,233 @@
+"""Expert parallelism and the tensor-parallel forms of MoE, latent attention and LLaVA: two ranks (gloo
+on the CPU, NCCL on two GPUs) in one process group load tiny checkpoints split over them; their logits
+equal the one-rank model's, an expert-parallel rank reads only its experts' bytes, and experts the
+ranks divide in neither way are refused by name."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from layers import ExpertParallelExperts, TensorParallelExperts, tensor_parallel
+from models import AutoModelForCausalLM
+from models.auto import model_class_for
+from ops_cuda.fp8 import FP8_DTYPE
+from ops_cuda.paged_attention import attention_mask
+from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+from tests.layers.test_tensor_parallel import RANKS, TIMEOUT_S, TOLERANCE, counting_reads, free_port, rank_device
+from tests.loaders.test_fp8 import QUANTIZATION, write_pair
+from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
+from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, tiny_tokenizer
+from tests.models.test_moe import per_expert_state_dict
+
+QWEN3_MOE = tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+
+# name -> (config, HF model maker, save_pretrained options, expert_parallel); experts per rank: E / 2 or all of them.
+VARIANTS = {
+    "qwen3_moe-ep": (QWEN3_MOE, hf_model, {}, None),  # 4 experts: 2 per rank by default
+    "qwen3_moe-ep-stacked": (QWEN3_MOE, hf_model, {"save_original_format": False}, True),  # transformers 5's layout
+    "qwen3_moe-tp": (QWEN3_MOE, hf_model, {}, False),  # every expert's 16 of 32 intermediate rows
+    "qwen2_moe-ep": (tiny_config("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48), hf_model, {}, None),  # a gated shared expert
+    "mixtral-ep": (tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2), hf_model, {}, None),
+    # heads 2 per rank, the latent replicated; 8 experts in 4 groups, 4 per rank; two shared experts split
+    "deepseek_v3-ep": (deepseek_config(), deepseek_hf_model, {}, None),
+    "deepseek_v3-no_q_lora-tp": (deepseek_config(q_lora_rank=None), deepseek_hf_model, {}, False),
+    "llava_next": (llava_config(text=tiny_config("mistral", head_dim=16), next_pinpoints=PINPOINTS["wide-and-tall"]),
+                   hf_llava, {}, None),  # the vision tower, projector and image_newline replicated
+}
+# An FP8 block-quantised DeepSeek-V3 (blocks of 16 x 32, experts per expert as on the hub), against its
+# dequantised twin: the experts, read whole, stay FP8 on the CPU (whose FP8 ops dequantise and multiply);
+# sliced weights load dequantised. On CUDA the FP8 kernels quantise the activations too, so there it
+# loads dequantised (keep_fp8=False).
+FP8_VARIANT = "deepseek_v3-fp8-ep"
+VARIANTS[FP8_VARIANT] = (deepseek_config(), deepseek_hf_model, None, None)
+FP8_QUANTIZATION = {**QUANTIZATION, "weight_block_size": [16, 32]}
+
+# config -> words of the error tensor_parallel raises: 3 experts of 33 rows split neither way over 2 ranks
+UNSPLITTABLE = {
+    "neither": (None, "model.layers.0.mlp has 3 experts of intermediate size 33, neither a multiple of 2"),
+    "expert_parallel": (True, "model.layers.0.mlp's experts (3) is not a multiple of 2"),
+}
+
+
+def run_rank(rank, device_type, port, paths, model_inputs, out_dir):
+    import models.auto
+
+    device = rank_device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=RANKS)
+    open_checkpoint = models.auto.open_checkpoint
+    results = {}
+    for variant, path in paths.items():
+        counts = {"whole": 0, "part": 0}
+        if variant != FP8_VARIANT:  # an FP8 tensor's part is read whole, dequantised, then cut
+            models.auto.open_checkpoint = lambda *a, counts=counts: counting_reads(open_checkpoint(*a), counts)
+        else:
+            models.auto.open_checkpoint = open_checkpoint
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device=device,
+                                                     keep_fp8=variant == FP8_VARIANT and device.type == "cpu",
+                                                     tensor_parallel=dist.group.WORLD,
+                                                     expert_parallel=VARIANTS[variant][3])
+        with torch.no_grad():
+            logits = model(**{k: v.to(device) for k, v in model_inputs[variant].items()}).cpu()
+        experts = [m for m in model.modules() if isinstance(m, (ExpertParallelExperts, TensorParallelExperts))]
+        results[variant] = dict(
+            logits=logits, counts=counts, held=sum(p.numel() * p.element_size() for p in model.parameters()),
+            experts=[(type(m).__name__, getattr(m, "experts", None), getattr(m, "rows", None)) for m in experts],
+            expert_bytes=sum(p.numel() * p.element_size() for m in experts for p in m.parameters()),
+            kv_cache=model.kv_cache_spec()[0],
+            dtypes={name: p.dtype for name, p in model.named_parameters()},
+        )
+        if variant == "deepseek_v3-ep":
+            results[variant]["absorbed"] = absorbed_attention(model, device)
+    models.auto.open_checkpoint = open_checkpoint
+    errors = {}
+    config = tiny_config("qwen3_moe", num_experts=3, num_experts_per_tok=2, moe_intermediate_size=33)
+    for name, (expert_parallel, _) in UNSPLITTABLE.items():
+        try:
+            with torch.device("meta"):
+                tensor_parallel(model_class_for(config)(config), dist.group.WORLD, expert_parallel)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    torch.save({"results": results, "errors": errors}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def attention_inputs(model, device):
+    """Layer 1's latent attention (the rank's heads) and its projected inputs for 20 random hidden states."""
+    attention = model.model.layers[1].self_attn
+    hidden = torch.randn(20, 64, generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(20, device=device)
+    return attention, attention.project(hidden, model.model.rotary_emb(positions)), attention_mask(positions, 20, None)
+
+
+@torch.no_grad()
+def absorbed_attention(model, device):
+    """The decode form (W_UK folded into q, W_UV after attending over the latents) through the rank's
+    slice of kv_b_proj: [20, rank's heads, v_head_dim]."""
+    attention, (q_nope, q_rope, latent, k_rope), mask = attention_inputs(model, device)
+    return attention.absorbed_attention(q_nope, q_rope, latent, k_rope, mask).cpu()
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def ranks_run(request, tmp_path_factory):
+    """Every variant's checkpoint, loaded and run by two ranks on ``request.param`` devices:
+    (device type, paths, inputs, per-rank results)."""
+    device_type = request.param
+    if device_type == "cuda" and torch.cuda.device_count() < RANKS:
+        pytest.skip(f"needs {RANKS} CUDA devices")
+    root = tmp_path_factory.mktemp(f"tp_moe_{device_type}")
+    torch.manual_seed(1)
+    text_ids = torch.randint(0, 97, (2, 24))
+    paths, dense_paths, model_inputs = {}, {}, {}
+    for name, (config, make, save_options, _) in VARIANTS.items():
+        if name == FP8_VARIANT:
+            (root / name).mkdir()
+            model = make(config)
+            fp8, twin = write_pair(model, per_expert_state_dict(model), root / name, FP8_QUANTIZATION)
+            paths[name], dense_paths[name] = str(fp8), str(twin)
+        else:
+            paths[name] = dense_paths[name] = str(save_checkpoint(make(config), root / name, **save_options))
+        if name.startswith("llava"):
+            input_ids, images = inputs(config, tiny_tokenizer())
+            model_inputs[name] = {"input_ids": input_ids, **images}
+        else:
+            model_inputs[name] = {"input_ids": text_ids}
+    context = mp.start_processes(run_rank, args=(device_type, free_port(), paths, model_inputs, str(root)),
+                                 nprocs=RANKS, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {RANKS} ranks did not finish within {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    outputs = [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+    return device_type, (paths, dense_paths), model_inputs, outputs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_ranks_give_the_one_rank_logits(variant, ranks_run):
+    device_type, (_, dense_paths), model_inputs, outputs = ranks_run
+    device = rank_device(device_type, 0)
+    with torch.no_grad():
+        dense = AutoModelForCausalLM.from_pretrained(dense_paths[variant], dtype=torch.float32, device=device)(
+            **{k: v.to(device) for k, v in model_inputs[variant].items()}).cpu()
+    for output in outputs:
+        logits = output["results"][variant]["logits"]
+        assert logits.shape == dense.shape and logits.shape[-1] == 97
+        assert relative_error(logits, dense) <= TOLERANCE
+        assert torch.equal(logits.argmax(-1), dense.argmax(-1))
+
+
+def test_experts_split_as_chosen(ranks_run):
+    _, _, _, outputs = ranks_run
+    for rank, output in enumerate(outputs):
+        results = output["results"]
+        ep, tp = results["qwen3_moe-ep"]["experts"], results["qwen3_moe-tp"]["experts"]
+        assert ep == [("ExpertParallelExperts", slice(2 * rank, 2 * rank + 2), None)] * 2
+        assert tp == [("TensorParallelExperts", None, slice(16 * rank, 16 * rank + 16))] * 2
+        # DeepSeek-V3: the first layer is dense, the other two hold 4 of the 8 experts
+        assert results["deepseek_v3-ep"]["experts"] == [("ExpertParallelExperts", slice(4 * rank, 4 * rank + 4),
+                                                         None)] * 2
+        # MLA: every rank caches the whole latent (kv_lora_rank 16 + rope 8), whatever its heads
+        assert results["deepseek_v3-ep"]["kv_cache"] == ((24,),)
+
+
+def test_latent_attention_heads_split_and_the_absorbed_form_reads_the_rank_s_slice(ranks_run):
+    device_type, (_, dense_paths), _, outputs = ranks_run
+    device = rank_device(device_type, 0)
+    dense = AutoModelForCausalLM.from_pretrained(dense_paths["deepseek_v3-ep"], dtype=torch.float32, device=device)
+    with torch.no_grad():
+        attention, (q_nope, q_rope, latent, k_rope), mask = attention_inputs(dense, device)
+        plain = attention.plain_attention(q_nope, q_rope, latent, k_rope, mask).cpu()  # [20, 4 heads, 12]
+    for rank, output in enumerate(outputs):
+        absorbed = output["results"]["deepseek_v3-ep"]["absorbed"]
+        assert absorbed.shape == (20, 2, 12)
+        assert relative_error(absorbed, plain[:, 2 * rank : 2 * rank + 2]) <= TOLERANCE
+        dtypes = output["results"]["deepseek_v3-ep"]["dtypes"]
+        assert dtypes["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] == torch.float32
+
+
+def test_fp8_experts_stay_fp8_and_sliced_weights_load_dequantised(ranks_run):
+    device_type, _, _, outputs = ranks_run
+    for output in outputs:
+        dtypes = output["results"][FP8_VARIANT]["dtypes"]
+        kept = FP8_DTYPE if device_type == "cpu" else torch.float32
+        experts = "model.layers.1.mlp.experts"
+        assert dtypes[f"{experts}.gate_up_proj"] == dtypes[f"{experts}.down_proj"] == kept
+        assert dtypes["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] == kept  # replicated: read whole
+        for sliced in ("self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.shared_experts.down_proj"):
+            assert dtypes[f"model.layers.1.{sliced}.weight"] == torch.float32
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_rank_reads_only_its_part(variant, ranks_run):
+    _, (paths, _), _, outputs = ranks_run
+    if variant == FP8_VARIANT:
+        pytest.skip("an FP8 tensor's part is read whole, dequantised, then cut")
+    whole = sum(t.numel() * t.element_size() for t in load_file(f"{paths[variant]}/model.safetensors").values())
+    checkpoint_experts = sum(t.numel() * t.element_size() for name, t in
+                             load_file(f"{paths[variant]}/model.safetensors").items() if ".experts." in name)
+    for output in outputs:
+        result = output["results"][variant]
+        # Every byte read fills one parameter element of the rank: an expert-parallel rank reads its
+        # experts and no other's.
+        assert result["counts"]["whole"] + result["counts"]["part"] == result["held"] < whole
+        if result["experts"]:
+            assert result["expert_bytes"] * RANKS == checkpoint_experts
+
+
+@pytest.mark.parametrize("name", UNSPLITTABLE)
+def test_experts_the_ranks_cannot_split_are_refused(name, ranks_run):
+    _, _, _, outputs = ranks_run
+    for output in outputs:
+        assert UNSPLITTABLE[name][1] in output["errors"][name]
