@@ -1,0 +1,128 @@
+"""``LLM(path, tensor_parallel_size=2)`` on the CPU: rank 0 and one worker process (gloo) give
+HuggingFace's greedy tokens through batching, chunked prefill and prefix-cache hits (with one KV
+head, replicated on both ranks); ``zoo generate --tp 2`` runs (two KV heads, one per rank); a worker that dies or fails to load takes the group down with a RuntimeError naming
+it, within seconds and leaving no process behind; sizes the ranks cannot split fail before loading.
+
+A process runs one tensor-parallel group at a time: each test that starts its own shuts it down
+before the next, and the tests on the module's LLM come last, the one killing its worker last of all."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from runtime import LLM, EngineConfig, SamplingParams
+from runtime.cli import main
+from runtime.parallel import Ranks
+from tests.conftest import hf_model, save_checkpoint, tiny_config
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+PROMPTS = [[5, 9, 13, 2], [40, 41], list(range(3, 33)), [7] * 11]  # the third runs as two chunks below
+OPTIONS = dict(device="cpu", tensor_parallel_size=2, block_size=4, max_num_batched_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+    for name, config in {"gqa": tiny_config("llama"),  # 2 KV heads: one per rank
+                         "kv1": tiny_config("llama", num_key_value_heads=1)}.items():  # replicated on both
+        model = hf_model(config)
+        made[name] = (str(save_checkpoint(model, tmp_path_factory.mktemp(name))), model)
+    return made
+
+
+def hf_greedy(model, prompts, max_tokens=GREEDY.max_tokens) -> list[list[int]]:
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    return [o.token_ids for o in outputs]
+
+
+def assert_gone(processes) -> None:
+    for process in processes:
+        assert not process.is_alive()
+        with pytest.raises(ProcessLookupError):  # reaped, not left a zombie
+            os.kill(process.pid, 0)
+
+
+def test_sizes_the_ranks_cannot_split_fail_before_loading(tmp_path):
+    path = save_checkpoint(hf_model(tiny_config("llama", num_attention_heads=3, num_key_value_heads=3,
+                                                hidden_size=48)), tmp_path)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"attention heads \(3\) is not a multiple of 2"):
+        LLM(str(path), **OPTIONS)
+    assert time.monotonic() - start < 30
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
+        LLM(str(path), device="cpu", tensor_parallel_size=0)
+
+
+def test_a_worker_that_fails_to_load_reports_its_error(tmp_path):
+    # Rank 0 loads nothing yet: the worker alone meets the missing checkpoint.
+    ranks = Ranks.start(2, str(tmp_path / "missing"), torch.float32, torch.device("cpu"), True,
+                        EngineConfig())
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)tensor-parallel rank 1 exited with code 1; it reported:\n"
+                                           r"Traceback.*missing"):
+        with ranks.together():
+            ranks.fewest(1)
+    assert time.monotonic() - start < 10
+    assert_gone(ranks.workers)
+    with pytest.raises(RuntimeError, match="the tensor-parallel group is down: tensor-parallel rank 1 exited"):
+        ranks.check()
+
+
+def test_zoo_generate_runs_over_two_ranks(checkpoints, capsys):
+    path, reference = checkpoints["gqa"]  # one of the 2 KV heads on each rank
+    assert main(["generate", "--model", path, "--device", "cpu", "--tp", "2", "--token-ids", "5,9,13,2",
+                 "--max-tokens", "6"]) == 0
+    expected = hf_greedy(reference, [[5, 9, 13, 2]], max_tokens=6)[0]
+    assert capsys.readouterr().out.strip() == "5,9,13,2 ->" + "".join(f" {t}" for t in expected)
+
+
+@pytest.fixture(scope="module")
+def tp_llm(checkpoints):
+    llm = LLM(checkpoints["kv1"][0], **OPTIONS)
+    yield llm
+    llm.shutdown()
+    assert_gone(llm.ranks.workers)
+
+
+def test_greedy_tokens_equal_hf_through_batching_chunked_prefill_and_prefix_hits(tp_llm, checkpoints):
+    _, reference = checkpoints["kv1"]
+    model = tp_llm.model  # the one KV head on both ranks, each with its 2 query heads
+    assert model.model.layers[0].self_attn.num_heads == 2 and model.model.layers[0].self_attn.num_kv_heads == 1
+    assert model.lm_head.vocab == slice(0, 49)
+    expected = hf_greedy(reference, PROMPTS)
+    first = tp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(first) == expected
+    again = tp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # the prompts' full blocks come from the cache
+    assert token_ids(again) == expected
+    assert [o.num_cached_tokens for o in again] == [0, 0, 28, 8]
+    alone = [token_ids(tp_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
+    assert alone == expected
+
+
+def test_a_killed_worker_takes_the_group_down_with_a_clear_error(tp_llm):
+    worker = tp_llm.ranks.workers[0]
+    killed = []
+
+    def kill_once_generating():
+        while tp_llm.engine.run_ahead.num_steps_run_ahead < 3:
+            time.sleep(0.01)
+        killed.append(time.monotonic())
+        os.kill(worker.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_once_generating, daemon=True).start()
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 was killed by signal 9"):
+        tp_llm.generate([[5, 9, 13, 2]] * 3, long, use_tqdm=False)
+    assert killed and time.monotonic() - killed[0] < 10
+    assert_gone(tp_llm.ranks.workers)
+    with pytest.raises(RuntimeError, match="the tensor-parallel group is down: tensor-parallel rank 1 was killed"):
+        tp_llm.generate([[5, 9]], GREEDY, use_tqdm=False)
