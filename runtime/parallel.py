@@ -205,10 +205,10 @@ class _Watch:
         if ranks is None:
             self.stop()
             return
+        ranks.take_down(self.describe())
         if ranks.device.type == "cuda":
             # An NCCL collective would wait for the dead rank until its timeout: end it now.
             ranks.group.abort()
-        ranks.take_down(self.describe())
 
     def dead(self) -> bool:
         """Whether a worker has ended; the first one found is kept with what it reported."""
@@ -273,13 +273,13 @@ def run_worker(rank, size, port, model, dtype, device_type, mmap, config, thread
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     threading.Thread(target=_exit_with_parent, name="zoo-parent-watch", daemon=True).start()
     try:
+        torch.set_num_threads(threads)
+        device = rank_device(device_type, rank)
+        if device.type == "cuda":  # before anything touches the device
+            torch.cuda.set_device(device)
         from models import AutoModelForCausalLM
         from runtime.engine import Engine
 
-        torch.set_num_threads(threads)
-        device = rank_device(device_type, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=IDLE_TIMEOUT)
         store.set(f"joined/{rank}", "1")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,

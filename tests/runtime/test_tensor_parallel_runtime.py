@@ -8,8 +8,11 @@ before the next, and the tests on the module's LLM come last, the one killing it
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from tests.conftest import hf_model, save_checkpoint, tiny_config
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 PROMPTS = [[5, 9, 13, 2], [40, 41], list(range(3, 33)), [7] * 11]  # the third runs as two chunks below
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = dict(device="cpu", tensor_parallel_size=2, block_size=4, max_num_batched_tokens=24)
 
 
@@ -47,8 +51,7 @@ def token_ids(outputs) -> list[list[int]]:
 def assert_gone(processes) -> None:
     for process in processes:
         assert not process.is_alive()
-        with pytest.raises(ProcessLookupError):  # reaped, not left a zombie
-            os.kill(process.pid, 0)
+        assert not alive(process.pid)  # reaped, not left a zombie
 
 
 def test_sizes_the_ranks_cannot_split_fail_before_loading(tmp_path):
@@ -83,6 +86,35 @@ def test_zoo_generate_runs_over_two_ranks(checkpoints, capsys):
                  "--max-tokens", "6"]) == 0
     expected = hf_greedy(reference, [[5, 9, 13, 2]], max_tokens=6)[0]
     assert capsys.readouterr().out.strip() == "5,9,13,2 ->" + "".join(f" {t}" for t in expected)
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import sys
+from runtime import LLM
+llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
+print(*[worker.pid for worker in llm.ranks.workers], flush=True)
+"""
+
+
+def test_interpreter_exit_stops_the_workers(checkpoints):
+    path, _ = checkpoints["gqa"]
+    done = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN, path], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 1
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +158,42 @@ def test_a_killed_worker_takes_the_group_down_with_a_clear_error(tp_llm):
     assert_gone(tp_llm.ranks.workers)
     with pytest.raises(RuntimeError, match="the tensor-parallel group is down: tensor-parallel rank 1 was killed"):
         tp_llm.generate([[5, 9]], GREEDY, use_tqdm=False)
+
+
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_two_gpus_give_the_one_gpu_tokens(checkpoints, enforce_eager):
+    # Each rank captures and replays its own decode graphs, NCCL collectives inside them.
+    path, _ = checkpoints["gqa"]
+    options = dict(dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=24,
+                   enforce_eager=enforce_eager)
+    expected = token_ids(LLM(path, device="cuda", **options).generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = LLM(path, device="cuda", tensor_parallel_size=2, **options)
+    try:
+        assert (llm.engine.runner.graphs is None) == enforce_eager
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected  # the graphs replayed again
+    finally:
+        llm.shutdown()
+    assert_gone(llm.ranks.workers)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_a_killed_gpu_worker_takes_the_group_down_without_waiting_for_nccl(checkpoints):
+    llm = LLM(checkpoints["gqa"][0], device="cuda", dtype="float32", tensor_parallel_size=2, max_num_seqs=8)
+    worker = llm.ranks.workers[0]
+    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 was killed by signal 9"):
+        while time.monotonic() - start < 60:  # generating when the worker is killed
+            llm.generate([[5, 9, 13, 2]] * 4, long, use_tqdm=False)
+    assert time.monotonic() - start < 15
+    llm.shutdown()
+    assert_gone(llm.ranks.workers)
