@@ -156,7 +156,7 @@ class Engine:
         (or a step that failed halfway) takes the group down with a RuntimeError that names it."""
         if self.ranks is None:
             return self._step()
-        with self.ranks.together():
+        with self.ranks.step():
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

@@ -15,7 +15,7 @@ A rank that dies takes the group down: rank 0 watches its workers' process senti
 and when one ends it kills the others (and aborts the NCCL communicator, so no collective waits
 for the dead rank); rank 0's step then raises a RuntimeError naming the rank, its exit code and
 what it reported. A step that raises on rank 0 takes the group down too, since the workers would be
-left mid-step. Workers exit with their parent, and ``Ranks.shutdown`` (``LLM.shutdown``, or
+left mid-step (Ctrl-C waits for the step to end). Workers exit with their parent, and ``Ranks.shutdown`` (``LLM.shutdown``, or
 interpreter exit) stops them.
 """
 
@@ -137,6 +137,30 @@ class Ranks:
             if dead:
                 raise RuntimeError(self.failure) from exc
             raise
+
+    @contextlib.contextmanager
+    def step(self):
+        """Run rank 0's part of a step (``together``). Ctrl-C waits for the step to end, since
+        one stopped halfway would leave the workers mid-step; a second Ctrl-C does not wait."""
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            with self.together():
+                yield
+            return
+        interrupted = []
+
+        def after_the_step(signum, frame):
+            if interrupted:
+                raise KeyboardInterrupt
+            interrupted.append(signum)
+
+        previous = signal.signal(signal.SIGINT, after_the_step)
+        try:
+            with self.together():
+                yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if interrupted:
+            raise KeyboardInterrupt
 
     def take_down(self, reason: str) -> None:
         """Stop every worker now and keep ``reason`` as the group's failure."""

@@ -140,13 +140,29 @@ def test_greedy_tokens_equal_hf_through_batching_chunked_prefill_and_prefix_hits
     assert alone == expected
 
 
+def generating(llm, steps: int) -> None:
+    """Returns once ``llm`` has run ``steps`` steps ahead, in the generate of another thread."""
+    while llm.engine.run_ahead.num_steps_run_ahead < steps:
+        time.sleep(0.01)
+
+
+def test_ctrl_c_stops_generate_between_steps_and_the_group_goes_on(tp_llm, checkpoints):
+    ahead = tp_llm.engine.run_ahead.num_steps_run_ahead
+    threading.Thread(target=lambda: (generating(tp_llm, ahead + 3), os.kill(os.getpid(), signal.SIGINT)),
+                     daemon=True).start()
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        tp_llm.generate([[5, 9, 13, 2]] * 3, long, use_tqdm=False)
+    assert not tp_llm.engine.scheduler.has_unfinished()
+    assert token_ids(tp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == hf_greedy(checkpoints["kv1"][1], PROMPTS)
+
+
 def test_a_killed_worker_takes_the_group_down_with_a_clear_error(tp_llm):
     worker = tp_llm.ranks.workers[0]
     killed = []
 
     def kill_once_generating():
-        while tp_llm.engine.run_ahead.num_steps_run_ahead < 3:
-            time.sleep(0.01)
+        generating(tp_llm, tp_llm.engine.run_ahead.num_steps_run_ahead + 3)
         killed.append(time.monotonic())
         os.kill(worker.pid, signal.SIGKILL)
 
