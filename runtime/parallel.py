@@ -58,6 +58,8 @@ class Ranks:
         self.steps_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if device.type == "cuda" else self.group
         self.failure: str | None = None  # why the group is down (rank 0)
         self.workers: list = []
+        self.watch: _Watch | None = None
+        self.store: dist.TCPStore | None = None  # rank 0's, which the group's rendezvous ran through
 
     # -- rank 0 -----------------------------------------------------------------------------
 
@@ -108,32 +110,32 @@ class Ranks:
             ranks = cls(0, size, device)
         except BaseException:
             watch.stop()
-            if dist.is_initialized():
+            if dist.is_initialized():  # this start's group: none was before it
                 dist.destroy_process_group()
             raise
-        ranks.workers, ranks.store = workers, store
-        ranks.watch = watch
+        ranks.workers, ranks.store, ranks.watch = workers, store, watch
         watch.start(ranks)
-        weakref.finalize(ranks, _end, watch)  # interpreter exit, or the LLM dropped, stops every worker
+        weakref.finalize(ranks, _end, watch, ranks.group)  # interpreter exit, or the LLM dropped, stops every worker
         return ranks
 
     def check(self) -> None:
         """Raise the reason the group is down, if it is (leaving the group first)."""
         if self.failure is not None:
-            _leave_group()
+            _leave(self.watch, self.group)
             raise RuntimeError(self.failure)
 
     @contextlib.contextmanager
     def together(self):
         """Run rank 0's part of a step, or of starting up. Where it raises, the group is taken down:
-        a rank that died is named in a RuntimeError; rank 0's own error is raised as it is."""
+        a rank that died is named in a RuntimeError (what a collective raises when a rank is gone);
+        rank 0's own error is raised as it is."""
         self.check()
         try:
             yield
         except BaseException as exc:
-            dead = self.watch.wait_for_death(DEATH_NOTICE_S if isinstance(exc, RuntimeError) else 0)
+            dead = isinstance(exc, RuntimeError) and self.watch.wait_for_death(DEATH_NOTICE_S)
             self.take_down(self.watch.describe() if dead else f"rank 0 failed: {exc!r}")
-            _leave_group()
+            _leave(self.watch, self.group)
             if dead:
                 raise RuntimeError(self.failure) from exc
             raise
@@ -178,7 +180,7 @@ class Ranks:
             self.watch.stop(STOP_GRACE_S)
         else:
             self.watch.stop()
-        _leave_group()
+        _leave(self.watch, self.group)
 
     def send_step(self, step) -> None:
         dist.broadcast_object_list([step], src=0, group=self.steps_group)
@@ -211,7 +213,7 @@ class _Watch:
         self.workers, self.reports = workers, reports
         self.stopping = threading.Event()
         self.first_death: tuple[int, int, str] | None = None  # (rank, exit code, what it reported)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # the workers' process state, which the watch thread and rank 0's steps read
 
     def start(self, ranks: Ranks) -> None:
         ranks_ref = weakref.ref(ranks)
@@ -221,22 +223,24 @@ class _Watch:
         ended = connection.wait([worker.sentinel for worker in self.workers])
         if self.stopping.is_set():
             return
-        for worker in self.workers:
-            if worker.sentinel in ended:
-                worker.join()  # its exit code
-        self.dead()
         ranks = ranks_ref()
+        with self.lock:  # rank 0 leaves the group under this lock: not while it is aborted here
+            for worker in self.workers:
+                if worker.sentinel in ended:
+                    worker.join()  # its exit code
+            if not self.dead():  # stopped meanwhile
+                return
+            if ranks is not None and ranks.device.type == "cuda" and _holds(ranks.group):
+                # An NCCL collective would wait for the dead rank until its timeout: end it now.
+                ranks.group.abort()
         if ranks is None:
             self.stop()
-            return
-        ranks.take_down(self.describe())
-        if ranks.device.type == "cuda":
-            # An NCCL collective would wait for the dead rank until its timeout: end it now.
-            ranks.group.abort()
+        else:
+            ranks.take_down(self.describe())
 
     def dead(self) -> bool:
         """Whether a worker has ended; the first one found is kept with what it reported."""
-        with self.lock:  # the watch thread and rank 0's steps both ask
+        with self.lock:
             if self.first_death is None and not self.stopping.is_set():
                 for rank, (worker, report) in enumerate(zip(self.workers, self.reports), start=1):
                     if worker.exitcode is not None:
@@ -260,13 +264,14 @@ class _Watch:
         """End every worker: those still running after ``grace`` seconds are killed."""
         self.stopping.set()
         deadline = time.monotonic() + grace
-        for worker in self.workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-        for worker in self.workers:
-            if worker.is_alive():
-                worker.kill()
-        for worker in self.workers:
-            worker.join()
+        with self.lock:
+            for worker in self.workers:
+                worker.join(max(0.0, deadline - time.monotonic()))
+            for worker in self.workers:
+                if worker.is_alive():
+                    worker.kill()
+            for worker in self.workers:
+                worker.join()
 
 
 def _reported(report) -> str:
@@ -277,14 +282,22 @@ def _reported(report) -> str:
         return ""
 
 
-def _leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _holds(group) -> bool:
+    """Whether the default process group is still ``group`` (a later LLM may have its own)."""
+    return dist.is_initialized() and dist.group.WORLD is group
 
 
-def _end(watch: _Watch) -> None:
+def _leave(watch: _Watch, group) -> None:
+    """Destroy ``group``, where still this process's default (under the watch's lock: not while
+    the watch aborts it)."""
+    with watch.lock:
+        if _holds(group):
+            dist.destroy_process_group()
+
+
+def _end(watch: _Watch, group) -> None:
     watch.stop()
-    _leave_group()
+    _leave(watch, group)
 
 
 # -- the workers ---------------------------------------------------------------------------------
