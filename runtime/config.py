@@ -40,8 +40,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile_decode and self.tensor_parallel_size > 1:
-            raise ValueError("compile_decode runs a model in one process; with tensor_parallel_size > 1 decode "
-                             "steps run eagerly on the CPU")
+            raise ValueError("compile_decode compiles a model that runs in one process: it does not go with "
+                             "tensor_parallel_size > 1")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")
 

@@ -40,6 +40,7 @@ IDLE_TIMEOUT = timedelta(days=30)
 DEATH_NOTICE_S = 5.0
 STOP_GRACE_S = 10.0  # a worker told to stop that has not exited by then is killed
 POLL_S = 0.05
+REPORT_CHARS = 16_000  # of a failed worker's traceback, sent to rank 0
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -331,7 +332,9 @@ def run_worker(rank, size, port, model, dtype, device_type, mmap, config, thread
             ranks.share_sampled(engine.run_ahead.sampled_ids[: len(step.logits_rows)])
         dist.destroy_process_group()
     except BaseException:
-        report.send(traceback.format_exc())
+        # Its end, where the error is: rank 0 reads the pipe only once this process has ended, so
+        # what is sent must fit the pipe's buffer (64 KiB on Linux).
+        report.send(traceback.format_exc()[-REPORT_CHARS:])
         report.close()
         os._exit(1)  # not through the interpreter's exit, which may wait on the group's threads
 

@@ -63,6 +63,8 @@ def test_sizes_the_ranks_cannot_split_fail_before_loading(tmp_path):
     assert time.monotonic() - start < 30
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
         LLM(str(path), device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="compile_decode compiles a model that runs in one process"):
+        LLM(str(path), device="cpu", tensor_parallel_size=2, compile_decode=True)
 
 
 def test_a_worker_that_fails_to_load_reports_its_error(tmp_path):
