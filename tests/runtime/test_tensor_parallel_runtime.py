@@ -188,7 +188,7 @@ needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs
 def test_two_gpus_give_the_one_gpu_tokens(checkpoints, enforce_eager):
     # Each rank captures and replays its own decode graphs, NCCL collectives inside them.
     path, _ = checkpoints["gqa"]
-    options = dict(dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=24,
+    options = dict(dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=24, kv_cache_gib=0.25,
                    enforce_eager=enforce_eager)
     expected = token_ids(LLM(path, device="cuda", **options).generate(PROMPTS, GREEDY, use_tqdm=False))
     llm = LLM(path, device="cuda", tensor_parallel_size=2, **options)
@@ -204,7 +204,8 @@ def test_two_gpus_give_the_one_gpu_tokens(checkpoints, enforce_eager):
 @pytest.mark.gpu
 @needs_two_gpus
 def test_a_killed_gpu_worker_takes_the_group_down_without_waiting_for_nccl(checkpoints):
-    llm = LLM(checkpoints["gqa"][0], device="cuda", dtype="float32", tensor_parallel_size=2, max_num_seqs=8)
+    llm = LLM(checkpoints["gqa"][0], device="cuda", dtype="float32", tensor_parallel_size=2, max_num_seqs=8,
+              kv_cache_gib=0.25)
     worker = llm.ranks.workers[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
