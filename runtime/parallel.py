@@ -15,8 +15,8 @@ A rank that dies takes the group down: rank 0 watches its workers' process senti
 and when one ends it kills the others (and aborts the NCCL communicator, so no collective waits
 for the dead rank); rank 0's step then raises a RuntimeError naming the rank, its exit code and
 what it reported. A step that raises on rank 0 takes the group down too, since the workers would be
-left mid-step (Ctrl-C waits for the step to end). Workers exit with their parent, and ``Ranks.shutdown`` (``LLM.shutdown``, or
-interpreter exit) stops them.
+left mid-step (Ctrl-C waits for the step to end). Workers exit with their parent, and
+``Ranks.shutdown`` (``LLM.shutdown``, or interpreter exit) stops them.
 """
 
 import contextlib

@@ -1,7 +1,10 @@
 """``LLM(path, tensor_parallel_size=2)`` on the CPU: rank 0 and one worker process (gloo) give
 HuggingFace's greedy tokens through batching, chunked prefill and prefix-cache hits (with one KV
-head, replicated on both ranks); ``zoo generate --tp 2`` runs (two KV heads, one per rank); a worker that dies or fails to load takes the group down with a RuntimeError naming
-it, within seconds and leaving no process behind; sizes the ranks cannot split fail before loading.
+head, replicated on both ranks); ``zoo generate --tp 2`` runs (two KV heads, one per rank); a
+worker that dies or fails to load takes the group down with a RuntimeError naming it, within
+seconds and leaving no process behind; sizes the ranks cannot split fail before loading; Ctrl-C
+waits for the step; interpreter exit stops the workers. On two GPUs (marked ``gpu``): NCCL, each
+rank's CUDA graphs, the one-GPU tokens, and a killed worker.
 
 A process runs one tensor-parallel group at a time: each test that starts its own shuts it down
 before the next, and the tests on the module's LLM come last, the one killing its worker last of all."""
