@@ -93,6 +93,45 @@ def test_zoo_generate_runs_over_two_ranks(checkpoints, capsys):
     assert capsys.readouterr().out.strip() == "5,9,13,2 ->" + "".join(f" {t}" for t in expected)
 
 
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_two_gpus_give_the_one_gpu_tokens(checkpoints, enforce_eager):
+    # Each rank captures and replays its own decode graphs, NCCL collectives inside them.
+    path, _ = checkpoints["gqa"]
+    options = dict(dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=24, kv_cache_gib=0.25,
+                   enforce_eager=enforce_eager)
+    expected = token_ids(LLM(path, device="cuda", **options).generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = LLM(path, device="cuda", tensor_parallel_size=2, **options)
+    try:
+        assert (llm.engine.runner.graphs is None) == enforce_eager
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected  # the graphs replayed again
+    finally:
+        llm.shutdown()
+    assert_gone(llm.ranks.workers)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_a_killed_gpu_worker_takes_the_group_down_without_waiting_for_nccl(checkpoints):
+    llm = LLM(checkpoints["gqa"][0], device="cuda", dtype="float32", tensor_parallel_size=2, max_num_seqs=8,
+              kv_cache_gib=0.25)
+    worker = llm.ranks.workers[0]
+    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 was killed by signal 9"):
+        while time.monotonic() - start < 60:  # generating when the worker is killed
+            llm.generate([[5, 9, 13, 2]] * 4, long, use_tqdm=False)
+    assert time.monotonic() - start < 15
+    llm.shutdown()
+    assert_gone(llm.ranks.workers)
+
+
 EXIT_WITHOUT_SHUTDOWN = """
 import sys
 from runtime import LLM
@@ -181,41 +220,3 @@ def test_a_killed_worker_takes_the_group_down_with_a_clear_error(tp_llm):
         tp_llm.generate([[5, 9]], GREEDY, use_tqdm=False)
 
 
-
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-
-
-@pytest.mark.gpu
-@needs_two_gpus
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
-def test_two_gpus_give_the_one_gpu_tokens(checkpoints, enforce_eager):
-    # Each rank captures and replays its own decode graphs, NCCL collectives inside them.
-    path, _ = checkpoints["gqa"]
-    options = dict(dtype="float32", max_num_seqs=8, block_size=4, max_num_batched_tokens=24, kv_cache_gib=0.25,
-                   enforce_eager=enforce_eager)
-    expected = token_ids(LLM(path, device="cuda", **options).generate(PROMPTS, GREEDY, use_tqdm=False))
-    llm = LLM(path, device="cuda", tensor_parallel_size=2, **options)
-    try:
-        assert (llm.engine.runner.graphs is None) == enforce_eager
-        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
-        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected  # the graphs replayed again
-    finally:
-        llm.shutdown()
-    assert_gone(llm.ranks.workers)
-
-
-@pytest.mark.gpu
-@needs_two_gpus
-def test_a_killed_gpu_worker_takes_the_group_down_without_waiting_for_nccl(checkpoints):
-    llm = LLM(checkpoints["gqa"][0], device="cuda", dtype="float32", tensor_parallel_size=2, max_num_seqs=8,
-              kv_cache_gib=0.25)
-    worker = llm.ranks.workers[0]
-    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
-    start = time.monotonic()
-    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 was killed by signal 9"):
-        while time.monotonic() - start < 60:  # generating when the worker is killed
-            llm.generate([[5, 9, 13, 2]] * 4, long, use_tqdm=False)
-    assert time.monotonic() - start < 15
-    llm.shutdown()
-    assert_gone(llm.ranks.workers)
