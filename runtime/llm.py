@@ -89,8 +89,8 @@ class LLM:
                 self.model = AutoModelForCausalLM.from_pretrained(
                     model, dtype=dtype, device=device, mmap=mmap,
                     tensor_parallel=None if self.ranks is None else self.ranks.group)
-            takes_images = getattr(self.model, "image_token_id", None) is not None
-            self.processor = processor or (load_processor(model) if takes_images else None)
+                takes_images = getattr(self.model, "image_token_id", None) is not None
+                self.processor = processor or (load_processor(model) if takes_images else None)
             checkpoint = model
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
