@@ -73,12 +73,10 @@ def _load_llm(args):
     from runtime import LLM
 
     return LLM(args.model or str(default_model_path()), dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len)
+               max_model_len=args.max_model_len, tensor_parallel_size=args.tp)
 
 
 def _generate(args) -> int:
-    import time
-
     if bool(args.prompt) == bool(args.token_ids):
         raise ValueError("give either PROMPT text or --token-ids, not both and not neither")
     if args.image and len(args.prompt) != 1:
@@ -86,6 +84,15 @@ def _generate(args) -> int:
     images = _open_images(args.image or [])  # a bad image is reported before the model loads
     params = _sampling(args)
     llm = _load_llm(args)
+    try:
+        return _generate_with(llm, args, params, images)
+    finally:
+        llm.shutdown()
+
+
+def _generate_with(llm, args, params, images: list) -> int:
+    import time
+
     if args.prompt and llm.tokenizer is None:
         raise ValueError(f"{args.model or 'the model'} has no tokenizer: give the prompt as --token-ids 1,2,3")
     prompts = args.prompt or [args.token_ids]
@@ -135,6 +142,13 @@ def _print_output(args, prompt, index: int, text: str, ids: list[int], note: str
 def _chat(args) -> int:
     params = _sampling(args)
     llm = _load_llm(args)
+    try:
+        return _chat_with(llm, args, params)
+    finally:
+        llm.shutdown()
+
+
+def _chat_with(llm, args, params) -> int:
     if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         what = "no tokenizer" if llm.tokenizer is None else "a tokenizer without a chat template"
         raise ValueError(f"{args.model or 'the model'} has {what}: zoo chat needs one "
@@ -180,6 +194,13 @@ def _add_sampling_flags(command, max_tokens: int, temperature: float) -> None:
     command.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     command.add_argument("--max-model-len", type=int, default=4096,
                          help="prompt + generated tokens of a sequence at most (capped by the model's limit)")
+    _add_tp_flag(command)
+
+
+def _add_tp_flag(command) -> None:
+    command.add_argument("--tp", type=int, default=1, metavar="N",
+                         help="tensor parallelism: split the model over N ranks, one process and CUDA device each "
+                              "(or N processes on the CPU)")
 
 
 def _serve(args) -> int:
@@ -190,10 +211,14 @@ def _serve(args) -> int:
     model = args.model or str(default_model_path())
     options = {name: getattr(args, name) for name in ("max_model_len", "max_num_seqs", "num_blocks", "kv_cache_gib")
                if getattr(args, name) is not None}
-    llm = LLM(model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, **options)
+    llm = LLM(model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tp, **options)
     # The embedded model's file is SmolLM2-135M-Instruct.Q4_1.gguf: it is served as SmolLM2-135M-Instruct.
     name = args.served_model_name or args.model or default_model_path().name.split(".")[0]
-    serve(llm, name, args.host, args.port, args.api_key)
+    try:
+        serve(llm, name, args.host, args.port, args.api_key)
+    finally:
+        llm.shutdown()
     return 0
 
 
@@ -266,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "on CUDA what the model leaves of 90%% of the device)")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA, run decode steps without CUDA graphs (default: graphs where the model allows)")
+    _add_tp_flag(serve)
     serve.set_defaults(run=_serve)
     return parser
 

@@ -24,9 +24,11 @@ class EngineConfig:
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly instead of replaying CUDA graphs
     compile_decode: bool = False  # on the CPU, run decode steps of up to 16 sequences through torch.compile
     attention_backend: str | None = None  # "torch" (the reference) or "triton" (None: triton on CUDA, else torch)
+    tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is split over (runtime.parallel)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and not (is_integer(value) and value > 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -37,6 +39,9 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "compile_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compile_decode and self.tensor_parallel_size > 1:
+            raise ValueError("compile_decode compiles a model that runs in one process: it does not go with "
+                             "tensor_parallel_size > 1")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")
 

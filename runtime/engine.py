@@ -37,9 +37,12 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, generation_eos: list[int], config: EngineConfig, processor=None):
+    def __init__(self, model, tokenizer, generation_eos: list[int], config: EngineConfig, processor=None,
+                 ranks=None):
         """``config``: the engine's options, resolved here against the model's limits. ``processor``:
-        transformers' processor of a model that takes images (``loaders.load_processor``)."""
+        transformers' processor of a model that takes images (``loaders.load_processor``). ``ranks``:
+        the tensor-parallel group (``runtime.parallel.Ranks``) ``model`` is this rank's slice of;
+        every rank builds an engine, rank 0's steps and the others' run together."""
         text_config = model.config.get_text_config()  # a model that takes images: its language model's
         self.config = config = config.resolved(text_config.max_position_embeddings)
         self.tokenizer = tokenizer
@@ -49,6 +52,9 @@ class Engine:
                        if processor is not None and self.image_token_id is not None else None)
         self.eos_token_ids = set(generation_eos)
         self.vocab_size = text_config.vocab_size
+        self.ranks = ranks
+        if ranks is not None and self.image_token_id is not None:
+            raise NotImplementedError(f"tensor parallelism runs models of text: {self.architecture} takes images")
         device = next(model.parameters()).device
         backend = select_backend(config.attention_backend, device, score_modifiers_used(model))
         # A model runs in one engine at a time: the cache an earlier engine bound to it goes, or
@@ -57,6 +63,8 @@ class Engine:
         if config.compile_decode:
             check_compilable(model, device)
         num_blocks = config.num_blocks or blocks_for_budget(model, config)
+        if ranks is not None:  # the block tables rank 0 sends index every rank's pools alike
+            num_blocks = ranks.fewest(num_blocks)
         self.kv_cache = KVCache(model, num_blocks, config.block_size, backend, padding_block=config.compile_decode)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
                                           config.enable_prefix_caching)
@@ -68,7 +76,7 @@ class Engine:
         use_cuda_graphs = (device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
                            and model.capturable)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, self.run_ahead,
-                                  use_cuda_graphs, config.compile_decode)
+                                  use_cuda_graphs, config.compile_decode, ranks)
         self.outputs: dict[int, RequestOutput] = {}
         self.sequences: dict[int, Sequence] = {}
 
@@ -145,7 +153,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, and take in the tokens of the one before it; return the
         outputs that changed. The step before is taken in first where the next one needs its
-        tokens on the host (``runtime.run_ahead``)."""
+        tokens on the host (``runtime.run_ahead``). In a tensor-parallel group, a rank that died
+        (or a step that failed halfway) takes the group down with a RuntimeError that names it."""
+        if self.ranks is None:
+            return self._step()
+        with self.ranks.step():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if not self.kv_cache.bound():
             raise RuntimeError("this LLM's model has been taken over by a newer LLM, which bound its own KV cache "
                                "to the model's layers: a model runs in one LLM at a time")
@@ -165,7 +180,10 @@ class Engine:
         tokens = sample_tokens(logits, sampled)
         for seq, count in scheduled:
             seq.num_computed_tokens += count
-        return self.run_ahead.launch(scheduled, sampled, tokens)
+        previous = self.run_ahead.launch(scheduled, sampled, tokens)
+        if self.ranks is not None:  # the other ranks read the next step's pending ids from theirs
+            self.ranks.share_sampled(self.run_ahead.sampled_ids[: len(sampled)])
+        return previous
 
     def _take_in(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Resolve a launched step's pending tokens, key the blocks they fill, end the sequences they stop."""

@@ -15,6 +15,7 @@ from models import AutoModelForCausalLM
 from models.auto import model_device
 from runtime.config import EngineConfig
 from runtime.engine import Engine, RequestOutput
+from runtime.parallel import Ranks
 from runtime.sampling_params import SamplingParams, is_integer
 
 
@@ -58,6 +59,11 @@ class LLM:
     bfloat16, after a compile of about a minute when ``LLM`` starts (inductor keeps what it
     built on disk).
 
+    ``tensor_parallel_size=N`` splits the model over N ranks (``layers.tensor_parallel``): this
+    process is rank 0 and starts N-1 worker processes, on N CUDA devices (rank r on cuda:r) or the
+    CPU (``runtime.parallel``). A rank that dies raises a RuntimeError naming it; ``shutdown``
+    stops the workers.
+
     An ``LLM`` is not thread-safe: a call from a second thread while another thread's call (or
     stream) runs raises a RuntimeError at once. Use one ``LLM`` per thread, or ``zoo serve``.
     """
@@ -65,25 +71,45 @@ class LLM:
     def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, processor=None,
                  config: EngineConfig | None = None, mmap: bool = True, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
+        self.ranks = None
         if isinstance(model, torch.nn.Module):
+            if config.tensor_parallel_size > 1:
+                raise ValueError("tensor_parallel_size > 1 takes a checkpoint, which each rank loads its slice of, "
+                                 "not a model already built")
             self.model, self.tokenizer, self.processor, checkpoint = model, tokenizer, processor, None
         else:
             device = model_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             if dtype == "auto" and device.type == "cpu":
                 dtype = torch.float32
             self.tokenizer = tokenizer or load_tokenizer(model)  # a damaged tokenizer fails before the weights load
-            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device, mmap=mmap)
-            takes_images = getattr(self.model, "image_token_id", None) is not None
-            self.processor = processor or (load_processor(model) if takes_images else None)
+            if config.tensor_parallel_size > 1:
+                self.ranks = Ranks.start(config.tensor_parallel_size, model, dtype, device, mmap, config)
+                device = self.ranks.device
+            with self._all_ranks():
+                self.model = AutoModelForCausalLM.from_pretrained(
+                    model, dtype=dtype, device=device, mmap=mmap,
+                    tensor_parallel=None if self.ranks is None else self.ranks.group)
+                takes_images = getattr(self.model, "image_token_id", None) is not None
+                self.processor = processor or (load_processor(model) if takes_images else None)
             checkpoint = model
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), self._all_ranks():
             self.engine = Engine(self.model, self.tokenizer, generation_eos_ids(self.model, checkpoint), config,
-                                 self.processor)
+                                 self.processor, self.ranks)
         self._next_id = 0
         self._owner: int | None = None  # the thread whose call is running
         self._owner_lock = threading.Lock()
+
+    def _all_ranks(self):
+        """Where ranks run a part together: a failure takes the group down (``runtime.parallel``)."""
+        return contextlib.nullcontext() if self.ranks is None else self.ranks.together()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel LLM; it generates no more. (Interpreter
+        exit stops them too.)"""
+        if self.ranks is not None:
+            self.ranks.shutdown()
 
     @contextlib.contextmanager
     def _one_thread(self):

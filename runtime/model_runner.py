@@ -15,11 +15,14 @@ from runtime.step_inputs import StepInputs
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, block_tables: np.ndarray, run_ahead: RunAhead,
-                 use_cuda_graphs: bool, compile_decode: bool = False):
+                 use_cuda_graphs: bool, compile_decode: bool = False, ranks=None):
         """``block_tables``: the block manager's, a row per sequence that holds blocks; as many rows as
         sequences can run at once. ``run_ahead`` holds the previous step's sampled ids, which pending
-        input ids are read from. ``compile_decode``: CPU decode steps run compiled (``CompiledDecode``)."""
+        input ids are read from. ``compile_decode``: CPU decode steps run compiled (``CompiledDecode``).
+        ``ranks``: the tensor-parallel group (``runtime.parallel.Ranks``) whose other ranks run each
+        step ``run`` sends them."""
         self.model = model
+        self.ranks = ranks
         self.kv_cache = kv_cache
         self.block_tables = block_tables
         self.run_ahead = run_ahead
@@ -38,15 +41,23 @@ class ModelRunner:
         """Logits [len(sampled), vocab], in the model's dtype, for the sequences that sample this step."""
         step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size, self.run_ahead)
         images = self.image_embeds(scheduled)
+        if self.ranks is not None:
+            self.ranks.send_step(step)
+        return self.forward(step, images), step.sampled
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs, images: dict | None = None) -> torch.Tensor:
+        """The logits of a built step's sampled rows; ``images``: the model's image arguments."""
+        images = images or {}
         # A one-token prompt chunk counts as a decode: a decode-only step may hold an image token.
         plain_decode = step.decode_only and not images
         if self.graphs is not None and plain_decode and self.graphs.fits(len(step.input_ids)):
-            return self.graphs.run(step), step.sampled
+            return self.graphs.run(step)
         if self.compiled is not None and plain_decode and self.compiled.fits(len(step.input_ids)):
-            return self.compiled.run(step), step.sampled
+            return self.compiled.run(step)
         input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device, self.staging)
         input_ids = self.run_ahead.fill_pending(input_ids, sources)
-        return self.model(input_ids, positions, metadata, logits_indices=logits_rows, **images), step.sampled
+        return self.model(input_ids, positions, metadata, logits_indices=logits_rows, **images)
 
     def image_embeds(self, scheduled: list[tuple[Sequence, int]]) -> dict:
         """The model's image arguments for the step: the features of the prompt image tokens it

@@ -44,13 +44,17 @@ class StepInputs:
         self.sampled = [seq for seq, sampling in zip(seqs, samples.tolist()) if sampling]
         self.num_decodes = int(np.count_nonzero((counts == 1) & (starts > 0)))  # is_decode of each
 
+    def __getstate__(self) -> dict:
+        # The step as tensor-parallel workers receive it: its arrays; the sequences stay on rank 0.
+        return {name: value for name, value in self.__dict__.items() if name != "sampled"}
+
     @property
     def decode_only(self) -> bool:
         return self.num_decodes == len(self.query_lens)
 
     def sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The rows of ``logits`` (one per token of a decode-only step) of the sequences that sample."""
-        if len(self.sampled) == len(logits):
+        if len(self.logits_rows) == len(logits):
             return logits
         # A one-token chunk of a longer prompt is a decode to attention, but samples nothing.
         return logits[torch.from_numpy(self.logits_rows).to(logits.device)]
