@@ -305,10 +305,10 @@ def test_select_backend():
         select_backend("flash", "cpu")
 
 
-def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0):
+def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales=None):
     """A layer stub with a cache, and a flat step of two prefills (one after cached context) then
     two decodes, the new tokens' slots still NaN: the backend must write k/v before attending."""
-    batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device)
+    batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device, fp8_scales=fp8_scales)
     new = torch.cat([torch.arange(c, c + q) for c, q in zip(batch.context_lens, batch.query_lens)])
     seq = torch.repeat_interleave(torch.arange(4), torch.tensor(batch.query_lens))
     slots = batch.block_tables.cpu()[seq, new // 4].long() * 4 + new % 4
@@ -316,7 +316,7 @@ def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0):
         cache.flatten(0, 1)[slots.to(device)] = float("nan")
     layer = types.SimpleNamespace(
         kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window,
-        score_modifiers=ScoreModifiers(softcap=softcap),
+        score_modifiers=ScoreModifiers(softcap=softcap), k_scale=batch.scales[0], v_scale=batch.scales[1],
     )
     metadata = AttentionMetadata(
         query_lens=batch.query_lens, context_lens=batch.context_lens, slot_mapping=slots.to(device),
@@ -325,29 +325,31 @@ def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0):
     return layer, batch, metadata
 
 
-def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap):
+def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale,
+                        v_scale):
     out = torch.empty_like(q)
     paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
-                                  softcap=softcap)
+                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def prefill_via_launcher(q, k, v, *args):
-    *args, softcap = args
+    *args, softcap, k_scale, v_scale = args
     out = torch.empty_like(q)
-    paged_prefill_attention_triton(q, *args, out, softcap=softcap)
+    paged_prefill_attention_triton(q, *args, out, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-def test_triton_backend_splits_a_mixed_step(softcap, monkeypatch):
+@pytest.mark.parametrize("fp8_scales", [None, (0.5, 2.0)], ids=["", "fp8"])
+def test_triton_backend_splits_a_mixed_step(softcap, fp8_scales, monkeypatch):
     # The backend's slicing of the stream and metadata, with the interpreted kernels behind the ops.
     monkeypatch.setattr(TritonAttentionBackend, "decode", staticmethod(decode_via_launcher))
     monkeypatch.setattr(TritonAttentionBackend, "prefill", staticmethod(prefill_via_launcher))
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, softcap=softcap)
+        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, softcap=softcap, fp8_scales=fp8_scales)
         outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
     assert_close(outs[1], outs[0], TOL[torch.float32])
 
@@ -441,10 +443,11 @@ def test_decode_op_replays_in_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-def test_triton_backend_matches_torch_backend_cuda(dtype, softcap):
+@pytest.mark.parametrize("fp8_scales", [None, (0.5, 2.0)], ids=["", "fp8"])
+def test_triton_backend_matches_torch_backend_cuda(dtype, softcap, fp8_scales):
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer, batch, metadata = mixed_step(dtype, "cuda", sliding_window=4, softcap=softcap)
+        layer, batch, metadata = mixed_step(dtype, "cuda", sliding_window=4, softcap=softcap, fp8_scales=fp8_scales)
         outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
     assert_close(outs[1], outs[0], TOL[dtype])
 
