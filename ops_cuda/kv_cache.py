@@ -10,14 +10,12 @@ scale again (``dequantize``; the attention kernels fold it into their scores and
 import torch
 
 from ops_cuda.dispatch import reference_on_cpu
-
-FP8_CACHE_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3 value
+from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
 
 
 def quantize(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` with per-tensor ``scale`` stores it."""
-    if cache_dtype == FP8_CACHE_DTYPE:
+    if cache_dtype == FP8_DTYPE:
         return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
     return (x if scale == 1.0 else x / scale).to(cache_dtype)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops_cuda.kv_cache import FP8_CACHE_DTYPE
+from ops_cuda.fp8 import FP8_DTYPE
 from ops_cuda.paged_attention_triton import LOG2_E, SCORE_FLOOR, decode_num_splits
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
@@ -196,7 +196,7 @@ def _block(n: int) -> int:
 
 
 def _check(op: str, **tensors: torch.Tensor) -> None:
-    check_dtypes(op, *(t for t in tensors.values() if t.is_floating_point() and t.dtype != FP8_CACHE_DTYPE))
+    check_dtypes(op, *(t for t in tensors.values() if t.is_floating_point() and t.dtype != FP8_DTYPE))
     # Kernels index the last dim with stride 1, everything else through strides.
     for name, t in tensors.items():
         if t.stride(-1) != 1:
@@ -230,8 +230,8 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     ``block_h`` (heads per program) defaults to ``mla_decode_tiles``', ``num_splits`` to
     ``decode_num_splits`` over the head tiles, with MIN_SPLIT_KEYS and PROGRAMS_PER_SM."""
     _check("mla_decode_attention", q_latent=q_latent, q_rope=q_rope, cache=cache, out=out, block_tables=block_tables)
-    if cache.dtype not in (q_latent.dtype, FP8_CACHE_DTYPE):
-        raise TypeError(f"zoo::mla_decode_attention takes a cache of q's dtype ({q_latent.dtype}) or {FP8_CACHE_DTYPE}, "
+    if cache.dtype not in (q_latent.dtype, FP8_DTYPE):
+        raise TypeError(f"zoo::mla_decode_attention takes a cache of q's dtype ({q_latent.dtype}) or {FP8_DTYPE}, "
                         f"got {cache.dtype}")
     batch, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
@@ -258,7 +258,7 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
         block_tables.stride(0), cache.stride(0), cache.stride(1),
         RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_ROPE=_block(rope), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_CACHE_DTYPE, num_warps=num_warps,
+        DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_DTYPE, num_warps=num_warps,
         num_stages=2, **launch,
     )
     if num_splits == 1:

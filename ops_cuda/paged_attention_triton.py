@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
-from ops_cuda.kv_cache import FP8_CACHE_DTYPE
+from ops_cuda.fp8 import FP8_DTYPE
 from ops_cuda.triton_helpers import begin_after_previous, pdl_launch, tanh
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
@@ -244,8 +244,8 @@ def _check(op: str, q, k_cache, v_cache, out, block_tables):
         raise TypeError(f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for q and the output, "
                         f"got {sorted(map(str, dtypes))}")
     cache_dtypes = {k_cache.dtype, v_cache.dtype}
-    if len(cache_dtypes) != 1 or not cache_dtypes <= {q.dtype, FP8_CACHE_DTYPE}:
-        raise TypeError(f"the CUDA kernel of zoo::{op} takes caches of q's dtype ({q.dtype}) or {FP8_CACHE_DTYPE}, "
+    if len(cache_dtypes) != 1 or not cache_dtypes <= {q.dtype, FP8_DTYPE}:
+        raise TypeError(f"the CUDA kernel of zoo::{op} takes caches of q's dtype ({q.dtype}) or {FP8_DTYPE}, "
                         f"got {sorted(map(str, cache_dtypes))}")
     # Kernels index the head dim (and a table row) with stride 1, everything else through strides.
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("block_tables", block_tables)):
@@ -316,7 +316,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
-        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_CACHE_DTYPE,
+        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4, num_stages=3, **launch,
     )
     if num_splits == 1:
@@ -345,5 +345,5 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, 
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SOFTCAP=bool(softcap), DOT_PRECISION=_dot_precision(q),
-        KV_FP8=k_cache.dtype == FP8_CACHE_DTYPE, num_warps=num_warps, num_stages=2,
+        KV_FP8=k_cache.dtype == FP8_DTYPE, num_warps=num_warps, num_stages=2,
     )

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops_cuda.kv_cache import FP8_CACHE_DTYPE, FP8_MAX
+from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     apply_activation,
@@ -327,7 +327,7 @@ def write_kv_cache_triton(
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], num_heads, k.shape[2], v.shape[2],
         float(k_scale), float(v_scale), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, FP8=k_cache.dtype == FP8_CACHE_DTYPE,
+        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=_num_warps(block_h * max(block_dk, block_dv)), **pdl_launch(k),
     )
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from layers.attention import BACKENDS
 from runtime.sampling_params import is_integer, is_number
 
+# The KV cache's dtypes: "auto" is the model's, "fp8" float8_e4m3fn (values over per-tensor scales).
+KV_CACHE_DTYPES = ("auto", "fp8")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +27,7 @@ class EngineConfig:
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly instead of replaying CUDA graphs
     compile_decode: bool = False  # on the CPU, run decode steps of up to 16 sequences through torch.compile
     attention_backend: str | None = None  # "torch" (the reference) or "triton" (None: triton on CUDA, else torch)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3: a byte per value, about twice the blocks)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens"):
@@ -37,6 +41,8 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "compile_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")
 
