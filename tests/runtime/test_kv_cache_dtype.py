@@ -73,3 +73,23 @@ def test_greedy_generation_through_an_fp8_cache_runs_on_both_backends(checkpoint
     # the model's dtype gives for most prompts of these nearly flat random models.
     auto = token_ids(llm(checkpoints[name]).generate(batch, GREEDY, use_tqdm=False))
     assert sum(a[0] == b[0] for a, b in zip(auto, outputs["torch"])) >= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_cache_on_cuda_replays_graphs_to_the_eager_tokens(checkpoints, name, dtype):
+    # The triton backend's kernels over e4m3 pools: captured decode steps give the eager steps' tokens,
+    # and the torch backend's references over the same pools agree on most first tokens.
+    batch = prompts(6)
+
+    def generate(**options):
+        engine_llm = LLM(str(checkpoints[name]), device="cuda", dtype=dtype, block_size=16, kv_cache_dtype="fp8",
+                         **options)
+        assert {p.dtype for pools in engine_llm.engine.kv_cache.pools for p in pools} == {torch.float8_e4m3fn}
+        return token_ids(engine_llm.generate(batch, GREEDY, use_tqdm=False))
+
+    graphs = generate()
+    assert graphs == generate(enforce_eager=True)
+    torch_backend = generate(attention_backend="torch")
+    assert sum(a[0] == b[0] for a, b in zip(graphs, torch_backend)) >= 5
