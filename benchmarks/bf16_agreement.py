@@ -14,9 +14,19 @@ Columns, each a top-1 agreement over the same positions:
 
     python3 benchmarks/bf16_agreement.py
 
+With ``--kv-cache-dtype fp8`` it measures the FP8 KV cache instead: zoo's bf16 logits at every
+position of a prompt computed through the paged KV cache (attention reads every key and value back
+from the cache, as decode does) with float8_e4m3fn pools, against the same with bf16 pools: top-1
+agreement and KL, on the random models above, the tiny random fidelity models (those of
+``benchmarks/fidelity.py``: tests/models/test_parity.py's and DeepSeek-V3's, with MLA's latent cache) and
+SmolLM2's real weights.
+
+    python3 benchmarks/bf16_agreement.py --kv-cache-dtype fp8
+
 On a machine without CUDA it runs on the CPU, where zoo's ops are their PyTorch references.
 """
 
+import argparse
 import contextlib
 import copy
 import sys
@@ -34,6 +44,7 @@ from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
+from runtime.kv_cache import KVCache, cache_dtype  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -92,7 +103,92 @@ def report(name, reference, input_ids):
     print(f"| {name} | {z:.2%} | {zk:.1e} | {p:.2%} | {h:.2%} | {hk:.1e} | {b:.2%} | {zf:.2%} | {hf:.2%} |", flush=True)
 
 
+@torch.no_grad()
+def paged_logits(model, input_ids, kv_cache_dtype: str, block_size: int = 16) -> torch.Tensor:
+    """zoo's logits [B, T, vocab] at every position of the prompts ``input_ids`` [B, T], computed as
+    one prefill through a paged KV cache of ``kv_cache_dtype`` (the attention backend reads every key
+    and value back from the cache: the new tokens' too)."""
+    batch, length = input_ids.shape
+    device = input_ids.device
+    blocks_per_seq = -(-length // block_size)
+    backend = layers.attention.select_backend(None, device, layers.attention.score_modifiers_used(model))
+    cache = KVCache(model, batch * blocks_per_seq, block_size, backend, dtype=cache_dtype(kv_cache_dtype, model))
+    block_tables = torch.arange(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
+    positions = torch.arange(length, device=device)
+    slots = (block_tables[:, positions // block_size].long() * block_size + positions % block_size).flatten()
+    metadata = layers.attention.AttentionMetadata(
+        query_lens=[length] * batch, context_lens=[0] * batch, slot_mapping=slots, block_tables=block_tables,
+        seq_lens=torch.full((batch,), length, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device),
+    )
+    rows = torch.arange(batch * length, device=device)
+    logits = model(input_ids.flatten(), positions.repeat(batch), metadata, logits_indices=rows)
+    model.unbind_kv_cache(cache.pools)
+    return logits.view(batch, length, -1)
+
+
+def report_kv_cache(name, model, input_ids, kv_cache_dtype):
+    agreement, kl = compare(paged_logits(model, input_ids, kv_cache_dtype), paged_logits(model, input_ids, "auto"))
+    print(f"| {name} | {input_ids.numel()} | {agreement:.2%} | {kl:.1e} |", flush=True)
+    return agreement
+
+
+def kv_cache_main(kv_cache_dtype):
+    import tempfile
+
+    from tests.conftest import hf_model, save_checkpoint
+    from tests.models.test_deepseek_v3 import VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model
+    from tests.models.test_parity import VARIANTS
+
+    print(f"| model (bf16) | teacher-forced positions | top-1 agreement, {kv_cache_dtype} cache vs bf16 cache "
+          f"| KL |")
+    print("|---|---|---|---|")
+    small = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(1)
+    random_ids = torch.randint(0, 4096, (2, 128), device=DEVICE)
+    for model_type in ("llama", "qwen3"):
+        for init_std in (None, 0.15):
+            torch.manual_seed(0)
+            config = transformers.AutoConfig.for_model(model_type, **small)
+            if init_std is not None:
+                config.initializer_range = init_std
+            with torch.device(DEVICE):
+                reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+            init = "HF init" if init_std is None else f"init std {init_std}"
+            report_kv_cache(f"random {model_type} ({init})", AutoModelForCausalLM.from_hf(reference), random_ids,
+                            kv_cache_dtype)
+    torch.manual_seed(1)
+    tiny_ids = torch.randint(0, 97, (2, 40), device=DEVICE)
+    tiny = {name: hf_model(config) for name, config in VARIANTS.items()}
+    tiny |= {f"deepseek_v3-{name}": deepseek_hf_model(config) for name, config in DEEPSEEK_VARIANTS.items()}
+    for name, reference in tiny.items():
+        with tempfile.TemporaryDirectory() as directory:
+            model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)),
+                                                         dtype=torch.bfloat16, device=DEVICE)
+        report_kv_cache(f"tiny {name}", model, tiny_ids, kv_cache_dtype)
+    from loaders.default_model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device=DEVICE)
+    report_kv_cache("SmolLM2-135M-Instruct (real weights)", model, smollm2_ids(path).to(DEVICE), kv_cache_dtype)
+
+
+def smollm2_ids(path, rows: int = 2, length: int = 256) -> torch.Tensor:
+    """[rows, length] token ids of this file and the README, SmolLM2's tokenizer's."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = Path(__file__).read_text() + Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    return tokenizer(text, return_tensors="pt").input_ids[:, : rows * length].reshape(rows, length)
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--kv-cache-dtype", choices=("fp8",),
+                        help="measure zoo with this KV-cache dtype against zoo with the bf16 cache instead")
+    args = parser.parse_args()
+    if args.kv_cache_dtype:
+        kv_cache_main(args.kv_cache_dtype)
+        return
     print("| model (bf16, 256 teacher-forced positions) | zoo vs HF | zoo vs HF KL | zoo, PyTorch ops, vs HF "
           "| HF eager vs sdpa | HF eager vs sdpa KL | HF one at a time vs batched | zoo vs f32 | HF vs f32 |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -121,10 +217,7 @@ def main():
         return
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                  dtype=torch.bfloat16).to(DEVICE).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    text = Path(__file__).read_text() + Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :512].reshape(2, 256).to(DEVICE)
-    report("SmolLM2-135M-Instruct (real weights)", reference, ids)
+    report("SmolLM2-135M-Instruct (real weights)", reference, smollm2_ids(path).to(DEVICE))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch import nn
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
 from ops_cuda import apply_rotary, write_kv_cache
+from ops_cuda.kv_cache import dequantize
 from ops_cuda.mla_attention import (
     gather_latents,
     mla_decode_attention_at_slots,
@@ -141,7 +142,8 @@ class TorchAttentionBackend:
         if metadata.slot_mapping is None:
             return _cache_free(q, k, v, metadata, layer.scale, layer.sliding_window, softcap)
         k_cache, v_cache = layer.kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        k_scale, v_scale = layer.k_scale, layer.v_scale
+        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         window = layer.sliding_window or 0
         prefills, tokens = metadata.num_prefills, metadata.num_prefill_tokens
         out = []
@@ -149,10 +151,11 @@ class TorchAttentionBackend:
             out.append(self.prefill(
                 q[:tokens], k[:tokens], v[:tokens], k_cache, v_cache, metadata.block_tables[:prefills],
                 metadata.seq_lens[:prefills], metadata.query_start_loc[: prefills + 1],
-                max(metadata.query_lens[:prefills]), layer.scale, window, softcap,
+                max(metadata.query_lens[:prefills]), layer.scale, window, softcap, k_scale, v_scale,
             ))
         if tokens < q.shape[0]:  # decodes follow; a shape, which a compiled graph leaves dynamic
-            out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window, softcap))
+            out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window, softcap,
+                                           k_scale, v_scale))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def attend_latent(self, layer, q_nope, q_rope, latent, k_rope, metadata: AttentionMetadata) -> torch.Tensor:
@@ -162,16 +165,16 @@ class TorchAttentionBackend:
         decode rows the absorbed form (``decode_latent``). -> [N, H, v_head_dim]."""
         (cache,) = layer.kv_cache  # [num_blocks, block_size, kv_lora_rank + rope]
         rank = latent.shape[-1]
-        # The pool's latent and rope columns as two [blocks, block_size, 1, width] caches.
+        # The pool's latent and rope columns as two [blocks, block_size, 1, width] caches, one scale for both.
         write_kv_cache(latent[:, None], k_rope[:, None], cache[:, :, None, :rank], cache[:, :, None, rank:],
-                       metadata.slot_mapping)
+                       metadata.slot_mapping, layer.kv_scale, layer.kv_scale)
         tokens = metadata.num_prefill_tokens
         out = []
         if metadata.num_prefills:
             out.append(self.prefill_latent(layer, q_nope[:tokens], q_rope[:tokens], cache, metadata))
         if tokens < q_nope.shape[0]:
             attended = self.decode_latent(layer.absorb_query(q_nope[tokens:]), q_rope[tokens:], cache, metadata,
-                                          layer.scale)
+                                          layer.scale, layer.kv_scale)
             out.append(layer.expand_latent(attended))
         return torch.cat(out) if len(out) > 1 else out[0]
 
@@ -182,20 +185,23 @@ class TorchAttentionBackend:
         starts, seq_lens = metadata.query_start_loc[: prefills + 1].tolist(), metadata.seq_lens[:prefills].tolist()
         for i, seq_len in enumerate(seq_lens):
             rows = slice(starts[i], starts[i + 1])
-            entries = gather_cache(cache, metadata.block_tables[i : i + 1], seq_len)[0]
+            entries = dequantize(gather_cache(cache, metadata.block_tables[i : i + 1], seq_len)[0], layer.kv_scale,
+                                 q_nope.dtype)
             mask = attention_mask(torch.arange(seq_len - (rows.stop - rows.start), seq_len, device=cache.device),
                                   seq_len, None)
             out.append(layer.plain_attention(q_nope[rows], q_rope[rows], entries[:, :rank], entries[:, rank:], mask))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def decode_latent(self, q_latent, q_rope, cache, metadata: AttentionMetadata, scale) -> torch.Tensor:
+    def decode_latent(self, q_latent, q_rope, cache, metadata: AttentionMetadata, scale, kv_scale) -> torch.Tensor:
         # mla_decode_attention_reference in two parts: where the keys are, then attention at them.
-        return mla_decode_attention_at_slots(q_latent, q_rope, cache, *decode_keys(metadata, cache.shape[1], 0), scale)
+        return mla_decode_attention_at_slots(q_latent, q_rope, cache, *decode_keys(metadata, cache.shape[1], 0), scale,
+                                             kv_scale)
 
-    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
+    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap, k_scale,
+                       v_scale) -> torch.Tensor:
         # paged_decode_attention_reference in two parts: where the keys are, then attention at them.
         return decode_attention_at_slots(q, k_cache, v_cache, *decode_keys(metadata, k_cache.shape[1], window),
-                                         scale, softcap)
+                                         scale, softcap, k_scale, v_scale)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -210,10 +216,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
     latent_decode = staticmethod(mla_decode_attention_op)
     latent_capturable = True  # its latent path reads the host's lists (the prompts' lengths), never the device
 
-    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
+    def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap, k_scale,
+                       v_scale) -> torch.Tensor:
         prefills = metadata.num_prefills
         return self.decode(
-            q, k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:], scale, window, softcap
+            q, k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:], scale, window, softcap,
+            k_scale, v_scale,
         )
 
     def prefill_latent(self, layer, q_nope, q_rope, cache, metadata: AttentionMetadata) -> torch.Tensor:
@@ -227,16 +235,17 @@ class TritonAttentionBackend(TorchAttentionBackend):
         entries, key_start_loc = gather_latents(cache, metadata.block_tables[:prefills], metadata.seq_lens[:prefills],
                                                 num_keys)
         rank = layer.kv_lora_rank
+        entries = dequantize(entries, layer.kv_scale, q_nope.dtype)
         k_nope, v = layer.decompress(entries[:, :rank])
         return self.latent_prefill(
             q_nope, q_rope, k_nope, entries[:, rank:], v, metadata.query_start_loc[: prefills + 1], key_start_loc,
             max(metadata.query_lens[:prefills]), layer.scale,
         )
 
-    def decode_latent(self, q_latent, q_rope, cache, metadata: AttentionMetadata, scale) -> torch.Tensor:
+    def decode_latent(self, q_latent, q_rope, cache, metadata: AttentionMetadata, scale, kv_scale) -> torch.Tensor:
         prefills = metadata.num_prefills
         return self.latent_decode(q_latent, q_rope, cache, metadata.block_tables[prefills:],
-                                  metadata.seq_lens[prefills:], scale)
+                                  metadata.seq_lens[prefills:], scale, kv_scale)
 
 
 BACKENDS = {backend.name: backend for backend in (TorchAttentionBackend, TritonAttentionBackend)}
@@ -315,6 +324,8 @@ class Attention(nn.Module):
         # Set through the model's bind_kv_cache: one pool per entry of kv_cache_shapes, [blocks, block_size, *shape].
         self.backend = TorchAttentionBackend()
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The per-tensor scales of its cached keys and values: the cache holds k / k_scale and v / v_scale.
+        self.k_scale = self.v_scale = 1.0
 
     @property
     def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:

@@ -69,6 +69,7 @@ class MLAttention(nn.Module):
         # Set through the model's bind_kv_cache: one pool, [blocks, block_size, kv_lora_rank + qk_rope_head_dim].
         self.backend = TorchAttentionBackend()
         self.kv_cache: tuple[torch.Tensor] | None = None
+        self.kv_scale = 1.0  # the per-tensor scale of its cache entries: the pool holds them divided by it
 
     @property
     def capturable(self) -> bool:

@@ -1,12 +1,34 @@
-"""Writing new keys and values into the paged KV cache through the slot mapping."""
+"""Writing new keys and values into the paged KV cache through the slot mapping, and reading
+entries back.
+
+A cache holds each value divided by its per-tensor scale (``k_scale``, ``v_scale``), in the cache's
+dtype: the model's dtype (scale 1.0), or float8_e4m3fn, where the quotient is saturated to ±448
+before rounding (a cast alone would turn values past the range into NaN). Reading multiplies by the
+scale again (``dequantize``; the attention kernels fold it into their scores and outputs).
+"""
 
 import torch
 
 from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
 
 
-def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Writes k/v [N, Hkv, D] into the caches at slot_mapping [N], in place; slots < 0 are skipped.
+def quantize(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` with per-tensor ``scale`` stores it."""
+    if cache_dtype == FP8_DTYPE:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return (x if scale == 1.0 else x / scale).to(cache_dtype)
+
+
+def dequantize(entries: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache ``entries`` as the values of ``dtype`` they stand for."""
+    entries = entries.to(dtype)
+    return entries if scale == 1.0 else entries * scale
+
+
+def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    """Writes k/v [N, Hkv, D] into the caches at slot_mapping [N], in place, k divided by ``k_scale``
+    and v by ``v_scale`` (see the module's docstring); slots < 0 are skipped.
 
     The reference selects the valid slots with a boolean mask, a host sync; the CUDA kernel masks
     on the device, so only it can be captured in a CUDA graph.
@@ -18,22 +40,23 @@ def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
     if not torch.compiler.is_compiling() and not bool((slot_mapping >= 0).all()):  # rare: select only then
         valid = slot_mapping >= 0
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = quantize(k, k_scale, k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = quantize(v, v_scale, v_cache.dtype)
 
 
 @torch.library.custom_op("zoo::write_kv_cache", mutates_args=("k_cache", "v_cache"))
 def write_kv_cache_op(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @write_kv_cache_op.register_kernel("cuda")
-def _(k, v, k_cache, v_cache, slot_mapping):
+def _(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     from ops_cuda.triton_kernels import write_kv_cache_triton  # triton is imported only where a kernel runs
 
-    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 write_kv_cache = reference_on_cpu(write_kv_cache_op, write_kv_cache_reference)

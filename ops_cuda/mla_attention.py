@@ -15,6 +15,9 @@ cache. Two ops attend over it:
   attend its keys causally. The qk head dim (nope + rope) and the v head dim may differ.
 
 ``gather_latents`` reads the prompts' cache entries into such a run of keys on the device.
+The pool is the model's dtype or float8_e4m3fn, holding the entries divided by one per-tensor
+``kv_scale`` (``ops_cuda/kv_cache.py``): decode reads them back times the scale, and the prompt
+path dequantises the gathered entries before ``kv_b_proj`` decompresses them.
 The references here are the math of the layer's two forms (``latent_attention`` and
 ``decompressed_attention``) and the oracle of the Triton kernels (``ops_cuda/mla_attention_triton.py``)
 that the ops run on CUDA.
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.kv_cache import dequantize
 from ops_cuda.paged_attention import attention_mask, decode_key_slots, sdpa
 
 
@@ -63,23 +67,26 @@ def gather_latents(cache, block_tables, seq_lens, num_keys: int) -> tuple[torch.
     return cache.view(-1, cache.shape[-1]).index_select(0, slots), key_start_loc
 
 
-def mla_decode_attention_at_slots(q_latent, q_rope, cache, slots, mask, attending, scale) -> torch.Tensor:
+def mla_decode_attention_at_slots(q_latent, q_rope, cache, slots, mask, attending, scale,
+                                  kv_scale=1.0) -> torch.Tensor:
     """``mla_decode_attention_reference`` at keys already located (``decode_key_slots``): the torch
     attention backend derives those once per forward for all layers."""
     rank = q_latent.shape[-1]
     entries = cache.view(-1, cache.shape[-1]).index_select(0, slots.view(-1)).view(*slots.shape, -1)
+    entries = dequantize(entries, kv_scale, q_latent.dtype)
     out = latent_attention(q_latent[:, None], q_rope[:, None], entries[..., :rank], entries[..., rank:],
                            mask[:, None, :], scale)[:, 0]
     return out if attending is None else torch.where(attending, out, 0)  # padding rows (length 0) attend nothing
 
 
-def mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_lens, scale) -> torch.Tensor:
+def mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_lens, scale,
+                                   kv_scale=1.0) -> torch.Tensor:
     """One query per sequence (its token at position seq_len - 1) over the sequence's cache entries:
     q_latent [B, H, rank], q_rope [B, H, rope], cache [num_blocks, block_size, rank + rope],
     block_tables [B, max_blocks] int32, seq_lens [B] int32 -> the attended latent [B, H, rank];
-    rows of length 0 give zeros."""
+    rows of length 0 give zeros. The entries are read as q's dtype times ``kv_scale``."""
     keys = decode_key_slots(block_tables, seq_lens, cache.shape[1], 0)
-    return mla_decode_attention_at_slots(q_latent, q_rope, cache, *keys, scale)
+    return mla_decode_attention_at_slots(q_latent, q_rope, cache, *keys, scale, kv_scale)
 
 
 def mla_prefill_attention_reference(
@@ -104,22 +111,22 @@ def mla_prefill_attention_reference(
 @torch.library.custom_op("zoo::mla_decode_attention", mutates_args=())
 def mla_decode_attention_op(
     q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, kv_scale: float = 1.0,
 ) -> torch.Tensor:
-    return mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_lens, scale)
+    return mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale)
 
 
 @mla_decode_attention_op.register_fake
-def _(q_latent, q_rope, cache, block_tables, seq_lens, scale):
+def _(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale=1.0):
     return torch.empty_like(q_latent)
 
 
 @mla_decode_attention_op.register_kernel("cuda")
-def _(q_latent, q_rope, cache, block_tables, seq_lens, scale):
+def _(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale=1.0):
     from ops_cuda.mla_attention_triton import mla_decode_attention_triton  # triton only where a kernel runs
 
     out = torch.empty_like(q_latent)
-    mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out)
+    mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out, kv_scale=kv_scale)
     return out
 
 

@@ -10,7 +10,8 @@ outputs by their softmax mass.
 Prefill is flash attention over ragged runs of decompressed keys: per-head nope keys and values,
 one rope key per token shared by all heads, qk and v head dims independent.
 
-As in ``ops_cuda/paged_attention_triton.py``: the softmax runs in base 2 in float32, float32 inputs
+As in ``ops_cuda/paged_attention_triton.py``: an FP8 pool's entries are widened to the query's dtype
+as they load, its scale folded into the score factor and the output; the softmax runs in base 2 in float32, float32 inputs
 multiply in full float32, and grids and buffers follow shapes only, so decode can be captured in a
 CUDA graph. This module imports triton: the op file imports it only inside its CUDA kernels.
 """
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ops_cuda.fp8 import FP8_DTYPE
 from ops_cuda.paged_attention_triton import LOG2_E, SCORE_FLOOR, decode_num_splits
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
@@ -32,12 +34,12 @@ PROGRAMS_PER_SM = 1
 @triton.jit
 def _mla_decode_split_kernel(
     q_latent_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-    score_scale, num_heads,
+    score_scale, kv_scale, num_heads,
     ql_stride_b, ql_stride_h, qr_stride_b, qr_stride_h, out_stride_b, out_stride_h, table_stride,
     cache_stride_block, cache_stride_slot,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # Stage 1. Program (sequence, head tile, split): the tile's heads over one chunk of the keys.
@@ -71,6 +73,9 @@ def _mla_decode_split_kernel(
         latent = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
         k_rope = tl.load(cache_ptr + rows[:, None] + RANK + rope_dims[None, :],
                          mask=key_ok[:, None] & rope_ok[None, :], other=0.0)
+        if KV_FP8:
+            latent = latent.to(tl.float32).to(q_latent.dtype)
+            k_rope = k_rope.to(tl.float32).to(q_latent.dtype)
         scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
         scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         scores = tl.where(key_ok[None, :], scores * score_scale, float("-inf"))
@@ -84,7 +89,7 @@ def _mla_decode_split_kernel(
     # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
     has_keys = total > 0
     total = tl.where(has_keys, total, 1.0)
-    out = acc / total[:, None]
+    out = acc / total[:, None] * kv_scale
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
@@ -191,7 +196,7 @@ def _block(n: int) -> int:
 
 
 def _check(op: str, **tensors: torch.Tensor) -> None:
-    check_dtypes(op, *(t for t in tensors.values() if t.is_floating_point()))
+    check_dtypes(op, *(t for t in tensors.values() if t.is_floating_point() and t.dtype != FP8_DTYPE))
     # Kernels index the last dim with stride 1, everything else through strides.
     for name, t in tensors.items():
         if t.stride(-1) != 1:
@@ -218,11 +223,16 @@ def mla_decode_tiles(q_latent: torch.Tensor) -> tuple[int, int, int]:
 
 
 def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out,
-                                block_h: int | None = None, num_splits: int | None = None) -> None:
-    """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank];
+                                block_h: int | None = None, num_splits: int | None = None,
+                                kv_scale: float = 1.0) -> None:
+    """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank] (the cache
+    of q's dtype or float8_e4m3fn, its entries times ``kv_scale``);
     ``block_h`` (heads per program) defaults to ``mla_decode_tiles``', ``num_splits`` to
     ``decode_num_splits`` over the head tiles, with MIN_SPLIT_KEYS and PROGRAMS_PER_SM."""
     _check("mla_decode_attention", q_latent=q_latent, q_rope=q_rope, cache=cache, out=out, block_tables=block_tables)
+    if cache.dtype not in (q_latent.dtype, FP8_DTYPE):
+        raise TypeError(f"zoo::mla_decode_attention takes a cache of q's dtype ({q_latent.dtype}) or {FP8_DTYPE}, "
+                        f"got {cache.dtype}")
     batch, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     if cache.shape[-1] != rank + rope:
@@ -243,12 +253,13 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     block_r = _block(rank)
     _mla_decode_split_kernel[(batch, head_tiles, num_splits)](
         q_latent, q_rope, cache, block_tables, seq_lens, part_out, part_lse, out,
-        scale * LOG2_E, num_heads,
+        scale * kv_scale * LOG2_E, float(kv_scale), num_heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), cache.stride(0), cache.stride(1),
         RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_ROPE=_block(rope), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q_latent), num_warps=num_warps, num_stages=2, **launch,
+        DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_DTYPE, num_warps=num_warps,
+        num_stages=2, **launch,
     )
     if num_splits == 1:
         return

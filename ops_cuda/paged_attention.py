@@ -12,12 +12,15 @@ block_tables [sequences, max_blocks] int32; seq_lens [sequences] int32 (cached +
 ``sliding_window`` 0 means none; otherwise the query at position p sees keys t with
 p - window < t <= p (HuggingFace's window). ``softcap`` 0 means none; otherwise each score
 s = q.k * scale becomes softcap * tanh(s / softcap) before the mask and softmax (Gemma 2).
+The caches are the model's dtype or float8_e4m3fn, holding keys divided by ``k_scale`` and values
+by ``v_scale`` (``ops_cuda/kv_cache.py``); the ops read them back as q's dtype times the scale.
 """
 
 import torch
 import torch.nn.functional as F
 
 from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.kv_cache import dequantize
 
 
 def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -98,12 +101,17 @@ def decode_key_slots(block_tables, seq_lens, block_size, sliding_window):
     return slots, mask, attending
 
 
-def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale, softcap=0.0):
+def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale, softcap=0.0, k_scale=1.0,
+                              v_scale=1.0):
     # q: [B, Hq, D] -> [B, Hq, D]. All sequences in one SDPA call over the keys at their slots.
     batch, length = slots.shape
     kv_heads, head_dim = k_cache.shape[2:]
-    keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1)).view(batch, length, kv_heads, head_dim)
-    values = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1)).view(batch, length, kv_heads, head_dim)
+
+    def at_slots(cache, cache_scale):
+        entries = cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1))
+        return dequantize(entries, cache_scale, q.dtype).view(batch, length, kv_heads, head_dim)
+
+    keys, values = at_slots(k_cache, k_scale), at_slots(v_cache, v_scale)
     # GQA without repeating keys: the query heads that share a KV head are that head's query rows.
     out = attend(
         q.reshape(batch, kv_heads, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
@@ -112,32 +120,40 @@ def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale
     return out if attending is None else torch.where(attending, out, 0)  # padding rows (length 0) attend nothing
 
 
-def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0):
+def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0,
+                                     k_scale=1.0, v_scale=1.0):
     """One query per sequence (its token at position seq_len - 1); rows of length 0 give zeros."""
     # q: [B, Hq, D] -> [B, Hq, D]
     keys = decode_key_slots(block_tables, seq_lens, k_cache.shape[1], sliding_window)
-    return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale, softcap)
+    return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale, softcap, k_scale, v_scale)
 
 
 def paged_prefill_attention_reference(
     q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-    softcap=0.0,
+    softcap=0.0, k_scale=1.0, v_scale=1.0,
 ):
     """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
     context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
-    causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid)."""
+    causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid).
+    The new tokens' k/v are read from the cache too, as the CUDA kernel reads them, so an FP8
+    cache rounds them alike."""
     # q: [N, Hq, D], k/v: [N, Hkv, D] (the new tokens, already in the cache too) -> [N, Hq, D].
     # One SDPA call per sequence over its cached context followed by its new tokens.
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
+    quantized = k_cache.dtype != q.dtype  # the new tokens as their cache entries read back
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         context = seq_len - (end - start)
-        ks, vs = k[start:end], v[start:end]
-        if context:
-            table = block_tables[i : i + 1]
-            ks = torch.cat([gather_cache(k_cache, table, context)[0], ks])
-            vs = torch.cat([gather_cache(v_cache, table, context)[0], vs])
+        table = block_tables[i : i + 1]
+        if quantized:
+            ks = dequantize(gather_cache(k_cache, table, seq_len)[0], k_scale, q.dtype)
+            vs = dequantize(gather_cache(v_cache, table, seq_len)[0], v_scale, q.dtype)
+        else:
+            ks, vs = k[start:end], v[start:end]
+            if context:
+                ks = torch.cat([dequantize(gather_cache(k_cache, table, context)[0], k_scale, q.dtype), ks])
+                vs = torch.cat([dequantize(gather_cache(v_cache, table, context)[0], v_scale, q.dtype), vs])
         mask = attention_mask(torch.arange(context, seq_len, device=q.device), seq_len, sliding_window)
         out[start:end] = sdpa(q[None, start:end], ks[None], vs[None], mask[None, None], scale, softcap)[0]
     return out
@@ -146,23 +162,25 @@ def paged_prefill_attention_reference(
 @torch.library.custom_op("zoo::paged_decode_attention", mutates_args=())
 def paged_decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float = 0.0,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                                            k_scale, v_scale)
 
 
 @paged_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0):
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0, k_scale=1.0, v_scale=1.0):
     return torch.empty_like(q)
 
 
 @paged_decode_attention_op.register_kernel("cuda")
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0):
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0, k_scale=1.0, v_scale=1.0):
     from ops_cuda.paged_attention_triton import paged_decode_attention_triton  # triton only where a kernel runs
 
     out = torch.empty_like(q)
     paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
-                                  softcap=softcap)
+                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
@@ -173,30 +191,30 @@ paged_decode_attention = reference_on_cpu(paged_decode_attention_op, paged_decod
 def paged_prefill_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-    scale: float, sliding_window: int, softcap: float = 0.0,
+    scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     return paged_prefill_attention_reference(
         q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-        softcap,
+        softcap, k_scale, v_scale,
     )
 
 
 @paged_prefill_attention_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-      softcap=0.0):
+      softcap=0.0, k_scale=1.0, v_scale=1.0):
     return torch.empty_like(q)
 
 
 @paged_prefill_attention_op.register_kernel("cuda")
 def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-      softcap=0.0):
+      softcap=0.0, k_scale=1.0, v_scale=1.0):
     from ops_cuda.paged_attention_triton import paged_prefill_attention_triton  # triton only where a kernel runs
 
     # The new tokens' K/V are already in the cache (write_kv_cache runs first): read all keys there.
     out = torch.empty_like(q)
     paged_prefill_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out,
-        softcap=softcap,
+        softcap=softcap, k_scale=k_scale, v_scale=v_scale,
     )
     return out
 

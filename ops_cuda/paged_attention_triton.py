@@ -7,7 +7,8 @@ only inside its CUDA kernels: ``import ops_cuda`` never needs triton.
 Keys and values are read from the paged cache a row at a time through the block table, so any
 block size works and a key tile may span several blocks. Scores and the softmax are float32 and
 use exp2: the scores carry a log2(e) factor, in the scale, or with soft-capping in the cap
-(``_score_factors``). Float32 inputs multiply in full float32
+(``_score_factors``). An FP8 cache's entries are widened to q's dtype as they load (exactly), its
+key scale folded into the score factor and its value scale into the output. Float32 inputs multiply in full float32
 (``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers
 depend on shapes only, never on data: both ops can be captured in a CUDA graph.
 """
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
+from ops_cuda.fp8 import FP8_DTYPE
 from ops_cuda.triton_helpers import begin_after_previous, pdl_launch, tanh
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
@@ -47,11 +49,14 @@ def _load_kv_tile(cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys,
 def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
                      table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
                      k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-                     BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     KV_FP8: tl.constexpr):
     # One online-softmax step: the rows of q over one tile of keys, `visible` [rows or 1, keys] of them.
-    # Returns the updated running max, softmax mass and unnormalised output.
+    # Returns the updated running max, softmax mass and unnormalised output (its values unscaled).
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
+    if KV_FP8:
+        k = k.to(tl.float32).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
     if SOFTCAP:
         scores = cap_log2 * tanh(scores)
@@ -62,6 +67,8 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
     total = total * rescale + tl.sum(p, 1)
     v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
+    if KV_FP8:
+        v = v.to(tl.float32).to(q.dtype)
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, total, acc
 
@@ -69,12 +76,12 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-    score_scale, cap_log2, window,
+    score_scale, cap_log2, window, v_scale,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
@@ -109,13 +116,13 @@ def _decode_split_kernel(
             q, running_max, total, acc, key_ok[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
             table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
             k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-            BLOCK_SIZE, SOFTCAP, DOT_PRECISION,
+            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
         )
 
     # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
     has_keys = total > 0
     total = tl.where(has_keys, total, 1.0)
-    out = acc / total[:, None]
+    out = acc / total[:, None] * v_scale
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -157,12 +164,12 @@ def _decode_reduce_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    score_scale, cap_log2, window,
+    score_scale, cap_log2, window, v_scale,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Program (query tile, head, sequence): BLOCK_M new queries of one head, online softmax over
     # the key tiles they can see (cached context and the new tokens alike, all from the cache).
@@ -200,10 +207,10 @@ def _prefill_kernel(
             q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
             table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
             k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-            BLOCK_SIZE, SOFTCAP, DOT_PRECISION,
+            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
         )
 
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
     tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -232,10 +239,14 @@ def _score_factors(scale: float, softcap: float) -> tuple[float, float]:
 
 
 def _check(op: str, q, k_cache, v_cache, out, block_tables):
-    dtypes = {q.dtype, k_cache.dtype, v_cache.dtype, out.dtype}
+    dtypes = {q.dtype, out.dtype}
     if len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
-        raise TypeError(f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for q, the caches and the output, "
+        raise TypeError(f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for q and the output, "
                         f"got {sorted(map(str, dtypes))}")
+    cache_dtypes = {k_cache.dtype, v_cache.dtype}
+    if len(cache_dtypes) != 1 or not cache_dtypes <= {q.dtype, FP8_DTYPE}:
+        raise TypeError(f"the CUDA kernel of zoo::{op} takes caches of q's dtype ({q.dtype}) or {FP8_DTYPE}, "
+                        f"got {sorted(map(str, cache_dtypes))}")
     # Kernels index the head dim (and a table row) with stride 1, everything else through strides.
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
@@ -282,7 +293,8 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
-                                  softcap: float = 0.0, num_splits: int | None = None) -> None:
+                                  softcap: float = 0.0, num_splits: int | None = None, k_scale: float = 1.0,
+                                  v_scale: float = 1.0) -> None:
     """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D]; ``num_splits`` defaults to
     ``decode_num_splits``."""
     _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
@@ -299,12 +311,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
-        *_score_factors(scale, softcap), sliding_window or NO_WINDOW,
+        *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
-        DOT_PRECISION=_dot_precision(q),
+        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4, num_stages=3, **launch,
     )
     if num_splits == 1:
@@ -317,7 +329,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                   scale, sliding_window, out, softcap: float = 0.0) -> None:
+                                   scale, sliding_window, out, softcap: float = 0.0, k_scale: float = 1.0,
+                                   v_scale: float = 1.0) -> None:
     """Writes zoo::paged_prefill_attention(q, ...) into ``out`` [N, Hq, D], reading every key and
     value (the new tokens' too) from the cache."""
     _check("paged_prefill_attention", q, k_cache, v_cache, out, block_tables)
@@ -327,10 +340,10 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, 
     grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        *_score_factors(scale, softcap), sliding_window or NO_WINDOW,
+        *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SOFTCAP=bool(softcap), DOT_PRECISION=_dot_precision(q),
-        num_warps=num_warps, num_stages=2,
+        KV_FP8=k_cache.dtype == FP8_DTYPE, num_warps=num_warps, num_stages=2,
     )

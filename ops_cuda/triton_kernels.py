@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     apply_activation,
@@ -252,26 +253,48 @@ def apply_rotary_triton(
 # ---------------------------------------------------------------------------------------------
 
 
+FP8_LIMIT = tl.constexpr(FP8_MAX)
+E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+# float32's unit in [2**14, 2**15) is e4m3's subnormal step, 2**-9: adding this rounds to it.
+E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    # float32 ``x`` (within +-448) rounded to the nearest e4m3 value, ties to even, so the cast
+    # after it is exact. The hardware's cast rounds the same way; Triton's interpreter carries a
+    # rounded-up mantissa into the wrong bits (0.49 -> 0.25), so the kernel rounds itself.
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal range: keep 3 of float32's 23 mantissa bits, ties to even.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    tiny = (tl.abs(x) + E4M3_SUBNORMAL_ROUNDER) - E4M3_SUBNORMAL_ROUNDER
+    tiny = tl.where(bits < 0, -tiny, tiny)
+    return tl.where(tl.abs(x) >= E4M3_MIN_NORMAL, normal, tiny)
+
+
 @triton.jit
 def _copy_to_slot(
-    src_ptr, cache_ptr, token, block, offset, num_heads, head_dim,
+    src_ptr, cache_ptr, token, block, offset, num_heads, head_dim, scale,
     src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < num_heads) & (d < head_dim)
     values = tl.load(src_ptr + token * src_stride_t + h * src_stride_h + d, mask=mask)
+    values = values.to(tl.float32) / scale  # exact where the scale is 1.0
+    if FP8:  # saturated to the e4m3 range: a cast alone turns values past it into NaN
+        values = _round_to_e4m3(tl.minimum(tl.maximum(values, -FP8_LIMIT), FP8_LIMIT))
     dst = cache_ptr + block * cache_stride_b + offset * cache_stride_o + h * cache_stride_h + d
-    tl.store(dst, values, mask=mask)
+    tl.store(dst, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _write_kv_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, num_heads, k_dim, v_dim,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, num_heads, k_dim, v_dim, k_scale, v_scale,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
-    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)  # one program per token
@@ -279,30 +302,33 @@ def _write_kv_cache_kernel(
     block, offset = slot // block_size, slot % block_size
     # A negative slot (padding of a captured batch) has no heads to write: every access is masked.
     num_heads = tl.where(slot >= 0, num_heads, 0)
-    _copy_to_slot(k_ptr, k_cache_ptr, token, block, offset, num_heads, k_dim,
-                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_H, BLOCK_DK)
-    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, num_heads, v_dim,
-                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_H, BLOCK_DV)
+    _copy_to_slot(k_ptr, k_cache_ptr, token, block, offset, num_heads, k_dim, k_scale,
+                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_H, BLOCK_DK, FP8)
+    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, num_heads, v_dim, v_scale,
+                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_H, BLOCK_DV, FP8)
 
 
 def write_kv_cache_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:  # written in place: no copy can stand in for it
             raise ValueError(
                 f"zoo::write_kv_cache needs {name} with a unit stride on its last dim, got strides {cache.stride()}"
             )
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"zoo::write_kv_cache needs one dtype for both caches, got {k_cache.dtype} and {v_cache.dtype}")
     k, v, slot_mapping = _unit_stride(k), _unit_stride(v), slot_mapping.contiguous()
     num_heads = k.shape[1]
     block_h = triton.next_power_of_2(num_heads)
     block_dk, block_dv = triton.next_power_of_2(k.shape[2]), triton.next_power_of_2(v.shape[2])
     _write_kv_cache_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], num_heads, k.shape[2], v.shape[2],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        float(k_scale), float(v_scale), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=_num_warps(block_h * max(block_dk, block_dv)),
-        **pdl_launch(k),
+        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, FP8=k_cache.dtype == FP8_DTYPE,
+        num_warps=_num_warps(block_h * max(block_dk, block_dv)), **pdl_launch(k),
     )
 
 

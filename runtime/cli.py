@@ -6,6 +6,7 @@ import argparse
 import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")  # runtime.config's, spelled here so that parsing imports no torch
 MODEL_HELP = "checkpoint directory, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct GGUF)"
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
@@ -73,7 +74,7 @@ def _load_llm(args):
     from runtime import LLM
 
     return LLM(args.model or str(default_model_path()), dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, tensor_parallel_size=args.tp)
+               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp)
 
 
 def _generate(args) -> int:
@@ -194,6 +195,7 @@ def _add_sampling_flags(command, max_tokens: int, temperature: float) -> None:
     command.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     command.add_argument("--max-model-len", type=int, default=4096,
                          help="prompt + generated tokens of a sequence at most (capped by the model's limit)")
+    _add_kv_cache_dtype_flag(command)
     _add_tp_flag(command)
 
 
@@ -201,6 +203,12 @@ def _add_tp_flag(command) -> None:
     command.add_argument("--tp", type=int, default=1, metavar="N",
                          help="tensor parallelism: split the model over N ranks, one process and CUDA device each "
                               "(or N processes on the CPU)")
+
+
+def _add_kv_cache_dtype_flag(command) -> None:
+    command.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                         help="the KV cache's dtype: auto is the model's; fp8 is e4m3, a byte a value, so about "
+                              "twice the tokens fit")
 
 
 def _serve(args) -> int:
@@ -212,7 +220,7 @@ def _serve(args) -> int:
     options = {name: getattr(args, name) for name in ("max_model_len", "max_num_seqs", "num_blocks", "kv_cache_gib")
                if getattr(args, name) is not None}
     llm = LLM(model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tp, **options)
+              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp, **options)
     # The embedded model's file is SmolLM2-135M-Instruct.Q4_1.gguf: it is served as SmolLM2-135M-Instruct.
     name = args.served_model_name or args.model or default_model_path().name.split(".")[0]
     try:
@@ -289,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: as many as the memory budget holds)")
     serve.add_argument("--kv-cache-gib", type=float, help="the KV cache's memory (default: 1 GiB on the CPU, "
                                                           "on CUDA what the model leaves of 90%% of the device)")
+    _add_kv_cache_dtype_flag(serve)
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA, run decode steps without CUDA graphs (default: graphs where the model allows)")
     _add_tp_flag(serve)

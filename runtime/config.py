@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from layers.attention import BACKENDS
 from runtime.sampling_params import is_integer, is_number
 
+# The KV cache's dtypes: "auto" is the model's, "fp8" float8_e4m3fn (values over per-tensor scales).
+KV_CACHE_DTYPES = ("auto", "fp8")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +28,7 @@ class EngineConfig:
     compile_decode: bool = False  # on the CPU, run decode steps of up to 16 sequences through torch.compile
     attention_backend: str | None = None  # "torch" (the reference) or "triton" (None: triton on CUDA, else torch)
     tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is split over (runtime.parallel)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3: a byte per value, about twice the blocks)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens",
@@ -42,6 +46,8 @@ class EngineConfig:
         if self.compile_decode and self.tensor_parallel_size > 1:
             raise ValueError("compile_decode compiles a model that runs in one process: it does not go with "
                              "tensor_parallel_size > 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")
 

@@ -7,7 +7,7 @@ from runtime.block_manager import BlockManager
 from runtime.compiled_decode import check_compilable
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.kv_cache import KVCache, blocks_for_budget
+from runtime.kv_cache import KVCache, blocks_for_budget, cache_dtype
 from runtime.model_runner import ModelRunner
 from runtime.multimodal import ImageInputs, ImagePreprocessor, split_prompt
 from runtime.run_ahead import LaunchedStep, RunAhead
@@ -62,10 +62,12 @@ class Engine:
         model.unbind_kv_cache()
         if config.compile_decode:
             check_compilable(model, device)
+        kv_dtype = cache_dtype(config.kv_cache_dtype, model)  # an unsupported one is named before any profiling
         num_blocks = config.num_blocks or blocks_for_budget(model, config)
         if ranks is not None:  # the block tables rank 0 sends index every rank's pools alike
             num_blocks = ranks.fewest(num_blocks)
-        self.kv_cache = KVCache(model, num_blocks, config.block_size, backend, padding_block=config.compile_decode)
+        self.kv_cache = KVCache(model, num_blocks, config.block_size, backend, padding_block=config.compile_decode,
+                                dtype=kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -7,13 +7,30 @@ import weakref
 import torch
 
 from layers import AttentionMetadata
+from ops_cuda.fp8 import FP8_DTYPE
 from runtime.config import EngineConfig
 
 CPU_KV_CACHE_GIB = 1.0
+# Triton converts to and from e4m3 on CUDA devices of compute capability 8.9 (Ada) and later.
+FP8_CUDA_CAPABILITY = (8, 9)
+
+
+def cache_dtype(kv_cache_dtype: str, model) -> torch.dtype:
+    """The dtype of the pools for ``EngineConfig.kv_cache_dtype`` (checked there): the model's for
+    "auto", float8_e4m3fn for "fp8" where the device takes it."""
+    parameter = next(model.parameters())
+    if kv_cache_dtype == "auto":
+        return parameter.dtype
+    device = parameter.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CUDA_CAPABILITY:
+        name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype='fp8' needs a CUDA device of compute capability "
+                         f"{'.'.join(map(str, FP8_CUDA_CAPABILITY))} or later; {name} is {'.'.join(map(str, capability))}")
+    return FP8_DTYPE
 
 
 def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """The bytes one block of ``block_size`` tokens takes over all of the model's cache pools."""
+    """The bytes one block of ``block_size`` tokens takes over all of the model's cache pools of ``dtype``."""
     per_token = sum(math.prod(shape) for layer in model.kv_cache_spec() for shape in layer)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
@@ -42,7 +59,8 @@ def blocks_for_budget(model, config: EngineConfig) -> int:
     else:
         budget = CPU_KV_CACHE_GIB * (1 << 30)
     useful = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
-    num_blocks = min(int(budget // bytes_per_block(model, config.block_size, parameter.dtype)), useful)
+    dtype = cache_dtype(config.kv_cache_dtype, model)
+    num_blocks = min(int(budget // bytes_per_block(model, config.block_size, dtype)), useful)
     if num_blocks < 1:
         raise ValueError(f"no memory left for the KV cache (budget {budget / (1 << 30):.2f} GiB)")
     return num_blocks
@@ -51,18 +69,22 @@ def blocks_for_budget(model, config: EngineConfig) -> int:
 class KVCache:
     """Per layer of ``model.kv_cache_spec()``, a pool of fixed-size blocks per entry:
     [num_blocks, block_size, *shape] (K and V of [kv_heads, head_dim] for plain attention),
-    bound to the model with the attention ``backend``.
+    bound to the model with the attention ``backend``. The pools are ``dtype`` (None: the model's;
+    ``cache_dtype`` resolves ``EngineConfig.kv_cache_dtype``); the layers' scales (``k_scale``,
+    ``v_scale``, MLA's ``kv_scale``) say what their entries stand for.
 
     With ``padding_block`` the pools hold one block more, which no sequence is given: padding
     tokens of a compiled step write there (``padding_slot``), as a graph cannot skip them."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, backend, padding_block: bool = False):
+    def __init__(self, model, num_blocks: int, block_size: int, backend, padding_block: bool = False,
+                 dtype: torch.dtype | None = None):
         parameter = next(model.parameters())
         self.model = model
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype or parameter.dtype
         self.padding_slot = num_blocks * block_size if padding_block else None
         self.pools = [
-            tuple(torch.empty((num_blocks + padding_block, block_size, *shape), dtype=parameter.dtype,
+            tuple(torch.empty((num_blocks + padding_block, block_size, *shape), dtype=self.dtype,
                               device=parameter.device) for shape in layer)
             for layer in model.kv_cache_spec()
         ]

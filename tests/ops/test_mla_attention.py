@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from layers import AttentionMetadata, MLAttention, TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
-from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.kv_cache import dequantize, quantize, write_kv_cache_reference  # noqa: E402
 from ops_cuda.mla_attention import (  # noqa: E402
     gather_latents,
     mla_decode_attention,
@@ -35,10 +35,11 @@ class LatentBatch:
     """Sequences with ``context_lens`` cached tokens and ``query_lens`` new ones, every token's latent
     and rope key in a pool of randomly permuted blocks (unused slots NaN); decode queries (one per
     sequence, absorbed: q_latent, q_rope) and prefill queries and decompressed keys (q_nope, q_rope,
-    k_nope, k_rope, v) for the new tokens. A sequence of length 0 is a padding row."""
+    k_nope, k_rope, v) for the new tokens. A sequence of length 0 is a padding row. With ``fp8_scale``
+    the pool is float8_e4m3fn, holding the entries divided by it (``entries`` are what it reads back)."""
 
     def __init__(self, context_lens, query_lens, heads, rank, rope, nope, v_dim, block_size, dtype, device="cpu",
-                 seed=0):
+                 seed=0, fp8_scale=None):
         gen = torch.Generator().manual_seed(seed)
 
         def randn(*shape):
@@ -49,14 +50,16 @@ class LatentBatch:
         num_blocks = len(seq_lens) * width + 2
         tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
         self.block_tables = tables.view(len(seq_lens), width).to(torch.int32).to(device)
-        self.cache = torch.full((num_blocks, block_size, rank + rope), float("nan"), dtype=dtype, device=device)
+        self.kv_scale = 1.0 if fp8_scale is None else fp8_scale
+        cache_dtype = dtype if fp8_scale is None else torch.float8_e4m3fn
+        self.cache = torch.full((num_blocks, block_size, rank + rope), float("nan"), device=device).to(cache_dtype)
         self.entries = []  # each sequence's [seq_len, rank + rope]
         for i, n in enumerate(seq_lens):
-            entries = randn(n, rank + rope)
+            entries = quantize(randn(n, rank + rope), self.kv_scale, cache_dtype)
             positions = torch.arange(n, device=device)
             slots = self.block_tables[i, positions // block_size].long() * block_size + positions % block_size
             self.cache.view(-1, rank + rope)[slots] = entries
-            self.entries.append(entries)
+            self.entries.append(dequantize(entries, self.kv_scale, dtype))
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         self.query_start_loc = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).to(device)
         self.query_lens, self.context_lens = query_lens, context_lens
@@ -77,14 +80,14 @@ class LatentBatch:
                 max(self.query_lens), self.scale)
 
     def reference_decode(self):  # in float32, from the same (rounded) inputs
-        return mla_decode_attention_reference(*_float32(self.decode_args()))
+        return mla_decode_attention_reference(*_float32(self.decode_args()), self.kv_scale)
 
     def reference_prefill(self):
         return mla_prefill_attention_reference(*_float32(self.prefill_args()))
 
 
-def _float32(args):
-    return [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in args]
+def _float32(args):  # an FP8 cache stays one: the reference reads it with its scale
+    return [t.float() if torch.is_tensor(t) and t.is_floating_point() and t.element_size() > 1 else t for t in args]
 
 
 def decode_batch(seq_lens, *shape, **kwargs):
@@ -93,7 +96,7 @@ def decode_batch(seq_lens, *shape, **kwargs):
 
 def run_decode(batch, **options):
     out = torch.full_like(batch.q_latent, float("nan"))
-    mla_decode_attention_triton(*batch.decode_args(), out, **options)
+    mla_decode_attention_triton(*batch.decode_args(), out, kv_scale=batch.kv_scale, **options)
     return out
 
 
@@ -164,6 +167,26 @@ def test_prefill_kernel_interpreted(dtype, geometry):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_fp8_pool_decode_kernel_interpreted(dtype):
+    # An e4m3 pool with a scale: the kernel widens its entries and applies the scale as the reference does.
+    batch = decode_batch([1, 37, 0, 20], *GEOMETRIES["5h-r24-block16"], dtype, fp8_scale=0.25)
+    reference = batch.reference_decode()
+    for num_splits in (1, 3):
+        assert_close(run_decode(batch, num_splits=num_splits), reference, TOL[dtype])
+
+
+def test_fp8_pool_decode_reference_is_the_absorbed_form_over_the_rounded_entries():
+    batch = decode_batch([5, 1, 9], 3, 8, 4, 6, 5, 4, torch.float32, fp8_scale=0.5)
+    assert batch.cache.dtype == torch.float8_e4m3fn
+    out = batch.reference_decode()
+    for i in range(3):
+        entries = batch.entries[i]  # the pool's e4m3 entries times 0.5
+        scores = (batch.q_latent[i] @ entries[:, :8].T + batch.q_rope_decode[i] @ entries[:, 8:].T) * batch.scale
+        assert_close(out[i], scores.softmax(-1) @ entries[:, :8], 1e-6)
+
+
+@pytest.mark.interpreter
 def test_the_kv_cache_write_kernel_writes_the_latent_pool_through_column_views():
     # The latent and the rope key of each new token into one [blocks, block_size, rank + rope] pool;
     # slot -1 (padding of a captured batch) writes nothing.
@@ -227,9 +250,18 @@ def attend_latent(backend, layer, pool, inputs):
     return backend.attend_latent(layer, *inputs)
 
 
-def decode_via_launcher(q_latent, q_rope, cache, block_tables, seq_lens, scale):
+def fp8_latent_step(layer, block_size=4, device="cpu"):
+    """``mixed_latent_step`` over an e4m3 pool: its cached entries rounded with the layer's kv_scale."""
+    pool, inputs = mixed_latent_step(layer, block_size, device)
+    written = ~pool.isnan()
+    fp8_pool = torch.full_like(pool, float("nan")).to(torch.float8_e4m3fn)
+    fp8_pool[written] = quantize(pool[written], layer.kv_scale, torch.float8_e4m3fn)
+    return fp8_pool, inputs
+
+
+def decode_via_launcher(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale):
     out = torch.empty_like(q_latent)
-    mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out)
+    mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out, kv_scale=kv_scale)
     return out
 
 
@@ -251,6 +283,27 @@ def test_triton_backend_latent_path_matches_the_torch_backend(monkeypatch):
     assert ours.shape == (13, 3, 12)
     assert_close(ours[:-1], reference[:-1], 1e-5)
     assert torch.equal(ours[-1], torch.zeros_like(ours[-1]))  # the padding row
+
+
+@pytest.mark.interpreter
+def test_triton_backend_latent_path_over_an_fp8_pool_matches_the_torch_backend(monkeypatch):
+    # Both write the new tokens into the e4m3 pool and read every entry back through the layer's kv_scale.
+    monkeypatch.setattr(TritonAttentionBackend, "latent_decode", staticmethod(decode_via_launcher))
+    monkeypatch.setattr(TritonAttentionBackend, "latent_prefill", staticmethod(prefill_via_launcher))
+    layer = mla_layer()
+    layer.kv_scale = 0.5
+    pool, inputs = fp8_latent_step(layer)
+    ours = attend_latent(TritonAttentionBackend(), layer, pool, inputs)
+    reference = attend_latent(TorchAttentionBackend(), layer, pool, inputs)
+    assert_close(ours[:-1], reference[:-1], 1e-5)
+    assert torch.equal(ours[-1], torch.zeros_like(ours[-1]))
+    # The same as the model's dtype over the pool read back and the new tokens' entries rounded alike.
+    q_nope, q_rope, latent, k_rope, metadata = inputs
+    latent, k_rope = (dequantize(quantize(t, 0.5, torch.float8_e4m3fn), 0.5, torch.float32) for t in (latent, k_rope))
+    layer.kv_scale = 1.0
+    dequantized = attend_latent(TorchAttentionBackend(), layer, pool.float() * 0.5,
+                                (q_nope, q_rope, latent, k_rope, metadata))
+    assert_close(reference[:-1], dequantized[:-1], 1e-5)
 
 
 def test_mla_layer_is_capturable_where_its_backend_is():
@@ -288,6 +341,27 @@ def test_prefill_kernel_cuda(dtype):
     reference = batch.reference_prefill()
     assert_close(run_prefill(batch), reference, TOL[dtype])
     assert_close(mla_prefill_attention(*batch.prefill_args()), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_pool_decode_kernel_cuda(dtype):
+    batch = decode_batch([1, 16, 0, 777, 4096, 2053], *DEEPSEEK_V3, dtype, "cuda", fp8_scale=0.25)
+    reference = batch.reference_decode()
+    for options in ({}, {"num_splits": 1}, {"num_splits": 7}, {"block_h": 16}):
+        assert_close(run_decode(batch, **options), reference, TOL[dtype])
+    assert_close(mla_decode_attention(*batch.decode_args(), 0.25), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_backend_latent_path_over_an_fp8_pool_matches_the_torch_backend_cuda(dtype):
+    layer = mla_layer(heads=16, rank=512, rope=64, nope=128, v_dim=128, q_lora_rank=64, dtype=dtype, device="cuda")
+    layer.kv_scale = 0.5
+    pool, inputs = fp8_latent_step(layer, block_size=16, device="cuda")
+    ours = attend_latent(TritonAttentionBackend(), layer, pool, inputs)
+    reference = attend_latent(TorchAttentionBackend(), layer, pool, inputs)
+    assert_close(ours, reference, TOL[dtype])
 
 
 @pytest.mark.gpu

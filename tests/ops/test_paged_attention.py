@@ -55,10 +55,11 @@ def assert_close(ours: torch.Tensor, reference: torch.Tensor, tol: float):
 class PagedBatch:
     """Sequences with ``context_lens`` cached tokens and ``query_lens`` new ones, their keys and
     values (new tokens' included) in a cache of randomly permuted blocks, unused slots NaN. A
-    sequence of length 0 is a padding row: its table points at never-written blocks."""
+    sequence of length 0 is a padding row: its table points at never-written blocks. With
+    ``fp8_scales`` (k_scale, v_scale) the cache is float8_e4m3fn, written with those scales."""
 
     def __init__(self, context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                 device="cpu", seed=0):
+                 device="cpu", seed=0, fp8_scales=None):
         gen = torch.Generator().manual_seed(seed)
 
         def randn(*shape):
@@ -70,14 +71,16 @@ class PagedBatch:
         self.block_tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
         self.block_tables = self.block_tables.view(len(seq_lens), width).to(torch.int32).to(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        cache_dtype = dtype if fp8_scales is None else torch.float8_e4m3fn
+        self.scales = (1.0, 1.0) if fp8_scales is None else fp8_scales
+        self.k_cache = torch.full(shape, float("nan"), device=device).to(cache_dtype)
+        self.v_cache = torch.full(shape, float("nan"), device=device).to(cache_dtype)
         ks, vs = [], []
         for i, n in enumerate(seq_lens):
             k, v = randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)
             positions = torch.arange(n, device=device)
             slots = self.block_tables[i, positions // block_size].long() * block_size + positions % block_size
-            write_kv_cache_reference(k, v, self.k_cache, self.v_cache, slots)
+            write_kv_cache_reference(k, v, self.k_cache, self.v_cache, slots, *self.scales)
             ks.append(k[context_lens[i]:])
             vs.append(v[context_lens[i]:])
         self.k, self.v = torch.cat(ks), torch.cat(vs)  # the new tokens'
@@ -97,14 +100,14 @@ class PagedBatch:
                 self.query_start_loc, max(self.query_lens), self.scale, sliding_window)
 
     def reference_decode(self, sliding_window, softcap=0.0):  # in float32, from the same (rounded) inputs
-        return paged_decode_attention_reference(*_float32(self.decode_args(sliding_window)), softcap)
+        return paged_decode_attention_reference(*_float32(self.decode_args(sliding_window)), softcap, *self.scales)
 
     def reference_prefill(self, sliding_window, softcap=0.0):
-        return paged_prefill_attention_reference(*_float32(self.prefill_args(sliding_window)), softcap)
+        return paged_prefill_attention_reference(*_float32(self.prefill_args(sliding_window)), softcap, *self.scales)
 
 
-def _float32(args):
-    return [t.float() if torch.is_tensor(t) and t.is_floating_point() else t for t in args]
+def _float32(args):  # an FP8 cache stays one: the reference reads it with its scales
+    return [t.float() if torch.is_tensor(t) and t.is_floating_point() and t.element_size() > 1 else t for t in args]
 
 
 def decode_batch(seq_lens, *shape, **kwargs):
@@ -118,14 +121,15 @@ def decode_batch(seq_lens, *shape, **kwargs):
 
 def run_decode(batch, sliding_window, num_splits=None, softcap=0.0):
     out = torch.full_like(batch.q, float("nan"))
-    paged_decode_attention_triton(*batch.decode_args(sliding_window), out, softcap=softcap, num_splits=num_splits)
+    paged_decode_attention_triton(*batch.decode_args(sliding_window), out, softcap=softcap, num_splits=num_splits,
+                                  k_scale=batch.scales[0], v_scale=batch.scales[1])
     return out
 
 
 def run_prefill(batch, sliding_window, softcap=0.0):
     q, _, _, *rest = batch.prefill_args(sliding_window)
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention_triton(q, *rest, out, softcap=softcap)
+    paged_prefill_attention_triton(q, *rest, out, softcap=softcap, k_scale=batch.scales[0], v_scale=batch.scales[1])
     return out
 
 
@@ -157,6 +161,36 @@ def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
     # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query.
     batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, head_dim, block_size, dtype)
     assert_close(run_prefill(batch, sliding_window), batch.reference_prefill(sliding_window), TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_fp8_cache_kernels_interpreted(dtype, sliding_window):
+    # An e4m3 cache with scales other than 1: the kernels widen its entries and apply the scales
+    # as the references do (the new tokens of a prefill read back from the cache too).
+    decode = decode_batch([2 * 4 + 3, 1, 0, 8], 4, 2, 16, 4, dtype, fp8_scales=(0.25, 3.0))
+    reference = decode.reference_decode(sliding_window)
+    for num_splits in (1, 3):
+        assert_close(run_decode(decode, sliding_window, num_splits), reference, TOL[dtype])
+    prefill = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, 16, 4, dtype, fp8_scales=(0.25, 3.0))
+    assert_close(run_prefill(prefill, sliding_window), prefill.reference_prefill(sliding_window), TOL[dtype])
+
+
+def test_fp8_cache_references_are_attention_over_the_rounded_cache():
+    # With an e4m3 cache, decode is plain attention over its entries times the scales, and both
+    # references stay within e4m3's rounding (2**-4 relative) of attention over unrounded keys.
+    exact = decode_batch([7, 3, 12], 4, 2, 16, 4, torch.float32)
+    fp8 = decode_batch([7, 3, 12], 4, 2, 16, 4, torch.float32, fp8_scales=(0.5, 2.0))
+    assert fp8.k_cache.dtype == torch.float8_e4m3fn
+    dequantized = decode_batch([7, 3, 12], 4, 2, 16, 4, torch.float32)
+    dequantized.k_cache = fp8.k_cache.float() * 0.5
+    dequantized.v_cache = fp8.v_cache.float() * 2.0
+    torch.testing.assert_close(fp8.reference_decode(0), dequantized.reference_decode(0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(fp8.reference_decode(0), exact.reference_decode(0), rtol=0.1, atol=0.1)
+    exact = PagedBatch([5, 0], [3, 6], 4, 2, 16, 4, torch.float32)
+    fp8 = PagedBatch([5, 0], [3, 6], 4, 2, 16, 4, torch.float32, fp8_scales=(0.5, 2.0))
+    torch.testing.assert_close(fp8.reference_prefill(0), exact.reference_prefill(0), rtol=0.1, atol=0.1)
 
 
 @pytest.mark.interpreter
@@ -271,10 +305,10 @@ def test_select_backend():
         select_backend("flash", "cpu")
 
 
-def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0):
+def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales=None):
     """A layer stub with a cache, and a flat step of two prefills (one after cached context) then
     two decodes, the new tokens' slots still NaN: the backend must write k/v before attending."""
-    batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device)
+    batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device, fp8_scales=fp8_scales)
     new = torch.cat([torch.arange(c, c + q) for c, q in zip(batch.context_lens, batch.query_lens)])
     seq = torch.repeat_interleave(torch.arange(4), torch.tensor(batch.query_lens))
     slots = batch.block_tables.cpu()[seq, new // 4].long() * 4 + new % 4
@@ -282,7 +316,7 @@ def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0):
         cache.flatten(0, 1)[slots.to(device)] = float("nan")
     layer = types.SimpleNamespace(
         kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window,
-        score_modifiers=ScoreModifiers(softcap=softcap),
+        score_modifiers=ScoreModifiers(softcap=softcap), k_scale=batch.scales[0], v_scale=batch.scales[1],
     )
     metadata = AttentionMetadata(
         query_lens=batch.query_lens, context_lens=batch.context_lens, slot_mapping=slots.to(device),
@@ -291,29 +325,31 @@ def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0):
     return layer, batch, metadata
 
 
-def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap):
+def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale,
+                        v_scale):
     out = torch.empty_like(q)
     paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
-                                  softcap=softcap)
+                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def prefill_via_launcher(q, k, v, *args):
-    *args, softcap = args
+    *args, softcap, k_scale, v_scale = args
     out = torch.empty_like(q)
-    paged_prefill_attention_triton(q, *args, out, softcap=softcap)
+    paged_prefill_attention_triton(q, *args, out, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-def test_triton_backend_splits_a_mixed_step(softcap, monkeypatch):
+@pytest.mark.parametrize("fp8_scales", [None, (0.5, 2.0)], ids=["", "fp8"])
+def test_triton_backend_splits_a_mixed_step(softcap, fp8_scales, monkeypatch):
     # The backend's slicing of the stream and metadata, with the interpreted kernels behind the ops.
     monkeypatch.setattr(TritonAttentionBackend, "decode", staticmethod(decode_via_launcher))
     monkeypatch.setattr(TritonAttentionBackend, "prefill", staticmethod(prefill_via_launcher))
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, softcap=softcap)
+        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, softcap=softcap, fp8_scales=fp8_scales)
         outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
     assert_close(outs[1], outs[0], TOL[torch.float32])
 
@@ -334,6 +370,23 @@ def test_decode_kernel_cuda(dtype, shape, sliding_window):
     for num_splits in (None, 1, 7):
         assert_close(run_decode(batch, sliding_window, num_splits), reference, TOL[dtype])
     assert_close(paged_decode_attention(*batch.decode_args(sliding_window)), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_cache_kernels_cuda(dtype, shape):
+    # An e4m3 cache with scales: both kernels against the float32 references over the same cache.
+    batch = decode_batch([1, 16, 0, 777, 3001, 2053], *SHAPES[shape], 16, dtype, "cuda", fp8_scales=(0.25, 3.0))
+    reference = batch.reference_decode(1000)
+    for num_splits in (None, 1, 7):
+        assert_close(run_decode(batch, 1000, num_splits), reference, TOL[dtype])
+    assert_close(paged_decode_attention(*batch.decode_args(1000), 0.0, 0.25, 3.0), reference, TOL[dtype])
+    batch = PagedBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *SHAPES[shape], 16, dtype, "cuda",
+                       fp8_scales=(0.25, 3.0))
+    reference = batch.reference_prefill(0)
+    assert_close(run_prefill(batch, 0), reference, TOL[dtype])
+    assert_close(paged_prefill_attention(*batch.prefill_args(0), 0.0, 0.25, 3.0), reference, TOL[dtype])
 
 
 @pytest.mark.gpu
@@ -390,10 +443,11 @@ def test_decode_op_replays_in_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-def test_triton_backend_matches_torch_backend_cuda(dtype, softcap):
+@pytest.mark.parametrize("fp8_scales", [None, (0.5, 2.0)], ids=["", "fp8"])
+def test_triton_backend_matches_torch_backend_cuda(dtype, softcap, fp8_scales):
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer, batch, metadata = mixed_step(dtype, "cuda", sliding_window=4, softcap=softcap)
+        layer, batch, metadata = mixed_step(dtype, "cuda", sliding_window=4, softcap=softcap, fp8_scales=fp8_scales)
         outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
     assert_close(outs[1], outs[0], TOL[dtype])
 

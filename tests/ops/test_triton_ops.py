@@ -213,6 +213,42 @@ def test_write_kv_cache_head_dims_differ_interpreted():
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+def test_write_fp8_kv_cache_interpreted(dtype):
+    # Each value divided by its tensor's scale, saturated to +-448 and rounded to e4m3, as the reference does.
+    torch.manual_seed(0)
+    _, k, v = qkv_views(6, 4, 2, 24, dtype)
+    k[0, 0, :3] = torch.tensor([1000.0, -1000.0, 447.0], dtype=dtype)  # past the range at scale 0.5: saturated
+    k_cache = torch.zeros(3, 4, 2, 24, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 5, -1, 11, 2, -1])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_reference(k, v, expected_k, expected_v, slots, 0.5, 2.0)
+    kernels.write_kv_cache_triton(k, v, k_cache, v_cache, slots, 0.5, 2.0)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+    assert expected_k[0, 0, 0, :3].float().tolist() == [448.0, -448.0, 448.0]
+    # Read back: within e4m3's half a unit (2**-4 relative) of the value written.
+    written = v[torch.tensor([0, 1, 3, 4])].float()
+    read = expected_v.view(-1, 2, 24)[torch.tensor([0, 5, 11, 2])].float() * 2.0
+    torch.testing.assert_close(read, written, rtol=2**-4, atol=2**-9 * 2.0)
+
+
+@pytest.mark.interpreter
+def test_fp8_kv_cache_write_rounds_as_torch_interpreted():
+    # Magnitudes from e4m3's subnormals (below 2**-6) to past its range, ties and signed zeros.
+    torch.manual_seed(0)
+    values = torch.randn(4096) * 10 ** torch.empty(4096).uniform_(-4, 3)
+    values[:8] = torch.tensor([0.49, 1.0625, 1.1875, 3 * 2**-10, -3 * 2**-10, 2**-10, 0.0, -0.0])
+    k = values.view(-1, 4, 64)
+    k_cache = torch.zeros(len(k), 1, 4, 64, dtype=torch.float8_e4m3fn)
+    slots = torch.arange(len(k))
+    kernels.write_kv_cache_triton(k, k, k_cache, k_cache.clone(), slots)
+    expected = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(k_cache.view(torch.uint8).flatten(), expected.view(torch.uint8))
+
+
 def test_importing_ops_does_not_import_triton():
     code = "import sys, ops_cuda; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -366,6 +402,26 @@ def test_write_kv_cache_gpu(dtype):
     write_kv_cache(k, v, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_TOL)
+def test_write_fp8_kv_cache_gpu(dtype):
+    torch.manual_seed(0)
+    n, kv_heads, head_dim, block_size, num_blocks = 300, 8, 128, 16, 64
+    _, k, v = qkv_views(n, 32, kv_heads, head_dim, dtype, "cuda")
+    k.mul_(300)  # some values past the range at scale 0.5: saturated
+    # NaN caches (0x7f in e4m3): a slot the kernel misses, or a padding token it writes, shows.
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 0x7F, dtype=torch.uint8, device="cuda")
+    k_cache = k_cache.view(torch.float8_e4m3fn)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:n]
+    slots[::7] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_reference(k, v, expected_k, expected_v, slots, 0.5, 2.0)
+    write_kv_cache(k, v, k_cache, v_cache, slots, 0.5, 2.0)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
 
 
 @pytest.mark.gpu

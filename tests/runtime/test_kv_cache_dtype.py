@@ -1,0 +1,95 @@
+"""``LLM(..., kv_cache_dtype="fp8")``: float8_e4m3fn pools, a budget counted at a byte a value, and
+greedy generation through them end to end on Llama and DeepSeek-V3 (MLA's latent pool)."""
+
+import types
+
+import pytest
+import torch
+
+from runtime import LLM, EngineConfig, SamplingParams
+from runtime.cli import KV_CACHE_DTYPES as CLI_KV_CACHE_DTYPES
+from runtime.config import KV_CACHE_DTYPES
+from runtime.kv_cache import cache_dtype
+from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.models.test_deepseek_v3 import VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model
+from tests.runtime.test_runtime import prompts, token_ids
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {
+        "llama": save_checkpoint(hf_model(tiny_config("llama")), tmp_path_factory.mktemp("llama")),
+        "deepseek_v3": save_checkpoint(deepseek_hf_model(DEEPSEEK_VARIANTS["q_lora-interleaved-groups"]),
+                                       tmp_path_factory.mktemp("deepseek_v3")),
+    }
+
+
+def llm(path, **options):
+    return LLM(str(path), device="cpu", block_size=4, **options)
+
+
+def test_an_unknown_kv_cache_dtype_names_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"unknown kv_cache_dtype 'fp16'; choose one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="fp16")
+    assert CLI_KV_CACHE_DTYPES == KV_CACHE_DTYPES
+
+
+def test_fp8_on_a_cuda_device_without_fp8_conversions_says_so(monkeypatch):
+    parameter = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    model = types.SimpleNamespace(parameters=lambda: iter([parameter]))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs a CUDA device of compute capability 8.9 or "
+                                         r"later; NVIDIA A100 is 8.0"):
+        cache_dtype("fp8", model)
+    assert cache_dtype("auto", model) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cache_dtype("fp8", model) == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_fp8_pools_hold_twice_the_blocks_of_bfloat16_ones(checkpoints, name):
+    budget = dict(dtype="bfloat16", kv_cache_gib=2**-14)  # 64 KiB: fewer blocks than the sequences could use
+    auto, fp8 = llm(checkpoints[name], **budget).engine, llm(checkpoints[name], kv_cache_dtype="fp8", **budget).engine
+    assert {pool.dtype for pools in auto.kv_cache.pools for pool in pools} == {torch.bfloat16}
+    assert {pool.dtype for pools in fp8.kv_cache.pools for pool in pools} == {torch.float8_e4m3fn}
+    assert fp8.kv_cache.num_blocks in (2 * auto.kv_cache.num_blocks, 2 * auto.kv_cache.num_blocks + 1)  # floors
+    assert fp8.block_manager.num_blocks == fp8.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_greedy_generation_through_an_fp8_cache_runs_on_both_backends(checkpoints, name):
+    # On the CPU both backends run the references (the triton backend through its own prompt path
+    # for MLA): the same tokens; every prompt gets all its tokens.
+    batch = prompts(5)
+    outputs = {backend: token_ids(llm(checkpoints[name], kv_cache_dtype="fp8", attention_backend=backend)
+                                  .generate(batch, GREEDY, use_tqdm=False))
+               for backend in ("torch", "triton")}
+    assert outputs["torch"] == outputs["triton"]
+    assert [len(tokens) for tokens in outputs["torch"]] == [12] * len(batch)
+    # The first token comes from the prompt's logits, read over e4m3 keys and values: the same as
+    # the model's dtype gives for most prompts of these nearly flat random models.
+    auto = token_ids(llm(checkpoints[name]).generate(batch, GREEDY, use_tqdm=False))
+    assert sum(a[0] == b[0] for a, b in zip(auto, outputs["torch"])) >= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_cache_on_cuda_replays_graphs_to_the_eager_tokens(checkpoints, name, dtype):
+    # The triton backend's kernels over e4m3 pools: captured decode steps give the eager steps' tokens,
+    # and the torch backend's references over the same pools agree on most first tokens.
+    batch = prompts(6)
+
+    def generate(**options):
+        engine_llm = LLM(str(checkpoints[name]), device="cuda", dtype=dtype, block_size=16, kv_cache_dtype="fp8",
+                         **options)
+        assert {p.dtype for pools in engine_llm.engine.kv_cache.pools for p in pools} == {torch.float8_e4m3fn}
+        return token_ids(engine_llm.generate(batch, GREEDY, use_tqdm=False))
+
+    graphs = generate()
+    assert graphs == generate(enforce_eager=True)
+    torch_backend = generate(attention_backend="torch")
+    assert sum(a[0] == b[0] for a, b in zip(graphs, torch_backend)) >= 5
