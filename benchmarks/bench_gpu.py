@@ -11,7 +11,8 @@ throughput     nano-vllm's workload: Qwen3-0.6B shape, 256 requests of random to
 throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requests as the KV cache
                holds at once (at most --requests-8b).
 prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
-               peak measured here.
+               peak measured here, counting the FLOPs zoo runs: the LM head on the last row of
+               each prompt only (prefill_flops).
 """
 
 import argparse
@@ -219,6 +220,20 @@ def throughput_8b(results, max_requests, batched_tokens):
     torch.cuda.empty_cache()
 
 
+def prefill_flops(model, prompts: int, length: int) -> float:
+    """The FLOPs of prefilling ``prompts`` prompts of ``length`` tokens as zoo does: every decoder
+    matmul on every token, causal attention over half the square, and the LM head only on the
+    last row of each prompt (the one row a prompt samples from; zoo computes no other row's logits)."""
+    config = model.config
+    lm_head = config.vocab_size * config.hidden_size
+    decoder = sum(p.numel() for n, p in model.named_parameters()  # matrices: the norms' weights are no matmul
+                  if p.dim() == 2 and "embed_tokens" not in n and not n.startswith("lm_head."))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # QK^T and PV, 2 FLOPs per multiply-add, over the causal half of the length x length scores
+    attention = 2 * 2 * (length * length / 2) * config.num_attention_heads * head_dim * config.num_hidden_layers
+    return prompts * (2 * decoder * length + attention + 2 * lm_head)
+
+
 def prefill(results):
     model = zoo_8b()
     peak = matmul_peak()
@@ -227,13 +242,13 @@ def prefill(results):
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     seconds = sync_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats=2)
     tokens = 8 * 4096
-    params_flops = 2 * sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * tokens
-    # causal attention: QK^T and PV over half the square, per layer and head
-    attention_flops = 8 * 2 * 2 * (4096 * 4096 / 2) * 32 * 128 * 32
-    mfu = (params_flops + attention_flops) / seconds / peak
-    results["prefill"] = dict(tokens_per_s=tokens / seconds, mfu=mfu, matmul_peak_tflops=peak / 1e12)
+    flops = prefill_flops(model, len(prompts), 4096)
+    mfu = flops / seconds / peak
+    results["prefill"] = dict(tokens_per_s=tokens / seconds, mfu=mfu, matmul_peak_tflops=peak / 1e12,
+                              tflop=flops / 1e12)
     print(f"prefill 8B 4096-token prompts: {tokens / seconds:.0f} tok/s, MFU {mfu:.0%} of {peak / 1e12:.0f} TFLOP/s "
-          f"measured bf16 matmul peak", flush=True)
+          f"measured bf16 matmul peak ({flops / 1e12:.0f} TFLOP per run: the LM head on the last row of each prompt, "
+          f"the rows zoo computes logits for)", flush=True)
     del llm, model
     torch.cuda.empty_cache()
 
