@@ -109,7 +109,8 @@ def hf_continuous_batching(model, prompts: list[list[int]], lengths: list[int], 
     manager.start()
     try:
         with stage(startup, "HF first call"):
-            hf_requests(manager, prompts[:4], [8] * len(prompts[:4]), "first")
+            warm = first_call_prompts(prompts, 4)
+            hf_requests(manager, warm, [8] * len(warm), "first")
         start = time.perf_counter()
         tokens = hf_requests(manager, prompts, lengths, "run")
         if torch.cuda.is_available():
@@ -118,6 +119,12 @@ def hf_continuous_batching(model, prompts: list[list[int]], lengths: list[int], 
     finally:
         manager.stop(block=True)
         manager.destroy()
+
+
+def first_call_prompts(prompts: list[list[int]], count: int) -> list[list[int]]:
+    """The first ``count`` prompts reversed, for a side's untimed first call: as long as the timed
+    prompts but sharing no prefix with them, so that no prefix cache carries work into the timed run."""
+    return [prompt[::-1] for prompt in prompts[:count]]
 
 
 def hf_requests(manager, prompts: list[list[int]], lengths: list[int], tag: str) -> int:
@@ -274,7 +281,7 @@ def throughput(results, hf_requests):
     with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
         llm = LLM(model, max_num_seqs=256, max_model_len=2048)
     with stage(startup, "zoo first call"):
-        llm.generate(prompts[:8], params[:8], use_tqdm=False)
+        llm.generate(first_call_prompts(prompts, 8), params[:8], use_tqdm=False)
     zoo_tokens, zoo_seconds = zoo_run(llm, prompts, params)
     del llm, model
     torch.cuda.empty_cache()
@@ -308,7 +315,7 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests):
     prompts = workload(requests, 1000, 1000, LLAMA_8B["vocab_size"])[0]
     lengths = [1000] * requests
     with stage(startup, "zoo first call"):
-        llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.generate(first_call_prompts(prompts, 4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     tokens, seconds = zoo_run(llm, prompts, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     results["throughput_8b"] = dict(tokens_per_s=tokens / seconds, requests=requests, seconds=seconds, kv_blocks=blocks,
                                     preemptions=llm.engine.scheduler.num_preemptions,

@@ -116,7 +116,8 @@ def zoo_side(directory: Path, prompts, images) -> dict:
 def hf_side(directory: Path, prompts, images) -> dict:
     startup = {}
     with stage(startup, "HF load"):
-        model = transformers.LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+        model = transformers.LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.bfloat16)
+        model = model.cuda().eval()
         processor = transformers.AutoProcessor.from_pretrained(directory)
 
     def generate(count, new_tokens, offset=0):

@@ -51,8 +51,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import (decode_ms_per_token, graph_us, hbm_bandwidth, hf_continuous_batching, stage,  # noqa: E402
-                       startup_text, timed, workload)
+from bench_gpu import (decode_ms_per_token, first_call_prompts, graph_us, hbm_bandwidth,  # noqa: E402
+                       hf_continuous_batching, stage, startup_text, timed, workload)
 from layers.moe import Experts  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
@@ -218,7 +218,7 @@ def zoo_throughput(results, model, max_requests, startup):
     log(f"zoo LLM ready: {blocks} KV blocks, {requests} concurrent requests of {IN_LEN}+{OUT_LEN} tokens")
     prompts = workload(requests, IN_LEN, IN_LEN, QWEN3_30B_A3B["vocab_size"])[0]
     with stage(startup, "zoo first call"):
-        llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.generate(first_call_prompts(prompts, 4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=OUT_LEN, temperature=0.0, ignore_eos=True),
