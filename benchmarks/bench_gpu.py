@@ -11,15 +11,15 @@ throughput     nano-vllm's workload: Qwen3-0.6B shape, 256 requests of random to
                batching.
 throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requests as the KV cache
                holds at once (at most --requests-8b), zoo vs HF's continuous batching.
+prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
+               peak measured here, counting the FLOPs zoo runs: the LM head on the last row of
+               each prompt only (prefill_flops).
 
 HF's continuous batching (its manager, ``init_continuous_batching``) gets zoo's requests, each with
 its prompt and its number of new tokens, EOS off on both sides; --hf-requests takes the first N of
 them. Each task prints, beside its timed figure, the start-up it leaves out of it, per side: the
 model's build or conversion, zoo's LLM() (KV cache, CUDA-graph capture), HF's manager and its
 warm-up, HF's static-cache compile (decode), and each side's first call.
-prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
-               peak measured here, counting the FLOPs zoo runs: the LM head on the last row of
-               each prompt only (prefill_flops).
 """
 
 import argparse
