@@ -26,7 +26,9 @@ decode      batch 1, 128-token prompt, 128 new tokens (greedy, EOS ignored): zoo
             where capturable), bf16 and FP8 weights, ms/token as (time for 128 tokens - time for 1) / 127,
             against HF generate
             on the same weights (dynamic cache: HF's DeepSeek-V3 with a static cache is tried first,
-            --hf-decode static, and reported when it fails).
+            --hf-decode static, and reported when it fails). Printed under the table, untimed: each
+            side's build or load, zoo's LLM() (KV cache, CUDA-graph capture) and each side's first
+            call (HF's static-cache one compiles).
 roofline    the bytes one batch-1 decode step reads (attention, dense MLP, router, shared expert, 8 of
             256 experts per MoE layer, lm_head, one embedding row; FP8 weights with their scales) over
             the HBM bandwidth measured here.
@@ -49,7 +51,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import decode_ms_per_token, hbm_bandwidth, sync_time  # noqa: E402
+from bench_gpu import decode_ms_per_token, hbm_bandwidth, stage, startup_text, sync_time  # noqa: E402
 from layers import AttentionMetadata  # noqa: E402
 from layers.attention import select_backend  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
@@ -208,8 +210,12 @@ def decode_steps(results, model, weights: str, context: int):
     model.unbind_kv_cache()
 
 
-def zoo_decode(results, model, weights: str, prompt):
-    llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+def zoo_decode(results, model, weights: str, prompt, startup):
+    with stage(startup, f"zoo {weights} LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+    with stage(startup, f"zoo {weights} first call"):
+        llm.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
     ms = decode_ms_per_token(llm, prompt, DECODE_TOKENS)
     graphs = llm.engine.runner.graphs is not None
     active = active_weight_bytes(model)
@@ -221,10 +227,7 @@ def zoo_decode(results, model, weights: str, prompt):
     del llm
 
 
-def hf_decode(results, reference, prompt, mode):
-    if mode == "none":
-        results["decode"]["hf"] = dict(cache="skipped: --hf-decode none")
-        return
+def hf_decode(results, reference, prompt, mode, startup):
     ids = torch.tensor([prompt], device="cuda")
     for cache in ([mode, "dynamic"] if mode == "static" else [mode]):
         extra = dict(cache_implementation="static") if cache == "static" else {}
@@ -235,6 +238,8 @@ def hf_decode(results, reference, prompt, mode):
             assert out.shape[1] == len(prompt) + n, out.shape
 
         try:
+            with stage(startup, f"HF first call ({cache} cache{': compiles' if cache == 'static' else ''})"):
+                run(DECODE_TOKENS)
             ms = (sync_time(lambda: run(DECODE_TOKENS), repeats=2) - sync_time(lambda: run(1))) / (DECODE_TOKENS - 1) * 1e3
         except Exception as exc:  # noqa: BLE001 - reported in the table
             results["decode"][f"hf_{cache}_error"] = short_error(exc)
@@ -266,6 +271,7 @@ def table(results) -> str:
                      f"| {d['bf16']['roofline_ms']:.2f} | {d['bf16']['roofline_ms'] / hf['ms_per_token']:.0%} |")
     else:
         lines.append(f"| HF generate, bf16 weights | n/a ({hf.get('cache', 'failed')}) | | |")
+    lines.append(f"\nbatch-1 decode {startup_text(d['startup_s'])}")
     lines.append(f"\nHBM bandwidth measured here (4 GiB device-to-device copy): {results['hbm_tb_s']:.2f} TB/s")
     return "\n".join(lines)
 
@@ -280,30 +286,37 @@ def main():
     args = parser.parse_args()
     results = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
                    torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
-                   context=args.context, step=[], decode={})
+                   context=args.context, step=[], decode={"startup_s": {}})
     print(f"{results['device']}, torch {results['torch']}, transformers {results['transformers']}", flush=True)
     prompt = torch.randint(0, DEEPSEEK_V3["vocab_size"], (PROMPT_LEN,),
                            generator=torch.Generator().manual_seed(0)).tolist()
 
-    reference = random_hf(args.layers)
-    model = AutoModelForCausalLM.from_hf(reference)
+    startup = results["decode"]["startup_s"]
+    with stage(startup, "zoo bf16 build (random HF model, converted)"):
+        reference = random_hf(args.layers)
+        model = AutoModelForCausalLM.from_hf(reference)
     results["hbm_tb_s"] = hbm_bandwidth() / 1e12
     decode_steps(results, model, "bf16", args.context)
-    zoo_decode(results, model, "bf16", prompt)
+    zoo_decode(results, model, "bf16", prompt, startup)
     del model
     free_memory()
     write_fp8_checkpoint(reference, Path(args.fp8_dir))
     del reference
     free_memory()
-    model = AutoModelForCausalLM.from_pretrained(args.fp8_dir, dtype=torch.bfloat16, device="cuda")
+    with stage(startup, "zoo fp8 load"):
+        model = AutoModelForCausalLM.from_pretrained(args.fp8_dir, dtype=torch.bfloat16, device="cuda")
     decode_steps(results, model, "fp8", args.context)
-    zoo_decode(results, model, "fp8", prompt)
+    zoo_decode(results, model, "fp8", prompt, startup)
     del model
     free_memory()
     shutil.rmtree(args.fp8_dir)
 
-    reference = random_hf(args.layers)  # the same seed: the same weights
-    hf_decode(results, reference, prompt, args.hf_decode)
+    if args.hf_decode == "none":
+        results["decode"]["hf"] = dict(cache="skipped: --hf-decode none")
+    else:
+        with stage(startup, "HF build"):
+            reference = random_hf(args.layers)  # the same seed: the same weights
+        hf_decode(results, reference, prompt, args.hf_decode, startup)
     print()
     print(table(results))
     if args.json:

@@ -7,15 +7,24 @@ decode         batch-1 decode latency, Llama-3.1-8B shape (random bf16 weights),
                and zoo as a fraction of the weight-read roofline (weight bytes / HBM bandwidth
                measured here with a device-to-device copy).
 throughput     nano-vllm's workload: Qwen3-0.6B shape, 256 requests of random tokens, input and
-               output lengths U[100, 1024], EOS ignored: output tokens/s, zoo vs HF generate_batch.
+               output lengths U[100, 1024], EOS ignored: output tokens/s, zoo vs HF's continuous
+               batching.
 throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requests as the KV cache
-               holds at once (at most --requests-8b); --kv-cache-dtype fp8 runs it over an e4m3 cache,
-               which holds about twice the requests.
+               holds at once (at most --requests-8b), zoo vs HF's continuous batching; --kv-cache-dtype
+               fp8 runs zoo over an e4m3 cache, which holds about twice the requests.
 prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
-               peak measured here.
+               peak measured here, counting the FLOPs zoo runs: the LM head on the last row of
+               each prompt only (prefill_flops).
+
+HF's continuous batching (its manager, ``init_continuous_batching``) gets zoo's requests, each with
+its prompt and its number of new tokens, EOS off on both sides; --hf-requests takes the first N of
+them. Each task prints, beside its timed figure, the start-up it leaves out of it, per side: the
+model's build or conversion, zoo's LLM() (KV cache, CUDA-graph capture), HF's manager and its
+warm-up, HF's static-cache compile (decode), and each side's first call.
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import random
@@ -26,6 +35,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,6 +74,82 @@ def sync_time(fn, repeats=3):
     """The median of ``repeats`` timed calls of fn, after one untimed."""
     fn()
     return statistics.median(timed(fn) for _ in range(repeats))
+
+
+@contextlib.contextmanager
+def stage(startup: dict, name: str):
+    """Puts the seconds the block takes, the GPU's work included, in ``startup[name]``: the start-up
+    a benchmark reports beside its timed figure and leaves out of it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    startup[name] = time.perf_counter() - start
+
+
+def startup_text(startup: dict) -> str:
+    return "start-up, untimed: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items())
+
+
+def hf_continuous_batching(model, prompts: list[list[int]], lengths: list[int], startup: dict) -> tuple[int, float]:
+    """HF's continuous-batching manager on ``prompts``, request i asking for ``lengths[i]`` new tokens,
+    greedy, EOS off (eos_token_id -1 on every request, as zoo's ignore_eos): (tokens generated, seconds
+    of the run). Every request must come back with all its tokens. The manager's set-up (sized from
+    the workload, as ``generate_batch`` sizes it), its CUDA-graph warm-up and a first call of four
+    8-token requests go into ``startup``, outside the timed run."""
+    config = transformers.GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=max(lengths),
+                          num_requests=len(prompts))
+    with stage(startup, "HF manager"):
+        manager = model.init_continuous_batching(generation_config=config, workload_hints=hints)
+    with stage(startup, "HF warm-up (CUDA graphs)"):
+        manager.warmup()
+    manager.start()
+    try:
+        with stage(startup, "HF first call"):
+            warm = first_call_prompts(prompts, 4)
+            hf_requests(manager, warm, [8] * len(warm), "first")
+        start = time.perf_counter()
+        tokens = hf_requests(manager, prompts, lengths, "run")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return tokens, time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+
+
+def first_call_prompts(prompts: list[list[int]], count: int) -> list[list[int]]:
+    """The first ``count`` prompts reversed, for a side's untimed first call: as long as the timed
+    prompts but sharing no prefix with them, so that no prefix cache carries work into the timed run."""
+    return [prompt[::-1] for prompt in prompts[:count]]
+
+
+def hf_requests(manager, prompts: list[list[int]], lengths: list[int], tag: str) -> int:
+    """Adds the requests to a running HF manager and waits for all of them: the tokens generated."""
+    asked = {}
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
+        request_id = f"{tag}{i}"
+        manager.add_request(prompt, request_id=request_id, max_new_tokens=length, eos_token_id=-1)
+        asked[request_id] = length
+    tokens = 0
+    while asked:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError(f"HF's generation thread stopped with {len(asked)} requests unfinished")
+            continue
+        if not result.is_finished():
+            continue
+        if result.error is not None or len(result.generated_tokens) != asked[result.request_id]:
+            raise RuntimeError(f"HF request {result.request_id}: {len(result.generated_tokens)} tokens of "
+                               f"{asked[result.request_id]} ({result.error})")
+        tokens += len(result.generated_tokens)
+        del asked[result.request_id]
+    return tokens
 
 
 def graph_us(fn, replays=20, flush_l2_bytes=0) -> float:
@@ -117,15 +203,20 @@ def matmul_peak() -> float:
 
 
 def decode(results):
-    reference = random_hf(LLAMA_8B)
-    model = AutoModelForCausalLM.from_hf(reference)
+    startup = {}
+    with stage(startup, "HF build"):
+        reference = random_hf(LLAMA_8B)
+    with stage(startup, "zoo convert"):
+        model = AutoModelForCausalLM.from_hf(reference)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     bandwidth = hbm_bandwidth()
     roofline_ms = weight_bytes / bandwidth * 1e3
     prompt = torch.randint(0, LLAMA_8B["vocab_size"], (128,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
-
+    with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+    with stage(startup, "zoo first call"):
+        llm.generate([prompt], SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True), use_tqdm=False)
     zoo_ms = decode_ms_per_token(llm, prompt, 256)
     del llm
     ids = torch.tensor([prompt], device="cuda")
@@ -134,13 +225,16 @@ def decode(results):
         with torch.inference_mode():
             reference.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
 
+    with stage(startup, "HF first call (static cache: compiles)"):
+        hf(256)
     hf_ms = (sync_time(lambda: hf(256)) - sync_time(lambda: hf(1))) / 255 * 1e3
     results["decode"] = dict(zoo_ms_per_token=zoo_ms, hf_static_compiled_ms_per_token=hf_ms, roofline_ms=roofline_ms,
                              weight_gb=weight_bytes / 1e9, hbm_tb_s=bandwidth / 1e12,
-                             fraction_of_roofline=roofline_ms / zoo_ms)
+                             fraction_of_roofline=roofline_ms / zoo_ms, startup_s=startup)
     print(f"decode 8B batch 1: zoo {zoo_ms:.2f} ms/token, HF static+compile {hf_ms:.2f} ms/token, "
           f"roofline {roofline_ms:.2f} ms ({weight_bytes / 1e9:.1f} GB at {bandwidth / 1e12:.2f} TB/s): "
           f"zoo at {roofline_ms / zoo_ms:.0%} of roofline", flush=True)
+    print(f"decode 8B batch 1: {startup_text(startup)}", flush=True)
     del reference, model
     torch.cuda.empty_cache()
 
@@ -152,38 +246,53 @@ def workload(count, low, high, vocab, seed=0):
     return prompts, lengths
 
 
-def throughput(results, hf_requests):
-    reference = random_hf(QWEN3_06B)
-    prompts, lengths = workload(256, 100, 1024, QWEN3_06B["vocab_size"])
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    llm = LLM(AutoModelForCausalLM.from_hf(reference), max_num_seqs=256, max_model_len=2048)
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
+def zoo_run(llm, prompts, params) -> tuple[int, float]:
+    """(output tokens, seconds) of one timed ``llm.generate``; every request gets all its tokens."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
-    zoo_seconds = time.perf_counter() - start
-    zoo_tokens = sum(len(o.token_ids) for o in outputs)
-    del llm
-    torch.cuda.empty_cache()
+    seconds = time.perf_counter() - start
+    assert all(o.error is None for o in outputs), next(o.error for o in outputs if o.error)
+    return sum(len(o.token_ids) for o in outputs), seconds
 
-    # HF's continuous batching takes one max_new_tokens for all: the mean of the workload's.
-    hf_new = round(sum(lengths) / len(lengths))
-    config = transformers.GenerationConfig(max_new_tokens=hf_new, min_new_tokens=hf_new, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)
-    subset = prompts[:hf_requests]
-    reference.generate_batch(inputs=subset[:8], generation_config=config)  # warm-up
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    hf_out = reference.generate_batch(inputs=subset, generation_config=config)
-    torch.cuda.synchronize()
-    hf_seconds = time.perf_counter() - start
-    hf_tokens = sum(len(o.generated_tokens) for o in hf_out.values())
-    results["throughput"] = dict(zoo_tokens_per_s=zoo_tokens / zoo_seconds, hf_tokens_per_s=hf_tokens / hf_seconds,
-                                 zoo_requests=len(prompts), hf_requests=len(subset), hf_max_new_tokens=hf_new)
-    print(f"throughput Qwen3-0.6B shape: zoo {zoo_tokens / zoo_seconds:.0f} tok/s ({zoo_tokens} tokens, {zoo_seconds:.1f} s), "
-          f"HF generate_batch {hf_tokens / hf_seconds:.0f} tok/s ({len(subset)} requests x {hf_new} tokens): "
-          f"{(zoo_tokens / zoo_seconds) / (hf_tokens / hf_seconds):.1f}x", flush=True)
+
+def hf_side(entry: dict, zoo_tokens_per_s: float, reference, prompts, lengths, hf_requests, startup) -> str:
+    """HF's continuous batching on the first ``hf_requests`` of zoo's requests (all of them when
+    None), each with the prompt and output length zoo's has; its figures go into ``entry``.
+    The text to print beside zoo's."""
+    count = len(prompts) if hf_requests is None else min(hf_requests, len(prompts))
+    if count == 0:
+        return "HF skipped (--hf-requests 0)"
+    tokens, seconds = hf_continuous_batching(reference, prompts[:count], lengths[:count], startup)
+    entry.update(hf_tokens_per_s=tokens / seconds, hf_requests=count, hf_tokens=tokens, hf_seconds=seconds)
+    ratio = zoo_tokens_per_s / (tokens / seconds)
+    return (f"HF continuous batching {tokens / seconds:.0f} tok/s ({count} of the requests, the same lengths, "
+            f"{tokens} tokens, {seconds:.1f} s): zoo {ratio:.1f}x")
+
+
+def throughput(results, hf_requests):
+    startup = {}
+    with stage(startup, "HF build"):
+        reference = random_hf(QWEN3_06B)
+    prompts, lengths = workload(256, 100, 1024, QWEN3_06B["vocab_size"])
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    with stage(startup, "zoo convert"):
+        model = AutoModelForCausalLM.from_hf(reference)
+    with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(model, max_num_seqs=256, max_model_len=2048)
+    with stage(startup, "zoo first call"):
+        llm.generate(first_call_prompts(prompts, 8), params[:8], use_tqdm=False)
+    zoo_tokens, zoo_seconds = zoo_run(llm, prompts, params)
+    del llm, model
+    torch.cuda.empty_cache()
+    results["throughput"] = dict(zoo_tokens_per_s=zoo_tokens / zoo_seconds, zoo_requests=len(prompts),
+                                 zoo_tokens=zoo_tokens, zoo_seconds=zoo_seconds, startup_s=startup)
+    print(f"throughput Qwen3-0.6B shape: zoo {zoo_tokens / zoo_seconds:.0f} tok/s ({len(prompts)} requests, "
+          f"{zoo_tokens} tokens, {zoo_seconds:.1f} s)", flush=True)
+    hf = hf_side(results["throughput"], zoo_tokens / zoo_seconds, reference, prompts, lengths, hf_requests, startup)
+    print(f"throughput Qwen3-0.6B shape: {hf}", flush=True)
+    print(f"throughput Qwen3-0.6B shape: {startup_text(startup)}", flush=True)
     del reference
     torch.cuda.empty_cache()
 
@@ -192,50 +301,79 @@ def zoo_8b():
     return AutoModelForCausalLM.from_hf(random_hf(LLAMA_8B))
 
 
-def throughput_8b(results, max_requests, batched_tokens, kv_cache_dtype="auto"):
-    """As many 1000/1000 requests as the KV cache holds at once: all run concurrently, none is preempted."""
-    model = zoo_8b()
+def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_dtype="auto"):
+    """As many 1000/1000 requests as the KV cache holds at once: all run concurrently, none is preempted.
+    HF gets the same requests afterwards, on the same weights built again."""
+    startup = {}
+    with stage(startup, "zoo build (random HF model, converted)"):
+        model = zoo_8b()
     torch.cuda.empty_cache()
-    llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=batched_tokens,
-              kv_cache_dtype=kv_cache_dtype)
+    with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=batched_tokens,
+                  kv_cache_dtype=kv_cache_dtype)
     blocks = llm.engine.block_manager.num_blocks
     requests = min(max_requests, blocks // llm.engine.block_manager.blocks_needed(2000))
     llm.engine.scheduler.max_num_seqs = requests
     prompts = workload(requests, 1000, 1000, LLAMA_8B["vocab_size"])[0]
-    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outputs)
+    lengths = [1000] * requests
+    with stage(startup, "zoo first call"):
+        llm.generate(first_call_prompts(prompts, 4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    tokens, seconds = zoo_run(llm, prompts, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     results["throughput_8b"] = dict(tokens_per_s=tokens / seconds, requests=requests, seconds=seconds,
-                                    kv_cache_dtype=kv_cache_dtype, kv_blocks=blocks, preemptions=llm.engine.scheduler.num_preemptions,
-                                    steps_run_ahead=llm.engine.run_ahead.num_steps_run_ahead)
+                                    kv_cache_dtype=kv_cache_dtype, kv_blocks=blocks,
+                                    preemptions=llm.engine.scheduler.num_preemptions,
+                                    steps_run_ahead=llm.engine.run_ahead.num_steps_run_ahead, startup_s=startup)
     print(f"throughput 8B 1000/1000: {tokens / seconds:.0f} output tok/s ({requests} requests, {seconds:.1f} s, "
           f"{batched_tokens} tokens per step, "
           f"{blocks} KV blocks of {llm.engine.kv_cache.dtype}, {llm.engine.scheduler.num_preemptions} preemptions, "
           f"{llm.engine.run_ahead.num_steps_run_ahead} steps run ahead of the host)", flush=True)
     del llm, model
     torch.cuda.empty_cache()
+    if hf_requests != 0:
+        with stage(startup, "HF build"):
+            reference = random_hf(LLAMA_8B)
+        hf = hf_side(results["throughput_8b"], tokens / seconds, reference, prompts, lengths, hf_requests, startup)
+        print(f"throughput 8B 1000/1000: {hf}", flush=True)
+        del reference
+        torch.cuda.empty_cache()
+    print(f"throughput 8B 1000/1000: {startup_text(startup)}", flush=True)
+
+
+def prefill_flops(model, prompts: int, length: int) -> float:
+    """The FLOPs of prefilling ``prompts`` prompts of ``length`` tokens as zoo does: every decoder
+    matmul on every token, causal attention over half the square, and the LM head only on the
+    last row of each prompt (the one row a prompt samples from; zoo computes no other row's logits)."""
+    config = model.config
+    lm_head = config.vocab_size * config.hidden_size
+    decoder = sum(p.numel() for n, p in model.named_parameters()  # matrices: the norms' weights are no matmul
+                  if p.dim() == 2 and "embed_tokens" not in n and not n.startswith("lm_head."))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # QK^T and PV, 2 FLOPs per multiply-add, over the causal half of the length x length scores
+    attention = 2 * 2 * (length * length / 2) * config.num_attention_heads * head_dim * config.num_hidden_layers
+    return prompts * (2 * decoder * length + attention + 2 * lm_head)
 
 
 def prefill(results):
-    model = zoo_8b()
+    startup = {}
+    with stage(startup, "zoo build (random HF model, converted)"):
+        model = zoo_8b()
     peak = matmul_peak()
     prompts = workload(8, 4096, 4096, LLAMA_8B["vocab_size"])[0]
-    llm = LLM(model, max_num_seqs=8, max_model_len=8192, max_num_batched_tokens=8192, enable_prefix_caching=False)
+    with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(model, max_num_seqs=8, max_model_len=8192, max_num_batched_tokens=8192, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    seconds = sync_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats=2)
+    with stage(startup, "zoo first call"):
+        llm.generate(prompts, params, use_tqdm=False)
+    seconds = statistics.median(timed(lambda: llm.generate(prompts, params, use_tqdm=False)) for _ in range(2))
     tokens = 8 * 4096
-    params_flops = 2 * sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * tokens
-    # causal attention: QK^T and PV over half the square, per layer and head
-    attention_flops = 8 * 2 * 2 * (4096 * 4096 / 2) * 32 * 128 * 32
-    mfu = (params_flops + attention_flops) / seconds / peak
-    results["prefill"] = dict(tokens_per_s=tokens / seconds, mfu=mfu, matmul_peak_tflops=peak / 1e12)
+    flops = prefill_flops(model, len(prompts), 4096)
+    mfu = flops / seconds / peak
+    results["prefill"] = dict(tokens_per_s=tokens / seconds, mfu=mfu, matmul_peak_tflops=peak / 1e12,
+                              tflop=flops / 1e12, startup_s=startup)
     print(f"prefill 8B 4096-token prompts: {tokens / seconds:.0f} tok/s, MFU {mfu:.0%} of {peak / 1e12:.0f} TFLOP/s "
-          f"measured bf16 matmul peak", flush=True)
+          f"measured bf16 matmul peak ({flops / 1e12:.0f} TFLOP per run: the LM head on the last row of each prompt, "
+          f"the rows zoo computes logits for)", flush=True)
+    print(f"prefill 8B: {startup_text(startup)}", flush=True)
     del llm, model
     torch.cuda.empty_cache()
 
@@ -243,7 +381,8 @@ def prefill(results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="all", choices=["all", "decode", "throughput", "throughput-8b", "prefill"])
-    parser.add_argument("--hf-requests", type=int, default=256, help="requests HF generate_batch runs (throughput)")
+    parser.add_argument("--hf-requests", type=int, help="HF continuous batching runs the first this many of zoo's "
+                        "requests (throughput, throughput-8b; default: all of them; 0: skip HF)")
     parser.add_argument("--requests-8b", type=int, default=512, help="at most this many (throughput-8b)")
     parser.add_argument("--batched-tokens-8b", type=int, default=8192, help="tokens per step (throughput-8b)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
@@ -260,7 +399,7 @@ def main():
         elif task == "throughput":
             throughput(results, args.hf_requests)
         elif task == "throughput-8b":
-            throughput_8b(results, args.requests_8b, args.batched_tokens_8b, args.kv_cache_dtype)
+            throughput_8b(results, args.requests_8b, args.batched_tokens_8b, args.hf_requests, args.kv_cache_dtype)
         else:
             prefill(results)
         if args.json:

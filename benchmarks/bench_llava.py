@@ -7,7 +7,12 @@ ttft        one request of one 336 px image (576 image tokens) and a 32-word pro
             seconds from the call to its return, preprocessing included on both sides; zoo's
             ``LLM.generate`` against HF's processor + ``generate`` (the median of 5, after a warm-up).
 throughput  64 such requests, each with its own image, 128 new tokens each (EOS ignored): output
-            tokens/s, zoo's ``LLM.generate`` against HF's processor + batched ``generate``.
+            tokens/s, zoo's ``LLM.generate`` against HF's processor + batched ``generate``. HF's
+            continuous-batching manager takes token ids only, no images, so HF runs one batch: every
+            prompt expands to the same length (checked), so each request has the prompt and output
+            length zoo's has, with no padding.
+start-up    printed beside the figures, untimed: each side's load (zoo's with its KV cache and
+            CUDA-graph capture) and first call.
 
 The model and its processor (a word-level tokenizer over the 32064 ids, with ``<image>`` at 32000,
 and CLIP's image processor at 336 px) are written to a temporary directory that both sides load:
@@ -31,7 +36,7 @@ from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import timed  # noqa: E402
+from bench_gpu import stage, startup_text, timed  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 VOCAB = 32064
@@ -89,24 +94,31 @@ def workload(count: int, seed: int = 0):
 
 
 def zoo_side(directory: Path, prompts, images) -> dict:
-    llm = LLM(str(directory), max_num_seqs=REQUESTS, max_model_len=1024)
+    startup = {}
+    with stage(startup, "zoo load + LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(str(directory), max_num_seqs=REQUESTS, max_model_len=1024)
     requests = [{"prompt": p, "multi_modal_data": {"image": img}} for p, img in zip(prompts, images)]
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm.generate(requests[:2], first, use_tqdm=False)  # warm-up
+    with stage(startup, "zoo first call"):
+        llm.generate(requests[:2], first, use_tqdm=False)
     ttft = statistics.median(timed(lambda i=i: llm.generate([requests[i]], first, use_tqdm=False)) for i in range(5))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = []
     seconds = timed(lambda: outputs.extend(llm.generate(requests, params, use_tqdm=False)))
+    assert all(len(o.token_ids) == NEW_TOKENS for o in outputs), "every request gets all its new tokens"
     tokens = sum(len(o.token_ids) for o in outputs)
     del llm
     torch.cuda.empty_cache()
-    return dict(ttft_s=ttft, tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds)
+    return dict(ttft_s=ttft, tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds, startup_s=startup)
 
 
 @torch.inference_mode()
 def hf_side(directory: Path, prompts, images) -> dict:
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
-    processor = transformers.AutoProcessor.from_pretrained(directory)
+    startup = {}
+    with stage(startup, "HF load"):
+        model = transformers.LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.bfloat16)
+        model = model.cuda().eval()
+        processor = transformers.AutoProcessor.from_pretrained(directory)
 
     def generate(count, new_tokens, offset=0):
         batch = processor(images=images[offset : offset + count], text=prompts[offset : offset + count],
@@ -114,16 +126,20 @@ def hf_side(directory: Path, prompts, images) -> dict:
         return model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=IMAGE_TOKEN + 1)
 
-    generate(2, 1)  # warm-up
+    with stage(startup, "HF first call"):
+        generate(2, 1)
     ttft = statistics.median(timed(lambda i=i: generate(1, 1, offset=i)) for i in range(5))
     outputs = []
     seconds = timed(lambda: outputs.append(generate(len(prompts), NEW_TOKENS)))
-    # every prompt has the same length, so no row is padded: each generated exactly NEW_TOKENS
+    # Every prompt expands to the same length, as in zoo, so no row is padded and each row holds
+    # its prompt and exactly NEW_TOKENS new tokens (EOS off, as zoo's ignore_eos).
+    prompt_lengths = processor(images=images, text=prompts, return_tensors="pt")["attention_mask"].sum(-1)
+    assert (prompt_lengths == prompt_lengths[0]).all(), "the prompts expand to different lengths"
+    assert outputs[0].shape == (len(prompts), prompt_lengths[0].item() + NEW_TOKENS), outputs[0].shape
     tokens = len(prompts) * NEW_TOKENS
-    assert outputs[0].shape[0] == len(prompts)
     del model
     torch.cuda.empty_cache()
-    return dict(ttft_s=ttft, tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds)
+    return dict(ttft_s=ttft, tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds, startup_s=startup)
 
 
 def main():
@@ -144,6 +160,7 @@ def main():
               f"{hf['tokens_per_s']:.0f} tok/s ({hf['seconds']:.2f} s)", flush=True)
     print(f"zoo vs HF: TTFT {hf['ttft_s'] / zoo['ttft_s']:.2f}x faster, throughput "
           f"{zoo['tokens_per_s'] / hf['tokens_per_s']:.2f}x", flush=True)
+    print(f"{startup_text({**zoo['startup_s'], **hf['startup_s']})} (the checkpoint's writing apart)", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -29,7 +29,8 @@ How it is measured:
   this checkpoint's bytes) into its own storage inside its timer.
 * Prefill: one subprocess loads both models (untimed), runs each forward once as a warm-up, then
   times --repeats forwards of each, zoo and HF alternating, and reports each side's median. The
-  max abs difference of the two sides' logits is printed under the table.
+  max abs difference of the two sides' logits and each side's warm-up forward (its first call,
+  outside the median) are printed under the table.
 * Both sides use the same torch thread count (torch's default unless --threads is given). The
   1-minute load average before and after the run is printed: on a busy machine, rerun.
 
@@ -125,14 +126,19 @@ def worker(spec: dict) -> dict:
     ids = torch.randint(0, zoo.config.vocab_size, (1, spec["tokens"]), generator=torch.Generator().manual_seed(0))
     forwards = {"zoo": lambda: zoo(ids), "hf": lambda: hf(input_ids=ids, use_cache=False).logits}
     times = {impl: [] for impl in forwards}
+    logits, first_call = {}, {}
     with torch.inference_mode():
-        logits = {impl: forward() for impl, forward in forwards.items()}  # warm-up
+        for impl, forward in forwards.items():  # warm-up, timed apart: each side's first call
+            start = time.perf_counter()
+            logits[impl] = forward()
+            first_call[impl] = time.perf_counter() - start
         for _ in range(spec["repeats"]):
             for impl, forward in forwards.items():
                 start = time.perf_counter()
                 forward()
                 times[impl].append(time.perf_counter() - start)
-    out = {impl: {"seconds": statistics.median(runs), "runs": runs} for impl, runs in times.items()}
+    out = {impl: {"seconds": statistics.median(runs), "runs": runs, "first_call_s": first_call[impl]}
+           for impl, runs in times.items()}
     out["max_abs_diff_logits"] = float((logits["zoo"] - logits["hf"]).abs().max())
     return out
 
@@ -276,7 +282,8 @@ def main():
           f"and one-off set-up a library does on its first load, 'again' is a second load in the same process")
     print("safetensors: unfused parameters are copy-on-write memory maps of the file on both sides (read on first "
           "use, after the timer); zoo also copies its fused q/k/v and gate/up weights inside its timer")
-    print(f"prefill: logits max |zoo - HF| = {rows[-1]['max_abs_diff_logits']:.2e}")
+    print(f"prefill: logits max |zoo - HF| = {rows[-1]['max_abs_diff_logits']:.2e}; first forward (untimed warm-up): "
+          f"zoo {rows[-1]['zoo']['first_call_s']:.3f} s, HF {rows[-1]['hf']['first_call_s']:.3f} s")
 
     if args.json:
         args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2))

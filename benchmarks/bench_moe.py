@@ -2,12 +2,12 @@
 and the two CUDA kernels of zoo's experts op against each other.
 
 One run, about 6 minutes on an H200, most of it HF's: its first static-cache generate compiles, and
-generate_batch takes ~1000 decode steps at HF's step time whatever --hf-requests is.
+its continuous batching takes ~1000 decode steps at HF's step time whatever --hf-requests is.
 
     python3 benchmarks/bench_moe.py                         # kernels + decode + throughput, Markdown tables
     python3 benchmarks/bench_moe.py --task kernels          # the experts op alone (no model built)
     python3 benchmarks/bench_moe.py --hf-decode none        # skip HF's static-cache generate (its first call compiles)
-    python3 benchmarks/bench_moe.py --hf-requests 0         # skip HF's generate_batch (~4 minutes)
+    python3 benchmarks/bench_moe.py --hf-requests 0         # skip HF's continuous batching (~4 minutes)
     python3 benchmarks/bench_moe.py --json moe.json         # also write the figures
 
 kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
@@ -28,8 +28,12 @@ decode      batch 1, 128-token prompt, 256 new tokens (greedy, EOS ignored): zoo
             embedding row) over the HBM bandwidth measured here (4 GiB device-to-device copy). HF generate
             with a static cache (auto-compiled by transformers) is timed the same way when it runs.
 throughput  1000 input / 1000 output tokens per request (random ids, EOS ignored): zoo's LLM with as many
-            requests as its KV cache holds at once (at most --requests), HF generate_batch (continuous
-            batching) on the first --hf-requests of them; output tokens per second.
+            requests as its KV cache holds at once (at most --requests), HF's continuous-batching manager
+            on the first --hf-requests of them, each with zoo's prompt and 1000 new tokens, EOS off;
+            output tokens per second.
+start-up    printed beside the table, per part and side, left out of the timed figures: the model's
+            build, zoo's LLM() (KV cache, CUDA-graph capture), HF's static-cache compile, HF's manager
+            and its warm-up, and each side's first call.
 
 Memory (the model is ~61 GB in bf16): the random HF model is built on the GPU, converted with
 models.AutoModelForCausalLM.from_hf and deleted for zoo's runs; it is rebuilt (same seed, same weights) for HF's.
@@ -50,7 +54,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import decode_ms_per_token, graph_us, hbm_bandwidth, timed, workload  # noqa: E402
+from bench_gpu import (decode_ms_per_token, first_call_prompts, graph_us, hbm_bandwidth,  # noqa: E402
+                       hf_continuous_batching, stage, startup_text, timed, workload)
 from layers.moe import Experts  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
@@ -209,9 +214,13 @@ def decode_moe_kernel(model) -> str:
     return cuda_kernel(hidden, ids, experts.gate_up_proj, experts.down_proj, experts.hidden_act)
 
 
-def zoo_decode(results, model, prompt):
+def zoo_decode(results, model, prompt, startup):
     results["decode"]["moe_kernel"] = decode_moe_kernel(model)
-    llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+    with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+    with stage(startup, "zoo first call"):
+        llm.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
     ms = decode_ms_per_token(llm, prompt, DECODE_TOKENS)
     results["decode"]["zoo_ms_per_token"] = ms
     roofline = results["decode"]["roofline_ms"]
@@ -219,15 +228,17 @@ def zoo_decode(results, model, prompt):
         f"{roofline / ms:.0%} of the {roofline:.2f} ms roofline")
 
 
-def zoo_throughput(results, model, max_requests):
-    llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=8192,
-              enable_prefix_caching=False)
+def zoo_throughput(results, model, max_requests, startup):
+    with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
+        llm = LLM(model, max_num_seqs=max_requests, max_model_len=2048, max_num_batched_tokens=8192,
+                  enable_prefix_caching=False)
     blocks = llm.engine.block_manager.num_blocks
     requests = min(max_requests, blocks // llm.engine.block_manager.blocks_needed(IN_LEN + OUT_LEN))
     llm.engine.scheduler.max_num_seqs = requests
     log(f"zoo LLM ready: {blocks} KV blocks, {requests} concurrent requests of {IN_LEN}+{OUT_LEN} tokens")
     prompts = workload(requests, IN_LEN, IN_LEN, QWEN3_30B_A3B["vocab_size"])[0]
-    llm.generate(prompts[:4], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    with stage(startup, "zoo first call"):
+        llm.generate(first_call_prompts(prompts, 4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=OUT_LEN, temperature=0.0, ignore_eos=True),
@@ -246,7 +257,7 @@ def zoo_throughput(results, model, max_requests):
 # -- HF -----------------------------------------------------------------------------------------
 
 
-def hf_decode(results, reference, prompt, mode):
+def hf_decode(results, reference, prompt, mode, startup):
     if mode == "none":
         results["decode"]["hf"] = "n/a (skipped: --hf-decode none)"
         return
@@ -261,40 +272,32 @@ def hf_decode(results, reference, prompt, mode):
     try:
         compiles = " (transformers compiles the decode step)" if mode == "static" else ""
         log(f"HF generate, {mode} cache: first call{compiles}")
-        first = timed(lambda: run(DECODE_TOKENS))
+        first_call = f"HF first call ({mode} cache{': compiles' if mode == 'static' else ''})"
+        with stage(startup, first_call):
+            run(DECODE_TOKENS)
         many = min(timed(lambda: run(DECODE_TOKENS)) for _ in range(2))
         one = min(timed(lambda: run(1)) for _ in range(3))
         ms = (many - one) / (DECODE_TOKENS - 1) * 1e3
-        results["decode"].update(hf_ms_per_token=ms, hf_first_call_s=first, hf=f"{mode} cache")
-        log(f"HF decode ({mode} cache): {ms:.2f} ms/token (first call {first:.0f} s)")
+        results["decode"].update(hf_ms_per_token=ms, hf_first_call_s=startup[first_call], hf=f"{mode} cache")
+        log(f"HF decode ({mode} cache): {ms:.2f} ms/token (first call {startup[first_call]:.0f} s)")
     except Exception as exc:  # noqa: BLE001 - reported in the table
         results["decode"]["hf"] = f"n/a ({mode} cache: {short_error(exc)})"
         log(f"HF decode failed: {short_error(exc)}")
 
 
-def hf_throughput(results, reference, prompts, hf_requests):
+def hf_throughput(results, reference, prompts, hf_requests, startup):
     subset = prompts[:hf_requests]
-    config = transformers.GenerationConfig(max_new_tokens=OUT_LEN, min_new_tokens=OUT_LEN, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)
-    warm = transformers.GenerationConfig(max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
-                                         pad_token_id=0)
-    log(f"HF generate_batch: {len(subset)} requests x {OUT_LEN} tokens (~{OUT_LEN} decode steps whatever the count: "
-        f"the longest part of the run)")
+    log(f"HF continuous batching: {len(subset)} of zoo's requests, {IN_LEN} + {OUT_LEN} tokens each "
+        f"(~{OUT_LEN} decode steps whatever the count: the longest part of the run)")
     try:
-        reference.generate_batch(inputs=subset[:4], generation_config=warm)  # warm-up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = reference.generate_batch(inputs=subset, generation_config=config)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.generated_tokens) for o in out.values())
+        tokens, seconds = hf_continuous_batching(reference, subset, [OUT_LEN] * len(subset), startup)
         results["throughput"].update(hf_tokens_per_s=tokens / seconds, hf_requests=len(subset), hf_seconds=seconds,
                                      hf_tokens=tokens)
-        log(f"HF generate_batch: {tokens / seconds:.0f} output tok/s ({len(subset)} requests, {tokens} tokens, "
+        log(f"HF continuous batching: {tokens / seconds:.0f} output tok/s ({len(subset)} requests, {tokens} tokens, "
             f"{seconds:.1f} s)")
     except Exception as exc:  # noqa: BLE001 - reported in the table
         results["throughput"]["hf"] = f"n/a ({short_error(exc)})"
-        log(f"HF generate_batch failed: {short_error(exc)}")
+        log(f"HF continuous batching failed: {short_error(exc)}")
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -323,6 +326,9 @@ def table(results) -> str:
         f"| decode, batch 1, {PROMPT_LEN}-token prompt, {DECODE_TOKENS} new tokens (ms/token) | {zoo_decode} | "
         f"{hf_decode} | {roofline} |",
         f"| throughput, {IN_LEN} in / {OUT_LEN} out (output tok/s) | {zoo_throughput} | {hf_throughput} | {ratio} |",
+        "",
+        *(f"{name} {startup_text(part['startup_s'])}" for name, part in (("decode", d), ("throughput", t))
+          if "zoo_seconds" in part or "zoo_ms_per_token" in part),
     ])
 
 
@@ -332,12 +338,13 @@ def main():
     parser.add_argument("--hf-decode", default="static", choices=["static", "dynamic", "none"],
                         help="HF generate's cache for the decode timing (static: transformers compiles it)")
     parser.add_argument("--requests", type=int, default=256, help="zoo: at most this many concurrent requests")
-    parser.add_argument("--hf-requests", type=int, default=64, help="HF generate_batch: the first this many requests (0: skip it)")
+    parser.add_argument("--hf-requests", type=int, default=64,
+                        help="HF continuous batching: the first this many of zoo's requests (0: skip it)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-               "decode": {}, "throughput": {}}
+               "decode": {"startup_s": {}}, "throughput": {"startup_s": {}}}
     print({k: v for k, v in results.items() if isinstance(v, str)}, flush=True)
     decode, throughput = args.task in ("all", "decode"), args.task in ("all", "throughput")
     prompt = torch.randint(0, QWEN3_30B_A3B["vocab_size"], (PROMPT_LEN,),
@@ -359,11 +366,14 @@ def main():
         return
 
     # zoo: build the HF model, convert, drop the HF copy (two copies are ~122 GB).
-    reference = random_hf()
-    results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
-    model = AutoModelForCausalLM.from_hf(reference)
-    del reference
-    free_memory()
+    decode_startup, throughput_startup = results["decode"]["startup_s"], results["throughput"]["startup_s"]
+    with stage(decode_startup, "zoo build (random HF model, converted)"):
+        reference = random_hf()
+        results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
+        model = AutoModelForCausalLM.from_hf(reference)
+        del reference
+        free_memory()
+    throughput_startup.update(decode_startup)
     active, total = active_weight_bytes(model)
     log(f"zoo model ready: {total / 1e9:.1f} GB of weights, {active / 1e9:.2f} GB read per decode step; "
         f"{gib(torch.cuda.memory_allocated())} allocated")
@@ -372,11 +382,11 @@ def main():
     log(f"roofline {active / bandwidth * 1e3:.2f} ms/token")
     prompts = None
     if decode:
-        zoo_decode(results, model, prompt)
+        zoo_decode(results, model, prompt, decode_startup)
         free_memory()  # the LLM (KV cache, graphs) went with the function's frame
         save()
     if throughput:
-        prompts = zoo_throughput(results, model, args.requests)
+        prompts = zoo_throughput(results, model, args.requests, throughput_startup)
         free_memory()
         save()
     del model
@@ -387,15 +397,21 @@ def main():
         print("\n" + table(results), flush=True)
         return
     # HF: the same weights again (same seed), its decode, then its throughput last.
-    reference = random_hf()
+    hf_build = {}
+    with stage(hf_build, "HF build"):
+        reference = random_hf()
     log(f"HF model ready ({results['hf_experts_implementation']} experts)")
+    if hf_decodes:
+        decode_startup.update(hf_build)
+    if hf_throughputs:
+        throughput_startup.update(hf_build)
     if decode:
-        hf_decode(results, reference, prompt, args.hf_decode)
+        hf_decode(results, reference, prompt, args.hf_decode, decode_startup)
         torch._dynamo.reset()  # drop the compiled decode step (and its CUDA graphs)
         free_memory()
         save()
     if hf_throughputs:
-        hf_throughput(results, reference, prompts, args.hf_requests)
+        hf_throughput(results, reference, prompts, args.hf_requests, throughput_startup)
         save()
     del reference
     free_memory()
