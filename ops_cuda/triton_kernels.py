@@ -262,8 +262,8 @@ E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14)
 @triton.jit
 def _round_to_e4m3(x):
     # float32 ``x`` (within +-448) rounded to the nearest e4m3 value, ties to even, so the cast
-    # after it is exact. The hardware's cast rounds the same way; Triton's interpreter carries a
-    # rounded-up mantissa into the wrong bits (0.49 -> 0.25), so the kernel rounds itself.
+    # after it is exact: for Triton's interpreter, which carries a rounded-up mantissa into the
+    # wrong bits (0.49 -> 0.25). The GPU's cast rounds to nearest even itself.
     bits = x.to(tl.int32, bitcast=True)
     # Normal range: keep 3 of float32's 23 mantissa bits, ties to even.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
@@ -276,7 +276,7 @@ def _round_to_e4m3(x):
 def _copy_to_slot(
     src_ptr, cache_ptr, token, block, offset, num_heads, head_dim, scale,
     src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
 ):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -284,7 +284,9 @@ def _copy_to_slot(
     values = tl.load(src_ptr + token * src_stride_t + h * src_stride_h + d, mask=mask)
     values = values.to(tl.float32) / scale  # exact where the scale is 1.0
     if FP8:  # saturated to the e4m3 range: a cast alone turns values past it into NaN
-        values = _round_to_e4m3(tl.minimum(tl.maximum(values, -FP8_LIMIT), FP8_LIMIT))
+        values = tl.minimum(tl.maximum(values, -FP8_LIMIT), FP8_LIMIT)
+        if ROUND_TO_E4M3:
+            values = _round_to_e4m3(values)
     dst = cache_ptr + block * cache_stride_b + offset * cache_stride_o + h * cache_stride_h + d
     tl.store(dst, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -294,7 +296,8 @@ def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, num_heads, k_dim, v_dim, k_scale, v_scale,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
-    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
+    ROUND_TO_E4M3: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)  # one program per token
@@ -303,9 +306,9 @@ def _write_kv_cache_kernel(
     # A negative slot (padding of a captured batch) has no heads to write: every access is masked.
     num_heads = tl.where(slot >= 0, num_heads, 0)
     _copy_to_slot(k_ptr, k_cache_ptr, token, block, offset, num_heads, k_dim, k_scale,
-                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_H, BLOCK_DK, FP8)
+                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_H, BLOCK_DK, FP8, ROUND_TO_E4M3)
     _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, num_heads, v_dim, v_scale,
-                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_H, BLOCK_DV, FP8)
+                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_H, BLOCK_DV, FP8, ROUND_TO_E4M3)
 
 
 def write_kv_cache_triton(
@@ -328,6 +331,7 @@ def write_kv_cache_triton(
         float(k_scale), float(v_scale), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, FP8=k_cache.dtype == FP8_DTYPE,
+        ROUND_TO_E4M3=not k.is_cuda,  # the interpreter's tensors are on the CPU
         num_warps=_num_warps(block_h * max(block_dk, block_dv)), **pdl_launch(k),
     )
 

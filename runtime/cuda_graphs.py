@@ -77,7 +77,7 @@ class DecodeGraphs:
         self.staged_ints = Staging(torch.int32, self.ints.numel())
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None  # the largest graph's logits; each smaller graph copies its rows in
         self._capture()
 
     def _arguments(self, size: int):
@@ -97,7 +97,14 @@ class DecodeGraphs:
             self.model(*self._arguments(size))  # warm-up: compiles kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.model(*self._arguments(size))
+                logits = self.model(*self._arguments(size))
+                if self.logits is None:
+                    self.logits = logits
+                else:
+                    # One logits buffer for every graph: a graph's own output stays allocated for good,
+                    # and over 1024 batch sizes of a 128k vocabulary they would hold ~17 GB.
+                    self.logits[:size].copy_(logits)
+            del logits  # a smaller graph's output goes back to the pool for the next capture
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -121,4 +128,4 @@ class DecodeGraphs:
         self.staged_longs.send(self.longs)
         self.staged_ints.send(self.ints[:ints_used])
         self.graphs[size].replay()
-        return step.sampled_logits(self.logits[size][:n])
+        return step.sampled_logits(self.logits[:n])

@@ -209,6 +209,8 @@ def test_ids_of_experts_on_other_ranks_are_skipped(held, tokens, dtype, kernel, 
     top-8; those of rank 0 of 2 and of rank 3 of 4) gets the other ids as -1. Those pairs get no row
     (NaN-poisoned buffers would show one read) and add nothing: the output is the whole model's with
     their weights zeroed. With no held expert picked, the output is zero."""
+    if kernel == "decode" and tokens > DECODE_MAX_TOKENS:
+        pytest.skip(f"the decode kernel takes at most {DECODE_MAX_TOKENS} tokens")
     force_kernel(monkeypatch, kernel)
     gate_up, down = experts(128, 256, 128, dtype)
     hidden = torch.randn(tokens, 256, device="cuda", dtype=dtype)
