@@ -4,6 +4,7 @@ of the checkpoint, and layouts the ranks cannot split are refused by name."""
 
 import socket
 import time
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -109,8 +110,15 @@ def ranks_run(request, tmp_path_factory):
     paths = {name: str(save_checkpoint(hf_model(config), root / name)) for name, config in VARIANTS.items()}
     torch.manual_seed(1)
     input_ids = torch.randint(0, 97, (2, 24))
-    context = mp.start_processes(run_rank, args=(device_type, free_port(), paths, input_ids, str(root)), nprocs=RANKS,
-                                 join=False, start_method="spawn")
+    outputs = run_ranks(run_rank, device_type, paths, input_ids, root)
+    return device_type, paths, input_ids, outputs
+
+
+def run_ranks(run_rank, device_type: str, paths, model_inputs, root: Path) -> list:
+    """``run_rank(rank, device_type, port, paths, model_inputs, root)`` in RANKS spawned processes, each
+    saving its outputs to root/rank{rank}.pt; a rank that fails or hangs fails the test, never CI."""
+    context = mp.start_processes(run_rank, args=(device_type, free_port(), paths, model_inputs, str(root)),
+                                 nprocs=RANKS, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not context.join(timeout=1):
@@ -120,8 +128,7 @@ def ranks_run(request, tmp_path_factory):
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    outputs = [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
-    return device_type, paths, input_ids, outputs
+    return [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -3,12 +3,10 @@ on the CPU, NCCL on two GPUs) in one process group load tiny checkpoints split o
 equal the one-rank model's, an expert-parallel rank reads only its experts' bytes, and experts the
 ranks divide in neither way are refused by name."""
 
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from layers import ExpertParallelExperts, TensorParallelExperts, tensor_parallel
@@ -17,7 +15,7 @@ from models.auto import model_class_for
 from ops_cuda.fp8 import FP8_DTYPE
 from ops_cuda.paged_attention import attention_mask
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
-from tests.layers.test_tensor_parallel import RANKS, TIMEOUT_S, TOLERANCE, counting_reads, free_port, rank_device
+from tests.layers.test_tensor_parallel import RANKS, TOLERANCE, counting_reads, rank_device, run_ranks
 from tests.loaders.test_fp8 import QUANTIZATION, write_pair
 from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
 from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, tiny_tokenizer
@@ -139,18 +137,7 @@ def ranks_run(request, tmp_path_factory):
             model_inputs[name] = {"input_ids": input_ids, **images}
         else:
             model_inputs[name] = {"input_ids": text_ids}
-    context = mp.start_processes(run_rank, args=(device_type, free_port(), paths, model_inputs, str(root)),
-                                 nprocs=RANKS, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {RANKS} ranks did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    outputs = [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in range(RANKS)]
+    outputs = run_ranks(run_rank, device_type, paths, model_inputs, root)
     return device_type, (paths, dense_paths), model_inputs, outputs
 
 
