@@ -143,21 +143,9 @@ def kv_cache_main(kv_cache_dtype):
     print(f"| model (bf16) | teacher-forced positions | top-1 agreement, {kv_cache_dtype} cache vs bf16 cache "
           f"| KL |")
     print("|---|---|---|---|")
-    small = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, max_position_embeddings=2048)
-    torch.manual_seed(1)
-    random_ids = torch.randint(0, 4096, (2, 128), device=DEVICE)
-    for model_type in ("llama", "qwen3"):
-        for init_std in (None, 0.15):
-            torch.manual_seed(0)
-            config = transformers.AutoConfig.for_model(model_type, **small)
-            if init_std is not None:
-                config.initializer_range = init_std
-            with torch.device(DEVICE):
-                reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-            init = "HF init" if init_std is None else f"init std {init_std}"
-            report_kv_cache(f"random {model_type} ({init})", AutoModelForCausalLM.from_hf(reference), random_ids,
-                            kv_cache_dtype)
+    random_ids = random_input_ids()
+    for name, reference in random_models():
+        report_kv_cache(name, AutoModelForCausalLM.from_hf(reference), random_ids, kv_cache_dtype)
     torch.manual_seed(1)
     tiny_ids = torch.randint(0, 97, (2, 40), device=DEVICE)
     tiny = {name: hf_model(config) for name, config in VARIANTS.items()}
@@ -172,6 +160,29 @@ def kv_cache_main(kv_cache_dtype):
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device=DEVICE)
     report_kv_cache("SmolLM2-135M-Instruct (real weights)", model, smollm2_ids(path).to(DEVICE), kv_cache_dtype)
+
+
+def random_input_ids() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randint(0, 4096, (2, 128), device=DEVICE)
+
+
+def random_models():
+    """(name, HF model) of the random bf16 Llama and Qwen3 in two regimes: HF's init (std 0.02) gives
+    nearly flat logits, where bf16 rounding decides close argmaxes; the CPU tests' wider init (std
+    0.15) gives large activations, where rounding compounds over the layers."""
+    small = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=2048)
+    for model_type in ("llama", "qwen3"):
+        for init_std in (None, 0.15):
+            torch.manual_seed(0)
+            config = transformers.AutoConfig.for_model(model_type, **small)
+            if init_std is not None:
+                config.initializer_range = init_std
+            with torch.device(DEVICE):
+                reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+            init = "HF init" if init_std is None else f"init std {init_std}"
+            yield f"random {model_type} ({init})", reference
 
 
 def smollm2_ids(path, rows: int = 2, length: int = 256) -> torch.Tensor:
@@ -192,23 +203,9 @@ def main():
     print("| model (bf16, 256 teacher-forced positions) | zoo vs HF | zoo vs HF KL | zoo, PyTorch ops, vs HF "
           "| HF eager vs sdpa | HF eager vs sdpa KL | HF one at a time vs batched | zoo vs f32 | HF vs f32 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    small = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, max_position_embeddings=2048)
-    torch.manual_seed(1)
-    random_ids = torch.randint(0, 4096, (2, 128), device=DEVICE)
-    # Two random regimes: HF's init (std 0.02) gives nearly flat logits, where bf16 rounding decides
-    # close argmaxes; the CPU tests' wider init (std 0.15) gives large activations, where rounding
-    # compounds over the layers.
-    for model_type in ("llama", "qwen3"):
-        for init_std in (None, 0.15):
-            torch.manual_seed(0)
-            config = transformers.AutoConfig.for_model(model_type, **small)
-            if init_std is not None:
-                config.initializer_range = init_std
-            with torch.device(DEVICE):
-                reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-            init = "HF init" if init_std is None else f"init std {init_std}"
-            report(f"random {model_type} ({init})", reference, random_ids)
+    random_ids = random_input_ids()
+    for name, reference in random_models():
+        report(name, reference, random_ids)
     from loaders.default_model import default_model_path
 
     try:
