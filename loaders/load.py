@@ -21,7 +21,7 @@ from tqdm import tqdm
 from layers.weights import OneOf, Shard
 from loaders.fp8 import SCALE_SUFFIX
 from loaders.types import FLOAT_DTYPES, CheckpointError, NonFiniteWeightWarning, TensorRef, name_list
-from ops_cuda.fp8 import FP8_DTYPE, block_scale_shape
+from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE, block_scale_shape
 
 # The values the check for NaN and Inf masks at once.
 FINITE_CHECK_ELEMENTS = 1 << 24
@@ -166,7 +166,7 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
 def fp8_native(device: torch.device) -> bool:
     """Whether FP8 weights stay FP8 on ``device`` by default: on CUDA devices with FP8 tensor cores
     (sm89 onward), where the FP8 ops have kernels; elsewhere they would dequantise at every call."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CUDA_CAPABILITY
 
 
 def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],

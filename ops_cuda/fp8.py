@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
+# CUDA devices with FP8 tensor cores and e4m3 conversions: compute capability 8.9 (Ada) onward.
+FP8_CUDA_CAPABILITY = (8, 9)
 # The smallest group maximum a scale is taken from: an all-zero group gets a tiny scale, not a zero one.
 MIN_GROUP_MAX = 1e-10
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
-from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX, MIN_GROUP_MAX, dequantise, quantise_groups_reference
+from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE, FP8_MAX, MIN_GROUP_MAX, dequantise, quantise_groups_reference
 
 # From this many rows on, torch._scaled_mm runs the product where it can; below it, the Triton kernel.
 # Set from `python3 benchmarks/bench_fp8.py --task linear` on the H200, which prints both per shape and M.
@@ -175,7 +175,7 @@ def triton_supported(x: torch.Tensor, weight: torch.Tensor, block) -> bool:
         x.dtype in KERNEL_DTYPES
         and weight.dim() == 2
         and block[1] % 16 == 0
-        and (not x.is_cuda or _compute_capability(x.device) >= (8, 9))
+        and (not x.is_cuda or _compute_capability(x.device) >= FP8_CUDA_CAPABILITY)
     )
 
 

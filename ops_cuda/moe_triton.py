@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
-from ops_cuda.fp8 import FP8_DTYPE
+from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
 from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, round_to
@@ -95,8 +95,8 @@ def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     experts need K-steps of at least 16 columns within a scale group and, on a GPU, FP8 tensor cores
     (sm89 onward)."""
     if fp8 is not None:
-        weights_ok = (gate_up.dtype == down.dtype == FP8_DTYPE and fp8.block[1] % 16 == 0
-                      and (not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device) >= (8, 9)))
+        on_fp8_device = not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device) >= FP8_CUDA_CAPABILITY
+        weights_ok = gate_up.dtype == down.dtype == FP8_DTYPE and fp8.block[1] % 16 == 0 and on_fp8_device
     else:
         weights_ok = hidden.dtype == gate_up.dtype == down.dtype
     return (

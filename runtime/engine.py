@@ -63,7 +63,7 @@ class Engine:
         if config.compile_decode:
             check_compilable(model, device)
         kv_dtype = cache_dtype(config.kv_cache_dtype, model)  # an unsupported one is named before any profiling
-        num_blocks = config.num_blocks or blocks_for_budget(model, config)
+        num_blocks = config.num_blocks or blocks_for_budget(model, config, kv_dtype)
         if ranks is not None:  # the block tables rank 0 sends index every rank's pools alike
             num_blocks = ranks.fewest(num_blocks)
         self.kv_cache = KVCache(model, num_blocks, config.block_size, backend, padding_block=config.compile_decode,

@@ -7,12 +7,10 @@ import weakref
 import torch
 
 from layers import AttentionMetadata
-from ops_cuda.fp8 import FP8_DTYPE
+from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from runtime.config import EngineConfig
 
 CPU_KV_CACHE_GIB = 1.0
-# Triton converts to and from e4m3 on CUDA devices of compute capability 8.9 (Ada) and later.
-FP8_CUDA_CAPABILITY = (8, 9)
 
 
 def cache_dtype(kv_cache_dtype: str, model) -> torch.dtype:
@@ -24,8 +22,9 @@ def cache_dtype(kv_cache_dtype: str, model) -> torch.dtype:
     device = parameter.device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CUDA_CAPABILITY:
         name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-        raise ValueError(f"kv_cache_dtype='fp8' needs a CUDA device of compute capability "
-                         f"{'.'.join(map(str, FP8_CUDA_CAPABILITY))} or later; {name} is {'.'.join(map(str, capability))}")
+        needed, got = ".".join(map(str, FP8_CUDA_CAPABILITY)), ".".join(map(str, capability))
+        raise ValueError(f"kv_cache_dtype='fp8' needs a CUDA device of compute capability {needed} or later; "
+                         f"{name} is {got}")
     return FP8_DTYPE
 
 
@@ -35,10 +34,11 @@ def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def blocks_for_budget(model, config: EngineConfig) -> int:
-    """The blocks of the KV cache for a resolved ``config``: its ``kv_cache_gib``; else on CUDA
-    what is free after a profiling forward of the largest step, times ``gpu_memory_utilization``;
-    else ``CPU_KV_CACHE_GIB``. Never more than max_num_seqs sequences of max_model_len tokens need."""
+def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
+    """The blocks of a KV cache of ``dtype`` (``cache_dtype``) for a resolved ``config``: its
+    ``kv_cache_gib``; else on CUDA what is free after a profiling forward of the largest step, times
+    ``gpu_memory_utilization``; else ``CPU_KV_CACHE_GIB``. Never more than max_num_seqs sequences of
+    max_model_len tokens need."""
     parameter = next(model.parameters())
     device = parameter.device
     if config.kv_cache_gib is not None:
@@ -59,7 +59,6 @@ def blocks_for_budget(model, config: EngineConfig) -> int:
     else:
         budget = CPU_KV_CACHE_GIB * (1 << 30)
     useful = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
-    dtype = cache_dtype(config.kv_cache_dtype, model)
     num_blocks = min(int(budget // bytes_per_block(model, config.block_size, dtype)), useful)
     if num_blocks < 1:
         raise ValueError(f"no memory left for the KV cache (budget {budget / (1 << 30):.2f} GiB)")
