@@ -6,7 +6,7 @@ Same workload as ``bench_gpu.py --task throughput-8b`` (Llama-3.1-8B shape, rand
 as many 1000-token prompts as the KV cache holds at once, 1000 greedy tokens each, EOS ignored),
 stepping the engine by hand and timing each step.
 
-    python3 benchmarks/profile_throughput.py
+    python3 benchmarks/profile_throughput.py [--kv-cache-dtype fp8 --max-requests 1024]
 """
 
 import argparse
@@ -43,9 +43,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-requests", type=int, default=512)
     parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: an e4m3 KV cache, which holds about twice the requests")
     args = parser.parse_args()
 
-    llm = LLM(zoo_8b(), max_num_seqs=args.max_requests, max_model_len=2048, max_num_batched_tokens=8192)
+    llm = LLM(zoo_8b(), max_num_seqs=args.max_requests, max_model_len=2048, max_num_batched_tokens=8192,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     requests = min(args.max_requests, engine.block_manager.num_blocks // engine.block_manager.blocks_needed(2000))
     engine.scheduler.max_num_seqs = requests

@@ -4,13 +4,14 @@ Each kernel has a plain launcher that the op's CUDA registration calls and that 
 CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton, so the op file imports it
 only inside its CUDA kernels: ``import ops_cuda`` never needs triton.
 
-Keys and values are read from the paged cache a row at a time through the block table, so any
-block size works and a key tile may span several blocks. Scores and the softmax are float32 and
-use exp2: the scores carry a log2(e) factor, in the scale, or with soft-capping in the cap
-(``_score_factors``). An FP8 cache's entries are widened to q's dtype as they load (exactly), its
-key scale folded into the score factor and its value scale into the output. Float32 inputs multiply in full float32
-(``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers
-depend on shapes only, never on data: both ops can be captured in a CUDA graph.
+Keys and values are read from the paged cache a row at a time through the block table, so any block
+size works and a key tile may span several blocks. Scores and the softmax are float32 and use exp2:
+the scores carry a log2(e) factor, in the scale, or with soft-capping in the cap
+(``_score_factors``). An FP8 cache's entries are widened as they load (exactly; to float16 under a
+bf16 q, see ``_query_for_cache``), its key scale folded into the score factor and its value scale
+into the output. Float32 inputs multiply in full float32 (``input_precision="ieee"``, not TF32) so
+they match the reference to ~1e-6. Grids and buffers depend on shapes only, never on data: both ops
+can be captured in a CUDA graph.
 """
 
 import functools
@@ -46,6 +47,18 @@ def _load_kv_tile(cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys,
 
 
 @triton.jit
+def _query_for_cache(q, KV_FP8: tl.constexpr):
+    # Over an FP8 cache a bf16 query multiplies in float16: e4m3 entries widen to float16 in one
+    # packed conversion per two, where bfloat16 takes three conversions, which then bound the
+    # decode kernel below the memory's bandwidth. float16 holds every bf16 value from 2**-14 to
+    # 65504 exactly.
+    if KV_FP8:
+        if q.dtype == tl.bfloat16:
+            q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
                      table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
                      k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
@@ -56,7 +69,7 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
     if KV_FP8:
-        k = k.to(tl.float32).to(q.dtype)
+        k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
     if SOFTCAP:
         scores = cap_log2 * tanh(scores)
@@ -68,7 +81,7 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
     v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
     if KV_FP8:
-        v = v.to(tl.float32).to(q.dtype)
+        v = v.to(q.dtype)
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, total, acc
 
@@ -105,6 +118,7 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = _query_for_cache(q, KV_FP8)
 
     running_max = tl.full([BLOCK_H], SCORE_FLOOR, tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
@@ -191,6 +205,7 @@ def _prefill_kernel(
     tokens = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = _query_for_cache(q, KV_FP8)
 
     # Keys from the window start of the tile's first query to its last query (or the sequence end).
     begin = tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0)
