@@ -7,6 +7,7 @@ from torch import nn
 
 from layers.embedding import LMHead
 from layers.weights import Shard, parent_of
+from ops_cuda.activation import act_and_mul
 from ops_cuda.fp8_linear import fp8_block_linear
 from ops_cuda.linear import PackedWeight, linear
 
@@ -32,10 +33,14 @@ class Linear(nn.Module):
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("weight_scale_inv", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """With ``activation``, x holds [gate, up] and the layer multiplies act(gate) * up (a gated
+        MLP's down projection; ``ops_cuda.linear.linear``)."""
         if self.fp8_block is not None:
+            if activation is not None:
+                x = act_and_mul(x, activation)
             return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, activation)
 
     def empty_parameter(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Storage for a parameter when the loader materialises it. On the CPU the [out, in] weight

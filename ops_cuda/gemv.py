@@ -3,12 +3,14 @@
 Each weight element is used once, so the product is a stream of the weight from memory. On the
 GPU a Triton kernel streams it faster than cuBLAS's kernels for the Llama-3.1-8B decode shapes
 (benchmarks/bench_gemv.py); ``ops_cuda.linear.linear`` sends single float16/bfloat16 rows here
-and everything else to ``F.linear``.
+and everything else to ``F.linear``. ``gated_gemv`` is the product of a gated MLP's down projection,
+with the activation computed as the kernel reads its input.
 """
 
 import torch
 import torch.nn.functional as F
 
+from ops_cuda.activation import act_and_mul_reference
 from ops_cuda.dispatch import reference_on_cpu
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
@@ -37,3 +39,30 @@ def _(x, weight, bias):
 
 
 gemv = reference_on_cpu(gemv_op, gemv_reference)
+
+
+def gated_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(gate) * up times W^T, plus b, for x [..., 2K] holding one row of gate then up and W [N, K]:
+    ``act_and_mul`` then ``gemv``, which the CUDA kernel computes in one launch (a gated MLP's down
+    projection reads gate_up's output directly)."""
+    return gemv_reference(act_and_mul_reference(x, activation), weight, bias)
+
+
+@torch.library.custom_op("zoo::gated_gemv", mutates_args=())
+def gated_gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    return gated_gemv_reference(x, weight, bias, activation)
+
+
+@gated_gemv_op.register_fake
+def _(x, weight, bias, activation):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@gated_gemv_op.register_kernel("cuda")
+def _(x, weight, bias, activation):
+    from ops_cuda.triton_kernels import gated_gemv_triton  # triton is imported only where a kernel runs
+
+    return gated_gemv_triton(x, weight, bias, activation)
+
+
+gated_gemv = reference_on_cpu(gated_gemv_op, gated_gemv_reference)

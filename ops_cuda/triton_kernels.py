@@ -351,10 +351,26 @@ def _weight_tile(row_starts, row_ok, cols, K):
 
 
 @triton.jit
+def _gemv_input(x_ptr, cols, K, ACTIVATION: tl.constexpr):
+    # The K-tile `cols` of the row the weight multiplies, in float32. With an ACTIVATION, x holds
+    # [gate, up] (2K values) and the row is act(gate) * up, rounded as zoo::act_and_mul rounds it:
+    # the product is bit-equal to act_and_mul's output multiplied by zoo::gemv.
+    mask = cols < K
+    if ACTIVATION == "":
+        return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+    return round_to(round_to(apply_activation(gate, ACTIVATION), dtype) * up, dtype)
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     # BLOCK_N weight rows per program. Products accumulate elementwise in float32 and are summed
     # once at the end. The first weight tile is read before waiting for the previous kernel.
+    # ACTIVATION "" multiplies x; a formula of KERNEL_ACTIVATIONS multiplies act(gate) * up of x = [gate, up].
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
@@ -366,27 +382,41 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
         cols = start + tl.arange(0, BLOCK_K)
         if start > 0:
             w = _weight_tile(row_starts, row_ok, cols, K)
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        x = _gemv_input(x_ptr, cols, K, ACTIVATION)
+        acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
+def _gemv_launch(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    # x holds one row of K values, or of 2K ([gate, up]) with an activation.
+    check_dtypes(op, x, weight, *(() if bias is None else (bias,)))
     n, k = weight.shape
-    if x.numel() != k:
-        raise ValueError(f"zoo::gemv multiplies one row: x has shape {tuple(x.shape)} for a weight of {k} columns")
-    weight, row = _unit_stride(weight), x.reshape(k).contiguous()
+    row_size = 2 * k if activation else k
+    if x.numel() != row_size:
+        row = f"one row of [gate, up] ({row_size} values)" if activation else "one row"
+        raise ValueError(f"zoo::{op} multiplies {row}: x has shape {tuple(x.shape)} for a weight of {k} columns")
+    weight, row = _unit_stride(weight), x.reshape(row_size).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
         row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=GEMV_WARPS, **pdl_launch(x),
+        HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_N=GEMV_BLOCK_N,
+        BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)), num_warps=GEMV_WARPS, **pdl_launch(x),
     )
     return out
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _gemv_launch("gemv", x, weight, bias, "")
+
+
+def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """zoo::gated_gemv: act(gate) * up of x = [gate, up] (one row) times weight^T, plus bias, in one kernel."""
+    if activation not in KERNEL_ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(KERNEL_ACTIVATIONS)}")
+    return _gemv_launch("gated_gemv", x, weight, bias, KERNEL_ACTIVATIONS[activation])
 
 
 # ---------------------------------------------------------------------------------------------
