@@ -79,14 +79,19 @@ def linear(x, weight, bias=None, packed: PackedWeight | None = None, activation:
     With ``activation`` (a key of ``ACTIVATIONS``), x holds [gate, up] and the product is of
     ``act_and_mul(x, activation)``: a gated MLP's down projection. A single GPU row then takes one
     kernel (zoo::gated_gemv), which computes the activation as it reads x."""
-    single_gpu_row = (x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES
-                      and weight.stride(-1) == 1)
+    gpu_row = single_gpu_row(x, weight)
     if activation is not None:
-        if single_gpu_row:
+        if gpu_row:
             return gated_gemv(x, weight, bias, activation)
         x = act_and_mul(x, activation)
     if packed is not None and x.device.type == "cpu" and not torch.compiler.is_compiling() and packed.serves(x, weight):
         return packed.linear(x, weight, bias)
-    if single_gpu_row:
+    if gpu_row:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def single_gpu_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x`` times ``weight`` goes to the single-row kernels (zoo::gemv and its fused
+    variants): one float16/bfloat16 row on the GPU and a weight with contiguous rows."""
+    return x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1
