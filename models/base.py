@@ -70,7 +70,9 @@ class DecoderLayer(nn.Module):
     model's RMSNorm variant, also used for the final norm). Each residual add is deferred into
     the pre-norm that follows it, so ``forward`` returns ``(branch_out, residual)`` and the next
     pre-norm completes the add; a branch without a pre-norm adds explicitly. HuggingFace's view
-    of this layer's output is ``branch_out + residual``.
+    of this layer's output is ``branch_out + residual``. At one GPU row, a pre-norm whose branch
+    reads its input through one projection (dense attention, gated MLP) runs inside that
+    projection's kernel (``branch_input``).
     """
 
     returns_residual = True
@@ -115,8 +117,8 @@ def branch_input(norm: RMSNorm | None, hidden_states, residual, reader: Linear |
         residual = hidden_states + residual
         return residual, residual
     if reader is not None and reader.folds_norm(norm, hidden_states, residual):
-        normed = NormedInput(hidden_states, residual, norm, torch.empty_like(residual))
-        return normed, normed.summed
+        summed = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        return NormedInput(hidden_states, residual, norm, summed), summed
     return norm(hidden_states, residual)
 
 
