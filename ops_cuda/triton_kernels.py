@@ -394,7 +394,9 @@ def _gemv_input(x_ptr, residual_ptr, norm_weight_ptr, cols, K, inverse_rms,
         residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
         normed = round_to(x + residual.to(tl.float32), dtype) * inverse_rms
         weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0)
-        return round_to(_times_norm_weight(normed, weight, dtype, dtype, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32), dtype)
+        normed = _times_norm_weight(normed, weight, norm_weight_ptr.dtype.element_ty, dtype, WEIGHT_OFFSET,
+                                    MULTIPLY_IN_FLOAT32)
+        return round_to(normed, dtype)
     elif ACTIVATION == "":
         return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     else:
