@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from layers.embedding import LMHead
+from layers.norm import NormedInput, RMSNorm
 from layers.weights import Shard, parent_of
 from ops_cuda.activation import act_and_mul
 from ops_cuda.fp8_linear import fp8_block_linear
-from layers.norm import NormedInput, RMSNorm
 from ops_cuda.linear import PackedWeight, linear, single_gpu_row
 
 
