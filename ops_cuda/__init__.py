@@ -8,13 +8,14 @@ name exported here calls the reference directly on CPU tensors and the custom op
 activations, KV-cache write, single-row matmul, argmax), ``paged_attention_triton``,
 ``mla_attention_triton``, ``moe_triton``, ``moe_decode``, ``moe_grouped_mm``, ``router_triton`` and
 ``fp8_triton`` (block-scaled FP8 GEMM), imported only when a CUDA kernel first runs: ``import ops_cuda``
-never imports triton. ``ops_cuda.linear`` routes linear layers' products (packed CPU weights, zoo::gemv).
+never imports triton. ``ops_cuda.linear`` routes linear layers' products (packed CPU weights,
+zoo::gemv, zoo::gated_gemv); zoo::fused_add_rms_norm_gemv is a pre-norm folded into its projection.
 """
 
 from ops_cuda.activation import ACTIVATIONS, act_and_mul
 from ops_cuda.argmax import argmax
 from ops_cuda.fp8_linear import fp8_block_linear
-from ops_cuda.gemv import gemv
+from ops_cuda.gemv import fused_add_rms_norm_gemv, gated_gemv, gemv
 from ops_cuda.kv_cache import write_kv_cache
 from ops_cuda.mla_attention import mla_decode_attention, mla_prefill_attention
 from ops_cuda.moe import fp8_moe_experts, moe_experts
@@ -25,6 +26,6 @@ from ops_cuda.router import route_topk
 
 __all__ = [
     "ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fp8_block_linear", "fp8_moe_experts", "fused_add_rms_norm",
-    "gemv", "mla_decode_attention", "mla_prefill_attention", "moe_experts", "paged_decode_attention",
-    "paged_prefill_attention", "rms_norm", "route_topk", "write_kv_cache",
+    "fused_add_rms_norm_gemv", "gated_gemv", "gemv", "mla_decode_attention", "mla_prefill_attention", "moe_experts",
+    "paged_decode_attention", "paged_prefill_attention", "rms_norm", "route_topk", "write_kv_cache",
 ]
