@@ -193,8 +193,10 @@ def _pair_channels(rotary_dim, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constex
     half = rotary_dim // 2
     i = tl.arange(0, BLOCK_HALF)[None, :]
     if INTERLEAVED:
-        return i, 2 * i, 2 * i + 1
-    return i, i, i + half
+        in1, in2 = 2 * i, 2 * i + 1
+    else:
+        in1, in2 = i, i + half
+    return i, in1, in2
 
 
 @triton.jit
