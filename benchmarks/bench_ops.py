@@ -10,6 +10,9 @@ function, checks they agree, and reports:
   as the runtime's decode steps are (no launch overhead). The reference KV write cannot be
   captured: it selects the valid slots with a boolean mask, a host sync.
 
+A second table times each fused op against the separate zoo ops it replaces (the same kernels
+the layers call without the fusion), at one token (batch-1 decode) and at 256.
+
     .venv/bin/python benchmarks/bench_ops.py [--dtype bfloat16] [--json results.json]
 """
 
@@ -26,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from ops_cuda import act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm, write_kv_cache  # noqa: E402
+from ops_cuda import (  # noqa: E402
+    act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm, rotary_write_kv, write_kv_cache,
+)
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
@@ -82,6 +87,36 @@ def cases(dtype):
            (k, v, k_cache, v_cache, slots), 4 * k.numel() * size + slots.numel() * 8)
 
 
+def fusion_cases(dtype):
+    """(name, shape label, fused call, separate calls): each returns its outputs, the caches last.
+    Llama-3.1-8B's attention shape (32 q heads, 8 KV heads of 128), and Qwen3-8B's (the same, with
+    per-head q/k-norm)."""
+    q_heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    for n in (1, 256):
+        qkv = torch.randn(n, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device="cuda")
+        q, k, v = (t.view(n, -1, head_dim) for t in qkv.split([q_heads * head_dim] + [kv_heads * head_dim] * 2, -1))
+        cos, sin = rope_table(n, head_dim)
+        k_cache, v_cache = torch.zeros(2, 4 * n // block_size + 1, block_size, kv_heads, head_dim, dtype=dtype,
+                                       device="cuda")
+        slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda")[:n]
+        q_weight, k_weight = torch.randn(2, head_dim, dtype=dtype, device="cuda")
+        shape = f"{n} tokens, q {q_heads} x {head_dim}, kv {kv_heads} x {head_dim}"
+
+        def fused(norm):
+            weights = (q_weight, k_weight, EPS) if norm else ()
+            return (*rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, 1.0, 1.0, False, *weights),
+                    k_cache, v_cache)
+
+        def separate(norm):
+            q_in, k_in = (rms_norm(q, q_weight, EPS), rms_norm(k, k_weight, EPS)) if norm else (q, k)
+            q_out, k_out = apply_rotary(q_in, k_in, cos, sin)
+            write_kv_cache(k_out, v, k_cache, v_cache, slots)
+            return q_out, k_out, k_cache, v_cache
+
+        yield "rotary + KV write", shape, lambda: fused(False), lambda: separate(False)
+        yield "q/k-norm + rotary + KV write", shape, lambda: fused(True), lambda: separate(True)
+
+
 def max_difference(op, reference, args) -> float:
     if op is write_kv_cache:
         k, v, k_cache, v_cache, slots = args
@@ -125,10 +160,29 @@ def main():
         print(f"| {r['op']} | {r['shape']} | {r['zoo_us']:.1f} | {r['zoo_gbps']:.0f} | {r['torch_us']:.1f} | "
               f"{r['torch_gbps']:.0f} | {r['torch_us'] / r['zoo_us']:.2f}x | {us(r['zoo_graph_us'])} | "
               f"{us(r['torch_graph_us'])} | {r['max_abs_diff']:.2g} |")
+
+    fusion_rows = []
+    for name, shape, fused, separate in fusion_cases(dtype):
+        outputs = separate()
+        theirs = [t.clone() for t in outputs]
+        for cache in outputs[2:]:  # emptied, so that the fused op's writes are what is compared
+            cache.zero_()
+        ours = fused()
+        row = {"ops": name, "shape": shape,
+               "max_abs_diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs))}
+        for side, fn in (("fused", fused), ("separate", separate)):
+            row[f"{side}_us"] = do_bench(fn, return_mode="median") * 1e3
+            row[f"{side}_graph_us"] = do_bench_cudagraph(fn, return_mode="median") * 1e3
+        fusion_rows.append(row)
+    print("\n| fused ops | shape | fused µs | separate µs | fused µs in graph | separate µs in graph | max abs diff |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in fusion_rows:
+        print(f"| {r['ops']} | {r['shape']} | {r['fused_us']:.1f} | {r['separate_us']:.1f} | "
+              f"{r['fused_graph_us']:.1f} | {r['separate_graph_us']:.1f} | {r['max_abs_diff']:.2g} |")
     if args.json:
         meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "dtype": args.dtype,
                 "torch": torch.__version__, "triton": triton.__version__}
-        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({**meta, "rows": rows, "fusion_rows": fusion_rows}, indent=2))
 
 
 if __name__ == "__main__":

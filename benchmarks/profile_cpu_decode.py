@@ -2,8 +2,8 @@
 sequences decoding together, as in ``bench_generate.py``.
 
 Each op the layers call is wrapped in a timer (``time.perf_counter`` around the call, ~0.1 µs):
-the layers' linears, the LM head, the torch backend's decode attention, the norms, rotary, the
-KV-cache write, the gated activation and sampling. A profiler would add its own cost to each of
+the layers' linears, the LM head, the torch backend's decode attention, the norms, rotary with
+the KV-cache write (one op), the gated activation and sampling. A profiler would add its own cost to each of
 the ~1,500 small ops of a step; timers add almost nothing. "The rest" is the step's wall time
 less the timed ops: the engine, the embedding, Python. The milliseconds are per step, averaged
 over --steps decode steps.
@@ -52,7 +52,7 @@ def main():
     for module, name, label in (
         (layers.linear, "linear", "linears"), (layers.mlp, "act_and_mul", "SiLU-and-mul"),
         (layers.norm, "fused_add_rms_norm", "norms"), (layers.norm, "rms_norm", "norms"),
-        (layers.attention, "apply_rotary", "rotary"), (layers.attention, "write_kv_cache", "KV write"),
+        (layers.attention, "rotary_write_kv", "rotary + KV write"),
     ):
         setattr(module, name, timed(getattr(module, name), label))
     head = layers.embedding.LMHead

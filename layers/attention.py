@@ -1,8 +1,10 @@
 """Self-attention (MHA/GQA, optional q/k RMSNorm, sliding window) and the metadata its backend reads.
 
 A forward pass works on a flat stream of N tokens from one or more sequences. The layer
-computes q/k/v, applies q/k-norm and rotary, and hands them to an attention backend together
-with an ``AttentionMetadata`` that says how the stream splits into sequences.
+computes q/k/v, applies q/k-norm and rotary, writes the new keys and values into its paged KV
+cache (with a per-head q/k-norm, rotary and the write in one op, ``rotary_write_kv``), and hands
+q/k/v to an attention backend together with an ``AttentionMetadata`` that says how the stream
+splits into sequences. The backend attends only.
 """
 
 import warnings
@@ -14,7 +16,7 @@ from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
-from ops_cuda import apply_rotary, write_kv_cache
+from ops_cuda import apply_rotary, rotary_write_kv, write_kv_cache
 from ops_cuda.kv_cache import dequantize
 from ops_cuda.mla_attention import (
     gather_latents,
@@ -138,12 +140,12 @@ class TorchAttentionBackend:
 
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]. Prefill tokens first, then one per decode.
+        # With a cache, the layer has written the new tokens' keys and values into it (rotary_write_kv).
         softcap = layer.score_modifiers.softcap
         if metadata.slot_mapping is None:
             return _cache_free(q, k, v, metadata, layer.scale, layer.sliding_window, softcap)
         k_cache, v_cache = layer.kv_cache
         k_scale, v_scale = layer.k_scale, layer.v_scale
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         window = layer.sliding_window or 0
         prefills, tokens = metadata.num_prefills, metadata.num_prefill_tokens
         out = []
@@ -327,6 +329,15 @@ class Attention(nn.Module):
         # The per-tensor scales of its cached keys and values: the cache holds k / k_scale and v / v_scale.
         self.k_scale = self.v_scale = 1.0
 
+    def per_head_norm(self) -> dict:
+        """``rotary_write_kv``'s norm arguments: q_norm's and k_norm's weights and their shared
+        RMSNorm options where they normalise each head; none otherwise."""
+        if self.q_norm is None or not self.qk_norm_per_head:
+            return {}
+        norm = self.q_norm
+        return dict(q_norm_weight=norm.weight, k_norm_weight=self.k_norm.weight, norm_eps=norm.eps,
+                    weight_offset=norm.weight_offset, multiply_in_float32=norm.multiply_in_float32)
+
     @property
     def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:
         """What this layer keeps in the paged KV cache for one token: K and V, [kv_heads, head_dim] each."""
@@ -340,9 +351,13 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.qk_norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        q, k = apply_rotary(q, k, cos, sin)
+        if metadata.slot_mapping is None:  # cache-free: nothing to write
+            if self.q_norm is not None and self.qk_norm_per_head:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, cos, sin)
+        else:  # one launch for the per-head q/k-norm, rotary and the cache write
+            q, k = rotary_write_kv(q, k, v, cos, sin, *self.kv_cache, metadata.slot_mapping, self.k_scale,
+                                   self.v_scale, False, **self.per_head_norm())
         out = self.backend.forward(self, q, k, v, metadata)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

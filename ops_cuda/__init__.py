@@ -5,7 +5,8 @@ file, ``<name>_op``). Its default kernel is a pure-PyTorch reference (``<name>_r
 CPU and as the test oracle); GPU kernels register for the ``cuda`` dispatch key on top of it. The
 name exported here calls the reference directly on CPU tensors and the custom op elsewhere
 (``ops_cuda.dispatch``). The Triton kernels live in ``triton_kernels`` (norms, rotary, gated
-activations, KV-cache write, single-row matmul, argmax), ``paged_attention_triton``,
+activations, KV-cache write, q/k-norm with rotary and the KV-cache write in one kernel, single-row
+matmul, argmax), ``paged_attention_triton``,
 ``mla_attention_triton``, ``moe_triton``, ``moe_decode``, ``moe_grouped_mm``, ``router_triton`` and
 ``fp8_triton`` (block-scaled FP8 GEMM), imported only when a CUDA kernel first runs: ``import ops_cuda``
 never imports triton. ``ops_cuda.linear`` routes linear layers' products (packed CPU weights,
@@ -22,10 +23,11 @@ from ops_cuda.moe import fp8_moe_experts, moe_experts
 from ops_cuda.norm import fused_add_rms_norm, rms_norm
 from ops_cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from ops_cuda.rotary import apply_rotary
+from ops_cuda.rotary_kv import rotary_write_kv
 from ops_cuda.router import route_topk
 
 __all__ = [
     "ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fp8_block_linear", "fp8_moe_experts", "fused_add_rms_norm",
     "fused_add_rms_norm_gemv", "gated_gemv", "gemv", "mla_decode_attention", "mla_prefill_attention", "moe_experts",
-    "paged_decode_attention", "paged_prefill_attention", "rms_norm", "route_topk", "write_kv_cache",
+    "paged_decode_attention", "paged_prefill_attention", "rms_norm", "rotary_write_kv", "route_topk", "write_kv_cache",
 ]

@@ -173,31 +173,65 @@ def act_and_mul_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, out_ptr, token, h, num_heads, head_dim, rotary_dim, x_stride_t, x_stride_h, out_stride_t, out_stride_h,
-    cos1, sin1, cos2, sin2,
-    INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-):
-    # Rotates heads h ([BLOCK_H, 1]) of one token. Output channel i < half takes pair (x1, x2) = channels
-    # (i, i + half) in the neox layout, (2i, 2i + 1) in the interleaved one, and its partner goes to
-    # i + half: HF's rotate-half and DeepSeek-interleave formulas write the same output positions.
+def _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim, dtype: tl.constexpr,
+            INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # cos/sin of each output pair of one token, [1, BLOCK_HALF] each, as the activations' dtype
+    # (the reference casts them). The neox layout reads both halves of the table, the interleaved
+    # one (one angle per pair) the first half.
     half = rotary_dim // 2
-    dtype = out_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = i < half
+    cos1 = round_to(tl.load(cos_ptr + token * cos_stride + i, mask=mask, other=0.0).to(tl.float32), dtype)
+    sin1 = round_to(tl.load(sin_ptr + token * sin_stride + i, mask=mask, other=0.0).to(tl.float32), dtype)
+    if INTERLEAVED:
+        cos2, sin2 = cos1, sin1
+    else:
+        cos2 = round_to(tl.load(cos_ptr + token * cos_stride + half + i, mask=mask, other=0.0).to(tl.float32), dtype)
+        sin2 = round_to(tl.load(sin_ptr + token * sin_stride + half + i, mask=mask, other=0.0).to(tl.float32), dtype)
+    return cos1, sin1, cos2, sin2
+
+
+@triton.jit
+def _pair_channels(rotary_dim, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # Output channel i < half takes pair (x1, x2) = channels (i, i + half) in the neox layout,
+    # (2i, 2i + 1) in the interleaved one, and its partner goes to i + half: HF's rotate-half and
+    # DeepSeek-interleave formulas write the same output positions.
+    half = rotary_dim // 2
     i = tl.arange(0, BLOCK_HALF)[None, :]
     if INTERLEAVED:
         in1, in2 = 2 * i, 2 * i + 1
     else:
         in1, in2 = i, i + half
-    # cos/sin as the activations' dtype, as the reference casts them.
-    cos1, sin1, cos2, sin2 = round_to(cos1, dtype), round_to(sin1, dtype), round_to(cos2, dtype), round_to(sin2, dtype)
+    return i, in1, in2
+
+
+@triton.jit
+def _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype: tl.constexpr):
+    # Each product rounded like the reference's, then the sum: bit-equal in fp16/bf16 once the
+    # caller casts the float32 results to ``dtype``.
+    first = round_to(x1 * cos1, dtype) - round_to(x2 * sin1, dtype)
+    second = round_to(x2 * cos2, dtype) + round_to(x1 * sin2, dtype)
+    return first, second
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, token, h, num_heads, head_dim, rotary_dim, x_stride_t, x_stride_h, out_stride_t, out_stride_h,
+    cos1, sin1, cos2, sin2,
+    INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    # Rotates heads h ([BLOCK_H, 1]) of one token.
+    half = rotary_dim // 2
+    dtype = out_ptr.dtype.element_ty
+    i, in1, in2 = _pair_channels(rotary_dim, INTERLEAVED, BLOCK_HALF)
     src = x_ptr + token * x_stride_t + h * x_stride_h
     dst = out_ptr + token * out_stride_t + h * out_stride_h
     mask = (h < num_heads) & (i < half)
     x1 = tl.load(src + in1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + in2, mask=mask, other=0.0).to(tl.float32)
-    # Each product rounded like the reference's, then the sum: bit-equal in fp16/bf16.
-    tl.store(dst + i, (round_to(x1 * cos1, dtype) - round_to(x2 * sin1, dtype)).to(dtype), mask=mask)
-    tl.store(dst + half + i, (round_to(x2 * cos2, dtype) + round_to(x1 * sin2, dtype)).to(dtype), mask=mask)
+    first, second = _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype)
+    tl.store(dst + i, first.to(dtype), mask=mask)
+    tl.store(dst + half + i, second.to(dtype), mask=mask)
     if BLOCK_PASS > 0:  # partial rotary: channels rotary_dim.. pass through
         passed = rotary_dim + tl.arange(0, BLOCK_PASS)[None, :]
         pass_mask = (h < num_heads) & (passed < head_dim)
@@ -216,16 +250,8 @@ def _rotary_kernel(
     begin_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    half = rotary_dim // 2
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = i < half
-    cos1 = tl.load(cos_ptr + token * cos_stride + i, mask=mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * sin_stride + i, mask=mask, other=0.0).to(tl.float32)
-    if INTERLEAVED:  # one angle per pair: the first half of the table
-        cos2, sin2 = cos1, sin1
-    else:
-        cos2 = tl.load(cos_ptr + token * cos_stride + half + i, mask=mask, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + token * sin_stride + half + i, mask=mask, other=0.0).to(tl.float32)
+    cos1, sin1, cos2, sin2 = _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim,
+                                     q_out_ptr.dtype.element_ty, INTERLEAVED, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, h, q_heads, q_dim, rotary_dim,
                   q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, cos1, sin1, cos2, sin2,
                   INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
@@ -287,20 +313,27 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def _copy_to_slot(
-    src_ptr, cache_ptr, token, block, offset, num_heads, head_dim, scale,
-    src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
-):
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < num_heads) & (d < head_dim)
-    values = tl.load(src_ptr + token * src_stride_t + h * src_stride_h + d, mask=mask)
-    values = values.to(tl.float32) / scale  # exact where the scale is 1.0
+def _quantize(values, scale, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr):
+    # float32 ``values`` as the cache stores them, before the cast to its dtype (kv_cache.quantize).
+    values = values / scale  # exact where the scale is 1.0
     if FP8:  # saturated to the e4m3 range: a cast alone turns values past it into NaN
         values = tl.minimum(tl.maximum(values, -FP8_LIMIT), FP8_LIMIT)
         if ROUND_TO_E4M3:
             values = _round_to_e4m3(values)
+    return values
+
+
+@triton.jit
+def _copy_to_slot(
+    src_ptr, cache_ptr, token, block, offset, h, num_heads, head_dim, scale,
+    src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h,
+    BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
+):
+    # Heads h ([BLOCK_H, 1]) of one token into the cache's slot (block, offset).
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_heads) & (d < head_dim)
+    values = tl.load(src_ptr + token * src_stride_t + h * src_stride_h + d, mask=mask)
+    values = _quantize(values.to(tl.float32), scale, FP8, ROUND_TO_E4M3)
     dst = cache_ptr + block * cache_stride_b + offset * cache_stride_o + h * cache_stride_h + d
     tl.store(dst, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -319,10 +352,11 @@ def _write_kv_cache_kernel(
     block, offset = slot // block_size, slot % block_size
     # A negative slot (padding of a captured batch) has no heads to write: every access is masked.
     num_heads = tl.where(slot >= 0, num_heads, 0)
-    _copy_to_slot(k_ptr, k_cache_ptr, token, block, offset, num_heads, k_dim, k_scale,
-                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_H, BLOCK_DK, FP8, ROUND_TO_E4M3)
-    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, num_heads, v_dim, v_scale,
-                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_H, BLOCK_DV, FP8, ROUND_TO_E4M3)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    _copy_to_slot(k_ptr, k_cache_ptr, token, block, offset, h, num_heads, k_dim, k_scale,
+                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_DK, FP8, ROUND_TO_E4M3)
+    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, h, num_heads, v_dim, v_scale,
+                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_DV, FP8, ROUND_TO_E4M3)
 
 
 def write_kv_cache_triton(
@@ -348,6 +382,148 @@ def write_kv_cache_triton(
         ROUND_TO_E4M3=not k.is_cuda,  # the interpreter's tensors are on the CPU
         num_warps=_num_warps(block_h * max(block_dk, block_dv)), **pdl_launch(k),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-head q/k RMSNorm, rotary and the KV-cache write of an attention layer's new tokens, fused
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_normed(src, cols, mask, cols_mask, inv_rms, weight_ptr, dtype: tl.constexpr, NORM: tl.constexpr,
+                 WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr):
+    # Channels ``cols`` of heads ``src`` ([BLOCK_H, 1] pointers), RMS-normalised as rms_norm_reference
+    # rounds them when NORM; float32 values of ``dtype``.
+    x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        weight = tl.load(weight_ptr + cols, mask=cols_mask, other=0.0)
+        x = round_to(_times_norm_weight(x * inv_rms, weight, weight_ptr.dtype.element_ty, dtype, WEIGHT_OFFSET,
+                                        MULTIPLY_IN_FLOAT32), dtype)
+    return x
+
+
+@triton.jit
+def _norm_rotate_heads(
+    x_ptr, weight_ptr, out_ptr, cache_ptr, token, h, num_heads, cache_heads, head_dim, rotary_dim, eps, scale,
+    x_stride_t, x_stride_h, out_stride_t, out_stride_h, cache_stride_h, cos1, sin1, cos2, sin2,
+    NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr, INTERLEAVED: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Heads h ([BLOCK_H, 1]) of one token: normalised (NORM), rotated, stored to out and, for the
+    # first ``cache_heads`` of them (WRITE_CACHE), to the cache row ``cache_ptr`` of the token's slot.
+    dtype = out_ptr.dtype.element_ty
+    half = rotary_dim // 2
+    heads = h < num_heads
+    src = x_ptr + token * x_stride_t + h * x_stride_h
+    dst = out_ptr + token * out_stride_t + h * out_stride_h
+    cached = cache_ptr + h * cache_stride_h
+    inv_rms = 0.0
+    if NORM:  # the statistics over the whole head, as _rms_norm_kernel computes them
+        d = tl.arange(0, BLOCK_D)[None, :]
+        row = tl.load(src + d, mask=heads & (d < head_dim), other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(row * row, axis=1)[:, None] / head_dim + eps)
+    i, in1, in2 = _pair_channels(rotary_dim, INTERLEAVED, BLOCK_HALF)
+    pair_ok = i < half
+    mask = heads & pair_ok
+    x1 = _load_normed(src, in1, mask, pair_ok, inv_rms, weight_ptr, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
+    x2 = _load_normed(src, in2, mask, pair_ok, inv_rms, weight_ptr, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
+    first, second = _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype)
+    first, second = round_to(first, dtype), round_to(second, dtype)
+    tl.store(dst + i, first.to(dtype), mask=mask)
+    tl.store(dst + half + i, second.to(dtype), mask=mask)
+    cache_dtype = cache_ptr.dtype.element_ty
+    cache_mask = (h < cache_heads) & pair_ok
+    if WRITE_CACHE:
+        tl.store(cached + i, _quantize(first, scale, FP8, ROUND_TO_E4M3).to(cache_dtype), mask=cache_mask)
+        tl.store(cached + half + i, _quantize(second, scale, FP8, ROUND_TO_E4M3).to(cache_dtype), mask=cache_mask)
+    if BLOCK_PASS > 0:  # partial rotary: channels rotary_dim.. pass through (normalised)
+        passed = rotary_dim + tl.arange(0, BLOCK_PASS)[None, :]
+        pass_ok = passed < head_dim
+        x = _load_normed(src, passed, heads & pass_ok, pass_ok, inv_rms, weight_ptr, dtype, NORM, WEIGHT_OFFSET,
+                         MULTIPLY_IN_FLOAT32)
+        tl.store(dst + passed, x.to(dtype), mask=heads & pass_ok)
+        if WRITE_CACHE:
+            tl.store(cached + passed, _quantize(x, scale, FP8, ROUND_TO_E4M3).to(cache_dtype),
+                     mask=(h < cache_heads) & pass_ok)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
+    k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_heads, kv_heads, head_dim, v_dim, rotary_dim, eps, block_size, k_scale, v_scale, cos_stride, sin_stride,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+    qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h,
+    kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
+    NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr, INTERLEAVED: tl.constexpr,
+    FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+):
+    # One program per (token, block of BLOCK_H heads): those heads of q, k and v.
+    begin_after_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block, offset = slot // block_size, slot % block_size
+    # A negative slot (padding of a captured batch) has no heads to write: every cache access is masked.
+    cache_heads = tl.where(slot >= 0, kv_heads, 0)
+    cos1, sin1, cos2, sin2 = _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim,
+                                     q_out_ptr.dtype.element_ty, INTERLEAVED, BLOCK_HALF)
+    _norm_rotate_heads(q_ptr, q_weight_ptr, q_out_ptr, k_cache_ptr, token, h, q_heads, 0, head_dim, rotary_dim, eps,
+                       1.0, q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
+                       NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, False, FP8, ROUND_TO_E4M3,
+                       BLOCK_HALF, BLOCK_PASS, BLOCK_D)
+    k_row = k_cache_ptr + block * kc_stride_b + offset * kc_stride_o
+    _norm_rotate_heads(k_ptr, k_weight_ptr, k_out_ptr, k_row, token, h, kv_heads, cache_heads, head_dim, rotary_dim,
+                       eps, k_scale, k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, kc_stride_h,
+                       cos1, sin1, cos2, sin2, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, True, FP8,
+                       ROUND_TO_E4M3, BLOCK_HALF, BLOCK_PASS, BLOCK_D)
+    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, h, cache_heads, v_dim, v_scale,
+                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_DV, FP8, ROUND_TO_E4M3)
+
+
+def rotary_write_kv_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+    interleaved: bool = False, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0, weight_offset: float = 0.0, multiply_in_float32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """zoo::rotary_write_kv on inputs the op has checked (``ops_cuda.rotary_kv.check_rotary_write_kv``)."""
+    norm = q_norm_weight is not None
+    check_dtypes("rotary_write_kv", q, k, v, *((q_norm_weight, k_norm_weight) if norm else ()))
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:  # written in place: no copy can stand in for it
+            raise ValueError(
+                f"zoo::rotary_write_kv needs {name} with a unit stride on its last dim, got strides {cache.stride()}"
+            )
+    q, k, v, cos, sin = (_unit_stride(t) for t in (q, k, v, cos, sin))
+    slot_mapping = slot_mapping.contiguous()
+    q_weight, k_weight = (q_norm_weight.contiguous(), k_norm_weight.contiguous()) if norm else (q, k)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    head_dim, rotary_dim = q.shape[2], cos.shape[-1]
+    block_half = triton.next_power_of_2(rotary_dim // 2)
+    block_pass = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    block_d = triton.next_power_of_2(head_dim)
+    # Tiles of ~2048 channels: a whole head per row (its RMS statistics), several programs per token.
+    max_heads = max(q.shape[1], k.shape[1])
+    block_h = min(max(2048 // block_d, 1), triton.next_power_of_2(max_heads))
+    _rotary_write_kv_kernel[(q.shape[0], triton.cdiv(max_heads, block_h))](
+        q, k, v, q_out, k_out, cos, sin, q_weight, k_weight, k_cache, v_cache, slot_mapping,
+        q.shape[1], k.shape[1], head_dim, v.shape[2], rotary_dim, float(norm_eps), k_cache.shape[1],
+        float(k_scale), float(v_scale), cos.stride(0), sin.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NORM=norm, WEIGHT_OFFSET=float(weight_offset), MULTIPLY_IN_FLOAT32=multiply_in_float32,
+        INTERLEAVED=interleaved, FP8=k_cache.dtype == FP8_DTYPE,
+        ROUND_TO_E4M3=not q.is_cuda,  # the interpreter's tensors are on the CPU
+        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, BLOCK_D=block_d,
+        BLOCK_DV=triton.next_power_of_2(v.shape[2]), num_warps=4,
+        enable_fp_fusion=False,  # as the rotary kernel: every product rounded where the reference rounds
+        **pdl_launch(q),
+    )
+    return q_out, k_out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,14 @@
-"""The attention contract's score modifiers: what each backend implements, and the fallback."""
+"""The attention contract: the score modifiers each backend implements, and the fallback; who
+writes the KV cache."""
 
 import pytest
+import torch
 
+import layers.attention
 from layers import Attention, ScoreModifiers, TorchAttentionBackend, TritonAttentionBackend, score_modifiers_used
-from layers.attention import BACKENDS, select_backend
+from layers.attention import BACKENDS, AttentionMetadata, select_backend
+from ops_cuda.rotary import apply_rotary_reference
+from tests.ops.test_triton_ops import rope_table
 
 
 def test_a_layer_states_the_modifiers_it_uses():
@@ -24,3 +29,60 @@ def test_a_backend_lacking_a_modifier_falls_back_to_torch_with_a_warning(monkeyp
         backend = select_backend("triton", "cpu", frozenset({"softcap"}))
     assert type(backend) is TorchAttentionBackend
     assert type(select_backend("triton", "cpu")) is TritonAttentionBackend
+
+
+def paged_prefill(layer: Attention, hidden: torch.Tensor, positions: torch.Tensor, block_size: int = 4):
+    """layer's output for two prompts of equal length in ``hidden`` [2 * T, hidden], through a
+    fresh paged cache of the layer's dtype; returns the output and the caches."""
+    length = hidden.shape[0] // 2
+    blocks = -(-length // block_size)
+    k_cache, v_cache = torch.full((2, 2 * blocks, block_size, layer.num_kv_heads, layer.head_dim), float("nan"),
+                                  dtype=hidden.dtype)
+    layer.kv_cache = (k_cache, v_cache)
+    block_tables = torch.arange(2 * blocks, dtype=torch.int32).view(2, blocks)
+    steps = torch.arange(length)
+    slots = (block_tables[:, steps // block_size].long() * block_size + steps % block_size).flatten()
+    metadata = AttentionMetadata(
+        query_lens=[length] * 2, context_lens=[0, 0], slot_mapping=slots, block_tables=block_tables,
+        seq_lens=torch.full((2,), length, dtype=torch.int32),
+        query_start_loc=torch.arange(0, 3 * length, length, dtype=torch.int32),
+    )
+    return layer(hidden, rope_table(positions, layer.head_dim), metadata), k_cache, v_cache
+
+
+def qk_norm_layer(dtype) -> Attention:
+    torch.manual_seed(0)
+    layer = Attention(64, 4, 2, 16, qk_norm_eps=1e-6).to(dtype)
+    for parameter in layer.parameters():
+        parameter.data.normal_(0, 0.3)
+    return layer
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, TritonAttentionBackend])
+def test_a_layer_writes_its_cache_before_the_backend_attends(backend):
+    # The paged prefill reads every key back from the cache: the layer's one op wrote them,
+    # normalised per head and rotated, so the output is the cache-free prefill's.
+    layer = qk_norm_layer(torch.float32)
+    layer.backend = backend()
+    hidden, positions = torch.randn(10, 64), torch.arange(5).repeat(2)
+    paged, k_cache, _ = paged_prefill(layer, hidden, positions)
+    cache_free = layer(hidden, rope_table(positions, 16), AttentionMetadata.causal_prefill(2, 5))
+    torch.testing.assert_close(paged, cache_free, rtol=1e-5, atol=1e-5)
+    q, k, _ = layer.qkv_proj.split(layer.qkv_proj(hidden))
+    k = layer.k_norm(k.reshape(10, 2, 16))
+    _, k_rotated = apply_rotary_reference(k, k, *rope_table(positions, 16))
+    assert torch.equal(k_cache.view(-1, 2, 16)[:5], k_rotated[:5])  # the first prompt's block, slots 0-4
+
+
+@pytest.mark.interpreter
+def test_a_layer_with_the_fused_kernel_matches_the_reference_interpreted(monkeypatch):
+    # The layer with its fused op as the Triton kernel (strided q/k/v of the qkv product, per-head
+    # norm, GQA) gives the reference's output and caches bit for bit in float16.
+    from ops_cuda.triton_kernels import rotary_write_kv_triton
+
+    layer = qk_norm_layer(torch.float16)
+    hidden, positions = torch.randn(10, 64, dtype=torch.float16), torch.tensor([0, 1, 2, 3, 4, 7, 8, 9, 10, 11])
+    expected = paged_prefill(layer, hidden, positions)
+    monkeypatch.setattr(layers.attention, "rotary_write_kv", rotary_write_kv_triton)
+    for ours, theirs in zip(paged_prefill(layer, hidden, positions), expected):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)

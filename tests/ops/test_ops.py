@@ -183,8 +183,8 @@ def test_public_names_run_the_reference_on_cpu_and_the_registered_op_elsewhere(m
 
 
 def test_ops_are_registered_custom_ops():
-    for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "write_kv_cache", "gemv", "argmax",
-                 "route_topk"):
+    for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "write_kv_cache", "rotary_write_kv", "gemv",
+                 "argmax", "route_topk"):
         assert hasattr(torch.ops.zoo, name)
 
 
@@ -206,6 +206,9 @@ def fake_kernel_cases():
         "apply_rotary": (zoo.apply_rotary, (q, k, cos, sin)),
         "apply_rotary_interleaved": (zoo.apply_rotary, (q, k, cos, sin, True)),
         "write_kv_cache": (zoo.write_kv_cache, (k, k.clone(), caches[0], caches[1], slots)),
+        "rotary_write_kv": (zoo.rotary_write_kv, (q, k, k.clone(), cos, sin, caches[0], caches[1], slots)),
+        "rotary_write_kv_qk_norm": (zoo.rotary_write_kv, (q, k, k.clone(), cos, sin, caches[0], caches[1], slots, 1.0,
+                                                          1.0, False, torch.randn(24), torch.randn(24), 1e-6)),
         "gemv": (zoo.gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), None)),
         "argmax": (zoo.argmax, (x,)),
         "gemv_bias": (zoo.gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), torch.randn(7, dtype=torch.float16))),

@@ -372,13 +372,12 @@ def test_select_backend():
 
 def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales=None):
     """A layer stub with a cache, and a flat step of two prefills (one after cached context) then
-    two decodes, the new tokens' slots still NaN: the backend must write k/v before attending."""
+    two decodes. The cache holds the new tokens' keys and values too: the layer writes them
+    (zoo::rotary_write_kv) before its backend attends."""
     batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device, fp8_scales=fp8_scales)
     new = torch.cat([torch.arange(c, c + q) for c, q in zip(batch.context_lens, batch.query_lens)])
     seq = torch.repeat_interleave(torch.arange(4), torch.tensor(batch.query_lens))
     slots = batch.block_tables.cpu()[seq, new // 4].long() * 4 + new % 4
-    for cache in (batch.k_cache, batch.v_cache):
-        cache.flatten(0, 1)[slots.to(device)] = float("nan")
     layer = types.SimpleNamespace(
         kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window,
         score_modifiers=ScoreModifiers(softcap=softcap), k_scale=batch.scales[0], v_scale=batch.scales[1],
