@@ -14,7 +14,7 @@ from layers.linear import Linear, MergedLinear, pack_for_cpu_decode
 from layers.mla import MLAttention
 from layers.mlp import GatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
-from layers.norm import NormedInput, RMSNorm
+from layers.norm import RMSNorm
 from layers.parallel import (
     ColumnParallelLinear,
     ExpertParallelExperts,
@@ -29,7 +29,7 @@ from layers.weights import OneOf, Shard
 
 __all__ = [
     "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
-    "NormedInput", "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
+    "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
     "TensorParallelExperts", "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
     "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
     "select_backend", "tensor_parallel",

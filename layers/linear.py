@@ -6,11 +6,9 @@ import torch
 from torch import nn
 
 from layers.embedding import LMHead
-from layers.norm import NormedInput, RMSNorm
 from layers.weights import Shard, parent_of
-from ops_cuda.activation import act_and_mul
 from ops_cuda.fp8_linear import fp8_block_linear
-from ops_cuda.linear import PackedWeight, linear, single_gpu_row
+from ops_cuda.linear import PackedWeight, linear
 
 
 class Linear(nn.Module):
@@ -34,24 +32,10 @@ class Linear(nn.Module):
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("weight_scale_inv", None)
 
-    def forward(self, x: torch.Tensor | NormedInput, activation: str | None = None) -> torch.Tensor:
-        """With ``activation``, x holds [gate, up] and the layer multiplies act(gate) * up (a gated
-        MLP's down projection; ``ops_cuda.linear.linear``). A ``NormedInput`` (given only where
-        ``folds_norm`` said so) is normalised as the product reads it."""
-        if isinstance(x, NormedInput):
-            return x.linear(self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_block is not None:
-            if activation is not None:
-                x = act_and_mul(x, activation)
             return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
-        return linear(x, self.weight, self.bias, self.packed, activation)
-
-    def folds_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether this layer's product can take ``NormedInput(x, residual, norm, ...)``: one
-        float16/bfloat16 row on the GPU (``ops_cuda.linear.single_gpu_row``), weights not in FP8,
-        and one dtype for the row, the residual, the norm's weight and this layer's weight."""
-        return (self.fp8_block is None and single_gpu_row(x, self.weight) and residual.shape == x.shape
-                and x.dtype == residual.dtype == norm.weight.dtype == self.weight.dtype)
+        return linear(x, self.weight, self.bias, self.packed)
 
     def empty_parameter(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Storage for a parameter when the loader materialises it. On the CPU the [out, in] weight

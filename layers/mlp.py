@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from layers.linear import Linear, MergedLinear
-from ops_cuda import ACTIVATIONS
+from ops_cuda import ACTIVATIONS, act_and_mul
 
 
 class GatedMLP(nn.Module):
@@ -19,5 +19,4 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # down_proj applies act(gate) * up as it reads gate_up's output: one kernel for a single GPU row.
-        return self.down_proj(self.gate_up_proj(x), activation=self.hidden_act)
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act))

@@ -1,11 +1,9 @@
 """RMSNorm with an optional fused residual add, in the variants HuggingFace's architectures use."""
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from ops_cuda import fused_add_rms_norm, fused_add_rms_norm_gemv, rms_norm
+from ops_cuda import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -36,26 +34,3 @@ class RMSNorm(nn.Module):
         options = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
         options += ", multiply_in_float32=True" if self.multiply_in_float32 else ""
         return f"{tuple(self.weight.shape)}, eps={self.eps}{options}"
-
-
-@dataclass(frozen=True)
-class NormedInput:
-    """``norm(x + residual)`` left to the one projection that reads it, which normalises the row as
-    it multiplies it (``layers.Linear``: zoo::fused_add_rms_norm_gemv) and writes ``x + residual``
-    into ``summed``, the residual stream from then on. It stands in for the normalised row, whose
-    shape it has."""
-
-    x: torch.Tensor
-    residual: torch.Tensor
-    norm: RMSNorm
-    summed: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """norm(x + residual) W^T + b, writing x + residual into ``summed``."""
-        norm = self.norm
-        return fused_add_rms_norm_gemv(self.x, self.residual, norm.weight, norm.eps, norm.weight_offset,
-                                       norm.multiply_in_float32, weight, bias, self.summed)

@@ -91,8 +91,8 @@ class RowParallelLinear(Linear):
             shards["bias"] = [Shard(f"{prefix}.bias")]
         return shards
 
-    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed, activation)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight, None, self.packed)
         if self.group is not None:
             dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias

@@ -14,10 +14,7 @@ from dataclasses import astuple, dataclass
 import torch
 from torch import nn
 
-from layers import (
-    Attention, AttentionMetadata, GatedMLP, Linear, LMHead, MLAttention, NormedInput, RMSNorm, RotaryEmbedding,
-    VocabEmbedding,
-)
+from layers import Attention, AttentionMetadata, LMHead, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding
 
 
 def head_dim(config) -> int:
@@ -70,9 +67,7 @@ class DecoderLayer(nn.Module):
     model's RMSNorm variant, also used for the final norm). Each residual add is deferred into
     the pre-norm that follows it, so ``forward`` returns ``(branch_out, residual)`` and the next
     pre-norm completes the add; a branch without a pre-norm adds explicitly. HuggingFace's view
-    of this layer's output is ``branch_out + residual``. At one GPU row, a pre-norm whose branch
-    reads its input through one projection (dense attention, gated MLP) runs inside that
-    projection's kernel (``branch_input``).
+    of this layer's output is ``branch_out + residual``.
     """
 
     returns_residual = True
@@ -92,44 +87,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata):
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
-        hidden_states, residual = branch_input(pre_attention, hidden_states, residual, input_projection(self.self_attn))
+        hidden_states, residual = branch_input(pre_attention, hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, position_embeddings, metadata)
         if post_attention is not None:
             hidden_states = post_attention(hidden_states)
-        hidden_states, residual = branch_input(pre_mlp, hidden_states, residual, input_projection(self.mlp))
+        hidden_states, residual = branch_input(pre_mlp, hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         if post_mlp is not None:
             hidden_states = post_mlp(hidden_states)
         return hidden_states, residual
 
 
-def branch_input(norm: RMSNorm | None, hidden_states, residual, reader: Linear | None = None):
+def branch_input(norm: RMSNorm | None, hidden_states, residual):
     """Completes the deferred residual add (in ``norm`` when there is one): returns the branch's
-    input and the residual stream. ``residual`` is None at the first layer.
-
-    ``reader`` is the projection that alone reads the branch's input (``input_projection``). Where
-    it can normalise the row itself (``Linear.folds_norm``: one GPU row, batch-1 decode), the norm is
-    left to it: the branch's input is a ``NormedInput``, and the residual stream it returns is
-    written when that projection runs, one launch for the add, the norm and the product."""
+    input and the residual stream. ``residual`` is None at the first layer."""
     if residual is None:
         return (hidden_states if norm is None else norm(hidden_states)), hidden_states
     if norm is None:
         residual = hidden_states + residual
         return residual, residual
-    if reader is not None and reader.folds_norm(norm, hidden_states, residual):
-        summed = torch.empty_like(residual, memory_format=torch.contiguous_format)
-        return NormedInput(hidden_states, residual, norm, summed), summed
     return norm(hidden_states, residual)
-
-
-def input_projection(branch: nn.Module) -> Linear | None:
-    """The projection that alone reads a branch's input: a dense attention's qkv_proj, a gated MLP's
-    gate_up_proj; None for the others (latent attention, mixtures of experts), whose pre-norm runs apart."""
-    if isinstance(branch, Attention):
-        return branch.qkv_proj
-    if isinstance(branch, GatedMLP):
-        return branch.gate_up_proj
-    return None
 
 
 class DecoderModel(nn.Module):

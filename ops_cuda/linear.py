@@ -1,15 +1,14 @@
 """Linear layers' products: ``F.linear``, except where zoo has a faster way.
 
 On the CPU, the few rows of a decode step multiply by a weight packed once (``PackedWeight``); on
-the GPU a single float16/bfloat16 row goes to zoo::gemv (zoo::gated_gemv for a gated MLP's down
-projection). ``layers.linear.pack_for_cpu_decode`` packs a model's weights.
+the GPU a single float16/bfloat16 row goes to zoo::gemv. ``layers.linear.pack_for_cpu_decode``
+packs a model's weights.
 """
 
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.activation import act_and_mul
-from ops_cuda.gemv import GEMV_DTYPES, gated_gemv, gemv
+from ops_cuda.gemv import GEMV_DTYPES, gemv
 
 
 class PackedWeight:
@@ -70,28 +69,13 @@ def _no_pack() -> None:
     return None
 
 
-def linear(x, weight, bias=None, packed: PackedWeight | None = None, activation: str | None = None):
+def linear(x, weight, bias=None, packed: PackedWeight | None = None):
     """``F.linear``; on the GPU a single float16/bfloat16 row goes to zoo::gemv, when the weight's
     rows are contiguous (a CPU-loaded model moved to the GPU keeps its column-major weights). On
     the CPU, ``packed`` (the weight's ``PackedWeight``, if the runtime made one) serves few rows,
-    except in a graph torch.compile traces, where inductor packs the weights itself.
-
-    With ``activation`` (a key of ``ACTIVATIONS``), x holds [gate, up] and the product is of
-    ``act_and_mul(x, activation)``: a gated MLP's down projection. A single GPU row then takes one
-    kernel (zoo::gated_gemv), which computes the activation as it reads x."""
-    gpu_row = single_gpu_row(x, weight)
-    if activation is not None:
-        if gpu_row:
-            return gated_gemv(x, weight, bias, activation)
-        x = act_and_mul(x, activation)
+    except in a graph torch.compile traces, where inductor packs the weights itself."""
     if packed is not None and x.device.type == "cpu" and not torch.compiler.is_compiling() and packed.serves(x, weight):
         return packed.linear(x, weight, bias)
-    if gpu_row:
+    if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def single_gpu_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x`` times ``weight`` goes to the single-row kernels (zoo::gemv and its fused
-    variants): one float16/bfloat16 row on the GPU and a weight with contiguous rows."""
-    return x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1

@@ -43,27 +43,6 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
-def _inverse_rms(x, hidden, eps):
-    # 1 / sqrt(mean(x^2) + eps) of a float32 row held whole (zeros past `hidden`).
-    variance = tl.sum(x * x, axis=0) / hidden
-    return tl.math.rsqrt(variance + eps)
-
-
-@triton.jit
-def _times_norm_weight(normed, weight, weight_dtype: tl.constexpr, dtype: tl.constexpr,
-                       WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr):
-    # The normalised float32 values times (WEIGHT_OFFSET + weight), rounded as the reference rounds.
-    weight = weight.to(tl.float32)
-    if WEIGHT_OFFSET != 0:
-        weight = weight + WEIGHT_OFFSET
-    if not MULTIPLY_IN_FLOAT32:  # HF's Llama casts back before the weight multiply
-        normed = round_to(normed, dtype)
-        if WEIGHT_OFFSET != 0:  # the reference adds the offset in the weight's dtype
-            weight = round_to(weight, weight_dtype)
-    return normed * weight
-
-
-@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
     rows_per_outer, hidden, eps,
@@ -84,9 +63,16 @@ def _rms_norm_kernel(
         residual = tl.load(residual_ptr + m * res_stride_m + r * res_stride_r + cols, mask=mask, other=0.0)
         x = round_to(x + residual.to(tl.float32), dtype)  # the reference normalises the rounded sum
         tl.store(summed_ptr + m * sum_stride_m + r * sum_stride_r + cols, x.to(dtype), mask=mask)
-    normed = x * _inverse_rms(x, hidden, eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = _times_norm_weight(normed, weight, weight_ptr.dtype.element_ty, dtype, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
+    variance = tl.sum(x * x, axis=0) / hidden
+    normed = x * tl.math.rsqrt(variance + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET != 0:
+        weight = weight + WEIGHT_OFFSET
+    if not MULTIPLY_IN_FLOAT32:  # HF's Llama casts back before the weight multiply
+        normed = round_to(normed, dtype)
+        if WEIGHT_OFFSET != 0:  # the reference adds the offset in the weight's dtype
+            weight = round_to(weight, weight_ptr.dtype.element_ty)
+    out = normed * weight
     tl.store(out_ptr + m * out_stride_m + r * out_stride_r + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -541,139 +527,42 @@ def _weight_tile(row_starts, row_ok, cols, K):
 
 
 @triton.jit
-def _summed_row_inverse_rms(x_ptr, residual_ptr, summed_ptr, K, eps, BLOCK_H: tl.constexpr):
-    # The norm prologue's statistics: every program sums the whole row (a few KB, from L2) as
-    # zoo::fused_add_rms_norm does, and program 0 writes the sum, the next layer's residual.
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < K
-    dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
-    x = round_to(x + residual.to(tl.float32), dtype)  # the reference normalises the rounded sum
-    tl.store(summed_ptr + cols, x.to(dtype), mask=cols < tl.where(tl.program_id(0) == 0, K, 0))
-    return _inverse_rms(x, K, eps)
-
-
-@triton.jit
-def _gemv_input(x_ptr, residual_ptr, norm_weight_ptr, cols, K, inverse_rms,
-                ACTIVATION: tl.constexpr, NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-                MULTIPLY_IN_FLOAT32: tl.constexpr):
-    # The K-tile `cols` of the row the weight multiplies, in float32, rounded wherever the separate
-    # ops round: the product is bit-equal to theirs followed by zoo::gemv.
-    # - plain: x as it is;
-    # - ACTIVATION: x holds [gate, up] (2K values), the row is act(gate) * up as zoo::act_and_mul rounds it;
-    # - NORM: the row is rms_norm(x + residual) as zoo::fused_add_rms_norm computes it.
-    mask = cols < K
-    dtype = x_ptr.dtype.element_ty
-    if NORM:
-        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
-        normed = round_to(x + residual.to(tl.float32), dtype) * inverse_rms
-        weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0)
-        normed = _times_norm_weight(normed, weight, norm_weight_ptr.dtype.element_ty, dtype, WEIGHT_OFFSET,
-                                    MULTIPLY_IN_FLOAT32)
-        return round_to(normed, dtype)
-    elif ACTIVATION == "":
-        return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
-        return round_to(round_to(apply_activation(gate, ACTIVATION), dtype) * up, dtype)
-
-
-@triton.jit
-def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride, residual_ptr, norm_weight_ptr, summed_ptr, eps,
-                HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-                MULTIPLY_IN_FLOAT32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_N weight rows per program. Products accumulate elementwise in float32 and are summed
     # once at the end. The first weight tile is read before waiting for the previous kernel.
-    # Prologues (``_gemv_input``): ACTIVATION "" and NORM off multiply x; an ACTIVATION (a formula of
-    # KERNEL_ACTIVATIONS) multiplies act(gate) * up of x = [gate, up]; NORM multiplies
-    # rms_norm(x + residual) with the norm's weight and options, and writes x + residual to `summed`.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
     cols = tl.arange(0, BLOCK_K)
     w = _weight_tile(row_starts, row_ok, cols, K)
     begin_after_previous(PDL)
-    if NORM:
-        inverse_rms = _summed_row_inverse_rms(x_ptr, residual_ptr, summed_ptr, K, eps, BLOCK_H)
-    else:
-        inverse_rms = 1.0
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         if start > 0:
             w = _weight_tile(row_starts, row_ok, cols, K)
-        x = _gemv_input(x_ptr, residual_ptr, norm_weight_ptr, cols, K, inverse_rms,
-                        ACTIVATION, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
-        acc += w.to(tl.float32) * x[None, :]
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-def _gemv_launch(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "",
-                 norm: tuple | None = None) -> torch.Tensor:
-    # x holds one row of K values, or of 2K ([gate, up]) with an activation. `norm` is
-    # (residual, norm_weight, eps, weight_offset, multiply_in_float32, summed) for the norm prologue.
-    n, k = weight.shape
-    row_size = 2 * k if activation else k
-    if x.numel() != row_size:
-        row = f"one row of [gate, up] ({row_size} values)" if activation else "one row"
-        raise ValueError(f"zoo::{op} multiplies {row}: x has shape {tuple(x.shape)} for a weight of {k} columns")
-    weight, row = _unit_stride(weight), x.reshape(row_size).contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    if norm is None:  # the norm's arguments are unused: x stands in for its tensors
-        residual, norm_weight, eps, weight_offset, multiply_in_float32, summed = row, row, 0.0, 0.0, False, row
-        block_h, warps = 1, GEMV_WARPS
-    else:
-        residual, norm_weight, eps, weight_offset, multiply_in_float32, summed = norm
-        residual, norm_weight = residual.reshape(k).contiguous(), norm_weight.contiguous()
-        # The RMSNorm kernel's warps for the row: its statistics then sum in the same order.
-        block_h = triton.next_power_of_2(k)
-        warps = _num_warps(block_h)
-    gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
-        row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
-        residual, norm_weight, summed, eps,
-        HAS_BIAS=bias is not None, ACTIVATION=activation, NORM=norm is not None, WEIGHT_OFFSET=float(weight_offset),
-        MULTIPLY_IN_FLOAT32=multiply_in_float32, BLOCK_H=block_h, BLOCK_N=GEMV_BLOCK_N,
-        BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)), num_warps=warps, **pdl_launch(x),
-    )
-    return out
-
-
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
-    return _gemv_launch("gemv", x, weight, bias)
-
-
-def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """zoo::gated_gemv: act(gate) * up of x = [gate, up] (one row) times weight^T, plus bias, in one kernel."""
-    check_dtypes("gated_gemv", x, weight, *(() if bias is None else (bias,)))
-    if activation not in KERNEL_ACTIVATIONS:
-        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(KERNEL_ACTIVATIONS)}")
-    return _gemv_launch("gated_gemv", x, weight, bias, activation=KERNEL_ACTIVATIONS[activation])
-
-
-def fused_add_rms_norm_gemv_triton(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight_offset: float,
-    multiply_in_float32: bool, weight: torch.Tensor, bias: torch.Tensor | None, summed: torch.Tensor,
-) -> torch.Tensor:
-    """zoo::fused_add_rms_norm_gemv: rms_norm(x + residual) (one row) times weight^T, plus bias, in
-    one kernel, which also writes x + residual into ``summed``."""
-    op = "fused_add_rms_norm_gemv"
-    check_dtypes(op, x, residual, norm_weight, summed, weight, *(() if bias is None else (bias,)))
-    if residual.shape != x.shape or summed.shape != x.shape or norm_weight.shape != x.shape[-1:]:
-        shapes = ", ".join(str(tuple(t.shape)) for t in (x, residual, summed, norm_weight))
-        raise ValueError(f"zoo::{op} needs x, residual and summed of one shape and a norm weight of their last dim, "
-                         f"got {shapes}")
-    if not summed.is_contiguous():  # written in place: no copy can stand in for it
-        raise ValueError(f"zoo::{op} needs a contiguous summed, got strides {summed.stride()}")
-    norm = (residual, norm_weight, eps, weight_offset, multiply_in_float32, summed)
-    return _gemv_launch(op, x, weight, bias, norm=norm)
+    n, k = weight.shape
+    if x.numel() != k:
+        raise ValueError(f"zoo::gemv multiplies one row: x has shape {tuple(x.shape)} for a weight of {k} columns")
+    weight, row = _unit_stride(weight), x.reshape(k).contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+        row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
+        num_warps=GEMV_WARPS, **pdl_launch(x),
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
