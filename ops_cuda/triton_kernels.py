@@ -65,15 +65,23 @@ def _rms_norm_kernel(
         tl.store(summed_ptr + m * sum_stride_m + r * sum_stride_r + cols, x.to(dtype), mask=mask)
     variance = tl.sum(x * x, axis=0) / hidden
     normed = x * tl.math.rsqrt(variance + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _times_weight(normed, weight_ptr, cols, mask, dtype, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
+    tl.store(out_ptr + m * out_stride_m + r * out_stride_r + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _times_weight(normed, weight_ptr, cols, cols_mask, dtype: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+                  MULTIPLY_IN_FLOAT32: tl.constexpr):
+    # ``normed`` (x * rsqrt(mean(x^2) + eps), float32) times the weight at ``cols``, rounded where
+    # rms_norm_reference rounds; the caller casts the product to the output dtype.
+    weight = tl.load(weight_ptr + cols, mask=cols_mask, other=0.0).to(tl.float32)
     if WEIGHT_OFFSET != 0:
         weight = weight + WEIGHT_OFFSET
     if not MULTIPLY_IN_FLOAT32:  # HF's Llama casts back before the weight multiply
         normed = round_to(normed, dtype)
         if WEIGHT_OFFSET != 0:  # the reference adds the offset in the weight's dtype
             weight = round_to(weight, weight_ptr.dtype.element_ty)
-    out = normed * weight
-    tl.store(out_ptr + m * out_stride_m + r * out_stride_r + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return normed * weight
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -382,9 +390,8 @@ def _load_normed(src, cols, mask, cols_mask, inv_rms, weight_ptr, dtype: tl.cons
     # rounds them when NORM; float32 values of ``dtype``.
     x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        weight = tl.load(weight_ptr + cols, mask=cols_mask, other=0.0)
-        x = round_to(_times_norm_weight(x * inv_rms, weight, weight_ptr.dtype.element_ty, dtype, WEIGHT_OFFSET,
-                                        MULTIPLY_IN_FLOAT32), dtype)
+        x = round_to(_times_weight(x * inv_rms, weight_ptr, cols, cols_mask, dtype, WEIGHT_OFFSET,
+                                   MULTIPLY_IN_FLOAT32), dtype)
     return x
 
 
