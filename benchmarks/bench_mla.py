@@ -4,13 +4,12 @@
 
 DeepSeek-V3's attention: 128 heads, kv_lora_rank 512, rope 64 (one cache entry of 576 bf16 values
 per token, shared by all heads), qk head dim 192 and v head dim 128 once decompressed; cache blocks
-of 16 tokens (the runtime's default) placed in random order. One sequence of 384 tokens (a short
-chat's batch-1 decode), and batch 1, 64 and 256 sequences of 4096 tokens. Per case: µs per call,
-GB/s of latent cache read (batch x tokens x 576 x 2 bytes / time), that as a share of the HBM
-bandwidth measured in the same run (a 4 GiB device-to-device copy, as benchmarks/bench_gpu.py
-measures it) and of the H200's 4.8 TB/s spec, and the TFLOP/s of the scores and the attended
-latent (each token's 576 + 512 multiply-adds per head): with 128 heads a step does ~240 FLOP per
-byte of cache, near the H200's bf16 ridge, so both ceilings count.
+of 16 tokens (the runtime's default) placed in random order. Batch 1, 64 and 256 sequences of
+4096 tokens. Per case: µs per call, GB/s of latent cache read (batch x tokens x 576 x 2 bytes /
+time), that as a share of the HBM bandwidth measured in the same run (a 4 GiB device-to-device
+copy, as benchmarks/bench_gpu.py measures it) and of the H200's 4.8 TB/s spec, and the TFLOP/s of
+the scores and the attended latent (each token's 576 + 512 multiply-adds per head): with 128
+heads a step does ~240 FLOP per byte of cache, near the H200's bf16 ridge, so both ceilings count.
 ``--sweep`` adds the kernel's time at 16, 32 and 64 heads per program, and at 1 to 64 splits of
 each sequence's keys.
 
@@ -36,8 +35,7 @@ from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
 from ops_cuda.mla_attention import mla_decode_attention, mla_decode_attention_reference  # noqa: E402
 
 NUM_HEADS, KV_LORA_RANK, ROPE, NOPE, V_DIM = 128, 512, 64, 128, 128
-BLOCK_SIZE, DTYPE = 16, torch.bfloat16
-CASES = [(1, 384), (1, 4096), (64, 4096), (256, 4096)]  # (batch, tokens per sequence)
+BLOCK_SIZE, DTYPE, SEQ_LEN = 16, torch.bfloat16, 4096
 SPEC_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 L2_FLUSH_BYTES = 256 << 20
 # SDPA's decompressed K/V take (192 + 128) x 2 bytes per token and head: past this it is left out.
@@ -128,7 +126,7 @@ def main():
     torch.manual_seed(0)
     bandwidth = hbm_bandwidth()
     torch.cuda.empty_cache()
-    rows = [bench_decode(batch, seq_len, args.iters, args.sweep) for batch, seq_len in CASES]
+    rows = [bench_decode(batch, SEQ_LEN, args.iters, args.sweep) for batch in (1, 64, 256)]
     device = torch.cuda.get_device_name()
     header = (f"MLA decode attention, DeepSeek-V3 shape (H {NUM_HEADS}, latent {KV_LORA_RANK} + rope {ROPE}, bf16, "
               f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "

@@ -4,8 +4,8 @@ Decode is split-KV flash-decoding over the latent pool. A program takes one sequ
 ``BLOCK_H`` heads and one chunk of its keys: every latent row it loads serves all the heads of its
 tile twice, as the key (scores against the absorbed queries, plus the rope part) and as the value,
 so with DeepSeek-V3's 128 heads each step reads the latent cache once per head tile, the tiles of a
-chunk running side by side over the same rows in L2. The chunk of a head tile that finishes last
-sums the chunks' partial outputs by their softmax mass (``combine_splits``): one launch.
+chunk running side by side over the same rows in L2. A second kernel sums the chunks' partial
+outputs by their softmax mass.
 
 Prefill is flash attention over ragged runs of decompressed keys: per-head nope keys and values,
 one rope key per token shared by all heads, qk and v head dims independent.
@@ -21,14 +21,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.fp8 import FP8_DTYPE
-from ops_cuda.paged_attention_triton import (
-    LOG2_E,
-    SCORE_FLOOR,
-    combine_splits,
-    decode_num_splits,
-    last_arrival,
-    split_counters,
-)
+from ops_cuda.paged_attention_triton import LOG2_E, SCORE_FLOOR, decode_num_splits
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
 # How decode splits the keys: a chunk's partial output is [heads, kv_lora_rank] float32 (256 KiB at
@@ -39,20 +32,17 @@ PROGRAMS_PER_SM = 1
 
 
 @triton.jit
-def _mla_decode_kernel(
-    q_latent_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    out_ptr, score_scale, kv_scale, num_heads,
+def _mla_decode_split_kernel(
+    q_latent_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    score_scale, kv_scale, num_heads,
     ql_stride_b, ql_stride_h, qr_stride_b, qr_stride_h, out_stride_b, out_stride_h, table_stride,
     cache_stride_block, cache_stride_slot,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, COMBINE_R: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
-    # Program (sequence, head tile, split): the tile's heads over one chunk of the keys. With one
-    # split it writes the output; with more, each head's normalised partial output and its
-    # log2-sum-exp2, and the split that finishes last combines them into the output.
+    # Stage 1. Program (sequence, head tile, split): the tile's heads over one chunk of the keys.
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -105,19 +95,36 @@ def _mla_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
     else:
         lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
-        parts = ((seq * num_heads + heads) * NUM_SPLITS).to(tl.int64)  # [B, H, NUM_SPLITS]
-        tl.store(part_out_ptr + (parts + split)[:, None] * RANK + dims[None, :], out,
-                 mask=head_ok[:, None] & dim_ok[None, :])
-        tl.store(part_lse_ptr + parts + split, lse, mask=head_ok)
-        if last_arrival(counters_ptr + seq * tl.num_programs(1) + tl.program_id(1), NUM_SPLITS):
-            # A slice of the latent at a time: the whole [heads, rank] sum and partial would spill.
-            for first_dim in range(0, BLOCK_R, COMBINE_R):
-                slice_dims = first_dim + tl.arange(0, COMBINE_R)
-                slice_ok = slice_dims < RANK
-                combined = combine_splits(part_out_ptr, part_lse_ptr, parts, head_ok, slice_dims, slice_ok,
-                                          RANK, NUM_SPLITS, BLOCK_H, COMBINE_R, BLOCK_S)
-                tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + slice_dims[None, :],
-                         combined.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & slice_ok[None, :])
+        parts = ((seq * num_heads + heads) * NUM_SPLITS + split).to(tl.int64)  # [B, H, NUM_SPLITS]
+        tl.store(part_out_ptr + parts[:, None] * RANK + dims[None, :], out, mask=head_ok[:, None] & dim_ok[None, :])
+        tl.store(part_lse_ptr + parts, lse, mask=head_ok)
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h,
+    RANK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    begin_after_previous(PDL)
+    # Stage 2. Program (sequence, head): the splits' partial outputs weighted by their share of the
+    # softmax mass, summed one split at a time (a whole [splits, rank] tile would not fit in registers).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    parts = ((seq * tl.num_programs(1) + head) * NUM_SPLITS).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + parts + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
+    total = tl.sum(tl.exp2(lse - top), 0)
+    dims = tl.arange(0, BLOCK_R)
+    dim_ok = dims < RANK
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for split in range(NUM_SPLITS):
+        weight = tl.exp2(tl.load(part_lse_ptr + parts + split) - top)  # an empty split's is exp2(-inf) = 0
+        acc += weight * tl.load(part_out_ptr + (parts + split) * RANK + dims, mask=dim_ok, other=0.0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
@@ -218,8 +225,8 @@ def mla_decode_tiles(q_latent: torch.Tensor) -> tuple[int, int, int]:
 def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out,
                                 block_h: int | None = None, num_splits: int | None = None,
                                 kv_scale: float = 1.0) -> None:
-    """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank] in one
-    launch (the cache of q's dtype or float8_e4m3fn, its entries times ``kv_scale``);
+    """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank] (the cache
+    of q's dtype or float8_e4m3fn, its entries times ``kv_scale``);
     ``block_h`` (heads per program) defaults to ``mla_decode_tiles``', ``num_splits`` to
     ``decode_num_splits`` over the head tiles, with MIN_SPLIT_KEYS and PROGRAMS_PER_SM."""
     _check("mla_decode_attention", q_latent=q_latent, q_rope=q_rope, cache=cache, out=out, block_tables=block_tables)
@@ -238,22 +245,28 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     if num_splits is None:
         num_splits = decode_num_splits(batch, head_tiles, block_tables.shape[1] * block_size, q_latent.device,
                                        MIN_SPLIT_KEYS, PROGRAMS_PER_SM)
-    # One split (a batch that fills the GPU by itself) writes the output directly: no partials.
+    launch = pdl_launch(q_latent)
+    # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
     part_out = torch.empty(*part_shape, rank, dtype=torch.float32, device=q_latent.device)
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=q_latent.device)
-    counters = split_counters(batch * head_tiles if num_splits > 1 else 0, q_latent.device)
     block_r = _block(rank)
-    _mla_decode_kernel[(batch, head_tiles, num_splits)](
-        q_latent, q_rope, cache, block_tables, seq_lens, part_out, part_lse, counters, out,
+    _mla_decode_split_kernel[(batch, head_tiles, num_splits)](
+        q_latent, q_rope, cache, block_tables, seq_lens, part_out, part_lse, out,
         scale * kv_scale * LOG2_E, float(kv_scale), num_heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), cache.stride(0), cache.stride(1),
         RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_ROPE=_block(rope), BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), COMBINE_R=min(block_r, 128),
-        DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_DTYPE, num_warps=num_warps, num_stages=2,
-        **pdl_launch(q_latent),
+        DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_DTYPE, num_warps=num_warps,
+        num_stages=2, **launch,
+    )
+    if num_splits == 1:
+        return
+    _mla_decode_reduce_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1),
+        RANK=rank, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_R=block_r, num_warps=4,
+        **launch,
     )
 
 

@@ -12,10 +12,6 @@ bf16 q, see ``_query_for_cache``), its key scale folded into the score factor an
 into the output. Float32 inputs multiply in full float32 (``input_precision="ieee"``, not TF32) so
 they match the reference to ~1e-6. Grids and buffers depend on shapes only, never on data: both ops
 can be captured in a CUDA graph.
-
-Decode splits a sequence's keys into chunks when the batch alone does not fill the GPU; the
-program of a (sequence, kv head) whose chunk finishes last combines the chunks' partial outputs
-(``last_arrival``, ``combine_splits``), so decode is one launch whatever the number of splits.
 """
 
 import functools
@@ -37,8 +33,6 @@ SCORE_FLOOR = tl.constexpr(-1.0e30)
 # A decode split below this many keys costs more (its q load and partial write) than it saves.
 MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
-# The fewest split counters made at once: one tensor serves every batch that splits on an H200.
-MIN_COUNTERS = 1024
 LOG2_E = math.log2(math.e)
 
 
@@ -93,56 +87,20 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
 
 
 @triton.jit
-def last_arrival(counter_ptr, ARRIVALS: tl.constexpr):
-    # Each of ARRIVALS programs calls this once its results are written: true in the program that
-    # arrives last, which then sees every other program's writes (it loads them with ".cg", past
-    # its SM's L1), and which resets the counter to zero for the next launch.
-    tl.debug_barrier()  # all of this program's threads have stored before the ticket releases them
-    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    last = ticket == ARRIVALS - 1
-    tl.atomic_xchg(counter_ptr, 0, mask=last, sem="relaxed")
-    return last
-
-
-@triton.jit
-def combine_splits(part_out_ptr, part_lse_ptr, parts, row_ok, dims, dim_ok, WIDTH: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr):
-    # [ROWS, BLOCK_W]: each row's NUM_SPLITS partial outputs (row r's at parts[r] + split, in a
-    # [..., NUM_SPLITS, WIDTH] buffer beside a [..., NUM_SPLITS] one of log2-sum-exp2s) weighted by
-    # their share of the softmax mass, summed in split order.
-    splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + parts[:, None] + splits[None, :], mask=row_ok[:, None] & split_ok[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 1)
-    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
-    total = tl.sum(tl.exp2(lse - top[:, None]), 1)
-    acc = tl.zeros([ROWS, BLOCK_W], tl.float32)
-    # One split at a time: a [rows, splits, width] tile would not fit in registers.
-    for split in range(NUM_SPLITS):
-        split_lse = tl.load(part_lse_ptr + parts + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp2(split_lse - top)  # an empty split's is exp2(-inf) = 0
-        partial = tl.load(part_out_ptr + (parts + split)[:, None] * WIDTH + dims[None, :],
-                          mask=row_ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * partial
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
-
-
-@triton.jit
-def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    out_ptr, score_scale, cap_log2, window, v_scale,
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    score_scale, cap_log2, window, v_scale,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
-    # Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded to
-    # BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
-    # With one split it writes the output; with more, each head's normalised partial output and
-    # its log2-sum-exp2, and the split that finishes last combines them into the output.
+    # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
+    # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
+    # Writes each head's normalised partial output and its log2-sum-exp2; with one split, the
+    # output itself (no reduce stage).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -179,19 +137,42 @@ def _decode_kernel(
     has_keys = total > 0
     total = tl.where(has_keys, total, 1.0)
     out = acc / total[:, None] * v_scale
-    out_ptrs = out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
         lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
-        parts = ((seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS).to(tl.int64)  # [B, Hq, NUM_SPLITS]
-        tl.store(part_out_ptr + (parts + split)[:, None] * HEAD_DIM + dims[None, :], out,
+        parts = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
+        tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], out,
                  mask=row_ok[:, None] & dim_ok[None, :])
-        tl.store(part_lse_ptr + parts + split, lse, mask=row_ok)
-        if last_arrival(counters_ptr + seq * tl.num_programs(1) + kv_head, NUM_SPLITS):
-            out = combine_splits(part_out_ptr, part_lse_ptr, parts, row_ok, dims, dim_ok,
-                                 HEAD_DIM, NUM_SPLITS, BLOCK_H, BLOCK_D, BLOCK_S)
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(part_lse_ptr + parts, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    begin_after_previous(PDL)
+    # Stage 2. Program (sequence, query head): the splits' partial outputs weighted by their
+    # share of the softmax mass.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < NUM_SPLITS
+    dim_ok = dims < HEAD_DIM
+    parts = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + parts, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
+    weight = tl.exp2(lse - top)
+    partial = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :],
+                      mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
@@ -326,31 +307,11 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
     return 64, max(16, 16384 // row_bytes), block_d, 4
 
 
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def split_counters(count: int, device: torch.device) -> torch.Tensor:
-    """At least ``count`` int32 arrival counters on ``device``, zero, for a decode kernel whose
-    splits combine themselves (``last_arrival``): every launch leaves them zero again, so they are
-    zeroed once, when first made, and never by a launch of their own. One tensor per device and
-    power-of-two size, kept for good: a captured CUDA graph keeps using the one it was captured
-    with. It must be made outside the capture (the runtime runs every shape eagerly first); the
-    launches using it run one at a time, in the stream order of one device."""
-    size = max(MIN_COUNTERS, triton.next_power_of_2(count))
-    counters = _counters.get((device, size))
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the split counters of {size} on {device} are made during a CUDA graph capture: "
-                               "run the decode op once at this shape before capturing it")
-        counters = _counters[device, size] = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
-
-
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
                                   softcap: float = 0.0, num_splits: int | None = None, k_scale: float = 1.0,
                                   v_scale: float = 1.0) -> None:
-    """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D] in one launch;
-    ``num_splits`` defaults to ``decode_num_splits``."""
+    """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D]; ``num_splits`` defaults to
+    ``decode_num_splits``."""
     _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -358,21 +319,27 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
     block_n, block_d = _decode_tiles(q)
-    # One split (a batch that fills the GPU by itself) writes the output directly: no partials.
+    launch = pdl_launch(q)
+    # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
     part_out = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
-    counters = split_counters(batch * num_kv_heads if num_splits > 1 else 0, q.device)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, counters, out,
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), SOFTCAP=bool(softcap),
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE,
-        num_warps=4, num_stages=3, **pdl_launch(q),
+        num_warps=4, num_stages=3, **launch,
+    )
+    if num_splits == 1:
+        return
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        num_warps=4, **launch,
     )
 
 

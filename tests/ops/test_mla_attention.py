@@ -28,9 +28,7 @@ from ops_cuda.mla_attention import (  # noqa: E402
 from ops_cuda.mla_attention_triton import mla_decode_attention_triton, mla_prefill_attention_triton  # noqa: E402
 from ops_cuda.paged_attention import gather_cache  # noqa: E402
 from ops_cuda.triton_kernels import write_kv_cache_triton  # noqa: E402
-from ops_cuda import mla_attention_triton  # noqa: E402
-from ops_cuda.paged_attention_triton import split_counters  # noqa: E402
-from tests.ops.test_paged_attention import TOL, assert_close, record_launches  # noqa: E402
+from tests.ops.test_paged_attention import TOL, assert_close  # noqa: E402
 
 
 class LatentBatch:
@@ -176,29 +174,6 @@ def test_fp8_pool_decode_kernel_interpreted(dtype):
     reference = batch.reference_decode()
     for num_splits in (1, 3):
         assert_close(run_decode(batch, num_splits=num_splits), reference, TOL[dtype])
-
-
-# A rank past the 128 columns the last split combines at a time: two slices, the second part padding.
-WIDE_RANK = (3, 200, 8, 8, 12, 16)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("geometry", ["5h-r24-block16", "3h-r200-block16", "fp8"])
-def test_decode_splits_combine_in_one_launch(dtype, geometry, monkeypatch):
-    # Splits beyond a short sequence's key tiles (empty ones) and a padding row whose splits are all
-    # empty; head tiles of 2 heads (3 tiles of 5, the last one short); each call one launch, the same
-    # result when repeated (the counters are back at zero), and the counters zero after.
-    launches = record_launches(monkeypatch, mla_attention_triton)
-    shape = WIDE_RANK if geometry == "3h-r200-block16" else GEOMETRIES["5h-r24-block16"]
-    batch = decode_batch([1, 37, 0, 20], *shape, dtype, fp8_scale=0.25 if geometry == "fp8" else None)
-    reference = batch.reference_decode()
-    assert_close(run_decode(batch, num_splits=3, block_h=2), reference, TOL[dtype])
-    out = run_decode(batch, num_splits=16)
-    assert_close(out, reference, TOL[dtype])
-    assert torch.equal(run_decode(batch, num_splits=16), out)
-    assert launches == ["_mla_decode_kernel"] * 3
-    assert split_counters(0, batch.cache.device).eq(0).all()
 
 
 def test_fp8_pool_decode_reference_is_the_absorbed_form_over_the_rounded_entries():
@@ -409,32 +384,6 @@ def test_decode_op_replays_in_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
     assert_close(out, batch.reference_decode(), TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8_scale", [None, 0.25], ids=["", "fp8"])
-@pytest.mark.parametrize("context", [384, 4096])
-def test_batch1_decode_combines_its_splits_in_one_launch_cuda(fp8_scale, context):
-    # DeepSeek-V3's shape at batch 1: the default splits of its two head tiles combine in the one
-    # launch, the same bits every time, eagerly and replayed from a graph that holds three launches
-    # back to back (as three layers), each relying on the one before it leaving the counters at zero.
-    batch = decode_batch([context], *DEEPSEEK_V3, torch.bfloat16, "cuda", fp8_scale=fp8_scale)
-    args = (*batch.decode_args(), batch.kv_scale)
-    expected = mla_decode_attention(*args)
-    assert_close(expected, batch.reference_decode(), TOL[torch.bfloat16])
-    for _ in range(20):
-        assert torch.equal(mla_decode_attention(*args), expected)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [mla_decode_attention(*args) for _ in range(3)]
-    for _ in range(5):
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(out, expected) for out in outs)
-    assert split_counters(0, batch.cache.device).eq(0).all()
 
 
 @pytest.mark.gpu

@@ -35,11 +35,9 @@ from ops_cuda.paged_attention import (  # noqa: E402
     sdpa,
 )
 from ops_cuda.paged_attention_triton import (  # noqa: E402
-    MAX_SPLITS,
     decode_num_splits,
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
-    split_counters,
 )
 
 
@@ -179,69 +177,6 @@ def test_fp8_cache_kernels_interpreted(dtype, sliding_window):
     assert_close(run_prefill(prefill, sliding_window), prefill.reference_prefill(sliding_window), TOL[dtype])
 
 
-# (query heads, kv heads): GQA groups of 1, 3 and 8 query heads per kv head.
-SPLIT_HEADS = {"group1": (2, 2), "group3": (6, 2), "group8": (8, 1)}
-SPLIT_CASES = [(torch.float32, "group8", "plain"), (torch.float16, "group8", "plain"),
-               (torch.float16, "group8", "window"), (torch.float16, "group8", "softcap"),
-               (torch.float32, "group8", "fp8"), (torch.float16, "group8", "fp8"),
-               (torch.float16, "group1", "plain"), (torch.float16, "group3", "plain")]
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize(("dtype", "heads", "variant"), SPLIT_CASES, ids=lambda v: str(v).removeprefix("torch."))
-def test_decode_splits_combine_in_one_launch(dtype, heads, variant, monkeypatch):
-    # Splits beyond a short sequence's key tiles (empty ones), a padding row whose splits are all
-    # empty, a window that leaves one split any keys; each call one launch, the same result when
-    # repeated (the counters are back at zero), and the counters zero after.
-    launches = record_launches(monkeypatch, paged_attention_triton)
-    window = 7 if variant == "window" else 0
-    softcap = 2.0 if variant == "softcap" else 0.0
-    batch = decode_batch([70, 1, 0, 5], *SPLIT_HEADS[heads], 16, 4, dtype,
-                         fp8_scales=(0.25, 3.0) if variant == "fp8" else None)
-    reference = batch.reference_decode(window, softcap)
-    assert_close(run_decode(batch, window, 3, softcap), reference, TOL[dtype])
-    out = run_decode(batch, window, 16, softcap)
-    assert_close(out, reference, TOL[dtype])
-    assert torch.equal(run_decode(batch, window, 16, softcap), out)
-    assert launches == ["_decode_kernel"] * 3
-    assert split_counters(0, batch.q.device).eq(0).all()
-
-
-@pytest.mark.interpreter
-def test_decode_combines_the_most_splits():
-    # MAX_SPLITS chunks of one key tile each over a sequence that fills them all, beside shorter ones.
-    batch = decode_batch([16 * MAX_SPLITS, 33, 0], 8, 1, 16, 16, torch.float32)
-    assert_close(run_decode(batch, 0, MAX_SPLITS), batch.reference_decode(0), TOL[torch.float32])
-
-
-def test_split_counters_are_made_once_per_device_and_size():
-    counters = split_counters(3, torch.device("cpu"))
-    assert counters.dtype == torch.int32 and counters.numel() >= 3 and counters.eq(0).all()
-    assert split_counters(0, torch.device("cpu")) is counters  # the smallest size serves both
-    larger = split_counters(counters.numel() + 1, torch.device("cpu"))
-    assert larger.numel() > counters.numel() and split_counters(larger.numel(), torch.device("cpu")) is larger
-
-
-def record_launches(monkeypatch, module) -> list[str]:
-    """The names of ``module``'s Triton kernels as they launch, in order (helpers they call excluded)."""
-    launches = []
-    for name, kernel in list(vars(module).items()):
-        if name.endswith("_kernel") and hasattr(kernel, "__getitem__") and hasattr(kernel, "arg_names"):
-            monkeypatch.setattr(module, name, _Counting(kernel, name, launches))
-    return launches
-
-
-class _Counting:
-    """A Triton kernel that records its name at each launch."""
-
-    def __init__(self, kernel, name, launches):
-        self.kernel, self.name, self.launches = kernel, name, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(self.name)
-        return self.kernel[grid]
-
-
 def test_fp8_cache_references_are_attention_over_the_rounded_cache():
     # With an e4m3 cache, decode is plain attention over its entries times the scales, and both
     # references stay within e4m3's rounding (2**-4 relative) of attention over unrounded keys.
@@ -266,7 +201,7 @@ def test_heads_narrower_than_a_dot_tile_are_padded(head_dim, monkeypatch):
     import ops_cuda.paged_attention_triton as kernels
 
     blocks = []
-    for name in ("_decode_kernel", "_prefill_kernel"):
+    for name in ("_decode_split_kernel", "_prefill_kernel"):
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, _Recording(kernel, blocks))
     batch = decode_batch([9, 1, 0, 8], 4, 2, head_dim, 4, torch.float32)
@@ -502,34 +437,6 @@ def test_decode_op_replays_in_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
     assert_close(out, batch.reference_decode(0), TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
-@pytest.mark.parametrize("context", [384, 4096])
-def test_batch1_decode_combines_its_splits_in_one_launch_cuda(dtype, fp8_scales, context):
-    # Llama-3.1-8B's heads at batch 1: the default splits (7 at 384 tokens, 33 at 4096 on an H200)
-    # combine in the one launch, the same bits every time, eagerly and replayed from a graph that
-    # holds three launches back to back (as three layers), each relying on the one before it
-    # leaving the counters at zero.
-    batch = decode_batch([context], 32, 8, 128, 16, dtype, "cuda", fp8_scales=fp8_scales)
-    args = (*batch.decode_args(0), 0.0, *batch.scales)
-    expected = paged_decode_attention(*args)
-    assert_close(expected, batch.reference_decode(0), TOL[dtype])
-    for _ in range(20):
-        assert torch.equal(paged_decode_attention(*args), expected)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [paged_decode_attention(*args) for _ in range(3)]
-    for _ in range(5):
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(out, expected) for out in outs)
-    assert split_counters(0, batch.q.device).eq(0).all()
 
 
 @pytest.mark.gpu
