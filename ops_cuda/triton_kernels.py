@@ -317,6 +317,13 @@ def _quantize(values, scale, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr):
     return values
 
 
+def _check_cache_rows(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    # The kernels write the caches' rows with stride 1, in place: no contiguous copy can stand in.
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:
+            raise ValueError(f"zoo::{op} needs {name} with a unit stride on its last dim, got strides {cache.stride()}")
+
+
 @triton.jit
 def _copy_to_slot(
     src_ptr, cache_ptr, token, block, offset, h, num_heads, head_dim, scale,
@@ -357,11 +364,7 @@ def write_kv_cache_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(-1) != 1:  # written in place: no copy can stand in for it
-            raise ValueError(
-                f"zoo::write_kv_cache needs {name} with a unit stride on its last dim, got strides {cache.stride()}"
-            )
+    _check_cache_rows("write_kv_cache", k_cache, v_cache)
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"zoo::write_kv_cache needs one dtype for both caches, got {k_cache.dtype} and {v_cache.dtype}")
     k, v, slot_mapping = _unit_stride(k), _unit_stride(v), slot_mapping.contiguous()
@@ -485,11 +488,7 @@ def rotary_write_kv_triton(
     """zoo::rotary_write_kv on inputs the op has checked (``ops_cuda.rotary_kv.check_rotary_write_kv``)."""
     norm = q_norm_weight is not None
     check_dtypes("rotary_write_kv", q, k, v, *((q_norm_weight, k_norm_weight) if norm else ()))
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(-1) != 1:  # written in place: no copy can stand in for it
-            raise ValueError(
-                f"zoo::rotary_write_kv needs {name} with a unit stride on its last dim, got strides {cache.stride()}"
-            )
+    _check_cache_rows("rotary_write_kv", k_cache, v_cache)
     q, k, v, cos, sin = (_unit_stride(t) for t in (q, k, v, cos, sin))
     slot_mapping = slot_mapping.contiguous()
     q_weight, k_weight = (q_norm_weight.contiguous(), k_norm_weight.contiguous()) if norm else (q, k)
