@@ -28,8 +28,8 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
 
 
 # (BLOCK_N, BLOCK_K, warps) of ops_cuda.triton_kernels.gemv_kernel; the first is what zoo::gemv runs.
-CONFIGS = [(GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS), (4, 512, 2), (4, 1024, 4), (8, 1024, 4), (8, 256, 2),
-           (16, 512, 8), (8, 512, 8)]
+CONFIGS = [(GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS), (2, 1024, 4), (8, 1024, 4), (8, 512, 4), (4, 512, 2), (8, 256, 2),
+           (16, 512, 8)]
 
 
 def sweep_gemv(block_n, block_k, warps):

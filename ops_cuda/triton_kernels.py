@@ -522,7 +522,7 @@ def rotary_write_kv_triton(
 # Matrix-vector product
 # ---------------------------------------------------------------------------------------------
 
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 8, 512, 4  # the fastest of benchmarks/bench_gemv.py's sweep
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 1024, 4  # the fastest single tile for a whole decode step (docs/performance.md)
 
 
 @triton.jit
@@ -556,13 +556,16 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
     n, k = weight.shape
     if x.numel() != k:
         raise ValueError(f"zoo::gemv multiplies one row: x has shape {tuple(x.shape)} for a weight of {k} columns")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"zoo::gemv writes {x.dtype} or float32, not {out_dtype}")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype, device=x.device)
     gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
         row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
