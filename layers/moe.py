@@ -13,13 +13,13 @@ the shared expert is a plain layer. Their tensor- and expert-parallel forms are 
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from layers.linear import Linear
 from layers.mlp import GatedMLP
 from layers.weights import OneOf, Shard
 from ops_cuda import ACTIVATIONS, fp8_moe_experts, moe_experts, route_topk
+from ops_cuda.linear import linear
 
 
 class TopKRouter(nn.Module):
@@ -79,7 +79,7 @@ class TopKRouter(nn.Module):
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
         # The logits in float32 wherever the scores are more than a softmax of them (as HF computes them).
         plain_softmax = self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None
-        logits = F.linear(x, self.weight) if plain_softmax else F.linear(x.float(), self.weight.float())
+        logits = linear(x, self.weight, out_dtype=None if plain_softmax else torch.float32)
         return route_topk(logits, self.e_score_correction_bias, self.top_k, self.scoring, self.renormalize,
                           self.num_groups, self.topk_groups, self.group_score, self.scaling_factor)
 

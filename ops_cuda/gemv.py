@@ -3,7 +3,8 @@
 Each weight element is used once, so the product is a stream of the weight from memory. On the
 GPU a Triton kernel streams it faster than cuBLAS's kernels for the Llama-3.1-8B decode shapes
 (benchmarks/bench_gemv.py); ``ops_cuda.linear.linear`` sends single float16/bfloat16 rows here
-and everything else to ``F.linear``.
+and everything else to ``F.linear``. With ``out_dtype=torch.float32`` the product is the float32
+one of the widened operands (a router's logits, as HF takes them) without a float32 copy of the weight.
 """
 
 import torch
@@ -14,26 +15,30 @@ from ops_cuda.dispatch import reference_on_cpu
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for x [..., K] holding one row and W [N, K]."""
-    return F.linear(x, weight, bias)
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x W^T + b for x [..., K] holding one row and W [N, K], in ``out_dtype`` (default: x's)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
 
 
 @torch.library.custom_op("zoo::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return gemv_reference(x, weight, bias)
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return gemv_reference(x, weight, bias, out_dtype)
 
 
 @gemv_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x, weight, bias, out_dtype=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype or x.dtype)
 
 
 @gemv_op.register_kernel("cuda")
-def _(x, weight, bias):
+def _(x, weight, bias, out_dtype=None):
     from ops_cuda.triton_kernels import gemv_triton  # triton is imported only where a kernel runs
 
-    return gemv_triton(x, weight, bias)
+    return gemv_triton(x, weight, bias, out_dtype)
 
 
 gemv = reference_on_cpu(gemv_op, gemv_reference)

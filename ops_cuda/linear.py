@@ -8,7 +8,7 @@ packs a model's weights.
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.gemv import GEMV_DTYPES, gemv
+from ops_cuda.gemv import GEMV_DTYPES, gemv, gemv_reference
 
 
 class PackedWeight:
@@ -69,13 +69,17 @@ def _no_pack() -> None:
     return None
 
 
-def linear(x, weight, bias=None, packed: PackedWeight | None = None):
+def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: torch.dtype | None = None):
     """``F.linear``; on the GPU a single float16/bfloat16 row goes to zoo::gemv, when the weight's
     rows are contiguous (a CPU-loaded model moved to the GPU keeps its column-major weights). On
     the CPU, ``packed`` (the weight's ``PackedWeight``, if the runtime made one) serves few rows,
-    except in a graph torch.compile traces, where inductor packs the weights itself."""
-    if packed is not None and x.device.type == "cpu" and not torch.compiler.is_compiling() and packed.serves(x, weight):
+    except in a graph torch.compile traces, where inductor packs the weights itself. ``out_dtype``
+    float32: the product of the operands widened to float32 (zoo::gemv widens them as it reads)."""
+    if out_dtype == x.dtype:
+        out_dtype = None
+    if packed is not None and out_dtype is None and x.device.type == "cpu" and not torch.compiler.is_compiling() \
+            and packed.serves(x, weight):
         return packed.linear(x, weight, bias)
     if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1:
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return gemv(x, weight, bias, out_dtype)
+    return gemv_reference(x, weight, bias, out_dtype)

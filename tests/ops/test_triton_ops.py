@@ -265,6 +265,24 @@ def test_gemv_interpreted(n, k, lead, bias, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_float32_logits_interpreted(dtype):
+    # A router's logits: the float32 product of the widened operands, as F.linear(x.float(), W.float()).
+    torch.manual_seed(0)
+    x, weight, _ = gemv_inputs(40, 300, (1,), False, dtype)
+    out = kernels.gemv_triton(x, weight, None, torch.float32)
+    assert out.dtype == torch.float32
+    assert_close(out, torch.nn.functional.linear(x.float(), weight.float()), GEMV_TOL[torch.float32])
+
+
+@pytest.mark.interpreter
+def test_gemv_out_dtype_is_the_inputs_or_float32_interpreted():
+    x, weight, _ = gemv_inputs(8, 16, (1,), False, torch.bfloat16)
+    with pytest.raises(ValueError, match="zoo::gemv writes torch.bfloat16 or float32, not torch.float16"):
+        kernels.gemv_triton(x, weight, None, torch.float16)
+
+
+@pytest.mark.interpreter
 def test_gemv_takes_one_row_interpreted():
     with pytest.raises(ValueError, match=r"zoo::gemv multiplies one row: x has shape \(2, 8\)"):
         kernels.gemv_triton(torch.randn(2, 8), torch.randn(4, 8), None)
@@ -435,6 +453,17 @@ def test_gemv_gpu(n, k, bias, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(128, 2048), (256, 7168)])  # Qwen3-30B-A3B's and DeepSeek-V3's routers
+def test_gemv_float32_logits_gpu(n, k):
+    torch.manual_seed(0)
+    x, weight, _ = gemv_inputs(n, k, (1,), False, torch.bfloat16, "cuda")
+    out = run_poisoned(gemv, x, weight, None, torch.float32)
+    assert out.dtype == torch.float32
+    exact = torch.nn.functional.linear(x.double(), weight.double()).float()
+    assert_close(out, exact, GEMV_TOL[torch.float32])
+
+
+@pytest.mark.gpu
 def test_linear_sends_single_rows_to_gemv(monkeypatch):
     torch.manual_seed(0)
     x, weight, bias = gemv_inputs(300, 256, (4,), True, torch.bfloat16, "cuda")
@@ -448,6 +477,8 @@ def test_linear_sends_single_rows_to_gemv(monkeypatch):
     column_major = weight.t().contiguous().t()  # a CPU-loaded Linear's layout, moved to the GPU
     assert torch.equal(linear(x[:1], column_major, bias), torch.nn.functional.linear(x[:1], column_major, bias))
     assert len(sent) == 1
+    assert torch.equal(linear(x[:1], weight, None, out_dtype=torch.float32), gemv(x[:1], weight, None, torch.float32))
+    assert len(sent) == 2
 
 
 @pytest.mark.gpu
