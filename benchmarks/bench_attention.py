@@ -6,10 +6,14 @@ tokens placed in random order. Decode: batch 1/16/64 x 1k/4k-token sequences, la
 achieved K/V read bandwidth (bytes of K and V read / time). Prefill: 4096-token prompts, TFLOP/s
 of causal attention (2 * T^2 * H * D multiply-adds per sequence: half of full attention).
 
+With ``--kv-cache-dtype fp8`` it times decode over an e4m3 cache (the same bf16 randn entries cast,
+scale 1.0) beside the bf16 cache instead, at 1 x 4096, 64 x 4096, 450 x 1536 and 900 x 1536 tokens,
+in µs and TB/s of cache bytes read.
+
 Each case is captured in a CUDA graph and replayed (no launch overhead), with the L2 cache
 flushed before every replay; the median of --iters replays is reported.
 
-    .venv/bin/python benchmarks/bench_attention.py [--json results.json]
+    .venv/bin/python benchmarks/bench_attention.py [--kv-cache-dtype fp8] [--json results.json]
 """
 
 import argparse
@@ -25,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us  # noqa: E402
+from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
+from ops_cuda.kv_cache import quantize  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -72,6 +78,37 @@ def bench_decode(batch: int, seq_len: int, iters: int) -> dict:
             "gb_s": {k: kv_bytes / (v * 1e-3) / 1e9 for k, v in ms.items()}}
 
 
+FP8_DECODE_SHAPES = ((1, 4096), (64, 4096), (450, 1536), (900, 1536))
+
+
+def bench_fp8_decode(batch: int, seq_len: int, iters: int) -> dict:
+    """zoo::paged_decode_attention over the bf16 cache and over its entries cast to e4m3 (scale 1.0),
+    with the e4m3 output's largest difference from the bf16 cache's, relative to its largest magnitude."""
+    k_cache, v_cache, block_tables, _, _ = paged_cache(batch, seq_len)
+    caches = {"bf16": (k_cache, v_cache), "e4m3": (quantize(k_cache, 1.0, FP8_DTYPE), quantize(v_cache, 1.0, FP8_DTYPE))}
+    del k_cache, v_cache
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    entries = 2 * batch * seq_len * NUM_KV_HEADS * HEAD_DIM
+    us, tb_s, outputs = {}, {}, {}
+    for name, (k, v) in caches.items():
+        args = (q, k, v, block_tables, seq_lens, HEAD_DIM**-0.5, 0)
+        us[name] = device_ms(lambda args=args: paged_decode_attention(*args), iters) * 1e3
+        tb_s[name] = entries * k.element_size() / (us[name] * 1e-6) / 1e12
+        outputs[name] = paged_decode_attention(*args).float()
+    difference = ((outputs["e4m3"] - outputs["bf16"]).abs().max() / outputs["bf16"].abs().max()).item()
+    return {"batch": batch, "seq_len": seq_len, "us": us, "tb_s": tb_s, "e4m3_difference": difference}
+
+
+def fp8_markdown(results: list[dict], header: str) -> str:
+    lines = [header, "", "| batch | seq len | bf16 cache µs / TB/s | e4m3 cache µs / TB/s | e4m3 output's difference |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in results:
+        cells = [f"{r['us'][k]:.1f} / {r['tb_s'][k]:.2f}" for k in ("bf16", "e4m3")]
+        lines.append(f"| {r['batch']} | {r['seq_len']} | " + " | ".join(cells) + f" | {r['e4m3_difference']:.1e} |")
+    return "\n".join(lines)
+
+
 def bench_prefill(batch: int, seq_len: int, iters: int) -> dict:
     k_cache, v_cache, block_tables, keys, values = paged_cache(batch, seq_len)
     q = torch.randn(batch, NUM_HEADS, seq_len, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -110,15 +147,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: decode over an e4m3 cache beside the bf16 cache")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device")
     import triton
 
     torch.manual_seed(0)
+    device = torch.cuda.get_device_name()
+    if args.kv_cache_dtype == "fp8":
+        results = []
+        for batch, seq_len in FP8_DECODE_SHAPES:
+            results.append(bench_fp8_decode(batch, seq_len, args.iters))
+            torch.cuda.empty_cache()
+        header = (f"FP8 KV cache decode, Llama-3.1-8B shape (Hq {NUM_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, "
+                  f"bf16 queries, block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "
+                  f"torch {torch.__version__}, triton {triton.__version__}")
+        print(fp8_markdown(results, header))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": device, "date": str(datetime.date.today()),
+                                                   "fp8_decode": results}, indent=2))
+        return
     decode = [bench_decode(b, n, args.iters) for b in (1, 16, 64) for n in (1024, 4096)]
     prefill = [bench_prefill(b, 4096, args.iters) for b in (1, 4)]
-    device = torch.cuda.get_device_name()
     header = (f"Attention kernels, Llama-3.1-8B shape (Hq {NUM_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, bf16, "
               f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "
               f"torch {torch.__version__}, triton {triton.__version__}")

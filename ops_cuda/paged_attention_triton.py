@@ -286,12 +286,16 @@ def _head_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _decode_tiles(q: torch.Tensor) -> tuple[int, int]:
-    """(key tile rows, head-dim block) of the decode kernel."""
+def _decode_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
+    """(key tile rows, head-dim block) of the decode kernel. A tile of an FP8 cache has twice the
+    rows of a 16-bit one, the same bytes: the kernel is bound by the entries it widens and
+    multiplies, and longer tiles do that in fewer, larger steps (`bench_attention.py --kv-cache-dtype
+    fp8`)."""
     block_d = _head_block(q.shape[-1])
     if not q.is_cuda or q.dtype == torch.float32:
         return 16, block_d
-    return max(16, min(64, 16384 // (block_d * q.element_size()))), block_d
+    rows = max(16, min(64, 16384 // (block_d * q.element_size())))
+    return (2 * rows if k_cache.dtype == FP8_DTYPE else rows), block_d
 
 
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
@@ -318,7 +322,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
-    block_n, block_d = _decode_tiles(q)
+    block_n, block_d = _decode_tiles(q, k_cache)
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
