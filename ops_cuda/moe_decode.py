@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
-from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, round_to
+from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, begin_after_previous, pdl_launch, round_to
 
 class DecodeTiles(NamedTuple):
     gate_up_n: int  # columns of h per program (it reads twice as many weight rows: gate and up)
@@ -95,8 +95,9 @@ def _decode_gate_up_kernel(
     num_pairs, hidden_size, intermediate,
     hidden_stride, w_stride_e, w_stride_n, w_stride_k, h_stride,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
     expert, rows, picked = _lead_expert(ids_ptr, num_pairs, TOP_K, BLOCK_P, BLOCK_T)
     if expert < 0:
         return
@@ -130,8 +131,9 @@ def _decode_down_kernel(
     num_pairs, hidden_size, intermediate,
     h_stride, w_stride_e, w_stride_n, w_stride_k, y_stride,
     TOP_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
     expert, rows, picked = _lead_expert(ids_ptr, num_pairs, TOP_K, BLOCK_P, BLOCK_T)
     if expert < 0:
         return
@@ -155,8 +157,9 @@ def _decode_down_kernel(
 @triton.jit
 def _decode_combine_kernel(
     y_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, y_stride, weights_stride, out_stride,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    begin_after_previous(PDL)
     # Program (t, c): out[t] = sum over k, in order, of w[t, k] * y at the token's first slot of ids[t, k].
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -205,7 +208,7 @@ def moe_experts_decode(
         top_k, num_pairs = slots, ids.numel()
     launch = dict(TOP_K=top_k, DOT_PRECISION=precision, BLOCK_P=triton.next_power_of_2(num_pairs),
                   BLOCK_T=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=tiles.block_k,
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(hidden))
 
     h = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, tiles.gate_up_n))](
@@ -226,6 +229,6 @@ def moe_experts_decode(
     block = min(triton.next_power_of_2(hidden_size), 1024)
     _decode_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         y, ids, weights, out, hidden_size, y.stride(0), weights.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK=block, num_warps=4,
+        TOP_K=top_k, BLOCK=block, num_warps=4, **pdl_launch(hidden),
     )
     return out
