@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops_cuda.triton_helpers import begin_after_previous, pdl_launch
+
 
 @triton.jit
 def _best(values, index, BLOCK: tl.constexpr):
@@ -28,11 +30,14 @@ def _route_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, logits_stride, scaling_factor,
     TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
+    if HAS_BIAS:  # a parameter, read before waiting for the logits
+        bias = tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+    begin_after_previous(PDL)
     logits = tl.load(logits_ptr + token * logits_stride + experts, mask=valid, other=float("-inf")).to(tl.float32)
     if SOFTMAX:
         exps = tl.exp(logits - tl.max(logits, 0))  # padding: exp(-inf) = 0
@@ -41,7 +46,7 @@ def _route_topk_kernel(
         scores = 1.0 / (1.0 + tl.exp(-logits))
     choice = scores
     if HAS_BIAS:
-        choice += tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
+        choice += bias
     choice = tl.where(valid, choice, float("-inf"))
     if NUM_GROUPS > 1:
         groups = tl.arange(0, BLOCK_G)
@@ -100,6 +105,6 @@ def route_topk_triton(
         TOP_K=top_k, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None, NUM_GROUPS=num_groups,
         TOPK_GROUPS=topk_groups, GROUP_TOP2=group_score == "top2_sum", RENORMALIZE=renormalize,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(num_groups),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=2,
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=2, **pdl_launch(logits),
     )
     return weights, ids
