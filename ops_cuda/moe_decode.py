@@ -36,8 +36,7 @@ from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, begin_
 class DecodeTiles(NamedTuple):
     gate_up_n: int  # columns of h per program (it reads twice as many weight rows: gate and up)
     down_n: int  # columns of the output per program
-    block_k: int  # gate_up's reduction step
-    down_block_k: int  # down's reduction step
+    block_k: int  # reduction step
     num_warps: int
     num_stages: int
 
@@ -46,11 +45,10 @@ class DecodeTiles(NamedTuple):
 DECODE_MAX_TOKENS = 64
 # Narrow column tiles so that one token's 8 experts still spread over every SM (Qwen3-30B-A3B: I=768 gives
 # 48 gate_up programs per expert, H=2048 gives 128 down programs over all the experts), each streaming its
-# rows through a 4-stage pipeline. A down program reads its experts one after the other: steps of 256 put
-# all of an expert's 768 rows in flight at once.
-GPU_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=128, down_block_k=256, num_warps=4, num_stages=4)
+# rows through a 4-stage pipeline.
+GPU_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=128, num_warps=4, num_stages=4)
 # The interpreter (CPU tensors, tests only): the smallest tiles, so tiny shapes span several of them.
-INTERPRETER_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=16, down_block_k=16, num_warps=4, num_stages=1)
+INTERPRETER_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=16, num_warps=4, num_stages=1)
 
 
 def decode_supported(hidden: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -217,7 +215,7 @@ def moe_experts_decode(
         topk_weights = torch.nn.functional.pad(topk_weights, (0, slots - top_k))
         top_k, num_pairs = slots, ids.numel()
     launch = dict(TOP_K=top_k, DOT_PRECISION=precision, BLOCK_P=triton.next_power_of_2(num_pairs),
-                  BLOCK_T=max(16, triton.next_power_of_2(num_tokens)),
+                  BLOCK_T=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=tiles.block_k,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(hidden))
 
     h = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
@@ -225,7 +223,7 @@ def moe_experts_decode(
         hidden, ids, gate_up, h,
         num_pairs, hidden_size, intermediate,
         hidden.stride(0), *gate_up.stride(), h.stride(0),
-        ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k, **launch,
+        ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=tiles.gate_up_n, **launch,
     )
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -233,6 +231,6 @@ def moe_experts_decode(
         h, ids, weights, down, out,
         num_pairs, hidden_size, intermediate,
         h.stride(0), *down.stride(), weights.stride(0), out.stride(0),
-        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_block_k, **launch,
+        BLOCK_N=tiles.down_n, **launch,
     )
     return out
