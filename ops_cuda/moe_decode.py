@@ -1,27 +1,21 @@
-"""The decode kernels of ``zoo::moe_experts``: a few tokens (a decode step; the op's dispatch sends up to
+"""The decode kernel of ``zoo::moe_experts``: a few tokens (a decode step; the op's dispatch sends up to
 ``ops_cuda.moe.DECODE_MAX_PAIRS`` (token, slot) pairs), each picked expert's weights streamed once, with
-no sort and no layout pass, in two launches.
+no sort and no layout pass.
 
     gate_up: program (p, n) for pair p whose expert e = ids[p] no earlier pair has picked (the expert's
              "leader"; the others return at once): columns n*BLOCK_N.. of act(gate_e x) * up_e x for every
              token that picked e, the tokens as the rows of one tile, so e's rows are read once whatever
              the number of tokens that share it                                        h [P, I]
-    down:    program n: columns n*BLOCK_N.. of out for every token. It walks the leaders in pair order,
-             computes down_e h for the tokens of each (e's column slice read once), keeps the result
-             rounded to the activation dtype at each slot that lists e, then sums
-             out[t] = sum over k, in order, of w[t, k] * y[t, k] in float32             out [T, H]
+    down:    program (p, n), the same leaders: columns n*BLOCK_N.. of down_e h for those tokens      y [P, H]
+    combine: out[t] = sum over k, in order, of w[t, k] * y[t, k], float32
 
-A token's rows of h sit at the pair of its first slot that holds e; a token that lists an expert twice
-gets it twice in the sum, as in the reference. Ids below zero (an expert on another rank, under expert
-parallelism) are skipped: no program leads them and their slots add nothing. The down kernel owns whole
-output columns, so the weighted sum needs no second launch and no [P, H] buffer; one token's call still
-makes H / BLOCK_N programs (128 at H=2048), each reading its column slice of the token's experts.
+A token's rows sit at the pair of its first slot that holds e (a token that lists an expert twice gets
+it twice in the combine, as in the reference). Ids below zero (an expert on another rank, under expert
+parallelism) are skipped: no program leads them and the combine adds nothing for them.
 
-Both kernels start under programmatic dependent launch (``begin_after_previous``); the expert ids choose
-which weights they read, so they read nothing before the wait. Every grid depends on the number of pairs
-and the shapes only, and nothing is read back to the host: the op runs under CUDA-graph capture as it
-runs eagerly. Numerics are the fused-MoE kernel's (``moe_triton.py``): float32 accumulation, rounded to
-the activation dtype where ``F.linear`` and the activation round.
+Every grid depends on the number of pairs only, and nothing is read back to the host: the op runs under
+CUDA-graph capture as it runs eagerly. Numerics are the fused-MoE kernel's (``moe_triton.py``): float32
+accumulation, rounded to the activation dtype where ``F.linear`` and the activation round.
 """
 
 from typing import NamedTuple
@@ -35,7 +29,7 @@ from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, begin_
 
 class DecodeTiles(NamedTuple):
     gate_up_n: int  # columns of h per program (it reads twice as many weight rows: gate and up)
-    down_n: int  # columns of the output per program
+    down_n: int  # columns of y per program
     block_k: int  # reduction step
     num_warps: int
     num_stages: int
@@ -43,10 +37,10 @@ class DecodeTiles(NamedTuple):
 
 # A tile of tl.dot's rows holds every token of the call: more tokens go to the fused-MoE kernel.
 DECODE_MAX_TOKENS = 64
-# Narrow column tiles so that one token's 8 experts still spread over every SM (Qwen3-30B-A3B: I=768 gives
-# 48 gate_up programs per expert, H=2048 gives 128 down programs over all the experts), each streaming its
-# rows through a 4-stage pipeline.
-GPU_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=128, num_warps=4, num_stages=4)
+# Narrow column tiles so that one token's 8 experts still make several programs per SM (Qwen3-30B-A3B:
+# I=768 gives 48 gate_up programs per expert, H=2048 gives 64 down programs), each streaming its rows
+# through a 4-stage pipeline.
+GPU_TILES = DecodeTiles(gate_up_n=16, down_n=32, block_k=128, num_warps=4, num_stages=4)
 # The interpreter (CPU tensors, tests only): the smallest tiles, so tiny shapes span several of them.
 INTERPRETER_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=16, num_warps=4, num_stages=1)
 
@@ -76,31 +70,23 @@ def decode_supported(hidden: torch.Tensor, topk_ids: torch.Tensor, gate_up: torc
 
 
 @triton.jit
-def _token_rows(expert, token_ids, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    # From the [BLOCK_T, TOP_K] view of the pairs: the rows of the tokens that picked `expert` (the pair
-    # of each token's first slot holding it) and which tokens picked it.
-    slots = tl.arange(0, TOP_K)
-    first_slot = tl.min(tl.where(token_ids == expert, slots[None, :], TOP_K), axis=1)
-    return tl.arange(0, BLOCK_T) * TOP_K + first_slot, first_slot < TOP_K
-
-
-@triton.jit
-def _load_pairs(ids_ptr, num_pairs, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
-    # Every pair's expert, flat [BLOCK_P] and token by token [BLOCK_T, TOP_K], -1 past the pairs.
-    pairs = tl.arange(0, BLOCK_P)
-    pair_ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int64)
-    grid = tl.arange(0, BLOCK_T)[:, None] * TOP_K + tl.arange(0, TOP_K)[None, :]
-    token_ids = tl.load(ids_ptr + grid, mask=grid < num_pairs, other=-1).to(tl.int64)
-    return pair_ids, token_ids
-
-
-@triton.jit
-def _led_expert(ids_ptr, pair, pair_ids, BLOCK_P: tl.constexpr):
-    # The expert of `pair` if no earlier pair picked it (the pair leads it), else -1; -1 for an expert
-    # on another rank.
+def _lead_expert(ids_ptr, num_pairs, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    # The expert of this program's pair, -1 unless no earlier pair picked it; the rows of its tokens
+    # (the pair of each token's first slot holding it) and which tokens picked it.
+    pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    earlier = tl.sum(((pair_ids == expert) & (tl.arange(0, BLOCK_P) < pair)).to(tl.int32), axis=0)
-    return tl.where(earlier == 0, expert, -1)
+    pairs = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int64)
+    earlier = tl.sum(((ids == expert) & (pairs < pair)).to(tl.int32), axis=0)
+    expert = tl.where(earlier == 0, expert, -1)
+    # [BLOCK_T, TOP_K] view of the pairs, token by token.
+    tokens = tl.arange(0, BLOCK_T)
+    slots = tl.arange(0, TOP_K)
+    grid = tokens[:, None] * TOP_K + slots[None, :]
+    token_ids = tl.load(ids_ptr + grid, mask=grid < num_pairs, other=-1).to(tl.int64)
+    first_slot = tl.min(tl.where(token_ids == expert, slots[None, :], TOP_K), axis=1)
+    picked = first_slot < TOP_K
+    return expert, tokens * TOP_K + first_slot, picked
 
 
 @triton.jit
@@ -112,11 +98,9 @@ def _decode_gate_up_kernel(
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
-    pair_ids, token_ids = _load_pairs(ids_ptr, num_pairs, TOP_K, BLOCK_P, BLOCK_T)
-    expert = _led_expert(ids_ptr, tl.program_id(0), pair_ids, BLOCK_P)
+    expert, rows, picked = _lead_expert(ids_ptr, num_pairs, TOP_K, BLOCK_P, BLOCK_T)
     if expert < 0:
         return
-    rows, picked = _token_rows(expert, token_ids, TOP_K, BLOCK_T)
     tokens = tl.arange(0, BLOCK_T).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < intermediate
@@ -143,47 +127,55 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    h_ptr, ids_ptr, weights_ptr, down_ptr, out_ptr,
+    h_ptr, ids_ptr, down_ptr, y_ptr,
     num_pairs, hidden_size, intermediate,
-    h_stride, w_stride_e, w_stride_n, w_stride_k, weights_stride, out_stride,
+    h_stride, w_stride_e, w_stride_n, w_stride_k, y_stride,
     TOP_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
-    pair_ids, token_ids = _load_pairs(ids_ptr, num_pairs, TOP_K, BLOCK_P, BLOCK_T)
-    dtype = out_ptr.dtype.element_ty
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, rows, picked = _lead_expert(ids_ptr, num_pairs, TOP_K, BLOCK_P, BLOCK_T)
+    if expert < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
     ks = tl.arange(0, BLOCK_K)
-    # y[t, k]: the columns of down_e h for the expert e of token t's slot k, rounded to the activation
-    # dtype; zero where the slot's expert is on another rank.
-    y = tl.zeros([BLOCK_T, TOP_K, BLOCK_N], dtype=tl.float32)
-    for pair in range(0, num_pairs):
-        expert = _led_expert(ids_ptr, pair, pair_ids, BLOCK_P)
-        if expert >= 0:
-            rows, picked = _token_rows(expert, token_ids, TOP_K, BLOCK_T)
-            h_ptrs = h_ptr + rows[:, None].to(tl.int64) * h_stride + ks[None, :]
-            w_ptrs = down_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for k in range(0, intermediate, BLOCK_K):
-                k_ok = ks < intermediate - k
-                h = tl.load(h_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-                h_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K * w_stride_k
-            slot_holds = (token_ids == expert)[:, :, None]  # every slot of e, so a repeat counts twice
-            y = tl.where(slot_holds, round_to(acc, dtype)[:, None, :], y)
-    # The weighted sum over the slots, in order, in float32.
-    tokens = tl.arange(0, BLOCK_T).to(tl.int64)
-    token_ok = tokens < num_pairs // TOP_K
-    slots = tl.arange(0, TOP_K)[None, :, None]
-    out = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * h_stride + ks[None, :]
+    w_ptrs = down_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k in range(0, intermediate, BLOCK_K):
+        k_ok = ks < intermediate - k
+        h = tl.load(h_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * w_stride_k
+    out = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], out, mask=picked[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _decode_combine_kernel(
+    y_ptr, ids_ptr, weights_ptr, out_ptr, hidden_size, y_stride, weights_stride, out_stride,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    begin_after_previous(PDL)
+    # Program (t, c): out[t] = sum over k, in order, of w[t, k] * y at the token's first slot of ids[t, k].
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    slots = tl.arange(0, TOP_K)
+    token_ids = tl.load(ids_ptr + token * TOP_K + slots)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        weight = tl.load(weights_ptr + tokens * weights_stride + k, mask=token_ok, other=0.0)
-        out += tl.sum(tl.where(slots == k, y, 0.0), axis=1) * weight[:, None]
-    tl.store(out_ptr + tokens[:, None] * out_stride + cols[None, :], out.to(dtype),
-             mask=token_ok[:, None] & col_ok[None, :])
+        expert = tl.load(ids_ptr + token * TOP_K + k)
+        first_slot = tl.min(tl.where(token_ids == expert, slots, TOP_K), axis=0)
+        weight = tl.load(weights_ptr + token * weights_stride + k).to(tl.float32)
+        row = token * TOP_K + first_slot
+        present = cols < tl.where(expert >= 0, hidden_size, 0)  # a missing expert's row was never written
+        y = tl.load(y_ptr + row * y_stride + cols, mask=present, other=0.0).to(tl.float32)
+        acc += y * weight
+    tl.store(out_ptr + token * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,12 +217,18 @@ def moe_experts_decode(
         hidden.stride(0), *gate_up.stride(), h.stride(0),
         ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=tiles.gate_up_n, **launch,
     )
+    y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _decode_down_kernel[(num_pairs, triton.cdiv(hidden_size, tiles.down_n))](
+        h, ids, down, y,
+        num_pairs, hidden_size, intermediate,
+        h.stride(0), *down.stride(), y.stride(0),
+        BLOCK_N=tiles.down_n, **launch,
+    )
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _decode_down_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
-        h, ids, weights, down, out,
-        num_pairs, hidden_size, intermediate,
-        h.stride(0), *down.stride(), weights.stride(0), out.stride(0),
-        BLOCK_N=tiles.down_n, **launch,
+    block = min(triton.next_power_of_2(hidden_size), 1024)
+    _decode_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
+        y, ids, weights, out, hidden_size, y.stride(0), weights.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK=block, num_warps=4, **pdl_launch(hidden),
     )
     return out
