@@ -75,10 +75,8 @@ def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: 
     the CPU, ``packed`` (the weight's ``PackedWeight``, if the runtime made one) serves few rows,
     except in a graph torch.compile traces, where inductor packs the weights itself. ``out_dtype``
     float32: the product of the operands widened to float32 (zoo::gemv widens them as it reads)."""
-    if out_dtype == x.dtype:
-        out_dtype = None
-    if packed is not None and out_dtype is None and x.device.type == "cpu" and not torch.compiler.is_compiling() \
-            and packed.serves(x, weight):
+    if packed is not None and out_dtype in (None, x.dtype) and x.device.type == "cpu" \
+            and not torch.compiler.is_compiling() and packed.serves(x, weight):
         return packed.linear(x, weight, bias)
     if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1:
         return gemv(x, weight, bias, out_dtype)
