@@ -13,6 +13,14 @@ A token's rows sit at the pair of its first slot that holds e (a token that list
 it twice in the combine, as in the reference). Ids below zero (an expert on another rank, under expert
 parallelism) are skipped: no program leads them and the combine adds nothing for them.
 
+One token (batch-1 decode) takes two other launches, the products on CUDA cores as ``zoo::gemv``
+computes them (a tensor-core tile would hold one real row of 16):
+
+    gate_up: program (k, n): columns n*BLOCK_N.. of act(gate_e x) * up_e x for e = ids[k], from e's gate
+             and up rows interleaved in one tile (zeros for an id below zero)                  h [K, I]
+    down:    program n: rows n*BLOCK_N.. of sum over k, in order, of w[k] * down_{ids[k]} h[k], each
+             expert's output rounded to the activation dtype first, as the combine reads it
+
 Every grid depends on the number of pairs only, and nothing is read back to the host: the op runs under
 CUDA-graph capture as it runs eagerly. Numerics are the fused-MoE kernel's (``moe_triton.py``): float32
 accumulation, rounded to the activation dtype where ``F.linear`` and the activation round.
@@ -25,7 +33,15 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
-from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, begin_after_previous, pdl_launch, round_to
+from ops_cuda.triton_helpers import (
+    KERNEL_ACTIVATIONS,
+    apply_activation,
+    begin_after_previous,
+    pdl_launch,
+    round_to,
+    rows_times_vector,
+    weight_tile,
+)
 
 class DecodeTiles(NamedTuple):
     gate_up_n: int  # columns of h per program (it reads twice as many weight rows: gate and up)
@@ -43,6 +59,19 @@ DECODE_MAX_TOKENS = 64
 GPU_TILES = DecodeTiles(gate_up_n=16, down_n=32, block_k=128, num_warps=4, num_stages=4)
 # The interpreter (CPU tensors, tests only): the smallest tiles, so tiny shapes span several of them.
 INTERPRETER_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=16, num_warps=4, num_stages=1)
+
+
+class TokenTiles(NamedTuple):
+    gate_up_n: int  # columns of h per program (twice as many weight rows: gate and up)
+    down_n: int  # rows of the output per program
+    block_k: int  # columns of a weight tile
+    num_warps: int
+
+
+# One token, Qwen3-30B-A3B's experts on the H200: 24.4 µs per layer, against 25.1 with zoo::gemv's
+# 4 x 1024 tiles for both kernels and 27.4-32.4 with larger ones (eight tilings timed).
+GPU_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, block_k=1024, num_warps=4)
+INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, block_k=16, num_warps=4)
 
 
 def decode_supported(hidden: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -178,6 +207,52 @@ def _decode_combine_kernel(
     tl.store(out_ptr + token * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _token_gate_up_kernel(
+    hidden_ptr, ids_ptr, gate_up_ptr, h_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
+    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
+    # One token, program (k, n): columns n*BLOCK_N.. of h for its k-th expert, from that expert's gate
+    # and up rows interleaved as one [2 * BLOCK_N, BLOCK_K] tile.
+    # An id below zero (another rank's expert) reads nothing and writes zeros, which the down kernel reads.
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    lanes = tl.arange(0, 2 * BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + lanes // 2
+    row_ok = cols < tl.where(expert >= 0, intermediate, 0)
+    weight_rows = cols + (lanes % 2) * intermediate
+    row_starts = gate_up_ptr + tl.maximum(expert, 0) * w_stride_e + weight_rows[:, None].to(tl.int64) * w_stride_n
+    first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), hidden_size)
+    products = rows_times_vector(hidden_ptr, row_starts, row_ok, hidden_size, first_tile, BLOCK_K)
+    gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
+    dtype = h_ptr.dtype.element_ty
+    h = round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)
+    h_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + slot * intermediate + h_cols, h.to(dtype), mask=h_cols < intermediate)
+
+
+@triton.jit
+def _token_down_combine_kernel(
+    h_ptr, ids_ptr, weights_ptr, down_ptr, out_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    begin_after_previous(PDL)
+    # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k],
+    # each expert's output rounded to the activation dtype first, as the reference's combine reads it.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + k).to(tl.int64)
+        present = rows < tl.where(expert >= 0, hidden_size, 0)  # an id below zero (another rank's expert) adds nothing
+        row_starts = down_ptr + tl.maximum(expert, 0) * w_stride_e + rows[:, None].to(tl.int64) * w_stride_n
+        first_tile = weight_tile(row_starts, present, tl.arange(0, BLOCK_K), intermediate)
+        y = rows_times_vector(h_ptr + k * intermediate, row_starts, present, intermediate, first_tile, BLOCK_K)
+        acc += round_to(y, dtype) * tl.load(weights_ptr + k).to(tl.float32)
+    tl.store(out_ptr + rows, acc.to(dtype), mask=rows < hidden_size)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------
@@ -195,10 +270,12 @@ def moe_experts_decode(
     num_tokens, hidden_size = hidden.shape
     intermediate, top_k = down.shape[2], topk_ids.shape[1]
     num_pairs = topk_ids.numel()
-    tiles = GPU_TILES if hidden.is_cuda else INTERPRETER_TILES
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     ids = topk_ids.contiguous()
+    if num_tokens == 1 and gate_up.stride(-1) == down.stride(-1) == 1:
+        return _one_token(hidden, topk_weights, ids, gate_up, down, activation)
+    tiles = GPU_TILES if hidden.is_cuda else INTERPRETER_TILES
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
     # TOP_K is a power of two for the [tokens, slots] view: pad each token's slots with -1 where it is not.
     if top_k & (top_k - 1):
@@ -230,5 +307,25 @@ def moe_experts_decode(
     _decode_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         y, ids, weights, out, hidden_size, y.stride(0), weights.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK=block, num_warps=4, **pdl_launch(hidden),
+    )
+    return out
+
+
+def _one_token(hidden, topk_weights, ids, gate_up, down, activation):
+    # Two launches: gate_up with the activation for every slot, then down with the weighted sum.
+    hidden_size, intermediate, top_k = hidden.shape[1], down.shape[2], ids.shape[1]
+    tiles = GPU_TOKEN_TILES if hidden.is_cuda else INTERPRETER_TOKEN_TILES
+    launch = dict(num_warps=tiles.num_warps, **pdl_launch(hidden))
+    h = torch.empty(top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
+    _token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](
+        hidden, ids, gate_up, h, hidden_size, intermediate, gate_up.stride(0), gate_up.stride(1),
+        ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=tiles.gate_up_n,
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden_size)), **launch,
+    )
+    out = torch.empty_like(hidden)
+    _token_down_combine_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
+        h, ids, topk_weights.to(torch.float32).contiguous(), down, out, hidden_size, intermediate,
+        down.stride(0), down.stride(1),
+        TOP_K=top_k, BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, triton.next_power_of_2(intermediate)), **launch,
     )
     return out

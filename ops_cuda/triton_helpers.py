@@ -1,6 +1,7 @@
 """What the Triton kernel modules of this package share: the dtype check of a launcher's inputs,
 programmatic dependent launch (PDL) on Hopper and later, the rounding that follows the PyTorch
-references' order of operations, and the gated activations' formulas.
+references' order of operations, the gated activations' formulas, and the matrix-vector product of
+single-row kernels.
 
 This module imports triton: only kernel modules import it.
 """
@@ -85,3 +86,28 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
         return 0.5 * x * (1.0 + tanh(inner))
     else:  # relu; `where` rather than `maximum` so NaN propagates as in torch.relu
         return tl.where(x < 0.0, 0.0, x)
+
+
+@triton.jit
+def weight_tile(row_starts, row_ok, cols, K):
+    # [rows, cols] of a row-major weight whose rows start at `row_starts` [rows, 1], read past the
+    # cache: nothing else reuses it.
+    return tl.load(row_starts + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K: tl.constexpr):
+    # [rows] float32: each weight row times the K values at x_ptr, on CUDA cores (one row gives a
+    # tensor-core tile nothing but padding). `first_tile` holds the rows' first BLOCK_K columns,
+    # already read (a caller may read it before waiting on the previous kernel). Products
+    # accumulate elementwise in float32 and are summed once at the end.
+    cols = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    acc = first_tile.to(tl.float32) * x[None, :].to(tl.float32)
+    for start in range(BLOCK_K, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        w = weight_tile(row_starts, row_ok, cols, K)
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    return tl.sum(acc, axis=1)

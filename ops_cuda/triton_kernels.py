@@ -25,6 +25,8 @@ from ops_cuda.triton_helpers import (
     check_dtypes,
     pdl_launch,
     round_to,
+    rows_times_vector,
+    weight_tile,
 )
 
 
@@ -526,31 +528,16 @@ GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 1024, 4  # the fastest single tile f
 
 
 @triton.jit
-def _weight_tile(row_starts, row_ok, cols, K):
-    # Read once, past the cache: nothing else will reuse it.
-    return tl.load(row_starts + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # BLOCK_N weight rows per program. Products accumulate elementwise in float32 and are summed
-    # once at the end. The first weight tile is read before waiting for the previous kernel.
+    # BLOCK_N weight rows per program. The first weight tile is read before waiting for the
+    # previous kernel.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
-    cols = tl.arange(0, BLOCK_K)
-    w = _weight_tile(row_starts, row_ok, cols, K)
+    first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), K)
     begin_after_previous(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        if start > 0:
-            w = _weight_tile(row_starts, row_ok, cols, K)
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-    out = tl.sum(acc, axis=1)
+    out = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)

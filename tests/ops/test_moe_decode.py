@@ -37,6 +37,8 @@ def inputs(ids, dtype, seed=0):
 CASES = {
     "one_token": [[3, 0, 6, 1]],
     "one_token_top1": [[5]],
+    "one_token_missing_experts": [[-1, 3, -1, 0]],
+    "one_token_repeated_expert": [[2, 6, 2]],
     "shared_experts": [[1, 2], [2, 1], [1, 7], [7, 2], [2, 5]],  # expert 2 read once for four tokens
     "all_tokens_one_expert": [[4]] * 6,
     "missing_experts": [[-1, 3, -1, 0], [3, -1, -1, -1], [-1, -1, -1, -1], [0, 5, 3, -1]],  # a token with none
