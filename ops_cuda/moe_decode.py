@@ -68,8 +68,8 @@ class TokenTiles(NamedTuple):
     num_warps: int
 
 
-# One token, Qwen3-30B-A3B's experts on the H200: 24.4 µs per layer, against 25.1 with zoo::gemv's
-# 4 x 1024 tiles for both kernels and 27.4-32.4 with larger ones (eight tilings timed).
+# One token: the fastest of eight tilings timed on the H200 for Qwen3-30B-A3B's experts (`bench_moe.py
+# --task kernels` times it); zoo::gemv's 4 x 1024 tiles come close, larger ones leave SMs without work.
 GPU_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, block_k=1024, num_warps=4)
 INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, block_k=16, num_warps=4)
 

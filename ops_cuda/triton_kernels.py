@@ -211,30 +211,6 @@ def _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, out_ptr, token, h, num_heads, head_dim, rotary_dim, x_stride_t, x_stride_h, out_stride_t, out_stride_h,
-    cos1, sin1, cos2, sin2,
-    INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-):
-    # Rotates heads h ([BLOCK_H, 1]) of one token.
-    half = rotary_dim // 2
-    dtype = out_ptr.dtype.element_ty
-    i, in1, in2 = _pair_channels(rotary_dim, INTERLEAVED, BLOCK_HALF)
-    src = x_ptr + token * x_stride_t + h * x_stride_h
-    dst = out_ptr + token * out_stride_t + h * out_stride_h
-    mask = (h < num_heads) & (i < half)
-    x1 = tl.load(src + in1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + in2, mask=mask, other=0.0).to(tl.float32)
-    first, second = _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype)
-    tl.store(dst + i, first.to(dtype), mask=mask)
-    tl.store(dst + half + i, second.to(dtype), mask=mask)
-    if BLOCK_PASS > 0:  # partial rotary: channels rotary_dim.. pass through
-        passed = rotary_dim + tl.arange(0, BLOCK_PASS)[None, :]
-        pass_mask = (h < num_heads) & (passed < head_dim)
-        tl.store(dst + passed, tl.load(src + passed, mask=pass_mask), mask=pass_mask)
-
-
-@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
     q_heads, k_heads, q_dim, k_dim, rotary_dim, cos_stride, sin_stride,
@@ -248,12 +224,13 @@ def _rotary_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     cos1, sin1, cos2, sin2 = _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim,
                                      q_out_ptr.dtype.element_ty, INTERLEAVED, BLOCK_HALF)
-    _rotate_heads(q_ptr, q_out_ptr, token, h, q_heads, q_dim, rotary_dim,
-                  q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, cos1, sin1, cos2, sin2,
-                  INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
-    _rotate_heads(k_ptr, k_out_ptr, token, h, k_heads, k_dim, rotary_dim,
-                  k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, cos1, sin1, cos2, sin2,
-                  INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+    # rotary_write_kv's per-head step with no norm and no cache: its weight and cache pointers are unread.
+    _norm_rotate_heads(q_ptr, q_ptr, q_out_ptr, q_out_ptr, token, h, q_heads, 0, q_dim, rotary_dim, 0.0, 1.0,
+                       q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
+                       False, 0.0, False, INTERLEAVED, False, False, False, BLOCK_HALF, BLOCK_PASS, 16)
+    _norm_rotate_heads(k_ptr, k_ptr, k_out_ptr, k_out_ptr, token, h, k_heads, 0, k_dim, rotary_dim, 0.0, 1.0,
+                       k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, 0, cos1, sin1, cos2, sin2,
+                       False, 0.0, False, INTERLEAVED, False, False, False, BLOCK_HALF, BLOCK_PASS, 16)
 
 
 def apply_rotary_triton(
