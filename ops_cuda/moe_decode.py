@@ -64,14 +64,15 @@ INTERPRETER_TILES = DecodeTiles(gate_up_n=16, down_n=16, block_k=16, num_warps=4
 class TokenTiles(NamedTuple):
     gate_up_n: int  # columns of h per program (twice as many weight rows: gate and up)
     down_n: int  # rows of the output per program
-    block_k: int  # columns of a weight tile
+    gate_up_k: int  # columns of a gate_up weight tile
+    down_k: int  # columns of a down weight tile: the first is read before h is ready
     num_warps: int
 
 
 # One token: the fastest of eight tilings timed on the H200 for Qwen3-30B-A3B's experts (`bench_moe.py
 # --task kernels` times it); zoo::gemv's 4 x 1024 tiles come close, larger ones leave SMs without work.
-GPU_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, block_k=1024, num_warps=4)
-INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, block_k=16, num_warps=4)
+GPU_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, gate_up_k=1024, down_k=1024, num_warps=4)
+INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, gate_up_k=16, down_k=16, num_warps=4)
 
 
 def decode_supported(hidden: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -234,23 +235,45 @@ def _token_gate_up_kernel(
 
 @triton.jit
 def _token_down_combine_kernel(
-    h_ptr, ids_ptr, weights_ptr, down_ptr, out_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    h_ptr, ids_ptr, weights_ptr, down_ptr, out_ptr, hidden_size, intermediate, top_k, w_stride_e, w_stride_n,
+    BLOCK_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    begin_after_previous(PDL)
     # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k],
     # each expert's output rounded to the activation dtype first, as the reference's combine reads it.
+    # The ids are the router's, finished before the gate_up kernel passed its wait and started this
+    # one: they and every expert's first weight tile are read while gate_up still runs, h only after.
+    slots = tl.arange(0, BLOCK_SLOTS)
+    slot_ok = slots < top_k
+    experts = tl.load(ids_ptr + slots, mask=slot_ok, other=-1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # [slots, rows]: an id below zero (another rank's expert) reads nothing; its h row is zeros.
+    present = (experts[:, None] >= 0) & (rows[None, :] < hidden_size)
+    row_starts = down_ptr + tl.maximum(experts, 0)[:, None, None] * w_stride_e \
+        + rows[None, :, None].to(tl.int64) * w_stride_n
+    cols = tl.arange(0, BLOCK_K)
+    w = _expert_rows_tile(row_starts, present, cols, intermediate)
+    begin_after_previous(PDL)
+    y = tl.zeros([BLOCK_SLOTS, BLOCK_N], dtype=tl.float32)
+    for start in range(0, intermediate, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        if start > 0:
+            w = _expert_rows_tile(row_starts, present, cols, intermediate)
+        h = tl.load(h_ptr + slots[:, None] * intermediate + cols[None, :],
+                    mask=slot_ok[:, None] & (cols < intermediate)[None, :], other=0.0)
+        y += tl.sum(w.to(tl.float32) * h[:, None, :].to(tl.float32), axis=2)
     dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + k).to(tl.int64)
-        present = rows < tl.where(expert >= 0, hidden_size, 0)  # an id below zero (another rank's expert) adds nothing
-        row_starts = down_ptr + tl.maximum(expert, 0) * w_stride_e + rows[:, None].to(tl.int64) * w_stride_n
-        first_tile = weight_tile(row_starts, present, tl.arange(0, BLOCK_K), intermediate)
-        y = rows_times_vector(h_ptr + k * intermediate, row_starts, present, intermediate, first_tile, BLOCK_K)
-        acc += round_to(y, dtype) * tl.load(weights_ptr + k).to(tl.float32)
-    tl.store(out_ptr + rows, acc.to(dtype), mask=rows < hidden_size)
+    weighted = round_to(y, dtype) * tl.load(weights_ptr + slots, mask=slot_ok, other=0.0)[:, None]
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(BLOCK_SLOTS):  # slot by slot, the reference's order of additions
+        out += tl.sum(tl.where(slots[:, None] == k, weighted, 0.0), axis=0)
+    tl.store(out_ptr + rows, out.to(dtype), mask=rows < hidden_size)
+
+
+@triton.jit
+def _expert_rows_tile(row_starts, present, cols, K):
+    # [slots, rows, cols] of the experts' weights, read past the cache.
+    return tl.load(row_starts + cols[None, None, :], mask=present[:, :, None] & (cols < K)[None, None, :],
+                   other=0.0, eviction_policy="evict_first")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,12 +343,12 @@ def _one_token(hidden, topk_weights, ids, gate_up, down, activation):
     _token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](
         hidden, ids, gate_up, h, hidden_size, intermediate, gate_up.stride(0), gate_up.stride(1),
         ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden_size)), **launch,
+        BLOCK_K=min(tiles.gate_up_k, triton.next_power_of_2(hidden_size)), **launch,
     )
     out = torch.empty_like(hidden)
     _token_down_combine_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
-        h, ids, topk_weights.to(torch.float32).contiguous(), down, out, hidden_size, intermediate,
-        down.stride(0), down.stride(1),
-        TOP_K=top_k, BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, triton.next_power_of_2(intermediate)), **launch,
+        h, ids, topk_weights.to(torch.float32).contiguous(), down, out, hidden_size, intermediate, top_k,
+        down.stride(0), down.stride(1), BLOCK_SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_n,
+        BLOCK_K=min(tiles.down_k, triton.next_power_of_2(intermediate)), **launch,
     )
     return out
