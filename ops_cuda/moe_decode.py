@@ -69,10 +69,10 @@ class TokenTiles(NamedTuple):
     num_warps: int
 
 
-# One token: the fastest of eight tilings timed on the H200 for Qwen3-30B-A3B's experts (`bench_moe.py
-# --task kernels` times it); zoo::gemv's 4 x 1024 tiles come close, larger ones leave SMs without work.
-GPU_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, gate_up_k=1024, down_k=1024, num_warps=4)
-INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=2, gate_up_k=16, down_k=16, num_warps=4)
+# One token: the fastest tiling timed on the H200 for Qwen3-30B-A3B's experts (`bench_moe.py --task
+# kernels` times it). A down program holds a tile of each of the token's experts at once: short ones.
+GPU_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=1024, down_k=256, num_warps=4)
+INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=16, down_k=16, num_warps=4)
 
 
 def decode_supported(hidden: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
