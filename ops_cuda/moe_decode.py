@@ -221,7 +221,7 @@ def _token_gate_up_kernel(
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     lanes = tl.arange(0, 2 * BLOCK_N)
     cols = tl.program_id(1) * BLOCK_N + lanes // 2
-    row_ok = cols < tl.where(expert >= 0, intermediate, 0)
+    row_ok = (cols < tl.where(expert >= 0, intermediate, 0))[:, None]
     weight_rows = cols + (lanes % 2) * intermediate
     row_starts = gate_up_ptr + tl.maximum(expert, 0) * w_stride_e + weight_rows[:, None].to(tl.int64) * w_stride_n
     first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), hidden_size)
@@ -246,18 +246,18 @@ def _token_down_combine_kernel(
     slot_ok = slots < top_k
     experts = tl.load(ids_ptr + slots, mask=slot_ok, other=-1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # [slots, rows]: an id below zero (another rank's expert) reads nothing; its h row is zeros.
-    present = (experts[:, None] >= 0) & (rows[None, :] < hidden_size)
+    # [slots, rows, 1]: an id below zero (another rank's expert) reads nothing; its h row is zeros.
+    present = ((experts[:, None] >= 0) & (rows[None, :] < hidden_size))[:, :, None]
     row_starts = down_ptr + tl.maximum(experts, 0)[:, None, None] * w_stride_e \
         + rows[None, :, None].to(tl.int64) * w_stride_n
     cols = tl.arange(0, BLOCK_K)
-    w = _expert_rows_tile(row_starts, present, cols, intermediate)
+    w = weight_tile(row_starts, present, cols, intermediate)
     begin_after_previous(PDL)
     y = tl.zeros([BLOCK_SLOTS, BLOCK_N], dtype=tl.float32)
     for start in range(0, intermediate, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         if start > 0:
-            w = _expert_rows_tile(row_starts, present, cols, intermediate)
+            w = weight_tile(row_starts, present, cols, intermediate)
         h = tl.load(h_ptr + slots[:, None] * intermediate + cols[None, :],
                     mask=slot_ok[:, None] & (cols < intermediate)[None, :], other=0.0)
         y += tl.sum(w.to(tl.float32) * h[:, None, :].to(tl.float32), axis=2)
@@ -267,13 +267,6 @@ def _token_down_combine_kernel(
     for k in tl.static_range(BLOCK_SLOTS):  # slot by slot, the reference's order of additions
         out += tl.sum(tl.where(slots[:, None] == k, weighted, 0.0), axis=0)
     tl.store(out_ptr + rows, out.to(dtype), mask=rows < hidden_size)
-
-
-@triton.jit
-def _expert_rows_tile(row_starts, present, cols, K):
-    # [slots, rows, cols] of the experts' weights, read past the cache.
-    return tl.load(row_starts + cols[None, None, :], mask=present[:, :, None] & (cols < K)[None, None, :],
-                   other=0.0, eviction_policy="evict_first")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,16 +90,17 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def weight_tile(row_starts, row_ok, cols, K):
-    # [rows, cols] of a row-major weight whose rows start at `row_starts` [rows, 1], read past the
-    # cache: nothing else reuses it.
-    return tl.load(row_starts + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
+    # Columns `cols` of the rows of a row-major weight that start at `row_starts` (any shape ending
+    # in 1, [rows, 1] or [experts, rows, 1]; `row_ok` the same shape), read past the cache: nothing
+    # else reuses it.
+    return tl.load(row_starts + cols, mask=row_ok & (cols < K), other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
 def rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K: tl.constexpr):
     # [rows] float32: each weight row times the K values at x_ptr, on CUDA cores (one row gives a
-    # tensor-core tile nothing but padding). `first_tile` holds the rows' first BLOCK_K columns,
+    # tensor-core tile nothing but padding); `row_starts` and `row_ok` [rows, 1] as `weight_tile`
+    # takes them. `first_tile` holds the rows' first BLOCK_K columns,
     # already read (a caller may read it before waiting on the previous kernel). Products
     # accumulate elementwise in float32 and are summed once at the end.
     cols = tl.arange(0, BLOCK_K)

@@ -227,10 +227,14 @@ def _rotary_kernel(
     # rotary_write_kv's per-head step with no norm and no cache: its weight and cache pointers are unread.
     _norm_rotate_heads(q_ptr, q_ptr, q_out_ptr, q_out_ptr, token, h, q_heads, 0, q_dim, rotary_dim, 0.0, 1.0,
                        q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
-                       False, 0.0, False, INTERLEAVED, False, False, False, BLOCK_HALF, BLOCK_PASS, 16)
+                       NORM=False, WEIGHT_OFFSET=0.0, MULTIPLY_IN_FLOAT32=False, INTERLEAVED=INTERLEAVED,
+                       WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False, BLOCK_HALF=BLOCK_HALF,
+                       BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
     _norm_rotate_heads(k_ptr, k_ptr, k_out_ptr, k_out_ptr, token, h, k_heads, 0, k_dim, rotary_dim, 0.0, 1.0,
                        k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, 0, cos1, sin1, cos2, sin2,
-                       False, 0.0, False, INTERLEAVED, False, False, False, BLOCK_HALF, BLOCK_PASS, 16)
+                       NORM=False, WEIGHT_OFFSET=0.0, MULTIPLY_IN_FLOAT32=False, INTERLEAVED=INTERLEAVED,
+                       WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False, BLOCK_HALF=BLOCK_HALF,
+                       BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
 
 
 def apply_rotary_triton(
@@ -512,9 +516,9 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
-    first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), K)
+    first_tile = weight_tile(row_starts, row_ok[:, None], tl.arange(0, BLOCK_K), K)
     begin_after_previous(PDL)
-    out = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K)
+    out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
