@@ -5,6 +5,7 @@ from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from ops_cuda import ACTIVATIONS, act_and_mul
+from ops_cuda.linear import gated_linear
 
 
 class GatedMLP(nn.Module):
@@ -19,4 +20,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act))
+        gate_up = self.gate_up_proj
+        if gate_up.fp8_block is None:  # on one GPU row, act(gate) * up straight from the weight in one kernel
+            h = gated_linear(x, gate_up.weight, gate_up.bias, self.hidden_act, gate_up.packed)
+        else:
+            h = act_and_mul(gate_up(x), self.hidden_act)
+        return self.down_proj(h)
