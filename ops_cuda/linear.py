@@ -1,15 +1,14 @@
 """Linear layers' products: ``F.linear``, except where zoo has a faster way.
 
 On the CPU, the few rows of a decode step multiply by a weight packed once (``PackedWeight``); on
-the GPU a single float16/bfloat16 row goes to zoo::gemv, and to zoo::gated_gemv where a gated
-activation follows (``gated_linear``). ``layers.linear.pack_for_cpu_decode`` packs a model's weights.
+the GPU a single float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
+zoo::gated_gemv, ``takes_gemv``). ``layers.linear.pack_for_cpu_decode`` packs a model's weights.
 """
 
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.activation import act_and_mul
-from ops_cuda.gemv import GEMV_DTYPES, gated_gemv, gemv, gemv_reference
+from ops_cuda.gemv import GEMV_DTYPES, gemv, gemv_reference
 
 
 class PackedWeight:
@@ -84,15 +83,7 @@ def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: 
     return gemv_reference(x, weight, bias, out_dtype)
 
 
-def gated_linear(x, weight, bias, activation: str, packed: PackedWeight | None = None):
-    """``act_and_mul(linear(x, weight, bias, packed), activation)`` for a weight of gate rows then as
-    many up rows: where ``linear`` would run zoo::gemv, zoo::gated_gemv computes it in one kernel."""
-    if takes_gemv(x, weight):
-        return gated_gemv(x, weight, bias, activation)
-    return act_and_mul(linear(x, weight, bias, packed), activation)
-
-
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` multiplies x by weight with zoo::gemv (and ``gated_linear`` with
-    zoo::gated_gemv): a single float16/bfloat16 row on the GPU, a weight with contiguous rows."""
+    """Whether ``linear`` multiplies x by weight with zoo::gemv (and a gated MLP its gate_up product
+    with zoo::gated_gemv): a single float16/bfloat16 row on the GPU, a weight with contiguous rows."""
     return x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1

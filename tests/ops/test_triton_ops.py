@@ -548,23 +548,6 @@ def test_gated_gemv_gpu(intermediate, k, bias, activation, dtype):
 
 
 @pytest.mark.gpu
-def test_gated_linear_sends_single_rows_to_gated_gemv(monkeypatch):
-    torch.manual_seed(0)
-    x, weight, bias = gemv_inputs(2 * 300, 256, (4,), True, torch.bfloat16, "cuda")
-    sent = []
-    monkeypatch.setattr(ops_cuda.linear, "gated_gemv", lambda *args: sent.append(args) or gated_gemv(*args))
-    gated_linear = ops_cuda.linear.gated_linear
-    assert torch.equal(gated_linear(x, weight, bias, "silu"), act_and_mul(torch.nn.functional.linear(x, weight, bias), "silu"))
-    assert not sent
-    assert torch.equal(gated_linear(x[:1], weight, bias, "silu"), gated_gemv(x[:1], weight, bias, "silu"))
-    assert len(sent) == 1
-    column_major = weight.t().contiguous().t()  # a CPU-loaded Linear's layout, moved to the GPU
-    unfused = act_and_mul(torch.nn.functional.linear(x[:1], column_major, bias), "silu")
-    assert torch.equal(gated_linear(x[:1], column_major, bias, "silu"), unfused)
-    assert len(sent) == 1
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_TOL)
 @pytest.mark.parametrize("rows, vocab", [(1, 128256), (451, 151936), (5, 32000), (0, 100)])
 def test_argmax_gpu(rows, vocab, dtype):
