@@ -126,7 +126,7 @@ def gated_weight_rows(first_col, intermediate, BLOCK_N: tl.constexpr):
 @triton.jit
 def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtype: tl.constexpr,
                             ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # [BLOCK_N] float32: act(gate x) * up x from the rows of ``gated_weight_rows`` (`first_tile`:
+    # [BLOCK_N] float32: act(gate x) * up x from the rows of `gated_weight_rows` (`first_tile`:
     # their first BLOCK_K columns, already read), plus `bias` (one value per row, or 0.0), with the
     # reference's rounding: the product rounded to `dtype`, the activation of it rounded, times up.
     products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) + bias
