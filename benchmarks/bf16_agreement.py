@@ -42,6 +42,7 @@ import layers.mlp  # noqa: E402
 import layers.norm  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
+from ops_cuda.gemv import gated_gemv_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
 from runtime.kv_cache import KVCache, cache_dtype  # noqa: E402
@@ -61,7 +62,7 @@ def pytorch_ops():
     """The layers call the references of their ops where they would call the Triton kernels."""
     names = [(layers.norm, "fused_add_rms_norm", fused_add_rms_norm_reference),
              (layers.norm, "rms_norm", rms_norm_reference), (layers.attention, "apply_rotary", apply_rotary_reference),
-             (layers.mlp, "act_and_mul", act_and_mul_reference)]
+             (layers.mlp, "act_and_mul", act_and_mul_reference), (layers.mlp, "gated_gemv", gated_gemv_reference)]
     saved = [getattr(module, name) for module, name, _ in names]
     for module, name, reference in names:
         setattr(module, name, reference)

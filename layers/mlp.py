@@ -1,10 +1,15 @@
-"""The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused."""
+"""The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused.
+
+Where ``linear`` would multiply by gate_up with zoo::gemv (a single float16/bfloat16 GPU row, batch-1
+decode), zoo::gated_gemv computes act(gate x) * up x in that product's kernel.
+"""
 
 import torch
 from torch import nn
 
 from layers.linear import Linear, MergedLinear
-from ops_cuda import ACTIVATIONS, act_and_mul
+from ops_cuda import ACTIVATIONS, act_and_mul, gated_gemv
+from ops_cuda.linear import takes_gemv
 
 
 class GatedMLP(nn.Module):
@@ -19,4 +24,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act))
+        gate_up = self.gate_up_proj
+        if gate_up.fp8_block is None and takes_gemv(x, gate_up.weight):  # act(gate) * up in the product's kernel
+            h = gated_gemv(x, gate_up.weight, gate_up.bias, self.hidden_act)
+        else:
+            h = act_and_mul(gate_up(x), self.hidden_act)
+        return self.down_proj(h)

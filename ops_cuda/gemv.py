@@ -5,11 +5,16 @@ GPU a Triton kernel streams it faster than cuBLAS's kernels for the Llama-3.1-8B
 (benchmarks/bench_gemv.py); ``ops_cuda.linear.linear`` sends single float16/bfloat16 rows here
 and everything else to ``F.linear``. With ``out_dtype=torch.float32`` the product is the float32
 one of the widened operands (a router's logits, as HF takes them) without a float32 copy of the weight.
+
+A gated MLP's gate_up product on a single row is ``zoo::gated_gemv``: its kernel computes
+act(gate x) * up x straight from the weight's gate and up rows, so the activation takes no launch
+of its own and the [2I] product is never written.
 """
 
 import torch
 import torch.nn.functional as F
 
+from ops_cuda.activation import act_and_mul_reference
 from ops_cuda.dispatch import reference_on_cpu
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
@@ -42,3 +47,30 @@ def _(x, weight, bias, out_dtype=None):
 
 
 gemv = reference_on_cpu(gemv_op, gemv_reference)
+
+
+def gated_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str) -> torch.Tensor:
+    """act(gate) * up of x W^T + b for x [..., K] holding one row and W [2I, K] holding I gate rows then I up
+    rows (b [2I] likewise): h [..., I]; ``activation`` is a key of ``ops_cuda.ACTIVATIONS``."""
+    return act_and_mul_reference(gemv_reference(x, weight, bias), activation)
+
+
+@torch.library.custom_op("zoo::gated_gemv", mutates_args=())
+def gated_gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    return gated_gemv_reference(x, weight, bias, activation)
+
+
+@gated_gemv_op.register_fake
+def _(x, weight, bias, activation):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+@gated_gemv_op.register_kernel("cuda")
+def _(x, weight, bias, activation):
+    from ops_cuda.triton_kernels import gated_gemv_triton  # triton is imported only where a kernel runs
+
+    return gated_gemv_triton(x, weight, bias, activation)
+
+
+gated_gemv = reference_on_cpu(gated_gemv_op, gated_gemv_reference)

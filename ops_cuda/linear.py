@@ -1,8 +1,8 @@
 """Linear layers' products: ``F.linear``, except where zoo has a faster way.
 
 On the CPU, the few rows of a decode step multiply by a weight packed once (``PackedWeight``); on
-the GPU a single float16/bfloat16 row goes to zoo::gemv. ``layers.linear.pack_for_cpu_decode``
-packs a model's weights.
+the GPU a single float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
+zoo::gated_gemv, ``takes_gemv``). ``layers.linear.pack_for_cpu_decode`` packs a model's weights.
 """
 
 import torch
@@ -78,6 +78,12 @@ def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: 
     if packed is not None and out_dtype in (None, x.dtype) and x.device.type == "cpu" \
             and not torch.compiler.is_compiling() and packed.serves(x, weight):
         return packed.linear(x, weight, bias)
-    if x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1:
+    if takes_gemv(x, weight):
         return gemv(x, weight, bias, out_dtype)
     return gemv_reference(x, weight, bias, out_dtype)
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` multiplies x by weight with zoo::gemv (and a gated MLP its gate_up product
+    with zoo::gated_gemv): a single float16/bfloat16 row on the GPU, a weight with contiguous rows."""
+    return x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1

@@ -37,9 +37,10 @@ from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     apply_activation,
     begin_after_previous,
+    gated_rows_times_vector,
+    gated_weight_rows,
     pdl_launch,
     round_to,
-    rows_times_vector,
     weight_tile,
 )
 
@@ -219,16 +220,13 @@ def _token_gate_up_kernel(
     # An id below zero (another rank's expert) reads nothing and writes zeros, which the down kernel reads.
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
-    lanes = tl.arange(0, 2 * BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_N + lanes // 2
+    weight_rows, cols = gated_weight_rows(tl.program_id(1) * BLOCK_N, intermediate, BLOCK_N)
     row_ok = (cols < tl.where(expert >= 0, intermediate, 0))[:, None]
-    weight_rows = cols + (lanes % 2) * intermediate
     row_starts = gate_up_ptr + tl.maximum(expert, 0) * w_stride_e + weight_rows[:, None].to(tl.int64) * w_stride_n
     first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), hidden_size)
-    products = rows_times_vector(hidden_ptr, row_starts, row_ok, hidden_size, first_tile, BLOCK_K)
-    gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
     dtype = h_ptr.dtype.element_ty
-    h = round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)
+    h = gated_rows_times_vector(hidden_ptr, row_starts, row_ok, hidden_size, first_tile, 0.0, dtype, ACTIVATION,
+                                BLOCK_N, BLOCK_K)
     h_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + slot * intermediate + h_cols, h.to(dtype), mask=h_cols < intermediate)
 

@@ -1,7 +1,7 @@
 """What the Triton kernel modules of this package share: the dtype check of a launcher's inputs,
 programmatic dependent launch (PDL) on Hopper and later, the rounding that follows the PyTorch
-references' order of operations, the gated activations' formulas, and the matrix-vector product of
-single-row kernels.
+references' order of operations, the gated activations' formulas, and the matrix-vector products of
+single-row kernels (plain, and gated: act(gate x) * up x from interleaved gate and up rows).
 
 This module imports triton: only kernel modules import it.
 """
@@ -112,3 +112,24 @@ def rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K: tl.cons
         x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def gated_weight_rows(first_col, intermediate, BLOCK_N: tl.constexpr):
+    # The weight rows behind columns first_col.. of h = act(gate x) * up x for a weight of gate rows
+    # then as many up rows: [2 * BLOCK_N] rows, each column's gate row then its up row (I rows
+    # further), so that one tile holds both; and the column of each of those rows.
+    lanes = tl.arange(0, 2 * BLOCK_N)
+    cols = first_col + lanes // 2
+    return cols + (lanes % 2) * intermediate, cols
+
+
+@triton.jit
+def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtype: tl.constexpr,
+                            ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # [BLOCK_N] float32: act(gate x) * up x from the rows of `gated_weight_rows` (`first_tile`:
+    # their first BLOCK_K columns, already read), plus `bias` (one value per row, or 0.0), with the
+    # reference's rounding: the product rounded to `dtype`, the activation of it rounded, times up.
+    products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) + bias
+    gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
+    return round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)

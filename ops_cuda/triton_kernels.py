@@ -1,5 +1,5 @@
-"""Triton kernels behind zoo's elementwise ops, single-row matmul and argmax: the ``cuda`` kernels
-of the ops in this package.
+"""Triton kernels behind zoo's elementwise ops, single-row matmuls (plain and gated) and argmax:
+the ``cuda`` kernels of the ops in this package.
 
 Each kernel has a plain launcher (``rms_norm_triton``, ...) that the op's CUDA registration calls
 and that the tests call on CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton,
@@ -23,6 +23,8 @@ from ops_cuda.triton_helpers import (
     apply_activation,
     begin_after_previous,
     check_dtypes,
+    gated_rows_times_vector,
+    gated_weight_rows,
     pdl_launch,
     round_to,
     rows_times_vector,
@@ -538,6 +540,60 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
         num_warps=GEMV_WARPS, **pdl_launch(x),
+    )
+    return out
+
+
+# The gated product's weight tile is gemv's, 4 rows x 1,024 columns: 2 columns of h, each a gate and an up row.
+GATED_GEMV_BLOCK_N = GEMV_BLOCK_N // 2
+
+
+@triton.jit
+def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, intermediate, K, w_stride, HAS_BIAS: tl.constexpr,
+                      ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # BLOCK_N columns of h = act(gate x) * up x per program, from their gate rows and up rows
+    # interleaved as one [2 * BLOCK_N, BLOCK_K] tile. The first weight tile and the bias are read
+    # before waiting for the previous kernel.
+    first_col = tl.program_id(0) * BLOCK_N
+    weight_rows, cols = gated_weight_rows(first_col, intermediate, BLOCK_N)
+    row_ok = cols < intermediate
+    row_starts = w_ptr + weight_rows[:, None].to(tl.int64) * w_stride
+    first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), K)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + weight_rows, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        bias = 0.0
+    begin_after_previous(PDL)
+    dtype = out_ptr.dtype.element_ty
+    h = gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtype, ACTIVATION, BLOCK_N, BLOCK_K)
+    h_cols = first_col + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + h_cols, h.to(dtype), mask=h_cols < intermediate)
+
+
+def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                      block_n: int = GATED_GEMV_BLOCK_N, block_k: int = GEMV_BLOCK_K,
+                      num_warps: int = GEMV_WARPS) -> torch.Tensor:
+    """zoo::gated_gemv's kernel; the tile arguments are for ``benchmarks/bench_gemv.py``'s sweep."""
+    check_dtypes("gated_gemv", x, weight, *(() if bias is None else (bias,)))
+    if activation not in KERNEL_ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(KERNEL_ACTIVATIONS)}")
+    rows, k = weight.shape
+    if rows % 2:
+        raise ValueError(
+            f"zoo::gated_gemv takes a weight of gate rows then as many up rows, got shape {tuple(weight.shape)}"
+        )
+    if x.numel() != k:
+        raise ValueError(f"zoo::gated_gemv multiplies one row: x has shape {tuple(x.shape)} for a weight of {k} columns")
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"zoo::gated_gemv takes a bias of {rows} values for a weight of shape {tuple(weight.shape)}, "
+                         f"got shape {tuple(bias.shape)}")
+    intermediate = rows // 2
+    weight, row = _unit_stride(weight), x.reshape(k).contiguous()
+    out = torch.empty(*x.shape[:-1], intermediate, dtype=x.dtype, device=x.device)
+    gated_gemv_kernel[(triton.cdiv(intermediate, block_n),)](
+        row, weight, row if bias is None else bias.contiguous(), out, intermediate, k, weight.stride(0),
+        HAS_BIAS=bias is not None, ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=num_warps, **pdl_launch(x),
     )
     return out
 

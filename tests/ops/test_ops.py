@@ -184,7 +184,7 @@ def test_public_names_run_the_reference_on_cpu_and_the_registered_op_elsewhere(m
 
 def test_ops_are_registered_custom_ops():
     for name in ("rms_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "write_kv_cache", "rotary_write_kv", "gemv",
-                 "argmax", "route_topk"):
+                 "gated_gemv", "argmax", "route_topk"):
         assert hasattr(torch.ops.zoo, name)
 
 
@@ -212,6 +212,9 @@ def fake_kernel_cases():
         "gemv": (zoo.gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), None)),
         "argmax": (zoo.argmax, (x,)),
         "gemv_bias": (zoo.gemv, (x[:1], torch.randn(7, 72, dtype=torch.float16), torch.randn(7, dtype=torch.float16))),
+        "gated_gemv": (zoo.gated_gemv, (x[:1], torch.randn(14, 72, dtype=torch.float16), None, "silu")),
+        "gated_gemv_bias": (zoo.gated_gemv, (x[:1], torch.randn(14, 72, dtype=torch.float16),
+                                             torch.randn(14, dtype=torch.float16), "gelu_pytorch_tanh")),
         "route_topk": (zoo.route_topk, (x[:, :16], None, 4, "softmax", True, 1, 1, "top2_sum", 1.0)),
         "route_topk_groups": (zoo.route_topk, (x[:, :16].float(), torch.randn(16), 3, "sigmoid", True, 4, 2,
                                                "top2_sum", 2.5)),

@@ -16,13 +16,13 @@ import torch
 pytest.importorskip("triton")
 
 from ops_cuda import (  # noqa: E402
-    ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gemv, rms_norm, write_kv_cache,
+    ACTIVATIONS, act_and_mul, apply_rotary, argmax, fused_add_rms_norm, gated_gemv, gemv, rms_norm, write_kv_cache,
 )
 import ops_cuda.linear  # noqa: E402
 from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.argmax import argmax_reference  # noqa: E402
-from ops_cuda.gemv import gemv_reference  # noqa: E402
+from ops_cuda.gemv import gated_gemv_reference, gemv_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
@@ -67,6 +67,11 @@ def gemv_inputs(n: int, k: int, lead: tuple, bias: bool, dtype, device="cpu"):
 
 def exact_gemv(x, weight, bias):
     return gemv_reference(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def exact_gated_gemv(x, weight, bias, activation):
+    # The product exactly rounded, then the activation as the reference takes it.
+    return act_and_mul_reference(exact_gemv(x, weight, bias), activation)
 
 
 def logits_with_ties(rows: int, vocab: int, dtype, device="cpu") -> torch.Tensor:
@@ -290,6 +295,55 @@ def test_gemv_takes_one_row_interpreted():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gated_gemv_activations_interpreted(activation, dtype):
+    # I = 37 columns of h: the last tile of 2 half full; K = 100 in one masked tile.
+    torch.manual_seed(0)
+    x, weight, bias = gemv_inputs(2 * 37, 100, (1,), True, dtype)
+    out = kernels.gated_gemv_triton(x, weight, bias, activation)
+    assert_close(out, exact_gated_gemv(x, weight, bias, activation), GEMV_TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("intermediate, k, lead", [(37, 1030, (1, 1)), (8, 512, ()), (3, 7, (1,))])
+def test_gated_gemv_interpreted(intermediate, k, lead, bias, dtype):
+    # K = 1030: a full tile of 1,024 columns and a masked one.
+    torch.manual_seed(0)
+    x, weight, b = gemv_inputs(2 * intermediate, k, lead, bias, dtype)
+    out = kernels.gated_gemv_triton(x, weight, b, "silu")
+    assert out.shape == (*lead, intermediate)
+    assert_close(out, exact_gated_gemv(x, weight, b, "silu"), GEMV_TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("block_n, block_k", [(1, 16), (4, 32), (16, 64)])
+def test_gated_gemv_tiles_interpreted(block_n, block_k):
+    # The tiles benchmarks/bench_gemv.py sweeps: I = 37 and K = 100 leave each one's last tiles partial.
+    torch.manual_seed(0)
+    x, weight, bias = gemv_inputs(2 * 37, 100, (1,), True, torch.float16)
+    out = kernels.gated_gemv_triton(x, weight, bias, "gelu_pytorch_tanh", block_n, block_k, num_warps=2)
+    assert_close(out, exact_gated_gemv(x, weight, bias, "gelu_pytorch_tanh"), GEMV_TOL[torch.float16])
+
+
+@pytest.mark.interpreter
+def test_gated_gemv_rejects_bad_inputs_interpreted():
+    x, weight, bias = gemv_inputs(8, 16, (1,), True, torch.float16)
+    with pytest.raises(ValueError, match=r"zoo::gated_gemv multiplies one row: x has shape \(2, 16\)"):
+        kernels.gated_gemv_triton(torch.cat([x, x]), weight, None, "silu")
+    with pytest.raises(ValueError, match=r"gate rows then as many up rows, got shape \(7, 16\)"):
+        kernels.gated_gemv_triton(x, weight[:7], None, "silu")
+    with pytest.raises(ValueError, match=r"a bias of 8 values for a weight of shape \(8, 16\), got shape \(4,\)"):
+        kernels.gated_gemv_triton(x, weight, bias[:4], "silu")
+    with pytest.raises(ValueError, match="unsupported activation 'tanh'"):
+        kernels.gated_gemv_triton(x, weight, None, "tanh")
+    with pytest.raises(TypeError, match="zoo::gated_gemv takes one of"):
+        kernels.gated_gemv_triton(x, weight.float(), None, "silu")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("rows, vocab", [(3, 1000), (2, 9000), (1, 7)])
 def test_argmax_interpreted(rows, vocab, dtype):
     torch.manual_seed(0)
@@ -482,6 +536,18 @@ def test_linear_sends_single_rows_to_gemv(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("intermediate, k", [(14336, 4096), (1001, 1003)])  # Llama-3.1-8B's MLP; odd sizes
+def test_gated_gemv_gpu(intermediate, k, bias, activation, dtype):
+    torch.manual_seed(0)
+    x, weight, b = gemv_inputs(2 * intermediate, k, (1,), bias, dtype, "cuda")
+    out = run_poisoned(gated_gemv, x, weight, b, activation)
+    assert_close(out, exact_gated_gemv(x, weight, b, activation), GEMV_TOL[dtype])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_TOL)
 @pytest.mark.parametrize("rows, vocab", [(1, 128256), (451, 151936), (5, 32000), (0, 100)])
 def test_argmax_gpu(rows, vocab, dtype):
@@ -508,13 +574,15 @@ def gpu_op_cases() -> dict:
         "apply_rotary_interleaved": (apply_rotary, apply_rotary_reference, (q, k, cos, sin, True)),
         "write_kv_cache": (write_kv_cache, write_kv_cache_reference, (k, v, k_cache, v_cache, slots)),
         "gemv": (gemv, exact_gemv, gemv_inputs(4096, 4096, (1,), True, torch.bfloat16, "cuda")),
+        "gated_gemv": (gated_gemv, exact_gated_gemv,
+                       (*gemv_inputs(2 * 14336, 4096, (1,), False, torch.bfloat16, "cuda"), "silu")),
         "argmax": (argmax, argmax_reference, (logits_with_ties(33, 128256, torch.bfloat16, "cuda"),)),
     }
 
 
 OP_CASES = [
     "rms_norm", "qk_norm", "fused_add_rms_norm", "act_and_mul", "apply_rotary", "apply_rotary_interleaved", "write_kv_cache",
-    "gemv", "argmax",
+    "gemv", "gated_gemv", "argmax",
 ]
 
 
