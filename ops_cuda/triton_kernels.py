@@ -558,14 +558,15 @@ def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, intermediate, K, w_stride
     weight_rows, cols = gated_weight_rows(first_col, intermediate, BLOCK_N)
     row_ok = cols < intermediate
     row_starts = w_ptr + weight_rows[:, None].to(tl.int64) * w_stride
-    first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), K)
+    first_tile = weight_tile(row_starts, row_ok[:, None], tl.arange(0, BLOCK_K), K)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + weight_rows, mask=row_ok, other=0.0).to(tl.float32)
     else:
         bias = 0.0
     begin_after_previous(PDL)
     dtype = out_ptr.dtype.element_ty
-    h = gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtype, ACTIVATION, BLOCK_N, BLOCK_K)
+    h = gated_rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, bias, dtype, ACTIVATION,
+                                BLOCK_N, BLOCK_K)
     h_cols = first_col + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + h_cols, h.to(dtype), mask=h_cols < intermediate)
 
