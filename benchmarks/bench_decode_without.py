@@ -1,0 +1,116 @@
+"""How much batch-1 decode of the Qwen3-30B-A3B shape could gain at most by folding small kernels away:
+the decode step timed with chosen kernels removed from the chain. The outputs are wrong; only the
+time counts. Each removal bounds what any fusion of that kernel into its neighbours can save.
+
+    python3 benchmarks/bench_decode_without.py                          # the default set below
+    python3 benchmarks/bench_decode_without.py none route_topk post_norm input_norm+post_norm
+
+Each argument is one configuration, "none" or kernels joined by "+":
+
+route_topk        the router after its logits: every token takes experts 0, 8, ..., 56 at weight 1/8
+                  (the same bytes of expert weights as a real routing)
+input_norm        each layer's input RMSNorm (with the residual add): the attention reads a fixed row
+post_norm         each layer's post-attention RMSNorm: the MoE block reads a fixed row
+rotary_write_kv   the per-head q/k-norm, rotary and KV-cache write (the cache stays zero)
+
+Random bf16 weights (bench_moe.random_hf), one model for every configuration; per configuration a
+fresh LLM (CUDA graphs captured after the removal), a 128-token prompt and 256 greedy tokens timed as
+bench_moe's decode, five times: the fastest run and all five are printed. Each removal applies to
+single-row steps only, so the KV-cache sizing's prefill runs unchanged.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import layers.attention  # noqa: E402
+import layers.moe  # noqa: E402
+from bench_gpu import decode_ms_per_token  # noqa: E402
+from bench_moe import DECODE_TOKENS, PROMPT_LEN, QWEN3_30B_A3B, free_memory, random_hf  # noqa: E402
+from models import AutoModelForCausalLM  # noqa: E402
+from runtime import LLM  # noqa: E402
+
+KERNELS = ("route_topk", "input_norm", "post_norm", "rotary_write_kv")
+DEFAULT = ("none", "route_topk", "post_norm", "input_norm", "rotary_write_kv",
+           "route_topk+post_norm", "route_topk+post_norm+input_norm+rotary_write_kv", "none")
+RUNS = 5
+
+
+class Removed:
+    """The model's kernels of one configuration taken out of single-row steps, put back on exit."""
+
+    def __init__(self, model, kernels: set[str]):
+        self.model, self.kernels = model, kernels
+        hidden = QWEN3_30B_A3B["hidden_size"]
+        self.row = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
+        top_k = QWEN3_30B_A3B["num_experts_per_tok"]
+        self.routing = (torch.full((1, top_k), 1 / top_k, device="cuda"),
+                        torch.arange(0, 8 * top_k, 8, device="cuda").view(1, top_k))
+        self.route_topk, self.rotary_write_kv = layers.moe.route_topk, layers.attention.rotary_write_kv
+
+    def fixed_norm(self, hidden_states, residual=None):
+        normed = self.row if hidden_states.shape[0] == 1 else hidden_states
+        return normed if residual is None else (normed, hidden_states)
+
+    def fixed_routing(self, logits, *args, **kwargs):
+        return self.routing if logits.shape[0] == 1 else self.route_topk(logits, *args, **kwargs)
+
+    def unrotated(self, q, k, *args, **kwargs):
+        return (q, k) if q.shape[0] == 1 else self.rotary_write_kv(q, k, *args, **kwargs)
+
+    def __enter__(self):
+        if "route_topk" in self.kernels:
+            layers.moe.route_topk = self.fixed_routing
+        if "rotary_write_kv" in self.kernels:
+            layers.attention.rotary_write_kv = self.unrotated
+        for layer in self.model.model.layers:
+            if "input_norm" in self.kernels:
+                layer.input_layernorm.forward = self.fixed_norm
+            if "post_norm" in self.kernels:
+                layer.post_attention_layernorm.forward = self.fixed_norm
+        return self
+
+    def __exit__(self, *exc):
+        layers.moe.route_topk, layers.attention.rotary_write_kv = self.route_topk, self.rotary_write_kv
+        for layer in self.model.model.layers:
+            layer.input_layernorm.__dict__.pop("forward", None)
+            layer.post_attention_layernorm.__dict__.pop("forward", None)
+
+
+def time_decode(model, prompt) -> list[float]:
+    llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+    for module in model.modules():  # entries no kernel writes read as zeros, not NaN
+        for cache in getattr(module, "kv_cache", None) or ():
+            cache.zero_()
+    decode_ms_per_token(llm, prompt, 8)
+    return [decode_ms_per_token(llm, prompt, DECODE_TOKENS) for _ in range(RUNS)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("configurations", nargs="*", default=DEFAULT)
+    args = parser.parse_args()
+    configurations = [set() if name == "none" else set(name.split("+")) for name in args.configurations]
+    for kernels in configurations:
+        if unknown := kernels - set(KERNELS):
+            parser.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(KERNELS)} or none")
+    print({"device": torch.cuda.get_device_name(), "torch": torch.__version__}, flush=True)
+    model = AutoModelForCausalLM.from_hf(random_hf())
+    free_memory()
+    prompt = torch.randint(0, QWEN3_30B_A3B["vocab_size"], (PROMPT_LEN,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    print("\n| kernels removed | ms/token, fastest | all runs |\n|---|---:|---|", flush=True)
+    for name, kernels in zip(args.configurations, configurations):
+        with Removed(model, kernels):
+            runs = time_decode(model, prompt)
+        print(f"| {name} | {min(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |", flush=True)
+        free_memory()
+
+
+if __name__ == "__main__":
+    main()
