@@ -2,8 +2,11 @@
 the decode step timed with chosen kernels removed from the chain. The outputs are wrong; only the
 time counts. Each removal bounds what any fusion of that kernel into its neighbours can save.
 
-    python3 benchmarks/bench_decode_without.py                          # the default set below
+    python3 benchmarks/bench_decode_without.py                          # DEFAULT's configurations
     python3 benchmarks/bench_decode_without.py none route_topk post_norm input_norm+post_norm
+
+DEFAULT: none, each kernel alone, route_topk+post_norm, all four, and none again last, whose time
+against the first shows how far the step's time drifts over the run.
 
 Each argument is one configuration, "none" or kernels joined by "+":
 
