@@ -11,7 +11,9 @@ throughput     nano-vllm's workload: Qwen3-0.6B shape, 256 requests of random to
                batching.
 throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requests as the KV cache
                holds at once (at most --requests-8b), zoo vs HF's continuous batching; --kv-cache-dtype
-               fp8 runs zoo over an e4m3 cache, which holds about twice the requests.
+               fp8 runs zoo over an e4m3 cache, which holds about twice the requests. Beside it, the
+               run's serial bound (serial_bound): its K/V reads at the copy bandwidth plus its matmuls
+               at the bf16 matmul peak, both measured here.
 prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
                peak measured here, counting the FLOPs zoo runs: the LM head on the last row of
                each prompt only (prefill_flops).
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import AutoModelForCausalLM  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
+from runtime.kv_cache import bytes_per_block  # noqa: E402
 
 LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
@@ -297,6 +300,27 @@ def throughput(results, hf_requests):
     torch.cuda.empty_cache()
 
 
+def serial_bound(model, prompt_lengths: list[int], output_lengths: list[int], kv_dtype: torch.dtype,
+                 bandwidth: float, peak: float) -> dict:
+    """The time zoo's work on these requests takes at the ceilings measured in the same run, one part
+    after the other: every decode step's K/V reads (each context token's entries in every layer, the
+    step's own token included) at ``bandwidth``, plus every matmul at ``peak``: the prompts' as
+    prefill_flops counts them, then one decoder pass and one LM-head row per generated token after
+    the first. Decode attention's FLOPs, the elementwise kernels and the host are left out."""
+    kv_bytes_per_token = bytes_per_block(model, 1, kv_dtype)
+    decoder, lm_head = matmul_parameters(model)
+    kv_bytes = flops = 0
+    for prompt, output in zip(prompt_lengths, output_lengths):
+        steps = output - 1  # the first token comes from the prefill
+        kv_bytes += kv_bytes_per_token * (steps * prompt + steps * (steps + 1) // 2)
+        flops += prefill_flops(model, 1, prompt) + steps * 2 * (decoder + lm_head)
+    reads_s, matmuls_s = kv_bytes / bandwidth, flops / peak
+    tokens = sum(output_lengths)
+    return dict(kv_read_tb=kv_bytes / 1e12, matmul_pflop=flops / 1e15, kv_read_s=reads_s, matmul_s=matmuls_s,
+                seconds=reads_s + matmuls_s, tokens_per_s=tokens / (reads_s + matmuls_s),
+                hbm_tb_s=bandwidth / 1e12, matmul_peak_tflops=peak / 1e12)
+
+
 def zoo_8b():
     return AutoModelForCausalLM.from_hf(random_hf(LLAMA_8B))
 
@@ -305,6 +329,8 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_d
     """As many 1000/1000 requests as the KV cache holds at once: all run concurrently, none is preempted.
     HF gets the same requests afterwards, on the same weights built again."""
     startup = {}
+    bandwidth, peak = hbm_bandwidth(), matmul_peak()
+    torch.cuda.empty_cache()
     with stage(startup, "zoo build (random HF model, converted)"):
         model = zoo_8b()
     torch.cuda.empty_cache()
@@ -327,6 +353,12 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_d
           f"{batched_tokens} tokens per step, "
           f"{blocks} KV blocks of {llm.engine.kv_cache.dtype}, {llm.engine.scheduler.num_preemptions} preemptions, "
           f"{llm.engine.run_ahead.num_steps_run_ahead} steps run ahead of the host)", flush=True)
+    bound = serial_bound(model, [len(p) for p in prompts], lengths, llm.engine.kv_cache.dtype, bandwidth, peak)
+    results["throughput_8b"]["serial_bound"] = bound
+    print(f"throughput 8B 1000/1000: serial bound {bound['tokens_per_s']:.0f} tok/s ({bound['seconds']:.1f} s: "
+          f"{bound['kv_read_tb']:.1f} TB of K/V reads at {bound['hbm_tb_s']:.2f} TB/s, {bound['kv_read_s']:.1f} s, + "
+          f"{bound['matmul_pflop']:.1f} PFLOP of matmuls at {bound['matmul_peak_tflops']:.0f} TFLOP/s, "
+          f"{bound['matmul_s']:.1f} s): zoo at {bound['seconds'] / seconds:.0%} of it", flush=True)
     del llm, model
     torch.cuda.empty_cache()
     if hf_requests != 0:
@@ -339,14 +371,21 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_d
     print(f"throughput 8B 1000/1000: {startup_text(startup)}", flush=True)
 
 
+def matmul_parameters(model) -> tuple[int, int]:
+    """(weights of the decoder's matrices, of the LM head): the norms' weights are no matmul, and the
+    embedding is a lookup."""
+    config = model.config
+    decoder = sum(p.numel() for n, p in model.named_parameters()
+                  if p.dim() == 2 and "embed_tokens" not in n and not n.startswith("lm_head."))
+    return decoder, config.vocab_size * config.hidden_size
+
+
 def prefill_flops(model, prompts: int, length: int) -> float:
     """The FLOPs of prefilling ``prompts`` prompts of ``length`` tokens as zoo does: every decoder
     matmul on every token, causal attention over half the square, and the LM head only on the
     last row of each prompt (the one row a prompt samples from; zoo computes no other row's logits)."""
     config = model.config
-    lm_head = config.vocab_size * config.hidden_size
-    decoder = sum(p.numel() for n, p in model.named_parameters()  # matrices: the norms' weights are no matmul
-                  if p.dim() == 2 and "embed_tokens" not in n and not n.startswith("lm_head."))
+    decoder, lm_head = matmul_parameters(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # QK^T and PV, 2 FLOPs per multiply-add, over the causal half of the length x length scores
     attention = 2 * 2 * (length * length / 2) * config.num_attention_heads * head_dim * config.num_hidden_layers
