@@ -27,31 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attention import DTYPE, HEAD_DIM, NUM_HEADS, paged_cache  # noqa: E402
+from bench_gpu import graph_us  # noqa: E402
 from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
 from ops_cuda.kv_cache import quantize  # noqa: E402
 from ops_cuda.paged_attention import paged_decode_attention  # noqa: E402
 
-LAYERS, SEQ_LEN = 4, 1536
+LAYERS, SEQ_LEN, REPLAYS = 4, 1536, 10
 # (out features, in features) of one layer's products: qkv_proj, o_proj, gate_up_proj, down_proj
 PRODUCTS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-
-
-def graph_ms(fn, replays: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def beside(first, second, side: torch.cuda.Stream):
@@ -87,6 +70,9 @@ def measure(batch: int, cache_dtype: torch.dtype) -> str:
         for qkv, o, gate_up, down in weights:
             for weight, row in ((qkv, x), (o, x), (gate_up, x), (down, h)):
                 torch.mm(row, weight.t())
+
+    def graph_ms(fn):
+        return graph_us(fn, REPLAYS) / 1e3
 
     side = torch.cuda.Stream()
     whole_attention, whole_products = graph_ms(lambda: attention(0, 1)), graph_ms(lambda: products(batch))
