@@ -25,7 +25,7 @@ from ops_cuda import act_and_mul, gated_gemv, gemv  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.triton_helpers import pdl_launch  # noqa: E402
 from ops_cuda.triton_kernels import (  # noqa: E402
-    GATED_GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_WARPS, gated_gemv_triton, gemv_kernel,
+    GATED_GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_ROWS, GEMV_WARPS, gated_gemv_triton, gemv_kernel, gemv_launch, gemv_rows,
 )
 
 LAYERS = 32
@@ -33,8 +33,9 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
           "lm_head": (128256, 4096)}
 
 
-# (BLOCK_N, BLOCK_K, warps) of ops_cuda.triton_kernels.gemv_kernel; the first is what zoo::gemv runs.
-CONFIGS = [(GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS), (2, 1024, 4), (8, 1024, 4), (8, 512, 4), (4, 512, 2), (8, 256, 2),
+# (BLOCK_N, BLOCK_K, warps) of ops_cuda.triton_kernels.gemv_kernel; zoo::gemv picks one of the first
+# three by the weight's shape (gemv_rows).
+CONFIGS = [*((rows, GEMV_BLOCK_K, GEMV_WARPS) for rows in GEMV_ROWS), (8, 512, 4), (4, 512, 2), (8, 256, 2),
            (16, 512, 8)]
 # (columns of h, BLOCK_K, warps) of ops_cuda.triton_kernels.gated_gemv_kernel (twice as many weight rows per
 # tile); the first is what zoo::gated_gemv runs.
@@ -68,8 +69,9 @@ def products():
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
         exact = F.linear(x.float(), weights[0].float())
+        rows = gemv_rows(*gemv_launch(x, weights[0], None, None))
         implementations = {"cuBLAS F.linear": lambda x, w, out: torch.mm(x, w.t(), out=out),
-                           "zoo::gemv": lambda x, w, out: gemv(x, w, None)}
+                           f"zoo::gemv ({rows} rows)": lambda x, w, out: gemv(x, w, None)}
         implementations.update({f"sweep {c[0]}x{c[1]} w{c[2]}": sweep_gemv(*c) for c in CONFIGS})
         for label, product in implementations.items():
             error = ((product(x, weights[0], out).float() - exact).abs().max() / exact.abs().max()).item()

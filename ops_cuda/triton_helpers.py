@@ -43,6 +43,33 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def resident_programs(kernel, device: torch.device) -> int:
+    """How many programs of ``kernel`` (compiled: ``warmup``'s result) the GPU holds at once: per SM, as
+    many as its registers, threads and shared memory allow. Registers are allocated per warp in units
+    of 256; Triton reports the register file (64K on every NVIDIA GPU since Volta) as a block's most."""
+    kernel._init_handles()  # loads it: the registers it takes are known from then on
+    properties = torch.cuda.get_device_properties(device)
+    warps = kernel.metadata.num_warps
+    register_file = triton.runtime.driver.active.utils.get_device_properties(device.index)["max_num_regs"]
+    per_sm = min(register_file // (-(-kernel.n_regs * 32 // 256) * 256 * warps),
+                 properties.max_threads_per_multi_processor // (32 * warps),
+                 properties.shared_memory_per_multiprocessor // max(kernel.metadata.shared, 1))
+    return properties.multi_processor_count * per_sm
+
+
+def fullest_tile(tiles, programs, slots, preferred: int) -> int:
+    """Of a kernel's ``tiles``, each launched as ``programs(tile)`` programs of which the GPU holds
+    ``slots(tile)`` at once, the one that leaves the fewest slots idle over the launch, its last
+    partial wave counted as a whole one: 1.45 waves of programs leave 27% of their two waves' slots
+    idle, 1.94 waves 3%. A product that streams its weight once loses about that share of its
+    bandwidth in the tail. Ties go to ``preferred``."""
+    def idle_share(tile):
+        count, held = programs(tile), slots(tile)
+        return 1 - count / (-(-count // held) * held), tile != preferred
+
+    return min(tiles, key=idle_share)
+
+
 @triton.jit
 def begin_after_previous(PDL: tl.constexpr):
     # Under PDL the previous kernel may still be running: wait for all of its writes before this

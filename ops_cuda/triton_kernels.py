@@ -23,9 +23,11 @@ from ops_cuda.triton_helpers import (
     apply_activation,
     begin_after_previous,
     check_dtypes,
+    fullest_tile,
     gated_rows_times_vector,
     gated_weight_rows,
     pdl_launch,
+    resident_programs,
     round_to,
     rows_times_vector,
     weight_tile,
@@ -507,7 +509,11 @@ def rotary_write_kv_triton(
 # Matrix-vector product
 # ---------------------------------------------------------------------------------------------
 
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 1024, 4  # the fastest single tile for a whole decode step (docs/performance.md)
+# A program's weight tile: GEMV_BLOCK_N rows (off the GPU, and where gemv_rows finds a tie) x GEMV_BLOCK_K
+# columns, the fastest single tile for a whole decode step (docs/performance.md). On a GPU zoo::gemv takes
+# one of GEMV_ROWS rows, by the weight's shape (gemv_rows).
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 1024, 4
+GEMV_ROWS = (2, 4, 8)
 
 
 @triton.jit
@@ -527,7 +533,19 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, rows: int | None = None) -> torch.Tensor:
+    """zoo::gemv's kernel, ``rows`` weight rows per program: by default ``gemv_rows``'s choice on a
+    GPU and GEMV_BLOCK_N elsewhere (the tests pass each of GEMV_ROWS)."""
+    args, options = gemv_launch(x, weight, bias, out_dtype)
+    if rows is None:
+        rows = gemv_rows(args, options) if x.is_cuda else GEMV_BLOCK_N
+    gemv_kernel[(triton.cdiv(weight.shape[0], rows),)](*args, BLOCK_N=rows, **options)
+    return args[3].view(*x.shape[:-1], weight.shape[0])
+
+
+def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None) -> tuple[tuple, dict]:
+    """gemv_kernel's arguments (the output allocated) and options but its rows per program."""
     check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
     n, k = weight.shape
     if x.numel() != k:
@@ -535,13 +553,29 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"zoo::gemv writes {x.dtype} or float32, not {out_dtype}")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype, device=x.device)
-    gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
-        row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=GEMV_WARPS, **pdl_launch(x),
-    )
-    return out
+    out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
+    args = (row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0))
+    options = dict(HAS_BIAS=bias is not None, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
+                   num_warps=GEMV_WARPS, **pdl_launch(x))
+    return args, options
+
+
+_gemv_rows: dict[tuple, int] = {}
+
+
+def gemv_rows(args: tuple, options: dict) -> int:
+    """The weight rows per program of gemv_kernel on these launch arguments: of GEMV_ROWS, the one
+    whose grid fills the GPU's resident programs best (``fullest_tile``), once per weight shape, dtype
+    and output. On the Llama-3.1-8B shape: 2 rows for qkv_proj (6,144 rows: 1.94 waves, against 1.45
+    with 4) and the LM head, 4 for o_proj and down_proj (4,096 rows: 0.97 waves)."""
+    weight, out = args[1], args[3]
+    key = (tuple(weight.shape), weight.dtype, out.dtype, options["HAS_BIAS"], options["PDL"], weight.device)
+    if key not in _gemv_rows:
+        def slots(rows):
+            return resident_programs(gemv_kernel.warmup(*args, BLOCK_N=rows, grid=(1,), **options), weight.device)
+
+        _gemv_rows[key] = fullest_tile(GEMV_ROWS, lambda rows: triton.cdiv(weight.shape[0], rows), slots, GEMV_BLOCK_N)
+    return _gemv_rows[key]
 
 
 # The gated product's weight tile is gemv's, 4 rows x 1,024 columns: 2 columns of h, each a gate and an up row.

@@ -26,6 +26,7 @@ from ops_cuda.gemv import gated_gemv_reference, gemv_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
+from ops_cuda.triton_helpers import fullest_tile, resident_programs  # noqa: E402
 
 
 EPS = 1e-6
@@ -270,6 +271,29 @@ def test_gemv_interpreted(n, k, lead, bias, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("rows", kernels.GEMV_ROWS)
+def test_gemv_rows_interpreted(rows):
+    # Each tile zoo::gemv picks from on a GPU; N = 37 leaves the last program's rows partial.
+    torch.manual_seed(0)
+    x, weight, bias = gemv_inputs(37, 100, (1,), True, torch.float16)
+    assert_close(kernels.gemv_triton(x, weight, bias, rows=rows), exact_gemv(x, weight, bias), GEMV_TOL[torch.float16])
+
+
+def test_gemv_rows_fill_whole_waves():
+    # The Llama-3.1-8B products, with the programs an H200's 132 SMs hold at once of gemv_kernel
+    # compiled by Triton 3.9 for 2, 4 and 8 rows (40, 64 and 117 registers: 12, 8 and 4 per SM).
+    slots = {2: 12 * 132, 4: 8 * 132, 8: 4 * 132}
+
+    def pick(n):
+        return fullest_tile(kernels.GEMV_ROWS, lambda rows: -(-n // rows), slots.get, kernels.GEMV_BLOCK_N)
+
+    assert pick(6144) == 2  # qkv_proj: 1.94 waves of 2 rows; 1.45 of 4 and of 8
+    assert pick(4096) == 4  # o_proj, down_proj: 0.97 waves of 4 and of 8 (a tie: the default); 1.29 of 2
+    assert pick(128256) == 2  # LM head: 40.48 waves of 2 rows, 30.36 of 4 and of 8
+    assert fullest_tile((2, 4), lambda tile: 10, lambda tile: 10, 4) == 4  # every slot busy either way
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_float32_logits_interpreted(dtype):
     # A router's logits: the float32 product of the widened operands, as F.linear(x.float(), W.float()).
@@ -504,6 +528,20 @@ def test_gemv_gpu(n, k, bias, dtype):
     torch.manual_seed(0)
     x, weight, b = gemv_inputs(n, k, (1,), bias, dtype, "cuda")
     assert_close(run_poisoned(gemv, x, weight, b), exact_gemv(x, weight, b), GEMV_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", kernels.GEMV_ROWS)
+def test_gemv_rows_gpu(rows):
+    torch.manual_seed(0)
+    x, weight, _ = gemv_inputs(6144, 4096, (1,), False, torch.bfloat16, "cuda")
+    out = kernels.gemv_triton(x, weight, None, rows=rows)
+    assert_close(out, exact_gemv(x, weight, None), GEMV_TOL[torch.bfloat16])
+    # Every SM holds at least one of its programs, and at most its threads' worth (2,048 / 128).
+    compiled = kernels.gemv_kernel.warmup(x.view(-1), weight, x.view(-1), out, 6144, 4096, 4096, HAS_BIAS=False,
+                                          BLOCK_N=rows, BLOCK_K=1024, num_warps=4, PDL=False, grid=(1,))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    assert sms <= resident_programs(compiled, x.device) <= 16 * sms
 
 
 @pytest.mark.gpu
