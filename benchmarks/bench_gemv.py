@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
 from ops_cuda import act_and_mul, gated_gemv, gemv  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
-from ops_cuda.triton_helpers import pdl_launch  # noqa: E402
 from ops_cuda.triton_kernels import (  # noqa: E402
     GATED_GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_ROWS, GEMV_WARPS, gated_gemv_triton, gemv_kernel, gemv_launch, gemv_rows,
 )
@@ -45,10 +44,10 @@ GATED_CONFIGS = [(GATED_GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS), (1, 1024, 4), (
 
 def sweep_gemv(block_n, block_k, warps):
     def gemv(x, w, out):
-        n, k = w.shape
-        gemv_kernel[(n // block_n,)](x, w, x, out, n, k, k, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     num_warps=warps, **pdl_launch(x))
-        return out
+        args, options = gemv_launch(x, w, None, None)
+        options.update(BLOCK_K=block_k, num_warps=warps)
+        gemv_kernel[(w.shape[0] // block_n,)](*args, BLOCK_N=block_n, **options)
+        return args[3]
 
     return gemv
 

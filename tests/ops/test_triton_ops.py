@@ -538,8 +538,8 @@ def test_gemv_rows_gpu(rows):
     out = kernels.gemv_triton(x, weight, None, rows=rows)
     assert_close(out, exact_gemv(x, weight, None), GEMV_TOL[torch.bfloat16])
     # Every SM holds at least one of its programs, and at most its threads' worth (2,048 / 128).
-    compiled = kernels.gemv_kernel.warmup(x.view(-1), weight, x.view(-1), out, 6144, 4096, 4096, HAS_BIAS=False,
-                                          BLOCK_N=rows, BLOCK_K=1024, num_warps=4, PDL=False, grid=(1,))
+    args, options = kernels.gemv_launch(x, weight, None, None)
+    compiled = kernels.gemv_kernel.warmup(*args, BLOCK_N=rows, grid=(1,), **options)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     assert sms <= resident_programs(compiled, x.device) <= 16 * sms
 
