@@ -1,25 +1,29 @@
-"""How much batch-1 decode of the Qwen3-30B-A3B shape could gain at most by folding small kernels away:
-the decode step timed with chosen kernels removed from the chain. The outputs are wrong; only the
-time counts. Each removal bounds what any fusion of that kernel into its neighbours can save.
+"""How much batch-1 decode could gain at most by folding small kernels away: the decode step timed
+with chosen kernels removed from the chain, on the Qwen3-30B-A3B shape (default) or the
+Llama-3.1-8B shape. The outputs are wrong; only the time counts. Each removal bounds what any
+fusion of that kernel into its neighbours can save.
 
     python3 benchmarks/bench_decode_without.py                          # DEFAULT's configurations
     python3 benchmarks/bench_decode_without.py none route_topk post_norm input_norm+post_norm
+    python3 benchmarks/bench_decode_without.py --shape llama-3.1-8b     # DEFAULT_DENSE's
 
 DEFAULT: none, each kernel alone, route_topk+post_norm, all four, and none again last, whose time
-against the first shows how far the step's time drifts over the run.
+against the first shows how far the step's time drifts over the run. DEFAULT_DENSE: the same for
+the dense shape's kernels, then both norms and decode attention with rotary.
 
 Each argument is one configuration, "none" or kernels joined by "+":
 
 route_topk        the router after its logits: every token takes experts 0, 8, ..., 56 at weight 1/8
-                  (the same bytes of expert weights as a real routing)
+                  (the same bytes of expert weights as a real routing); the MoE shape only
 input_norm        each layer's input RMSNorm (with the residual add): the attention reads a fixed row
-post_norm         each layer's post-attention RMSNorm: the MoE block reads a fixed row
+post_norm         each layer's post-attention RMSNorm: the MLP or MoE block reads a fixed row
 rotary_write_kv   the per-head q/k-norm, rotary and KV-cache write (the cache stays zero)
+decode_attention  both decode-attention kernels (split and reduce): o_proj reads the queries
 
-Random bf16 weights (bench_moe.random_hf), one model for every configuration; per configuration a
-fresh LLM (CUDA graphs captured after the removal), a 128-token prompt and 256 greedy tokens timed as
-bench_moe's decode, five times: the fastest run and all five are printed. Each removal applies to
-single-row steps only, so the KV-cache sizing's prefill runs unchanged.
+Random bf16 weights (bench_moe.random_hf, bench_gpu.zoo_8b), one model for every configuration; per
+configuration a fresh LLM (CUDA graphs captured after the removal), a 128-token prompt and 256 greedy
+tokens timed as bench_moe's decode, five times: the fastest run and all five are printed. Each
+removal applies to single-row steps only, so the KV-cache sizing's prefill runs unchanged.
 """
 
 import argparse
@@ -33,28 +37,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import layers.attention  # noqa: E402
 import layers.moe  # noqa: E402
-from bench_gpu import decode_ms_per_token  # noqa: E402
+from bench_gpu import LLAMA_8B, decode_ms_per_token, zoo_8b  # noqa: E402
 from bench_moe import DECODE_TOKENS, PROMPT_LEN, QWEN3_30B_A3B, free_memory, random_hf  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from runtime import LLM  # noqa: E402
 
-KERNELS = ("route_topk", "input_norm", "post_norm", "rotary_write_kv")
+KERNELS = ("route_topk", "input_norm", "post_norm", "rotary_write_kv", "decode_attention")
 DEFAULT = ("none", "route_topk", "post_norm", "input_norm", "rotary_write_kv",
            "route_topk+post_norm", "route_topk+post_norm+input_norm+rotary_write_kv", "none")
+DEFAULT_DENSE = ("none", "input_norm", "post_norm", "input_norm+post_norm", "rotary_write_kv", "decode_attention",
+                 "rotary_write_kv+decode_attention", "none")
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "llama-3.1-8b": LLAMA_8B}
 RUNS = 5
 
 
 class Removed:
     """The model's kernels of one configuration taken out of single-row steps, put back on exit."""
 
-    def __init__(self, model, kernels: set[str]):
+    def __init__(self, model, kernels: set[str], fields: dict):
         self.model, self.kernels = model, kernels
-        hidden = QWEN3_30B_A3B["hidden_size"]
-        self.row = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
-        top_k = QWEN3_30B_A3B["num_experts_per_tok"]
+        self.row = torch.randn(1, fields["hidden_size"], dtype=torch.bfloat16, device="cuda") * 0.1
+        top_k = fields.get("num_experts_per_tok", 1)
         self.routing = (torch.full((1, top_k), 1 / top_k, device="cuda"),
                         torch.arange(0, 8 * top_k, 8, device="cuda").view(1, top_k))
         self.route_topk, self.rotary_write_kv = layers.moe.route_topk, layers.attention.rotary_write_kv
+        self.attend_decodes = layers.attention.TritonAttentionBackend.attend_decodes
 
     def fixed_norm(self, hidden_states, residual=None):
         normed = self.row if hidden_states.shape[0] == 1 else hidden_states
@@ -71,6 +78,10 @@ class Removed:
             layers.moe.route_topk = self.fixed_routing
         if "rotary_write_kv" in self.kernels:
             layers.attention.rotary_write_kv = self.unrotated
+        if "decode_attention" in self.kernels:  # a step of one sequence has no prefill rows
+            attend_decodes = self.attend_decodes
+            layers.attention.TritonAttentionBackend.attend_decodes = \
+                lambda backend, q, *args: q if q.shape[0] == 1 else attend_decodes(backend, q, *args)
         for layer in self.model.model.layers:
             if "input_norm" in self.kernels:
                 layer.input_layernorm.forward = self.fixed_norm
@@ -80,6 +91,7 @@ class Removed:
 
     def __exit__(self, *exc):
         layers.moe.route_topk, layers.attention.rotary_write_kv = self.route_topk, self.rotary_write_kv
+        layers.attention.TritonAttentionBackend.attend_decodes = self.attend_decodes
         for layer in self.model.model.layers:
             layer.input_layernorm.__dict__.pop("forward", None)
             layer.post_attention_layernorm.__dict__.pop("forward", None)
@@ -96,20 +108,24 @@ def time_decode(model, prompt) -> list[float]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("configurations", nargs="*", default=DEFAULT)
+    parser.add_argument("configurations", nargs="*")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
     args = parser.parse_args()
-    configurations = [set() if name == "none" else set(name.split("+")) for name in args.configurations]
+    fields = SHAPES[args.shape]
+    names = args.configurations or (DEFAULT if args.shape == "qwen3-30b-a3b" else DEFAULT_DENSE)
+    configurations = [set() if name == "none" else set(name.split("+")) for name in names]
     for kernels in configurations:
         if unknown := kernels - set(KERNELS):
             parser.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(KERNELS)} or none")
-    print({"device": torch.cuda.get_device_name(), "torch": torch.__version__}, flush=True)
-    model = AutoModelForCausalLM.from_hf(random_hf())
+        if "route_topk" in kernels and "num_experts" not in fields:
+            parser.error(f"{args.shape} has no router: route_topk is the MoE shape's")
+    print({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape}, flush=True)
+    model = AutoModelForCausalLM.from_hf(random_hf()) if args.shape == "qwen3-30b-a3b" else zoo_8b()
     free_memory()
-    prompt = torch.randint(0, QWEN3_30B_A3B["vocab_size"], (PROMPT_LEN,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(0, fields["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
     print("\n| kernels removed | ms/token, fastest | all runs |\n|---|---:|---|", flush=True)
-    for name, kernels in zip(args.configurations, configurations):
-        with Removed(model, kernels):
+    for name, kernels in zip(names, configurations):
+        with Removed(model, kernels, fields):
             runs = time_decode(model, prompt)
         print(f"| {name} | {min(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |", flush=True)
         free_memory()
