@@ -57,9 +57,10 @@ class Removed:
     def __init__(self, model, kernels: set[str], fields: dict):
         self.model, self.kernels = model, kernels
         self.row = torch.randn(1, fields["hidden_size"], dtype=torch.bfloat16, device="cuda") * 0.1
-        top_k = fields.get("num_experts_per_tok", 1)
-        self.routing = (torch.full((1, top_k), 1 / top_k, device="cuda"),
-                        torch.arange(0, 8 * top_k, 8, device="cuda").view(1, top_k))
+        if "route_topk" in kernels:  # main() takes it for the MoE shape only
+            top_k = fields["num_experts_per_tok"]
+            self.routing = (torch.full((1, top_k), 1 / top_k, device="cuda"),
+                            torch.arange(0, 8 * top_k, 8, device="cuda").view(1, top_k))
         self.route_topk, self.rotary_write_kv = layers.moe.route_topk, layers.attention.rotary_write_kv
         self.attend_decodes = layers.attention.TritonAttentionBackend.attend_decodes
 

@@ -33,6 +33,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -309,11 +310,14 @@ def serial_bound(model, prompt_lengths: list[int], output_lengths: list[int], kv
     the first. Decode attention's FLOPs, the elementwise kernels and the host are left out."""
     kv_bytes_per_token = bytes_per_block(model, 1, kv_dtype)
     decoder, lm_head = matmul_parameters(model)
-    kv_bytes = flops = 0
+    kv_bytes = decode_steps = 0
     for prompt, output in zip(prompt_lengths, output_lengths):
         steps = output - 1  # the first token comes from the prefill
         kv_bytes += kv_bytes_per_token * (steps * prompt + steps * (steps + 1) // 2)
-        flops += prefill_flops(model, 1, prompt) + steps * 2 * (decoder + lm_head)
+        decode_steps += steps
+    # prefill_flops scans the model's parameters: once per prompt length, not once per prompt.
+    flops = sum(prefill_flops(model, count, length) for length, count in Counter(prompt_lengths).items())
+    flops += decode_steps * 2 * (decoder + lm_head)
     reads_s, matmuls_s = kv_bytes / bandwidth, flops / peak
     tokens = sum(output_lengths)
     return dict(kv_read_tb=kv_bytes / 1e12, matmul_pflop=flops / 1e15, kv_read_s=reads_s, matmul_s=matmuls_s,
