@@ -21,7 +21,11 @@ agreement and KL, on the random models above, the tiny random fidelity models (t
 ``benchmarks/fidelity.py``: tests/models/test_parity.py's and DeepSeek-V3's, with MLA's latent cache) and
 SmolLM2's real weights.
 
-    python3 benchmarks/bf16_agreement.py --kv-cache-dtype fp8
+    python3 benchmarks/bf16_agreement.py --kv-cache-dtype fp8 [--decode]
+
+The prompt is one prefill, whose attention is the prompt kernel's; with ``--decode`` its first
+``DECODE_PROMPT`` tokens are, and every later position is a one-token decode step over the cache
+(the decode kernel's attention), each fed the prompt's next token.
 
 On a machine without CUDA it runs on the CPU, where zoo's ops are their PyTorch references.
 """
@@ -104,49 +108,67 @@ def report(name, reference, input_ids):
     print(f"| {name} | {z:.2%} | {zk:.1e} | {p:.2%} | {h:.2%} | {hk:.1e} | {b:.2%} | {zf:.2%} | {hf:.2%} |", flush=True)
 
 
+# --decode: the positions before this many are one prefill, each later one a decode step.
+DECODE_PROMPT = 16
+
+
 @torch.no_grad()
-def paged_logits(model, input_ids, kv_cache_dtype: str, block_size: int = 16) -> torch.Tensor:
-    """zoo's logits [B, T, vocab] at every position of the prompts ``input_ids`` [B, T], computed as
-    one prefill through a paged KV cache of ``kv_cache_dtype`` (the attention backend reads every key
-    and value back from the cache: the new tokens' too)."""
+def paged_logits(model, input_ids, kv_cache_dtype: str, decode: bool = False, block_size: int = 16) -> torch.Tensor:
+    """zoo's logits [B, T, vocab] at every position of the prompts ``input_ids`` [B, T], computed
+    through a paged KV cache of ``kv_cache_dtype`` (the attention backend reads every key and value
+    back from the cache: the new tokens' too): one prefill, or with ``decode`` a prefill of the first
+    ``DECODE_PROMPT`` positions, then one decode step per position (the logits of those only,
+    [B, T - DECODE_PROMPT, vocab])."""
     batch, length = input_ids.shape
     device = input_ids.device
     blocks_per_seq = -(-length // block_size)
     backend = layers.attention.select_backend(None, device, layers.attention.score_modifiers_used(model))
     cache = KVCache(model, batch * blocks_per_seq, block_size, backend, dtype=cache_dtype(kv_cache_dtype, model))
     block_tables = torch.arange(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
-    positions = torch.arange(length, device=device)
-    slots = (block_tables[:, positions // block_size].long() * block_size + positions % block_size).flatten()
-    metadata = layers.attention.AttentionMetadata(
-        query_lens=[length] * batch, context_lens=[0] * batch, slot_mapping=slots, block_tables=block_tables,
-        seq_lens=torch.full((batch,), length, dtype=torch.int32, device=device),
-        query_start_loc=torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device),
-    )
-    rows = torch.arange(batch * length, device=device)
-    logits = model(input_ids.flatten(), positions.repeat(batch), metadata, logits_indices=rows)
+
+    def step(start: int, stop: int) -> torch.Tensor:  # positions start..stop-1 of every prompt, after start cached
+        count = stop - start
+        positions = torch.arange(start, stop, device=device)
+        slots = (block_tables[:, positions // block_size].long() * block_size + positions % block_size).flatten()
+        metadata = layers.attention.AttentionMetadata(
+            query_lens=[count] * batch, context_lens=[start] * batch, slot_mapping=slots, block_tables=block_tables,
+            num_decodes=batch if count == 1 and start > 0 else 0,
+            seq_lens=torch.full((batch,), stop, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(0, (batch + 1) * count, count, dtype=torch.int32, device=device),
+        )
+        rows = torch.arange(batch * count, device=device)
+        logits = model(input_ids[:, start:stop].flatten(), positions.repeat(batch), metadata, logits_indices=rows)
+        return logits.view(batch, count, -1)
+
+    if decode:
+        step(0, DECODE_PROMPT)
+        logits = torch.cat([step(t, t + 1) for t in range(DECODE_PROMPT, length)], 1)
+    else:
+        logits = step(0, length)
     model.unbind_kv_cache(cache.pools)
-    return logits.view(batch, length, -1)
+    return logits
 
 
-def report_kv_cache(name, model, input_ids, kv_cache_dtype):
-    agreement, kl = compare(paged_logits(model, input_ids, kv_cache_dtype), paged_logits(model, input_ids, "auto"))
-    print(f"| {name} | {input_ids.numel()} | {agreement:.2%} | {kl:.1e} |", flush=True)
+def report_kv_cache(name, model, input_ids, kv_cache_dtype, decode):
+    ours = paged_logits(model, input_ids, kv_cache_dtype, decode)
+    agreement, kl = compare(ours, paged_logits(model, input_ids, "auto", decode))
+    print(f"| {name} | {ours.shape[0] * ours.shape[1]} | {agreement:.2%} | {kl:.1e} |", flush=True)
     return agreement
 
 
-def kv_cache_main(kv_cache_dtype):
+def kv_cache_main(kv_cache_dtype, decode):
     import tempfile
 
     from tests.conftest import hf_model, save_checkpoint
     from tests.models.test_deepseek_v3 import VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model
     from tests.models.test_parity import VARIANTS
 
-    print(f"| model (bf16) | teacher-forced positions | top-1 agreement, {kv_cache_dtype} cache vs bf16 cache "
-          f"| KL |")
+    positions = "teacher-forced decode steps" if decode else "teacher-forced positions"
+    print(f"| model (bf16) | {positions} | top-1 agreement, {kv_cache_dtype} cache vs bf16 cache | KL |")
     print("|---|---|---|---|")
     random_ids = random_input_ids()
     for name, reference in random_models():
-        report_kv_cache(name, AutoModelForCausalLM.from_hf(reference), random_ids, kv_cache_dtype)
+        report_kv_cache(name, AutoModelForCausalLM.from_hf(reference), random_ids, kv_cache_dtype, decode)
     torch.manual_seed(1)
     tiny_ids = torch.randint(0, 97, (2, 40), device=DEVICE)
     tiny = {name: hf_model(config) for name, config in VARIANTS.items()}
@@ -155,12 +177,13 @@ def kv_cache_main(kv_cache_dtype):
         with tempfile.TemporaryDirectory() as directory:
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)),
                                                          dtype=torch.bfloat16, device=DEVICE)
-        report_kv_cache(f"tiny {name}", model, tiny_ids, kv_cache_dtype)
+        report_kv_cache(f"tiny {name}", model, tiny_ids, kv_cache_dtype, decode)
     from loaders.default_model import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device=DEVICE)
-    report_kv_cache("SmolLM2-135M-Instruct (real weights)", model, smollm2_ids(path).to(DEVICE), kv_cache_dtype)
+    report_kv_cache("SmolLM2-135M-Instruct (real weights)", model, smollm2_ids(path).to(DEVICE), kv_cache_dtype,
+                    decode)
 
 
 def random_input_ids() -> torch.Tensor:
@@ -197,9 +220,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--kv-cache-dtype", choices=("fp8",),
                         help="measure zoo with this KV-cache dtype against zoo with the bf16 cache instead")
+    parser.add_argument("--decode", action="store_true",
+                        help="with --kv-cache-dtype: positions after the first 16 as one-token decode steps")
     args = parser.parse_args()
+    if args.decode and not args.kv_cache_dtype:
+        parser.error("--decode measures a KV-cache dtype: pass --kv-cache-dtype too")
     if args.kv_cache_dtype:
-        kv_cache_main(args.kv_cache_dtype)
+        kv_cache_main(args.kv_cache_dtype, args.decode)
         return
     print("| model (bf16, 256 teacher-forced positions) | zoo vs HF | zoo vs HF KL | zoo, PyTorch ops, vs HF "
           "| HF eager vs sdpa | HF eager vs sdpa KL | HF one at a time vs batched | zoo vs f32 | HF vs f32 |")

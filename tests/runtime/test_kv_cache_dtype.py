@@ -1,11 +1,14 @@
 """``LLM(..., kv_cache_dtype="fp8")``: float8_e4m3fn pools, a budget counted at a byte a value, and
 greedy generation through them end to end on Llama and DeepSeek-V3 (MLA's latent pool)."""
 
+import importlib
 import types
 
 import pytest
 import torch
 
+from layers import TorchAttentionBackend
+from models import AutoModelForCausalLM
 from runtime import LLM, EngineConfig, SamplingParams
 from runtime.cli import KV_CACHE_DTYPES as CLI_KV_CACHE_DTYPES
 from runtime.config import KV_CACHE_DTYPES
@@ -73,6 +76,28 @@ def test_greedy_generation_through_an_fp8_cache_runs_on_both_backends(checkpoint
     # the model's dtype gives for most prompts of these nearly flat random models.
     auto = token_ids(llm(checkpoints[name]).generate(batch, GREEDY, use_tqdm=False))
     assert sum(a[0] == b[0] for a, b in zip(auto, outputs["torch"])) >= 4
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_agreement_benchmark_decode_steps_give_one_prefills_logits(checkpoints, name, monkeypatch):
+    # benchmarks/bf16_agreement.py --kv-cache-dtype fp8 --decode: its positions after the prompt go
+    # through the backend's decode attention, one step each, and give the logits one prefill gives
+    # there, so that its figures measure decode attention over the prompt's positions.
+    agreement = importlib.import_module("benchmarks.bf16_agreement")
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
+    input_ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    prompt = agreement.paged_logits(model, input_ids, "auto")
+    decode_rows = []
+    for method in ("attend_decodes", "decode_latent"):
+        def spy(self, q, *args, original=getattr(TorchAttentionBackend, method)):
+            decode_rows.append(q.shape[0])
+            return original(self, q, *args)
+        monkeypatch.setattr(TorchAttentionBackend, method, spy)
+    steps = agreement.paged_logits(model, input_ids, "auto", decode=True)
+    assert decode_rows == [2] * (24 - agreement.DECODE_PROMPT) * model.config.num_hidden_layers
+    assert steps.shape == (2, 24 - agreement.DECODE_PROMPT, 97)
+    torch.testing.assert_close(steps, prompt[:, agreement.DECODE_PROMPT:], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(agreement.paged_logits(model, input_ids, "fp8", decode=True), steps)
 
 
 @pytest.mark.gpu
