@@ -7,7 +7,8 @@ kernels, the torch attention backend, and the oracle of the Triton kernels
 calls the registered ops (``paged_decode_attention_op``, ``paged_prefill_attention_op``) on every
 device.
 
-Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; caches [num_blocks, block_size, Hkv, D];
+Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; caches [num_blocks, block_size, Hkv, D] (views of
+any layout, ``ops_cuda.kv_cache.new_kv_cache``);
 block_tables [sequences, max_blocks] int32; seq_lens [sequences] int32 (cached + new tokens).
 ``sliding_window`` 0 means none; otherwise the query at position p sees keys t with
 p - window < t <= p (HuggingFace's window). ``softcap`` 0 means none; otherwise each score
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.dispatch import reference_on_cpu
-from ops_cuda.kv_cache import dequantize
+from ops_cuda.kv_cache import dequantize, read_slots
 
 
 def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -65,7 +66,7 @@ def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -
     blocks = -(-length // cache.shape[1])
     # index_select over the flattened table: several times faster than advanced indexing on CPU
     gathered = cache.index_select(0, block_tables[:, :blocks].reshape(-1).long())
-    return gathered.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
+    return gathered.reshape(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
 def _in_graph(t: torch.Tensor) -> bool:
@@ -108,7 +109,7 @@ def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale
     kv_heads, head_dim = k_cache.shape[2:]
 
     def at_slots(cache, cache_scale):
-        entries = cache.view(-1, kv_heads, head_dim).index_select(0, slots.view(-1))
+        entries = read_slots(cache, slots.view(-1))
         return dequantize(entries, cache_scale, q.dtype).view(batch, length, kv_heads, head_dim)
 
     keys, values = at_slots(k_cache, k_scale), at_slots(v_cache, v_scale)

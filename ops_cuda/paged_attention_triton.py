@@ -5,7 +5,11 @@ CPU tensors under ``TRITON_INTERPRET=1``. This module imports triton, so the op 
 only inside its CUDA kernels: ``import ops_cuda`` never needs triton.
 
 Keys and values are read from the paged cache a row at a time through the block table, so any block
-size works and a key tile may span several blocks. Scores and the softmax are float32 and use exp2:
+size works and a key tile may span several blocks. V's head dim is read through its stride: an FP8 V
+cache is key-minor (``ops_cuda.kv_cache.new_kv_cache``), so a V tile's fast axis is its keys, which
+the P.V product pairs. Key tiles start at multiples of their size; those wholly inside the sequence
+load unmasked and the one holding its end loads whole cache blocks, so every mask stays constant
+along a block's keys and a key-minor tile loads in vectors. Scores and the softmax are float32 and use exp2:
 the scores carry a log2(e) factor, in the scale, or with soft-capping in the cap
 (``_score_factors``). An FP8 cache's entries are widened as they load (exactly; to float16 under a
 bf16 q, see ``_query_for_cache``), its key scale folded into the score factor and its value scale
@@ -23,6 +27,7 @@ import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.fp8 import FP8_DTYPE
+from ops_cuda.kv_cache import check_cache_layout
 from ops_cuda.triton_helpers import begin_after_previous, pdl_launch, tanh
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
@@ -38,12 +43,25 @@ LOG2_E = math.log2(math.e)
 
 @triton.jit
 def _load_kv_tile(cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                  stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+                  stride_block, stride_slot, stride_head, stride_dim, BLOCK_SIZE: tl.constexpr):
     # [BLOCK_N, BLOCK_D] rows of keys (or values) at positions `keys` of sequence `seq`, found
-    # through its block table; rows outside `key_ok` are neither read nor looked up (zeros).
-    block = tl.load(block_tables_ptr + seq * table_stride + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    rows = block * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-    return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    # through its block table; rows outside `key_ok` (None: none) are neither read nor looked up (zeros).
+    table_row = block_tables_ptr + seq * table_stride
+    mask = dim_ok[None, :]
+    if key_ok is None:
+        block = tl.load(table_row + keys // BLOCK_SIZE)
+    else:
+        block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        mask = key_ok[:, None] & mask
+    rows = block.to(tl.int64) * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    return tl.load(cache_ptr + rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0.0)
+
+
+@triton.jit
+def _sequence_blocks(keys, seq_len, BLOCK_SIZE: tl.constexpr):
+    # Which of `keys` lie in the cache blocks of a sequence of seq_len keys: the last tile's load
+    # mask, constant along each block's keys. Its slots past seq_len may hold anything.
+    return keys < tl.cdiv(seq_len, BLOCK_SIZE) * BLOCK_SIZE
 
 
 @triton.jit
@@ -60,14 +78,17 @@ def _query_for_cache(q, KV_FP8: tl.constexpr):
 
 @triton.jit
 def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-                     table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
+                     table_stride, kv_head, keys, key_ok, values_ok, dims, dim_ok, score_scale, cap_log2,
                      k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-                     BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     v_stride_dim, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      KV_FP8: tl.constexpr):
     # One online-softmax step: the rows of q over one tile of keys, `visible` [rows or 1, keys] of them.
-    # Returns the updated running max, softmax mass and unnormalised output (its values unscaled).
+    # Keys outside `key_ok` are not read (None: all are). The values of keys outside `values_ok`
+    # (None: none) are zeroed: slots past the sequence's end may hold anything, even NaN, which a
+    # zero weight would not cancel. Returns the updated running max, softmax mass and unnormalised
+    # output (its values unscaled).
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                      k_stride_block, k_stride_slot, k_stride_head, BLOCK_SIZE)
+                      k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
     if KV_FP8:
         k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
@@ -79,9 +100,11 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
     p = tl.exp2(scores - new_max[:, None])
     total = total * rescale + tl.sum(p, 1)
     v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                      v_stride_block, v_stride_slot, v_stride_head, BLOCK_SIZE)
+                      v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE)
     if KV_FP8:
         v = v.to(q.dtype)
+    if values_ok is not None:
+        v = tl.where(values_ok[:, None], v, 0.0)
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, total, acc
 
@@ -91,7 +114,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     score_scale, cap_log2, window, v_scale,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride,
-    k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+    k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
@@ -106,9 +129,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys first..seq_len-1
+    first_tile = first // BLOCK_N * BLOCK_N
     # Chunks follow this sequence's own length (whole key tiles each); later splits may be empty.
-    chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = first + split * chunk
+    chunk = tl.cdiv(tl.cdiv(seq_len - first_tile, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first_tile + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -123,14 +147,23 @@ def _decode_split_kernel(
     running_max = tl.full([BLOCK_H], SCORE_FLOOR, tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for tile in range(start, end, BLOCK_N):
+    last = seq_len // BLOCK_N * BLOCK_N  # the tile holding the sequence's end (unless it ends one)
+    for tile in range(start, tl.minimum(end, last), BLOCK_N):
         keys = tile + tl.arange(0, BLOCK_N)
-        key_ok = keys < end
         running_max, total, acc = _attend_key_tile(
-            q, running_max, total, acc, key_ok[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
-            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+            q, running_max, total, acc, (keys >= first)[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+            table_stride, kv_head, keys, None, None, dims, dim_ok, score_scale, cap_log2,
+            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
             BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+        )
+    if (start <= last) & (last < end):
+        keys = last + tl.arange(0, BLOCK_N)
+        visible = (keys >= first) & (keys < end)
+        running_max, total, acc = _attend_key_tile(
+            q, running_max, total, acc, visible[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+            table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE), keys < seq_len, dims, dim_ok,
+            score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot,
+            v_stride_head, v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
         )
 
     # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
@@ -180,7 +213,7 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     score_scale, cap_log2, window, v_scale,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride,
-    k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+    k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
@@ -207,22 +240,32 @@ def _prefill_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q = _query_for_cache(q, KV_FP8)
 
-    # Keys from the window start of the tile's first query to its last query (or the sequence end).
-    begin = tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0)
+    # Keys from the window start of the tile's first query (its key tile) to its last query (or the
+    # sequence end).
+    begin = tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len)
     running_max = tl.full([BLOCK_M], SCORE_FLOOR, tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for key_tile in range(begin, end, BLOCK_N):
+    last = seq_len // BLOCK_N * BLOCK_N  # the key tile holding the sequence's end (unless it ends one)
+    for key_tile in range(begin, tl.minimum(end, last), BLOCK_N):
         keys = key_tile + tl.arange(0, BLOCK_N)
-        key_ok = keys < end
-        visible = (key_ok[None, :] & (keys[None, :] <= positions[:, None])
+        visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
+        running_max, total, acc = _attend_key_tile(
+            q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+            table_stride, kv_head, keys, None, None, dims, dim_ok, score_scale, cap_log2,
+            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
+            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+        )
+    if last < end:
+        keys = last + tl.arange(0, BLOCK_N)
+        visible = ((keys[None, :] < end) & (keys[None, :] <= positions[:, None])
                    & (keys[None, :] > positions[:, None] - window))
         running_max, total, acc = _attend_key_tile(
             q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, key_ok, dims, dim_ok, score_scale, cap_log2,
-            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+            table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE), keys < seq_len, dims, dim_ok,
+            score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot,
+            v_stride_head, v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
         )
 
     out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
@@ -262,10 +305,12 @@ def _check(op: str, q, k_cache, v_cache, out, block_tables):
     if len(cache_dtypes) != 1 or not cache_dtypes <= {q.dtype, FP8_DTYPE}:
         raise TypeError(f"the CUDA kernel of zoo::{op} takes caches of q's dtype ({q.dtype}) or {FP8_DTYPE}, "
                         f"got {sorted(map(str, cache_dtypes))}")
-    # Kernels index the head dim (and a table row) with stride 1, everything else through strides.
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("block_tables", block_tables)):
+    # Kernels index the head dim (and a table row) with stride 1, everything else through strides;
+    # V's head dim through its stride too, where the cache is key-minor.
+    for name, t in (("q", q), ("out", out), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"zoo::{op}: {name} must be contiguous in its last dim, got strides {t.stride()}")
+    check_cache_layout(op, k_cache, v_cache)
 
 
 def _dot_precision(q: torch.Tensor) -> str:
@@ -332,7 +377,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE,
@@ -361,7 +406,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, 
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SOFTCAP=bool(softcap), DOT_PRECISION=_dot_precision(q),
         KV_FP8=k_cache.dtype == FP8_DTYPE, num_warps=num_warps, num_stages=2,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
+from ops_cuda.kv_cache import check_cache_layout
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     apply_activation,
@@ -304,25 +305,19 @@ def _quantize(values, scale, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr):
     return values
 
 
-def _check_cache_rows(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    # The kernels write the caches' rows with stride 1, in place: no contiguous copy can stand in.
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(-1) != 1:
-            raise ValueError(f"zoo::{op} needs {name} with a unit stride on its last dim, got strides {cache.stride()}")
-
-
 @triton.jit
 def _copy_to_slot(
     src_ptr, cache_ptr, token, block, offset, h, num_heads, head_dim, scale,
-    src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h,
+    src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h, cache_stride_d,
     BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
 ):
-    # Heads h ([BLOCK_H, 1]) of one token into the cache's slot (block, offset).
+    # Heads h ([BLOCK_H, 1]) of one token into the cache's slot (block, offset); the cache's dims
+    # lie cache_stride_d apart (a key-minor V cache: block_size).
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < num_heads) & (d < head_dim)
     values = tl.load(src_ptr + token * src_stride_t + h * src_stride_h + d, mask=mask)
     values = _quantize(values.to(tl.float32), scale, FP8, ROUND_TO_E4M3)
-    dst = cache_ptr + block * cache_stride_b + offset * cache_stride_o + h * cache_stride_h + d
+    dst = cache_ptr + block * cache_stride_b + offset * cache_stride_o + h * cache_stride_h + d * cache_stride_d
     tl.store(dst, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -330,7 +325,7 @@ def _copy_to_slot(
 def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size, num_heads, k_dim, v_dim, k_scale, v_scale,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-    kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
+    kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
     ROUND_TO_E4M3: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -342,16 +337,17 @@ def _write_kv_cache_kernel(
     num_heads = tl.where(slot >= 0, num_heads, 0)
     h = tl.arange(0, BLOCK_H)[:, None]
     _copy_to_slot(k_ptr, k_cache_ptr, token, block, offset, h, num_heads, k_dim, k_scale,
-                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, BLOCK_DK, FP8, ROUND_TO_E4M3)
+                  k_stride_t, k_stride_h, kc_stride_b, kc_stride_o, kc_stride_h, 1, BLOCK_DK, FP8, ROUND_TO_E4M3)
     _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, h, num_heads, v_dim, v_scale,
-                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_DV, FP8, ROUND_TO_E4M3)
+                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d, BLOCK_DV, FP8,
+                  ROUND_TO_E4M3)
 
 
 def write_kv_cache_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    _check_cache_rows("write_kv_cache", k_cache, v_cache)
+    check_cache_layout("write_kv_cache", k_cache, v_cache)
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"zoo::write_kv_cache needs one dtype for both caches, got {k_cache.dtype} and {v_cache.dtype}")
     k, v, slot_mapping = _unit_stride(k), _unit_stride(v), slot_mapping.contiguous()
@@ -361,7 +357,7 @@ def write_kv_cache_triton(
     _write_kv_cache_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], num_heads, k.shape[2], v.shape[2],
         float(k_scale), float(v_scale), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv, FP8=k_cache.dtype == FP8_DTYPE,
         ROUND_TO_E4M3=not k.is_cuda,  # the interpreter's tensors are on the CPU
         num_warps=_num_warps(block_h * max(block_dk, block_dv)), **pdl_launch(k),
@@ -438,7 +434,7 @@ def _rotary_write_kv_kernel(
     q_heads, kv_heads, head_dim, v_dim, rotary_dim, eps, block_size, k_scale, v_scale, cos_stride, sin_stride,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h,
-    kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h,
+    kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d,
     NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr, INTERLEAVED: tl.constexpr,
     FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
@@ -463,7 +459,8 @@ def _rotary_write_kv_kernel(
                        cos1, sin1, cos2, sin2, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, True, FP8,
                        ROUND_TO_E4M3, BLOCK_HALF, BLOCK_PASS, BLOCK_D)
     _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, h, cache_heads, v_dim, v_scale,
-                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, BLOCK_DV, FP8, ROUND_TO_E4M3)
+                  v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d, BLOCK_DV, FP8,
+                  ROUND_TO_E4M3)
 
 
 def rotary_write_kv_triton(
@@ -475,7 +472,7 @@ def rotary_write_kv_triton(
     """zoo::rotary_write_kv on inputs the op has checked (``ops_cuda.rotary_kv.check_rotary_write_kv``)."""
     norm = q_norm_weight is not None
     check_dtypes("rotary_write_kv", q, k, v, *((q_norm_weight, k_norm_weight) if norm else ()))
-    _check_cache_rows("rotary_write_kv", k_cache, v_cache)
+    check_cache_layout("rotary_write_kv", k_cache, v_cache)
     q, k, v, cos, sin = (_unit_stride(t) for t in (q, k, v, cos, sin))
     slot_mapping = slot_mapping.contiguous()
     q_weight, k_weight = (q_norm_weight.contiguous(), k_norm_weight.contiguous()) if norm else (q, k)
@@ -493,7 +490,7 @@ def rotary_write_kv_triton(
         float(k_scale), float(v_scale), cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         NORM=norm, WEIGHT_OFFSET=float(weight_offset), MULTIPLY_IN_FLOAT32=multiply_in_float32,
         INTERLEAVED=interleaved, FP8=k_cache.dtype == FP8_DTYPE,
         ROUND_TO_E4M3=not q.is_cuda,  # the interpreter's tensors are on the CPU

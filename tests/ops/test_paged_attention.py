@@ -26,7 +26,7 @@ from layers import (  # noqa: E402
     select_backend,
 )
 from ops_cuda import paged_attention_triton  # noqa: E402
-from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.kv_cache import is_key_minor, new_kv_cache, write_kv_cache_reference  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -56,7 +56,8 @@ class PagedBatch:
     """Sequences with ``context_lens`` cached tokens and ``query_lens`` new ones, their keys and
     values (new tokens' included) in a cache of randomly permuted blocks, unused slots NaN. A
     sequence of length 0 is a padding row: its table points at never-written blocks. With
-    ``fp8_scales`` (k_scale, v_scale) the cache is float8_e4m3fn, written with those scales."""
+    ``fp8_scales`` (k_scale, v_scale) the cache is float8_e4m3fn, written with those scales, its V
+    key-minor as the runtime allocates it (``new_kv_cache``)."""
 
     def __init__(self, context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                  device="cpu", seed=0, fp8_scales=None):
@@ -70,11 +71,11 @@ class PagedBatch:
         num_blocks = len(seq_lens) * width + 2
         self.block_tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
         self.block_tables = self.block_tables.view(len(seq_lens), width).to(torch.int32).to(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         cache_dtype = dtype if fp8_scales is None else torch.float8_e4m3fn
         self.scales = (1.0, 1.0) if fp8_scales is None else fp8_scales
-        self.k_cache = torch.full(shape, float("nan"), device=device).to(cache_dtype)
-        self.v_cache = torch.full(shape, float("nan"), device=device).to(cache_dtype)
+        self.k_cache, self.v_cache = new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, device)
+        self.k_cache.fill_(float("nan"))
+        self.v_cache.fill_(float("nan"))
         ks, vs = [], []
         for i, n in enumerate(seq_lens):
             k, v = randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)
@@ -167,14 +168,41 @@ def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("sliding_window", [0, 5])
 def test_fp8_cache_kernels_interpreted(dtype, sliding_window):
-    # An e4m3 cache with scales other than 1: the kernels widen its entries and apply the scales
-    # as the references do (the new tokens of a prefill read back from the cache too).
-    decode = decode_batch([2 * 4 + 3, 1, 0, 8], 4, 2, 16, 4, dtype, fp8_scales=(0.25, 3.0))
+    # An e4m3 cache with scales other than 1 (V key-minor): the kernels widen its entries and apply
+    # the scales as the references do (the new tokens of a prefill read back from the cache too).
+    # Lengths: two whole 16-key tiles and a partial one, a short one, a padding row, whole tiles only.
+    decode = decode_batch([2 * 16 + 3, 1, 0, 32, 8], 4, 2, 16, 4, dtype, fp8_scales=(0.25, 3.0))
+    assert is_key_minor(decode.v_cache) and not is_key_minor(decode.k_cache)
+    assert decode.v_cache.view(torch.uint8).eq(0x7F).any()  # unused slots NaN
     reference = decode.reference_decode(sliding_window)
     for num_splits in (1, 3):
         assert_close(run_decode(decode, sliding_window, num_splits), reference, TOL[dtype])
-    prefill = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, 16, 4, dtype, fp8_scales=(0.25, 3.0))
+    prefill = PagedBatch([0, 6, 21, 17], [19, 7, 1, 15], 4, 2, 16, 4, dtype, fp8_scales=(0.25, 3.0))
     assert_close(run_prefill(prefill, sliding_window), prefill.reference_prefill(sliding_window), TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_kernels_read_a_key_minor_v_cache_interpreted(sliding_window):
+    # The FP8 runtime's V layout in float16, whose unused NaN slots the interpreter keeps NaN (it
+    # widens e4m3's NaN to a finite value): the partial tile's whole-block loads must not leak them.
+    decode = decode_batch([2 * 16 + 3, 1, 0, 32, 8], 4, 2, 16, 4, torch.float16)
+    reference = decode.reference_decode(sliding_window)
+    decode.v_cache = _key_minor(decode.v_cache)
+    assert decode.v_cache.isnan().any()
+    torch.testing.assert_close(decode.reference_decode(sliding_window), reference, rtol=0, atol=0)
+    for num_splits in (1, 3):
+        assert_close(run_decode(decode, sliding_window, num_splits), reference, TOL[torch.float16])
+    prefill = PagedBatch([0, 6, 21, 17], [19, 7, 1, 15], 4, 2, 16, 4, torch.float16)
+    reference = prefill.reference_prefill(sliding_window)
+    prefill.v_cache = _key_minor(prefill.v_cache)
+    assert_close(run_prefill(prefill, sliding_window), reference, TOL[torch.float16])
+
+
+def _key_minor(cache):
+    blocks, block_size, heads, head_dim = cache.shape
+    rows = torch.empty(blocks, heads, head_dim, block_size, dtype=cache.dtype, device=cache.device)
+    return rows.permute(0, 3, 1, 2).copy_(cache)
 
 
 def test_fp8_cache_references_are_attention_over_the_rounded_cache():
