@@ -8,6 +8,7 @@ import torch
 
 from layers import AttentionMetadata
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
+from ops_cuda.kv_cache import new_kv_cache
 from runtime.config import EngineConfig
 
 CPU_KV_CACHE_GIB = 1.0
@@ -67,8 +68,8 @@ def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
 
 class KVCache:
     """Per layer of ``model.kv_cache_spec()``, a pool of fixed-size blocks per entry:
-    [num_blocks, block_size, *shape] (K and V of [kv_heads, head_dim] for plain attention),
-    bound to the model with the attention ``backend``. The pools are ``dtype`` (None: the model's;
+    [num_blocks, block_size, *shape] (K and V of [kv_heads, head_dim] for plain attention, laid out
+    by ``ops_cuda.kv_cache.new_kv_cache``), bound to the model with the attention ``backend``. The pools are ``dtype`` (None: the model's;
     ``cache_dtype`` resolves ``EngineConfig.kv_cache_dtype``); the layers' scales (``k_scale``,
     ``v_scale``, MLA's ``kv_scale``) say what their entries stand for.
 
@@ -82,14 +83,17 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = dtype or parameter.dtype
         self.padding_slot = num_blocks * block_size if padding_block else None
-        self.pools = [
-            tuple(torch.empty((num_blocks + padding_block, block_size, *shape), dtype=self.dtype,
-                              device=parameter.device) for shape in layer)
-            for layer in model.kv_cache_spec()
-        ]
+        self.pools = [self._layer_pools(layer, num_blocks + padding_block, parameter.device)
+                      for layer in model.kv_cache_spec()]
         model.bind_kv_cache(backend, self.pools)
         # When the engine goes, its cache goes with it, though the model it ran lives on.
         weakref.finalize(self, model.unbind_kv_cache, self.pools)
+
+    def _layer_pools(self, shapes: tuple[tuple[int, ...], ...], num_blocks: int, device) -> tuple[torch.Tensor, ...]:
+        if len(shapes) == 2:  # K and V of plain attention (kv_cache_spec)
+            return new_kv_cache(num_blocks, self.block_size, *shapes[1], self.dtype, device)
+        return tuple(torch.empty((num_blocks, self.block_size, *shape), dtype=self.dtype, device=device)
+                     for shape in shapes)
 
     def bound(self) -> bool:
         """Whether the model still attends over these pools (a newer engine of the model binds its own)."""

@@ -10,6 +10,7 @@ Every case keeps the cache's unused slots NaN, so a kernel that reads past a seq
 or into a padding row's table, poisons its output.
 """
 
+import re
 import types
 
 import pytest
@@ -197,6 +198,20 @@ def test_kernels_read_a_key_minor_v_cache_interpreted(sliding_window):
     reference = prefill.reference_prefill(sliding_window)
     prefill.v_cache = _key_minor(prefill.v_cache)
     assert_close(run_prefill(prefill, sliding_window), reference, TOL[torch.float16])
+
+
+def test_kernels_reject_a_strided_cache_other_than_a_key_minor_v():
+    batch = decode_batch([5, 9], 4, 2, 16, 4, torch.float32)
+    dims_first = torch.zeros(batch.v_cache.shape[0], 16, 4, 2).permute(0, 2, 3, 1)  # unit stride on heads
+    out = torch.empty_like(batch.q)
+    for k_cache, v_cache, culprit in ((_key_minor(batch.k_cache), batch.v_cache, "k_cache"),
+                                      (batch.k_cache, dims_first, "v_cache")):
+        strides = re.escape(str((k_cache if culprit == "k_cache" else v_cache).stride()))
+        args = (batch.q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale, 0, out)
+        with pytest.raises(ValueError, match=rf"zoo::paged_decode_attention needs {culprit} .* got strides {strides}"):
+            paged_decode_attention_triton(*args)
+        with pytest.raises(ValueError, match=rf"zoo::paged_prefill_attention needs {culprit} .* strides {strides}"):
+            paged_prefill_attention_triton(*args[:5], batch.query_start_loc, 1, *args[5:])
 
 
 def _key_minor(cache):
@@ -446,9 +461,10 @@ def test_prefill_kernel_cuda(dtype, shape, sliding_window):
 
 
 @pytest.mark.gpu
-def test_decode_op_replays_in_cuda_graph():
-    batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda")
-    args = batch.decode_args(0)
+@pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
+def test_decode_op_replays_in_cuda_graph(fp8_scales):
+    batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda", fp8_scales=fp8_scales)
+    args = (*batch.decode_args(0), 0.0, *batch.scales)
     batch.seq_lens.copy_(torch.tensor([5, 300, 0, 1025]))
     paged_decode_attention(*args)  # compiles the kernels outside the capture
     torch.cuda.synchronize()

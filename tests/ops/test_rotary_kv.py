@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ops_cuda import rotary_write_kv
-from ops_cuda.kv_cache import write_kv_cache_reference
+from ops_cuda.kv_cache import is_key_minor, new_kv_cache, write_kv_cache_reference
 from ops_cuda.norm import rms_norm_reference
 from ops_cuda.rotary import apply_rotary_reference
 from ops_cuda.rotary_kv import rotary_write_kv_reference
@@ -41,17 +41,18 @@ def make_inputs(dtype, norm, cache_dtype=None, n=len(SLOTS), q_heads=4, kv_heads
     else:
         positions, slots = torch.randint(0, 32768, (n,)), torch.randperm(num_blocks * block_size)[:n]
     cos, sin = rope_table(positions.to(device), rotary_dim)
-    # Poisoned caches (NaN; 0x7f in e4m3): a slot the kernel misses, or a padding token it writes, shows.
-    poison = torch.full((num_blocks, block_size, kv_heads, head_dim), 0x7F, dtype=torch.uint8, device=device)
-    cache_dtype = cache_dtype or dtype
-    k_cache = poison.view(cache_dtype) if cache_dtype.itemsize == 1 else poison.to(cache_dtype).fill_(float("nan"))
+    # Poisoned caches (NaN; 0x7f in e4m3), laid out as the runtime's (an FP8 V key-minor): a slot
+    # the kernel misses, or a padding token it writes, shows.
+    k_cache, v_cache = new_kv_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype or dtype, device)
+    for cache in (k_cache, v_cache):
+        cache.view(torch.uint8).fill_(0x7F) if cache.element_size() == 1 else cache.fill_(float("nan"))
     norm_args = {}
     if NORMS[norm] is not None:
         weight_offset, multiply_in_float32 = NORMS[norm]
         weights = (torch.randn(2, head_dim, device=device) * (0.2 if weight_offset else 1.0)).to(dtype)
         norm_args = dict(q_norm_weight=weights[0], k_norm_weight=weights[1], norm_eps=EPS,
                          weight_offset=weight_offset, multiply_in_float32=multiply_in_float32)
-    return (q, k, v, cos, sin, k_cache, k_cache.clone(), slots.to(device)), norm_args
+    return (q, k, v, cos, sin, k_cache, v_cache, slots.to(device)), norm_args
 
 
 def poisoned(cache: torch.Tensor) -> torch.Tensor:
@@ -121,6 +122,7 @@ def run_interpreted(args, scales, interleaved, norm_args):
 @pytest.mark.parametrize("rotary_dim", [24, 16, 8], ids=["full", "partial16", "partial8"])
 def test_rotary_write_kv_fp16_is_bit_equal_interpreted(rotary_dim, interleaved, norm, fp8):
     args, norm_args = make_inputs(torch.float16, norm, torch.float8_e4m3fn if fp8 else None, rotary_dim=rotary_dim)
+    assert is_key_minor(args[6]) == fp8
     scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
     (q_ref, k_ref), k_expected, v_expected = expected(args, scales, interleaved, norm_args)
     q_out, k_out = run_interpreted(args, scales, interleaved, norm_args)

@@ -7,6 +7,7 @@ CUDA graph.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.argmax import argmax_reference  # noqa: E402
 from ops_cuda.gemv import gated_gemv_reference, gemv_reference  # noqa: E402
-from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.kv_cache import is_key_minor, new_kv_cache, read_slots, write_kv_cache_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
 from ops_cuda.triton_helpers import fullest_tile, resident_programs  # noqa: E402
@@ -226,8 +227,8 @@ def test_write_fp8_kv_cache_interpreted(dtype):
     torch.manual_seed(0)
     _, k, v = qkv_views(6, 4, 2, 24, dtype)
     k[0, 0, :3] = torch.tensor([1000.0, -1000.0, 447.0], dtype=dtype)  # past the range at scale 0.5: saturated
-    k_cache = torch.zeros(3, 4, 2, 24, dtype=torch.float8_e4m3fn)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = (cache.zero_() for cache in new_kv_cache(3, 4, 2, 24, torch.float8_e4m3fn, "cpu"))
+    assert is_key_minor(v_cache)
     slots = torch.tensor([0, 5, -1, 11, 2, -1])
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     write_kv_cache_reference(k, v, expected_k, expected_v, slots, 0.5, 2.0)
@@ -237,8 +238,23 @@ def test_write_fp8_kv_cache_interpreted(dtype):
     assert expected_k[0, 0, 0, :3].float().tolist() == [448.0, -448.0, 448.0]
     # Read back: within e4m3's half a unit (2**-4 relative) of the value written.
     written = v[torch.tensor([0, 1, 3, 4])].float()
-    read = expected_v.view(-1, 2, 24)[torch.tensor([0, 5, 11, 2])].float() * 2.0
+    read = read_slots(expected_v, torch.tensor([0, 5, 11, 2])).float() * 2.0
     torch.testing.assert_close(read, written, rtol=2**-4, atol=2**-9 * 2.0)
+
+
+@pytest.mark.interpreter
+def test_kv_write_kernels_reject_a_strided_cache_other_than_a_key_minor_v():
+    _, k, v = qkv_views(6, 4, 2, 24, torch.float16)
+    k_cache, v_cache = new_kv_cache(3, 4, 2, 24, torch.float8_e4m3fn, "cpu")
+    cos, sin = torch.ones(6, 24, dtype=torch.float16), torch.zeros(6, 24, dtype=torch.float16)
+    slots = torch.tensor([0, 5, -1, 11, 2, -1])
+    dims_first = torch.zeros(3, 24, 4, 2, dtype=torch.float8_e4m3fn).permute(0, 2, 3, 1)  # unit stride on heads
+    for bad_k, bad_v, culprit in ((v_cache, v_cache, "k_cache"), (k_cache, dims_first, "v_cache")):
+        strides = re.escape(str((bad_k if culprit == "k_cache" else bad_v).stride()))
+        with pytest.raises(ValueError, match=rf"zoo::write_kv_cache needs {culprit} .* got strides {strides}"):
+            kernels.write_kv_cache_triton(k, v, bad_k, bad_v, slots)
+        with pytest.raises(ValueError, match=rf"zoo::rotary_write_kv needs {culprit} .* got strides {strides}"):
+            kernels.rotary_write_kv_triton(k, k, v, cos, sin, bad_k, bad_v, slots)
 
 
 @pytest.mark.interpreter
@@ -507,10 +523,11 @@ def test_write_fp8_kv_cache_gpu(dtype):
     n, kv_heads, head_dim, block_size, num_blocks = 300, 8, 128, 16, 64
     _, k, v = qkv_views(n, 32, kv_heads, head_dim, dtype, "cuda")
     k.mul_(300)  # some values past the range at scale 0.5: saturated
-    # NaN caches (0x7f in e4m3): a slot the kernel misses, or a padding token it writes, shows.
-    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 0x7F, dtype=torch.uint8, device="cuda")
-    k_cache = k_cache.view(torch.float8_e4m3fn)
-    v_cache = k_cache.clone()
+    # NaN caches (0x7f in e4m3), V key-minor as the runtime's: a slot the kernel misses, or a padding
+    # token it writes, shows.
+    k_cache, v_cache = new_kv_cache(num_blocks, block_size, kv_heads, head_dim, torch.float8_e4m3fn, "cuda")
+    for cache in (k_cache, v_cache):
+        cache.view(torch.uint8).fill_(0x7F)
     slots = torch.randperm(num_blocks * block_size, device="cuda")[:n]
     slots[::7] = -1
     expected_k, expected_v = k_cache.clone(), v_cache.clone()

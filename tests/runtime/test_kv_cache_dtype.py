@@ -62,6 +62,22 @@ def test_fp8_pools_hold_twice_the_blocks_of_bfloat16_ones(checkpoints, name):
     assert fp8.block_manager.num_blocks == fp8.kv_cache.num_blocks
 
 
+def test_an_fp8_cache_stores_v_key_minor_and_a_bfloat16_one_does_not(checkpoints):
+    # Each pool is the [blocks, block_size, kv_heads, head_dim] view the ops take; behind it an FP8
+    # V pool holds each block's keys side by side for every dim, MLA's latent pool its rows.
+    budget = dict(dtype="bfloat16", kv_cache_gib=2**-14)
+    for kv_cache_dtype in ("auto", "fp8"):
+        for k_pool, v_pool in llm(checkpoints["llama"], kv_cache_dtype=kv_cache_dtype, **budget).engine.kv_cache.pools:
+            blocks, block_size, heads, dim = v_pool.shape
+            assert k_pool.shape == v_pool.shape and block_size == 4 and k_pool.is_contiguous()
+            if kv_cache_dtype == "fp8":
+                assert v_pool.stride() == (heads * dim * block_size, 1, dim * block_size, block_size)
+            else:
+                assert v_pool.is_contiguous()
+    for (latent,) in llm(checkpoints["deepseek_v3"], kv_cache_dtype="fp8", **budget).engine.kv_cache.pools:
+        assert latent.is_contiguous()
+
+
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
 def test_greedy_generation_through_an_fp8_cache_runs_on_both_backends(checkpoints, name):
     # On the CPU both backends run the references (the triton backend through its own prompt path
