@@ -7,8 +7,8 @@ achieved K/V read bandwidth (bytes of K and V read / time). Prefill: 4096-token 
 of causal attention (2 * T^2 * H * D multiply-adds per sequence: half of full attention).
 
 With ``--kv-cache-dtype fp8`` it times decode over an e4m3 cache (the same bf16 randn entries cast,
-scale 1.0) beside the bf16 cache instead, at 1 x 4096, 64 x 4096, 450 x 1536 and 900 x 1536 tokens,
-in µs and TB/s of cache bytes read.
+scale 1.0, V key-minor as the runtime stores it) beside the bf16 cache instead, at 1 x 4096,
+64 x 4096, 450 x 1536 and 900 x 1536 tokens, in µs and TB/s of cache bytes read.
 
 Each case is captured in a CUDA graph and replayed (no launch overhead), with the L2 cache
 flushed before every replay; the median of --iters replays is reported.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us  # noqa: E402
 from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
-from ops_cuda.kv_cache import quantize  # noqa: E402
+from ops_cuda.kv_cache import new_kv_cache, quantize  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -82,10 +82,14 @@ FP8_DECODE_SHAPES = ((1, 4096), (64, 4096), (450, 1536), (900, 1536))
 
 
 def bench_fp8_decode(batch: int, seq_len: int, iters: int) -> dict:
-    """zoo::paged_decode_attention over the bf16 cache and over its entries cast to e4m3 (scale 1.0),
-    with the e4m3 output's largest difference from the bf16 cache's, relative to its largest magnitude."""
+    """zoo::paged_decode_attention over the bf16 cache and over its entries cast to e4m3 (scale 1.0,
+    laid out as the runtime's: V key-minor), with the e4m3 output's largest difference from the bf16
+    cache's, relative to its largest magnitude."""
     k_cache, v_cache, block_tables, _, _ = paged_cache(batch, seq_len)
-    caches = {"bf16": (k_cache, v_cache), "e4m3": (quantize(k_cache, 1.0, FP8_DTYPE), quantize(v_cache, 1.0, FP8_DTYPE))}
+    fp8_caches = new_kv_cache(*k_cache.shape, FP8_DTYPE, "cuda")
+    for fp8_cache, cache in zip(fp8_caches, (k_cache, v_cache)):
+        fp8_cache.copy_(quantize(cache, 1.0, FP8_DTYPE))
+    caches = {"bf16": (k_cache, v_cache), "e4m3": fp8_caches}
     del k_cache, v_cache
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
