@@ -7,11 +7,11 @@ before rounding (a cast alone would turn values past the range into NaN). Readin
 scale again (``dequantize``; the attention kernels fold it into their scores and outputs).
 
 Every op sees a cache as [num_blocks, block_size, kv_heads, head_dim] and indexes it through its
-strides. ``new_kv_cache`` decides the layout behind that view: the rows of an FP8 V cache are
-stored key-minor, [num_blocks, kv_heads, head_dim, block_size], so a block's keys lie side by side for
-each dim. The decode kernel's P.V product multiplies pairs of consecutive keys of V; for 16-bit
-entries a transposing shared-memory load (ldmatrix.trans) pairs them from rows, but e4m3 has none,
-and rows of V would be gathered a byte at a time.
+strides. ``new_kv_cache`` decides the layout behind that view: an FP8 V cache is stored key-minor,
+[num_blocks, kv_heads, head_dim, block_size], so a block's keys lie side by side for each dim. The
+decode kernel's P.V product multiplies pairs of consecutive keys of V; from 16-bit rows a transposing
+shared-memory load (ldmatrix.trans) pairs them, but e4m3 has none, and rows of V would be gathered a
+byte at a time.
 """
 
 import torch

@@ -9,13 +9,14 @@ size works and a key tile may span several blocks. V's head dim is read through 
 cache is key-minor (``ops_cuda.kv_cache.new_kv_cache``), so a V tile's fast axis is its keys, which
 the P.V product pairs. Key tiles start at multiples of their size; those wholly inside the sequence
 load unmasked and the one holding its end loads whole cache blocks, so every mask stays constant
-along a block's keys and a key-minor tile loads in vectors. Scores and the softmax are float32 and use exp2:
-the scores carry a log2(e) factor, in the scale, or with soft-capping in the cap
-(``_score_factors``). An FP8 cache's entries are widened as they load (exactly; to float16 under a
-bf16 q, see ``_query_for_cache``), its key scale folded into the score factor and its value scale
-into the output. Float32 inputs multiply in full float32 (``input_precision="ieee"``, not TF32) so
-they match the reference to ~1e-6. Grids and buffers depend on shapes only, never on data: both ops
-can be captured in a CUDA graph.
+along a block's keys and a key-minor tile loads in vectors.
+
+Scores and the softmax are float32 and use exp2: the scores carry a log2(e) factor, in the scale, or
+with soft-capping in the cap (``_score_factors``). An FP8 cache's entries are widened as they load
+(exactly; to float16 under a bf16 q, see ``_query_for_cache``), its key scale folded into the score
+factor and its value scale into the output. Float32 inputs multiply in full float32
+(``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers
+depend on shapes only, never on data: both ops can be captured in a CUDA graph.
 """
 
 import functools
