@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us  # noqa: E402
 from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
-from ops_cuda.kv_cache import new_kv_cache, quantize  # noqa: E402
+from ops_cuda.kv_cache import quantize  # noqa: E402
+from ops_cuda.kv_layout import new_kv_cache  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,

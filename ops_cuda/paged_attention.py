@@ -8,7 +8,7 @@ calls the registered ops (``paged_decode_attention_op``, ``paged_prefill_attenti
 device.
 
 Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; caches [num_blocks, block_size, Hkv, D] (views of
-any layout, ``ops_cuda.kv_cache.new_kv_cache``);
+any layout, ``ops_cuda.kv_layout.new_kv_cache``);
 block_tables [sequences, max_blocks] int32; seq_lens [sequences] int32 (cached + new tokens).
 ``sliding_window`` 0 means none; otherwise the query at position p sees keys t with
 p - window < t <= p (HuggingFace's window). ``softcap`` 0 means none; otherwise each score
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.dispatch import reference_on_cpu
-from ops_cuda.kv_cache import dequantize, read_slots
+from ops_cuda.kv_cache import dequantize
+from ops_cuda.kv_layout import read_slots
 
 
 def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: int | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ only inside its CUDA kernels: ``import ops_cuda`` never needs triton.
 
 Keys and values are read from the paged cache a row at a time through the block table, so any block
 size works and a key tile may span several blocks. V's head dim is read through its stride: an FP8 V
-cache is key-minor (``ops_cuda.kv_cache.new_kv_cache``), so a V tile's fast axis is its keys, which
+cache is key-minor (``ops_cuda.kv_layout.new_kv_cache``), so a V tile's fast axis is its keys, which
 the P.V product pairs. Key tiles start at multiples of their size; those wholly inside the sequence
 load unmasked and the one holding its end loads whole cache blocks, so every mask stays constant
 along a block's keys and a key-minor tile loads in vectors.
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.fp8 import FP8_DTYPE
-from ops_cuda.kv_cache import check_cache_layout
+from ops_cuda.kv_layout import check_cache_layout
 from ops_cuda.triton_helpers import begin_after_previous, pdl_launch, tanh
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.

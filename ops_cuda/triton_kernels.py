@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
-from ops_cuda.kv_cache import check_cache_layout
+from ops_cuda.kv_layout import check_cache_layout
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     apply_activation,

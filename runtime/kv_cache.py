@@ -8,7 +8,7 @@ import torch
 
 from layers import AttentionMetadata
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
-from ops_cuda.kv_cache import new_kv_cache
+from ops_cuda.kv_layout import new_kv_cache
 from runtime.config import EngineConfig
 
 CPU_KV_CACHE_GIB = 1.0
@@ -69,7 +69,7 @@ def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
 class KVCache:
     """Per layer of ``model.kv_cache_spec()``, a pool of fixed-size blocks per entry:
     [num_blocks, block_size, *shape] (K and V of [kv_heads, head_dim] for plain attention, laid out
-    by ``ops_cuda.kv_cache.new_kv_cache``), bound to the model with the attention ``backend``. The pools are ``dtype`` (None: the model's;
+    by ``ops_cuda.kv_layout.new_kv_cache``), bound to the model with the attention ``backend``. The pools are ``dtype`` (None: the model's;
     ``cache_dtype`` resolves ``EngineConfig.kv_cache_dtype``); the layers' scales (``k_scale``,
     ``v_scale``, MLA's ``kv_scale``) say what their entries stand for.
 

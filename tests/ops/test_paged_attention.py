@@ -27,7 +27,8 @@ from layers import (  # noqa: E402
     select_backend,
 )
 from ops_cuda import paged_attention_triton  # noqa: E402
-from ops_cuda.kv_cache import is_key_minor, new_kv_cache, write_kv_cache_reference  # noqa: E402
+from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.kv_layout import is_key_minor, new_kv_cache  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ops_cuda import rotary_write_kv
-from ops_cuda.kv_cache import is_key_minor, new_kv_cache, write_kv_cache_reference
+from ops_cuda.kv_cache import write_kv_cache_reference
+from ops_cuda.kv_layout import is_key_minor, new_kv_cache
 from ops_cuda.norm import rms_norm_reference
 from ops_cuda.rotary import apply_rotary_reference
 from ops_cuda.rotary_kv import rotary_write_kv_reference
