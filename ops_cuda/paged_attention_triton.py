@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.fp8 import FP8_DTYPE
-from ops_cuda.kv_layout import check_cache_layout
+from ops_cuda.kv_layout import check_cache_layout, is_key_minor
 from ops_cuda.triton_helpers import begin_after_previous, pdl_launch, tanh
 
 # "No sliding window" is passed as a window longer than any sequence: one code path for both.
@@ -40,22 +40,28 @@ SCORE_FLOOR = tl.constexpr(-1.0e30)
 MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
 LOG2_E = math.log2(math.e)
+# The e4m3 form of decode (`_attend_key_tile_e4m3`) scales q's rows so their largest entry is 256, and
+# the softmax weights p <= 1 by 256: both then sit in e4m3's normal range (from 2**-6) down to
+# 2**-14 of their largest value.
+E4M3_RANGE = tl.constexpr(256.0)
 
 
 @triton.jit
 def _load_kv_tile(cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                   stride_block, stride_slot, stride_head, stride_dim, BLOCK_SIZE: tl.constexpr):
     # [BLOCK_N, BLOCK_D] rows of keys (or values) at positions `keys` of sequence `seq`, found
-    # through its block table; rows outside `key_ok` (None: none) are neither read nor looked up (zeros).
+    # through its block table; rows outside `key_ok` (None: none) are neither read nor looked up (zeros),
+    # nor dims outside `dim_ok` (None: none).
     table_row = block_tables_ptr + seq * table_stride
-    mask = dim_ok[None, :]
+    mask = None if dim_ok is None else dim_ok[None, :]
     if key_ok is None:
         block = tl.load(table_row + keys // BLOCK_SIZE)
     else:
         block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        mask = key_ok[:, None] & mask
+        mask = key_ok[:, None] if dim_ok is None else key_ok[:, None] & dim_ok[None, :]
     rows = block.to(tl.int64) * stride_block + (keys % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-    return tl.load(cache_ptr + rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0.0)
+    entries = cache_ptr + rows[:, None] + dims[None, :] * stride_dim
+    return tl.load(entries) if mask is None else tl.load(entries, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -111,6 +117,66 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
 
 
 @triton.jit
+def _two_e4m3_terms(x, scale):
+    # x * scale as hi + lo / 16, two e4m3 tensors: one e4m3 keeps 4 significant bits, the pair about
+    # 8, as many as bfloat16. `scale` brings x's largest entries near E4M3_RANGE.
+    scaled = x * scale
+    hi = scaled.to(tl.float8e4nv)
+    lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    return hi, lo
+
+
+@triton.jit
+def _e4m3_product(a, b_hi, b_lo):
+    # a @ (b_hi + b_lo / 16) in float32: two e4m3 tensor-core products, no operand widened.
+    return tl.dot(a, b_hi) + tl.dot(a, b_lo) * 0.0625
+
+
+@triton.jit
+def _attend_key_tile_e4m3(q_hi, q_lo, column_scale, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr,
+                          block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, seq_end, dims, dim_ok,
+                          cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head,
+                          v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SOFTCAP: tl.constexpr):
+    # `_attend_key_tile` over an e4m3 cache with the keys as the rows of both products, multiplied
+    # as e4m3 (a wgmma on Hopper reads the cached entries as they are, where widening them bounds
+    # the kernel below the memory's bandwidth). q^T [dims, heads] comes as two e4m3 terms
+    # (`_two_e4m3_terms`), each head's column scaled by 1/column_scale; the weights p [keys, heads]
+    # go the same way. visible [keys, 1], acc [dims, heads] (times E4M3_RANGE). V is key-minor
+    # (`new_kv_cache`) and read as the tile's whole cache blocks, [blocks, dims, block_size], each
+    # block's keys side by side. Keys at or past `seq_end` (None: the tile lies inside the sequence)
+    # read as zeros: their slots may hold NaN.
+    k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                      k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
+    scores = _e4m3_product(k, q_hi, q_lo) * column_scale[None, :]
+    if SOFTCAP:
+        scores = cap_log2 * tanh(scores)
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 0))
+    rescale = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max[None, :])
+    total = total * rescale + tl.sum(p, 0)
+    blocks_per_tile: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    tile_blocks = tl.min(keys, 0) // BLOCK_SIZE + tl.arange(0, blocks_per_tile)
+    slots = tl.arange(0, BLOCK_SIZE)
+    mask = None if dim_ok is None else dim_ok[None, :, None]
+    if seq_end is None:
+        block = tl.load(block_tables_ptr + seq * table_stride + tile_blocks)
+    else:
+        block = tl.load(block_tables_ptr + seq * table_stride + tile_blocks, mask=tile_blocks * BLOCK_SIZE < seq_end,
+                        other=0)
+        past_end = ((tile_blocks[:, None] * BLOCK_SIZE + slots[None, :]) < seq_end)[:, None, :]
+        mask = past_end if dim_ok is None else past_end & dim_ok[None, :, None]
+    starts = block.to(tl.int64) * v_stride_block + kv_head * v_stride_head
+    entries = v_cache_ptr + starts[:, None, None] + dims[None, :, None] * v_stride_dim + slots[None, None, :]
+    v_blocks = tl.load(entries) if mask is None else tl.load(entries, mask=mask, other=0.0)
+    v_t = tl.reshape(tl.permute(v_blocks, (1, 0, 2)), (BLOCK_D, BLOCK_N))
+    p_hi, p_lo = _two_e4m3_terms(p, E4M3_RANGE)
+    acc = acc * rescale[None, :] + _e4m3_product(v_t, p_hi, p_lo)
+    return new_max, total, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     score_scale, cap_log2, window, v_scale,
@@ -118,13 +184,14 @@ def _decode_split_kernel(
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, E4M3_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
     # Writes each head's normalised partial output and its log2-sum-exp2; with one split, the
-    # output itself (no reduce stage).
+    # output itself (no reduce stage). With E4M3_PRODUCTS (an e4m3 cache) the products take the
+    # entries as they are (`_attend_key_tile_e4m3`): the keys are their rows, the heads their columns.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,29 +210,57 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = _query_for_cache(q, KV_FP8)
-
     running_max = tl.full([BLOCK_H], SCORE_FLOOR, tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     last = seq_len // BLOCK_N * BLOCK_N  # the tile holding the sequence's end (unless it ends one)
-    for tile in range(start, tl.minimum(end, last), BLOCK_N):
-        keys = tile + tl.arange(0, BLOCK_N)
-        running_max, total, acc = _attend_key_tile(
-            q, running_max, total, acc, (keys >= first)[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, None, None, dims, dim_ok, score_scale, cap_log2,
-            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
-            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
-        )
-    if (start <= last) & (last < end):
-        keys = last + tl.arange(0, BLOCK_N)
-        visible = (keys >= first) & (keys < end)
-        running_max, total, acc = _attend_key_tile(
-            q, running_max, total, acc, visible[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE), keys < seq_len, dims, dim_ok,
-            score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot,
-            v_stride_head, v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
-        )
+    if E4M3_PRODUCTS:
+        q = q.to(tl.float32)
+        largest = tl.max(tl.abs(q), 1)
+        q_scale = tl.where(largest > 0, E4M3_RANGE / largest, 1.0)
+        q_hi, q_lo = _two_e4m3_terms(q, q_scale[:, None])
+        q_hi, q_lo = tl.trans(q_hi), tl.trans(q_lo)
+        column_scale = score_scale / q_scale
+        acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
+        # Unmasked loads where the head dim fills BLOCK_D: a mask would cost them their vector width.
+        tile_dim_ok = None if HEAD_DIM == BLOCK_D else dim_ok
+        for tile in range(start, tl.minimum(end, last), BLOCK_N):
+            keys = tile + tl.arange(0, BLOCK_N)
+            running_max, total, acc = _attend_key_tile_e4m3(
+                q_hi, q_lo, column_scale, running_max, total, acc, (keys >= first)[:, None], k_cache_ptr,
+                v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, None, None, dims, tile_dim_ok,
+                cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head, v_stride_dim,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
+            )
+        if (start <= last) & (last < end):
+            keys = last + tl.arange(0, BLOCK_N)
+            visible = (keys >= first) & (keys < end)
+            running_max, total, acc = _attend_key_tile_e4m3(
+                q_hi, q_lo, column_scale, running_max, total, acc, visible[:, None], k_cache_ptr, v_cache_ptr,
+                block_tables_ptr, seq, table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE),
+                seq_len, dims, tile_dim_ok, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
+                v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
+            )
+        acc = tl.trans(acc) / E4M3_RANGE
+    else:
+        q = _query_for_cache(q, KV_FP8)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for tile in range(start, tl.minimum(end, last), BLOCK_N):
+            keys = tile + tl.arange(0, BLOCK_N)
+            running_max, total, acc = _attend_key_tile(
+                q, running_max, total, acc, (keys >= first)[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                seq, table_stride, kv_head, keys, None, None, dims, dim_ok, score_scale, cap_log2,
+                k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+                v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+            )
+        if (start <= last) & (last < end):
+            keys = last + tl.arange(0, BLOCK_N)
+            visible = (keys >= first) & (keys < end)
+            running_max, total, acc = _attend_key_tile(
+                q, running_max, total, acc, visible[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+                table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE), keys < seq_len, dims, dim_ok,
+                score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot,
+                v_stride_head, v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+            )
 
     # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
     has_keys = total > 0
@@ -344,6 +439,17 @@ def _decode_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
     return (2 * rows if k_cache.dtype == FP8_DTYPE else rows), block_d
 
 
+def _e4m3_products(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the decode kernel multiplies an FP8 cache's entries as e4m3 (`_attend_key_tile_e4m3`):
+    on CUDA under a bfloat16 q, whose 8 significant bits q and p keep as two e4m3 terms (float16 and
+    float32 keep theirs through the widened form), over a key-minor V cache whose blocks of 16 to
+    128 keys (a power of two) lie whole in a key tile. The interpreter does not round to e4m3 as the
+    GPU does."""
+    block_size = k_cache.shape[1]
+    return (q.is_cuda and q.dtype == torch.bfloat16 and k_cache.dtype == FP8_DTYPE and is_key_minor(v_cache)
+            and block_size in (16, 32, 64, 128))
+
+
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
     """(query tile rows, key tile rows, head-dim block, warps) of the prefill kernel."""
     block_d = _head_block(q.shape[-1])
@@ -369,6 +475,9 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
     block_n, block_d = _decode_tiles(q, k_cache)
+    e4m3_products = _e4m3_products(q, k_cache, v_cache)
+    # The query heads fill the products' rows (16 at least) or, in the e4m3 form, their columns (8).
+    block_h = max(8 if e4m3_products else 16, triton.next_power_of_2(group))
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
@@ -380,8 +489,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
-        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
+        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, E4M3_PRODUCTS=e4m3_products,
         num_warps=4, num_stages=3, **launch,
     )
     if num_splits == 1:

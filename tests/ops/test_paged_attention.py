@@ -433,6 +433,31 @@ def test_fp8_cache_kernels_cuda(dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [0.0, 50.0])
+@pytest.mark.parametrize("sliding_window", [0, 1000])
+def test_fp8_decode_e4m3_products_cuda(softcap, sliding_window):
+    # The runtime's FP8 cache under a bf16 q: the kernel multiplies the entries as e4m3, q and p as
+    # two e4m3 terms each (about bf16's 8 significant bits). Its bf16 output stays within two bf16
+    # rounding units of the largest output from the float32 reference over the same cache, as the
+    # widened form's does, and from the widened form's.
+    batch = decode_batch([1, 16, 0, 777, 3001, 2053, 128, 129], *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda",
+                         fp8_scales=(0.25, 3.0))
+    assert paged_attention_triton._e4m3_products(batch.q, batch.k_cache, batch.v_cache)
+    batch.scale = 1.0 if softcap else batch.scale
+    reference = batch.reference_decode(sliding_window, softcap)
+    widened = torch.full_like(batch.q, float("nan"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_attention_triton, "_e4m3_products", lambda *args: False)
+        paged_decode_attention_triton(*batch.decode_args(sliding_window), widened, softcap, None, *batch.scales)
+    for num_splits in (None, 1, 7):
+        out = torch.full_like(batch.q, float("nan"))
+        paged_decode_attention_triton(*batch.decode_args(sliding_window), out, softcap, num_splits, *batch.scales)
+        assert_close(out, reference, 2**-7)
+        assert_close(out, widened, 2**-7)
+    assert_close(widened, reference, 2**-7)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 def test_softcapped_kernels_cuda(dtype):
     # Gemma 2's cap on scores scaled to reach it (scale 1 instead of head_dim**-0.5).
