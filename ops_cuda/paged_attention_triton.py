@@ -134,7 +134,7 @@ def _e4m3_product(a, b_hi, b_lo):
 
 @triton.jit
 def _attend_key_tile_e4m3(q_hi, q_lo, column_scale, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr,
-                          block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, seq_end, dims, dim_ok,
+                          block_tables_ptr, seq, table_stride, kv_head, tile, key_ok, seq_end, dims, dim_ok,
                           cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head,
                           v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           SOFTCAP: tl.constexpr):
@@ -142,10 +142,12 @@ def _attend_key_tile_e4m3(q_hi, q_lo, column_scale, running_max, total, acc, vis
     # as e4m3 (a wgmma on Hopper reads the cached entries as they are, where widening them bounds
     # the kernel below the memory's bandwidth). q^T [dims, heads] comes as two e4m3 terms
     # (`_two_e4m3_terms`), each head's column scaled by 1/column_scale; the weights p [keys, heads]
-    # go the same way. visible [keys, 1], acc [dims, heads] (times E4M3_RANGE). V is key-minor
+    # go the same way. The tile's keys start at `tile`; visible [keys, 1], acc [dims, heads] (times
+    # E4M3_RANGE). V is key-minor
     # (`new_kv_cache`) and read as the tile's whole cache blocks, [blocks, dims, block_size], each
     # block's keys side by side. Keys at or past `seq_end` (None: the tile lies inside the sequence)
     # read as zeros: their slots may hold NaN.
+    keys = tile + tl.arange(0, BLOCK_N)
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
     scores = _e4m3_product(k, q_hi, q_lo) * column_scale[None, :]
@@ -157,7 +159,7 @@ def _attend_key_tile_e4m3(q_hi, q_lo, column_scale, running_max, total, acc, vis
     p = tl.exp2(scores - new_max[None, :])
     total = total * rescale + tl.sum(p, 0)
     blocks_per_tile: tl.constexpr = BLOCK_N // BLOCK_SIZE
-    tile_blocks = tl.min(keys, 0) // BLOCK_SIZE + tl.arange(0, blocks_per_tile)
+    tile_blocks = tile // BLOCK_SIZE + tl.arange(0, blocks_per_tile)
     slots = tl.arange(0, BLOCK_SIZE)
     mask = None if dim_ok is None else dim_ok[None, :, None]
     if seq_end is None:
@@ -227,7 +229,7 @@ def _decode_split_kernel(
             keys = tile + tl.arange(0, BLOCK_N)
             running_max, total, acc = _attend_key_tile_e4m3(
                 q_hi, q_lo, column_scale, running_max, total, acc, (keys >= first)[:, None], k_cache_ptr,
-                v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, None, None, dims, tile_dim_ok,
+                v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, None, None, dims, tile_dim_ok,
                 cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head, v_stride_dim,
                 BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
             )
@@ -236,7 +238,7 @@ def _decode_split_kernel(
             visible = (keys >= first) & (keys < end)
             running_max, total, acc = _attend_key_tile_e4m3(
                 q_hi, q_lo, column_scale, running_max, total, acc, visible[:, None], k_cache_ptr, v_cache_ptr,
-                block_tables_ptr, seq, table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE),
+                block_tables_ptr, seq, table_stride, kv_head, last, _sequence_blocks(keys, seq_len, BLOCK_SIZE),
                 seq_len, dims, tile_dim_ok, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
                 v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
             )
@@ -443,11 +445,11 @@ def _e4m3_products(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """Whether the decode kernel multiplies an FP8 cache's entries as e4m3 (`_attend_key_tile_e4m3`):
     on CUDA under a bfloat16 q, whose 8 significant bits q and p keep as two e4m3 terms (float16 and
     float32 keep theirs through the widened form), over a key-minor V cache whose blocks of 16 to
-    128 keys (a power of two) lie whole in a key tile. The interpreter does not round to e4m3 as the
-    GPU does."""
+    128 keys (a power of two) lie whole in a key tile, and heads of more than 16 dims (an e4m3
+    product reduces 32 at a time). The interpreter does not round to e4m3 as the GPU does."""
     block_size = k_cache.shape[1]
     return (q.is_cuda and q.dtype == torch.bfloat16 and k_cache.dtype == FP8_DTYPE and is_key_minor(v_cache)
-            and block_size in (16, 32, 64, 128))
+            and block_size in (16, 32, 64, 128) and _head_block(q.shape[-1]) >= 32)
 
 
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
