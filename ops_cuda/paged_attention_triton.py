@@ -40,10 +40,13 @@ SCORE_FLOOR = tl.constexpr(-1.0e30)
 MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
 LOG2_E = math.log2(math.e)
-# The e4m3 form of decode (`_attend_key_tile_e4m3`) scales q's rows so their largest entry is 256, and
-# the softmax weights p <= 1 by 256: both then sit in e4m3's normal range (from 2**-6) down to
-# 2**-14 of their largest value.
+# Decode's e4m3 products (`_attend_key_tile_keys_as_rows`) scale q's rows so their largest entry is
+# 256, and the softmax weights p <= 1 by 256: both then sit in e4m3's normal range (from 2**-6) down
+# to 2**-14 of their largest value.
 E4M3_RANGE = tl.constexpr(256.0)
+# Whether that form multiplies an e4m3 cache's entries as e4m3 or widens them to float16 (read at each
+# launch; the two forms are measured against each other on the GPU).
+E4M3_DECODE_PRODUCTS = True
 
 
 @triton.jit
@@ -133,24 +136,29 @@ def _e4m3_product(a, b_hi, b_lo):
 
 
 @triton.jit
-def _attend_key_tile_e4m3(q_hi, q_lo, column_scale, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr,
-                          block_tables_ptr, seq, table_stride, kv_head, tile, key_ok, seq_end, dims, dim_ok,
-                          cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head,
-                          v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SOFTCAP: tl.constexpr):
-    # `_attend_key_tile` over an e4m3 cache with the keys as the rows of both products, multiplied
-    # as e4m3 (a wgmma on Hopper reads the cached entries as they are, where widening them bounds
-    # the kernel below the memory's bandwidth). q^T [dims, heads] comes as two e4m3 terms
-    # (`_two_e4m3_terms`), each head's column scaled by 1/column_scale; the weights p [keys, heads]
-    # go the same way. The tile's keys start at `tile`; visible [keys, 1], acc [dims, heads] (times
-    # E4M3_RANGE). V is key-minor
+def _attend_key_tile_keys_as_rows(q_t, q_t_lo, column_scale, running_max, total, acc, visible, k_cache_ptr,
+                                  v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, key_ok, seq_end,
+                                  dims, dim_ok, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
+                                  v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+                                  E4M3: tl.constexpr):
+    # `_attend_key_tile` over an e4m3 cache with the keys as the rows of both products and the query
+    # heads as their columns (8 fill a tensor-core product, where heads as rows are padded to 16).
+    # q_t [dims, heads] is float16, each head's scores then times column_scale; or with E4M3 the
+    # products take the entries as they are: q_t + q_t_lo / 16 two e4m3 terms (`_two_e4m3_terms`),
+    # and the weights p [keys, heads] go the same way (acc then holds E4M3_RANGE times the sums).
+    # The tile's keys start at `tile`; visible [keys, 1], acc [dims, heads]. V is key-minor
     # (`new_kv_cache`) and read as the tile's whole cache blocks, [blocks, dims, block_size], each
     # block's keys side by side. Keys at or past `seq_end` (None: the tile lies inside the sequence)
     # read as zeros: their slots may hold NaN.
     keys = tile + tl.arange(0, BLOCK_N)
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
-    scores = _e4m3_product(k, q_hi, q_lo) * column_scale[None, :]
+    if E4M3:
+        scores = _e4m3_product(k, q_t, q_t_lo)
+    else:
+        scores = tl.dot(k.to(tl.float16), q_t)
+    scores = scores * column_scale[None, :]
     if SOFTCAP:
         scores = cap_log2 * tanh(scores)
     scores = tl.where(visible, scores, float("-inf"))
@@ -173,8 +181,12 @@ def _attend_key_tile_e4m3(q_hi, q_lo, column_scale, running_max, total, acc, vis
     entries = v_cache_ptr + starts[:, None, None] + dims[None, :, None] * v_stride_dim + slots[None, None, :]
     v_blocks = tl.load(entries) if mask is None else tl.load(entries, mask=mask, other=0.0)
     v_t = tl.reshape(tl.permute(v_blocks, (1, 0, 2)), (BLOCK_D, BLOCK_N))
-    p_hi, p_lo = _two_e4m3_terms(p, E4M3_RANGE)
-    acc = acc * rescale[None, :] + _e4m3_product(v_t, p_hi, p_lo)
+    if E4M3:
+        p_hi, p_lo = _two_e4m3_terms(p, E4M3_RANGE)
+        values = _e4m3_product(v_t, p_hi, p_lo)
+    else:
+        values = tl.dot(v_t.to(tl.float16), p.to(tl.float16))
+    acc = acc * rescale[None, :] + values
     return new_max, total, acc
 
 
@@ -186,14 +198,16 @@ def _decode_split_kernel(
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, E4M3_PRODUCTS: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, E4M3: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
     # Writes each head's normalised partial output and its log2-sum-exp2; with one split, the
-    # output itself (no reduce stage). With E4M3_PRODUCTS (an e4m3 cache) the products take the
-    # entries as they are (`_attend_key_tile_e4m3`): the keys are their rows, the heads their columns.
+    # output itself (no reduce stage). With KEYS_AS_ROWS (an e4m3 cache) the keys are the products'
+    # rows and the heads their columns, and with E4M3 the products take the entries as they are
+    # (`_attend_key_tile_keys_as_rows`).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,34 +229,39 @@ def _decode_split_kernel(
     running_max = tl.full([BLOCK_H], SCORE_FLOOR, tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     last = seq_len // BLOCK_N * BLOCK_N  # the tile holding the sequence's end (unless it ends one)
-    if E4M3_PRODUCTS:
+    if KEYS_AS_ROWS:
         q = q.to(tl.float32)
-        largest = tl.max(tl.abs(q), 1)
-        q_scale = tl.where(largest > 0, E4M3_RANGE / largest, 1.0)
-        q_hi, q_lo = _two_e4m3_terms(q, q_scale[:, None])
+        if E4M3:
+            largest = tl.max(tl.abs(q), 1)
+            q_scale = tl.where(largest > 0, E4M3_RANGE / largest, 1.0)
+            q_hi, q_lo = _two_e4m3_terms(q, q_scale[:, None])
+            column_scale = score_scale / q_scale
+        else:
+            q_hi = q.to(tl.float16)
+            q_lo = q_hi
+            column_scale = tl.full([BLOCK_H], score_scale, tl.float32)
         q_hi, q_lo = tl.trans(q_hi), tl.trans(q_lo)
-        column_scale = score_scale / q_scale
         acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
         # Unmasked loads where the head dim fills BLOCK_D: a mask would cost them their vector width.
         tile_dim_ok = None if HEAD_DIM == BLOCK_D else dim_ok
         for tile in range(start, tl.minimum(end, last), BLOCK_N):
             keys = tile + tl.arange(0, BLOCK_N)
-            running_max, total, acc = _attend_key_tile_e4m3(
+            running_max, total, acc = _attend_key_tile_keys_as_rows(
                 q_hi, q_lo, column_scale, running_max, total, acc, (keys >= first)[:, None], k_cache_ptr,
                 v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, None, None, dims, tile_dim_ok,
                 cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head, v_stride_dim,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP, E4M3,
             )
         if (start <= last) & (last < end):
             keys = last + tl.arange(0, BLOCK_N)
             visible = (keys >= first) & (keys < end)
-            running_max, total, acc = _attend_key_tile_e4m3(
+            running_max, total, acc = _attend_key_tile_keys_as_rows(
                 q_hi, q_lo, column_scale, running_max, total, acc, visible[:, None], k_cache_ptr, v_cache_ptr,
                 block_tables_ptr, seq, table_stride, kv_head, last, _sequence_blocks(keys, seq_len, BLOCK_SIZE),
                 seq_len, dims, tile_dim_ok, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
-                v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
+                v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP, E4M3,
             )
-        acc = tl.trans(acc) / E4M3_RANGE
+        acc = tl.trans(acc) / E4M3_RANGE if E4M3 else tl.trans(acc)
     else:
         q = _query_for_cache(q, KV_FP8)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -441,15 +460,18 @@ def _decode_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
     return (2 * rows if k_cache.dtype == FP8_DTYPE else rows), block_d
 
 
-def _e4m3_products(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the decode kernel multiplies an FP8 cache's entries as e4m3 (`_attend_key_tile_e4m3`):
-    on CUDA under a bfloat16 q, whose 8 significant bits q and p keep as two e4m3 terms (float16 and
-    float32 keep theirs through the widened form), over a key-minor V cache whose blocks of 16 to
-    128 keys (a power of two) lie whole in a key tile, and heads of more than 16 dims (an e4m3
-    product reduces 32 at a time). The interpreter does not round to e4m3 as the GPU does."""
-    block_size = k_cache.shape[1]
-    return (q.is_cuda and q.dtype == torch.bfloat16 and k_cache.dtype == FP8_DTYPE and is_key_minor(v_cache)
-            and block_size in (16, 32, 64, 128) and _head_block(q.shape[-1]) >= 32)
+def _decode_form(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[bool, bool]:
+    """(keys as rows, e4m3 products) of the decode kernel (`_attend_key_tile_keys_as_rows`). Keys as
+    rows: on CUDA under a 16-bit q, over an FP8 cache whose V is key-minor, in blocks of 16 to 128
+    keys (a power of two) that lie whole in a key tile. e4m3 products, while E4M3_DECODE_PRODUCTS:
+    under a bf16 q, whose 8 significant bits two e4m3 terms keep (float16 keeps its 11 by widening
+    the entries), and heads of more than 16 dims (an e4m3 product reduces 32 at a time). The
+    interpreter does not round to e4m3 as the GPU does."""
+    keys_as_rows = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == FP8_DTYPE
+                    and is_key_minor(v_cache) and k_cache.shape[1] in (16, 32, 64, 128))
+    e4m3 = (keys_as_rows and E4M3_DECODE_PRODUCTS and q.dtype == torch.bfloat16
+            and _head_block(q.shape[-1]) >= 32)
+    return keys_as_rows, e4m3
 
 
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
@@ -477,9 +499,9 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
     block_n, block_d = _decode_tiles(q, k_cache)
-    e4m3_products = _e4m3_products(q, k_cache, v_cache)
-    # The query heads fill the products' rows (16 at least) or, in the e4m3 form, their columns (8).
-    block_h = max(8 if e4m3_products else 16, triton.next_power_of_2(group))
+    keys_as_rows, e4m3 = _decode_form(q, k_cache, v_cache)
+    # The query heads fill the products' rows (16 at least) or their columns (8).
+    block_h = max(8 if keys_as_rows else 16, triton.next_power_of_2(group))
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
@@ -492,7 +514,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
-        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, E4M3_PRODUCTS=e4m3_products,
+        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows, E4M3=e4m3,
         num_warps=4, num_stages=3, **launch,
     )
     if num_splits == 1:

@@ -433,28 +433,26 @@ def test_fp8_cache_kernels_cuda(dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64), (4, 2, 16)], ids=["d128", "d64", "d16"])
 @pytest.mark.parametrize("softcap", [0.0, 50.0])
 @pytest.mark.parametrize("sliding_window", [0, 1000])
-def test_fp8_decode_e4m3_products_cuda(softcap, sliding_window):
-    # The runtime's FP8 cache under a bf16 q: the kernel multiplies the entries as e4m3, q and p as
-    # two e4m3 terms each (about bf16's 8 significant bits). Its bf16 output stays within two bf16
-    # rounding units of the largest output from the float32 reference over the same cache, as the
-    # widened form's does, and from the widened form's.
-    batch = decode_batch([1, 16, 0, 777, 3001, 2053, 128, 129], *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda",
+def test_fp8_decode_keys_as_rows_cuda(shape, softcap, sliding_window, monkeypatch):
+    # The runtime's FP8 cache under a bf16 q: the keys are the products' rows, and the entries are
+    # multiplied as e4m3 with q and p as two e4m3 terms each (about bf16's 8 significant bits), or
+    # widened to float16. Each form's bf16 output stays within two bf16 rounding units of the
+    # largest output from the float32 reference over the same cache, as the heads-as-rows form's does.
+    # Heads of 16 dims are widened: an e4m3 product reduces 32 at a time.
+    batch = decode_batch([1, 16, 0, 777, 3001, 2053, 128, 129], *shape, 16, torch.bfloat16, "cuda",
                          fp8_scales=(0.25, 3.0))
-    assert paged_attention_triton._e4m3_products(batch.q, batch.k_cache, batch.v_cache)
     batch.scale = 1.0 if softcap else batch.scale
     reference = batch.reference_decode(sliding_window, softcap)
-    widened = torch.full_like(batch.q, float("nan"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(paged_attention_triton, "_e4m3_products", lambda *args: False)
-        paged_decode_attention_triton(*batch.decode_args(sliding_window), widened, softcap, None, *batch.scales)
-    for num_splits in (None, 1, 7):
-        out = torch.full_like(batch.q, float("nan"))
-        paged_decode_attention_triton(*batch.decode_args(sliding_window), out, softcap, num_splits, *batch.scales)
-        assert_close(out, reference, 2**-7)
-        assert_close(out, widened, 2**-7)
-    assert_close(widened, reference, 2**-7)
+    assert paged_attention_triton._decode_form(batch.q, batch.k_cache, batch.v_cache) == (True, shape[2] > 16)
+    for products in (True, False):
+        monkeypatch.setattr(paged_attention_triton, "E4M3_DECODE_PRODUCTS", products)
+        for num_splits in (None, 1, 7):
+            assert_close(run_decode(batch, sliding_window, num_splits, softcap), reference, 2**-7)
+    monkeypatch.setattr(paged_attention_triton, "_decode_form", lambda *args: (False, False))
+    assert_close(run_decode(batch, sliding_window, None, softcap), reference, 2**-7)
 
 
 @pytest.mark.gpu
