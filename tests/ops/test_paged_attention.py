@@ -201,6 +201,24 @@ def test_kernels_read_a_key_minor_v_cache_interpreted(sliding_window):
     assert_close(run_prefill(prefill, sliding_window), reference, TOL[torch.float16])
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("cache", ["e4m3", "float16"])
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_decode_keys_as_rows_interpreted(cache, sliding_window, monkeypatch):
+    # The decode kernel's keys-as-rows form, widening (its e4m3 products need the GPU's rounding),
+    # over a key-minor V: the runtime's e4m3 cache, and a float16 one whose unused NaN slots the
+    # interpreter keeps NaN. Its V loads whole cache blocks: the partial tile must not leak them.
+    monkeypatch.setattr(paged_attention_triton, "_decode_form", lambda *args: (True, False))
+    fp8_scales = (0.25, 3.0) if cache == "e4m3" else None
+    decode = decode_batch([2 * 16 + 3, 1, 0, 32, 8], 4, 2, 16, 4, torch.float16, fp8_scales=fp8_scales)
+    reference = decode.reference_decode(sliding_window)
+    if fp8_scales is None:
+        decode.v_cache = _key_minor(decode.v_cache)
+        assert decode.v_cache.isnan().any()
+    for num_splits in (1, 3):
+        assert_close(run_decode(decode, sliding_window, num_splits), reference, TOL[torch.float16])
+
+
 def test_kernels_reject_a_strided_cache_other_than_a_key_minor_v():
     batch = decode_batch([5, 9], 4, 2, 16, 4, torch.float32)
     dims_first = torch.zeros(batch.v_cache.shape[0], 16, 4, 2).permute(0, 2, 3, 1)  # unit stride on heads
