@@ -149,8 +149,8 @@ def _attend_key_tile_keys_as_rows(q_t, q_t_lo, column_scale, running_max, total,
     # and the weights p [keys, heads] go the same way (acc then holds E4M3_RANGE times the sums).
     # The tile's keys start at `tile`; visible [keys, 1], acc [dims, heads]. V is key-minor
     # (`new_kv_cache`) and read as the tile's whole cache blocks, [blocks, dims, block_size], each
-    # block's keys side by side. Keys at or past `seq_end` (None: the tile lies inside the sequence)
-    # read as zeros: their slots may hold NaN.
+    # block's keys side by side. Values at or past `seq_end` (None: the tile lies inside the sequence)
+    # count as zeros: their slots may hold NaN.
     keys = tile + tl.arange(0, BLOCK_N)
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
@@ -172,14 +172,17 @@ def _attend_key_tile_keys_as_rows(q_t, q_t_lo, column_scale, running_max, total,
     mask = None if dim_ok is None else dim_ok[None, :, None]
     if seq_end is None:
         block = tl.load(block_tables_ptr + seq * table_stride + tile_blocks)
-    else:
-        block = tl.load(block_tables_ptr + seq * table_stride + tile_blocks, mask=tile_blocks * BLOCK_SIZE < seq_end,
-                        other=0)
-        past_end = ((tile_blocks[:, None] * BLOCK_SIZE + slots[None, :]) < seq_end)[:, None, :]
-        mask = past_end if dim_ok is None else past_end & dim_ok[None, :, None]
+    else:  # the sequence's blocks only, each whole (a mask constant along a block's keys keeps vector loads)
+        in_sequence = tile_blocks * BLOCK_SIZE < seq_end
+        block = tl.load(block_tables_ptr + seq * table_stride + tile_blocks, mask=in_sequence, other=0)
+        in_sequence = in_sequence[:, None, None]
+        mask = in_sequence if dim_ok is None else in_sequence & dim_ok[None, :, None]
     starts = block.to(tl.int64) * v_stride_block + kv_head * v_stride_head
     entries = v_cache_ptr + starts[:, None, None] + dims[None, :, None] * v_stride_dim + slots[None, None, :]
     v_blocks = tl.load(entries) if mask is None else tl.load(entries, mask=mask, other=0.0)
+    if seq_end is not None:  # zeros for the last block's slots past the end
+        before_end = (tile_blocks[:, None] * BLOCK_SIZE + slots[None, :]) < seq_end
+        v_blocks = tl.where(before_end[:, None, :], v_blocks.to(tl.float32), 0.0).to(v_blocks.dtype)
     v_t = tl.reshape(tl.permute(v_blocks, (1, 0, 2)), (BLOCK_D, BLOCK_N))
     if E4M3:
         p_hi, p_lo = _two_e4m3_terms(p, E4M3_RANGE)
