@@ -40,13 +40,6 @@ SCORE_FLOOR = tl.constexpr(-1.0e30)
 MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
 LOG2_E = math.log2(math.e)
-# Decode's e4m3 products (`_attend_key_tile_keys_as_rows`) scale q's rows so their largest entry is
-# 256, and the softmax weights p <= 1 by 256: both then sit in e4m3's normal range (from 2**-6) down
-# to 2**-14 of their largest value.
-E4M3_RANGE = tl.constexpr(256.0)
-# Whether that form multiplies an e4m3 cache's entries as e4m3 or widens them to float16 (read at each
-# launch; the two forms are measured against each other on the GPU).
-E4M3_DECODE_PRODUCTS = True
 
 
 @triton.jit
@@ -120,33 +113,14 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
 
 
 @triton.jit
-def _two_e4m3_terms(x, scale):
-    # x * scale as hi + lo / 16, two e4m3 tensors: one e4m3 keeps 4 significant bits, the pair about
-    # 8, as many as bfloat16. `scale` brings x's largest entries near E4M3_RANGE.
-    scaled = x * scale
-    hi = scaled.to(tl.float8e4nv)
-    lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-    return hi, lo
-
-
-@triton.jit
-def _e4m3_product(a, b_hi, b_lo):
-    # a @ (b_hi + b_lo / 16) in float32: two e4m3 tensor-core products, no operand widened.
-    return tl.dot(a, b_hi) + tl.dot(a, b_lo) * 0.0625
-
-
-@triton.jit
-def _attend_key_tile_keys_as_rows(q_t, q_t_lo, column_scale, running_max, total, acc, visible, k_cache_ptr,
-                                  v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, key_ok, seq_end,
-                                  dims, dim_ok, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
-                                  v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-                                  E4M3: tl.constexpr):
+def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                  seq, table_stride, kv_head, tile, key_ok, seq_end, dims, dim_ok, score_scale,
+                                  cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block,
+                                  v_stride_head, v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
     # `_attend_key_tile` over an e4m3 cache with the keys as the rows of both products and the query
     # heads as their columns (8 fill a tensor-core product, where heads as rows are padded to 16).
-    # q_t [dims, heads] is float16, each head's scores then times column_scale; or with E4M3 the
-    # products take the entries as they are: q_t + q_t_lo / 16 two e4m3 terms (`_two_e4m3_terms`),
-    # and the weights p [keys, heads] go the same way (acc then holds E4M3_RANGE times the sums).
+    # q_t [dims, heads] is float16, and the e4m3 entries widen to it (`_query_for_cache`).
     # The tile's keys start at `tile`; visible [keys, 1], acc [dims, heads]. V is key-minor
     # (`new_kv_cache`) and read as the tile's whole cache blocks, [blocks, dims, block_size], each
     # block's keys side by side. Values at or past `seq_end` (None: the tile lies inside the sequence)
@@ -154,11 +128,7 @@ def _attend_key_tile_keys_as_rows(q_t, q_t_lo, column_scale, running_max, total,
     keys = tile + tl.arange(0, BLOCK_N)
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
-    if E4M3:
-        scores = _e4m3_product(k, q_t, q_t_lo)
-    else:
-        scores = tl.dot(k.to(tl.float16), q_t)
-    scores = scores * column_scale[None, :]
+    scores = tl.dot(k.to(tl.float16), q_t) * score_scale
     if SOFTCAP:
         scores = cap_log2 * tanh(scores)
     scores = tl.where(visible, scores, float("-inf"))
@@ -184,12 +154,7 @@ def _attend_key_tile_keys_as_rows(q_t, q_t_lo, column_scale, running_max, total,
         before_end = (tile_blocks[:, None] * BLOCK_SIZE + slots[None, :]) < seq_end
         v_blocks = tl.where(before_end[:, None, :], v_blocks.to(tl.float32), 0.0).to(v_blocks.dtype)
     v_t = tl.reshape(tl.permute(v_blocks, (1, 0, 2)), (BLOCK_D, BLOCK_N))
-    if E4M3:
-        p_hi, p_lo = _two_e4m3_terms(p, E4M3_RANGE)
-        values = _e4m3_product(v_t, p_hi, p_lo)
-    else:
-        values = tl.dot(v_t.to(tl.float16), p.to(tl.float16))
-    acc = acc * rescale[None, :] + values
+    acc = acc * rescale[None, :] + tl.dot(v_t.to(tl.float16), p.to(tl.float16))
     return new_max, total, acc
 
 
@@ -201,16 +166,14 @@ def _decode_split_kernel(
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, E4M3: tl.constexpr,
-    PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
     # Writes each head's normalised partial output and its log2-sum-exp2; with one split, the
     # output itself (no reduce stage). With KEYS_AS_ROWS (an e4m3 cache) the keys are the products'
-    # rows and the heads their columns, and with E4M3 the products take the entries as they are
-    # (`_attend_key_tile_keys_as_rows`).
+    # rows and the heads their columns (`_attend_key_tile_keys_as_rows`).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -233,38 +196,28 @@ def _decode_split_kernel(
     total = tl.zeros([BLOCK_H], tl.float32)
     last = seq_len // BLOCK_N * BLOCK_N  # the tile holding the sequence's end (unless it ends one)
     if KEYS_AS_ROWS:
-        q = q.to(tl.float32)
-        if E4M3:
-            largest = tl.max(tl.abs(q), 1)
-            q_scale = tl.where(largest > 0, E4M3_RANGE / largest, 1.0)
-            q_hi, q_lo = _two_e4m3_terms(q, q_scale[:, None])
-            column_scale = score_scale / q_scale
-        else:
-            q_hi = q.to(tl.float16)
-            q_lo = q_hi
-            column_scale = tl.full([BLOCK_H], score_scale, tl.float32)
-        q_hi, q_lo = tl.trans(q_hi), tl.trans(q_lo)
+        q_t = tl.trans(q.to(tl.float16))
         acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
         # Unmasked loads where the head dim fills BLOCK_D: a mask would cost them their vector width.
         tile_dim_ok = None if HEAD_DIM == BLOCK_D else dim_ok
         for tile in range(start, tl.minimum(end, last), BLOCK_N):
             keys = tile + tl.arange(0, BLOCK_N)
             running_max, total, acc = _attend_key_tile_keys_as_rows(
-                q_hi, q_lo, column_scale, running_max, total, acc, (keys >= first)[:, None], k_cache_ptr,
-                v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, None, None, dims, tile_dim_ok,
+                q_t, running_max, total, acc, (keys >= first)[:, None], k_cache_ptr, v_cache_ptr,
+                block_tables_ptr, seq, table_stride, kv_head, tile, None, None, dims, tile_dim_ok, score_scale,
                 cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head, v_stride_dim,
-                BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP, E4M3,
+                BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
             )
         if (start <= last) & (last < end):
             keys = last + tl.arange(0, BLOCK_N)
             visible = (keys >= first) & (keys < end)
             running_max, total, acc = _attend_key_tile_keys_as_rows(
-                q_hi, q_lo, column_scale, running_max, total, acc, visible[:, None], k_cache_ptr, v_cache_ptr,
-                block_tables_ptr, seq, table_stride, kv_head, last, _sequence_blocks(keys, seq_len, BLOCK_SIZE),
-                seq_len, dims, tile_dim_ok, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
-                v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP, E4M3,
+                q_t, running_max, total, acc, visible[:, None], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+                table_stride, kv_head, last, _sequence_blocks(keys, seq_len, BLOCK_SIZE), seq_len, dims,
+                tile_dim_ok, score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
+                v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
             )
-        acc = tl.trans(acc) / E4M3_RANGE if E4M3 else tl.trans(acc)
+        acc = tl.trans(acc)
     else:
         q = _query_for_cache(q, KV_FP8)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -440,7 +393,8 @@ def _dot_precision(q: torch.Tensor) -> str:
 # Tile shapes. The interpreter (CPU tensors) gets small tiles so the tests' short sequences still
 # cross tile boundaries. On the GPU, half types multiply on tensor cores: key tiles of at most
 # 16 KiB keep K and V double-buffered in shared memory; triple-buffered in decode, which only
-# streams them (1-2% faster at 450 x 1500 tokens, the same at 64 x 4096). Float32 ("ieee") dots
+# streams them (1-2% faster at 450 x 1500 tokens, the same at 64 x 4096), except with the keys as
+# rows over an FP8 cache (4-16% slower from 900 x 1536 to 64 x 1536 tokens). Float32 ("ieee") dots
 # run on FMA units with their operands in registers: smaller tiles, chosen so no head size up to
 # 256 spills.
 
@@ -453,9 +407,8 @@ def _head_block(head_dim: int) -> int:
 
 def _decode_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
     """(key tile rows, head-dim block) of the decode kernel. A tile of an FP8 cache has twice the
-    rows of a 16-bit one, the same bytes: the kernel is bound by the entries it widens and
-    multiplies, and longer tiles do that in fewer, larger steps (`bench_attention.py --kv-cache-dtype
-    fp8`)."""
+    rows of a 16-bit one, the same bytes, and each step widens and multiplies twice the entries
+    (`bench_attention.py --kv-cache-dtype fp8`)."""
     block_d = _head_block(q.shape[-1])
     if not q.is_cuda or q.dtype == torch.float32:
         return 16, block_d
@@ -463,18 +416,12 @@ def _decode_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
     return (2 * rows if k_cache.dtype == FP8_DTYPE else rows), block_d
 
 
-def _decode_form(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[bool, bool]:
-    """(keys as rows, e4m3 products) of the decode kernel (`_attend_key_tile_keys_as_rows`). Keys as
-    rows: on CUDA under a 16-bit q, over an FP8 cache whose V is key-minor, in blocks of 16 to 128
-    keys (a power of two) that lie whole in a key tile. e4m3 products, while E4M3_DECODE_PRODUCTS:
-    under a bf16 q, whose 8 significant bits two e4m3 terms keep (float16 keeps its 11 by widening
-    the entries), and heads of more than 16 dims (an e4m3 product reduces 32 at a time). The
-    interpreter does not round to e4m3 as the GPU does."""
-    keys_as_rows = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == FP8_DTYPE
-                    and is_key_minor(v_cache) and k_cache.shape[1] in (16, 32, 64, 128))
-    e4m3 = (keys_as_rows and E4M3_DECODE_PRODUCTS and q.dtype == torch.bfloat16
-            and _head_block(q.shape[-1]) >= 32)
-    return keys_as_rows, e4m3
+def _keys_as_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the decode kernel puts the keys on its products' rows (`_attend_key_tile_keys_as_rows`):
+    on CUDA under a 16-bit q, over an FP8 cache whose V is key-minor, in blocks of 16 to 128 keys (a
+    power of two) that lie whole in a key tile."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == FP8_DTYPE
+            and is_key_minor(v_cache) and k_cache.shape[1] in (16, 32, 64, 128))
 
 
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
@@ -502,7 +449,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
     block_n, block_d = _decode_tiles(q, k_cache)
-    keys_as_rows, e4m3 = _decode_form(q, k_cache, v_cache)
+    keys_as_rows = _keys_as_rows(q, k_cache, v_cache)
     # The query heads fill the products' rows (16 at least) or their columns (8).
     block_h = max(8 if keys_as_rows else 16, triton.next_power_of_2(group))
     launch = pdl_launch(q)
@@ -517,8 +464,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
-        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows, E4M3=e4m3,
-        num_warps=4, num_stages=3, **launch,
+        DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
+        num_warps=4, num_stages=2 if keys_as_rows else 3, **launch,
     )
     if num_splits == 1:
         return

@@ -205,10 +205,10 @@ def test_kernels_read_a_key_minor_v_cache_interpreted(sliding_window):
 @pytest.mark.parametrize("cache", ["e4m3", "float16"])
 @pytest.mark.parametrize("sliding_window", [0, 5])
 def test_decode_keys_as_rows_interpreted(cache, sliding_window, monkeypatch):
-    # The decode kernel's keys-as-rows form, widening (its e4m3 products need the GPU's rounding),
-    # over a key-minor V: the runtime's e4m3 cache, and a float16 one whose unused NaN slots the
-    # interpreter keeps NaN. Its V loads whole cache blocks: the partial tile must not leak them.
-    monkeypatch.setattr(paged_attention_triton, "_decode_form", lambda *args: (True, False))
+    # The decode kernel's keys-as-rows form over a key-minor V: the runtime's e4m3 cache, and a
+    # float16 one whose unused NaN slots the interpreter keeps NaN. Its V loads whole cache blocks:
+    # the partial tile must not leak them.
+    monkeypatch.setattr(paged_attention_triton, "_keys_as_rows", lambda *args: True)
     fp8_scales = (0.25, 3.0) if cache == "e4m3" else None
     decode = decode_batch([2 * 16 + 3, 1, 0, 32, 8], 4, 2, 16, 4, torch.float16, fp8_scales=fp8_scales)
     reference = decode.reference_decode(sliding_window)
@@ -455,21 +455,17 @@ def test_fp8_cache_kernels_cuda(dtype, shape):
 @pytest.mark.parametrize("softcap", [0.0, 50.0])
 @pytest.mark.parametrize("sliding_window", [0, 1000])
 def test_fp8_decode_keys_as_rows_cuda(shape, softcap, sliding_window, monkeypatch):
-    # The runtime's FP8 cache under a bf16 q: the keys are the products' rows, and the entries are
-    # multiplied as e4m3 with q and p as two e4m3 terms each (about bf16's 8 significant bits), or
-    # widened to float16. Each form's bf16 output stays within two bf16 rounding units of the
-    # largest output from the float32 reference over the same cache, as the heads-as-rows form's does.
-    # Heads of 16 dims are widened: an e4m3 product reduces 32 at a time.
+    # The runtime's FP8 cache under a bf16 q: the keys are the products' rows and the entries widen
+    # to float16. The bf16 output stays within two bf16 rounding units of the largest output from
+    # the float32 reference over the same cache, as the heads-as-rows form's does.
     batch = decode_batch([1, 16, 0, 777, 3001, 2053, 128, 129], *shape, 16, torch.bfloat16, "cuda",
                          fp8_scales=(0.25, 3.0))
     batch.scale = 1.0 if softcap else batch.scale
     reference = batch.reference_decode(sliding_window, softcap)
-    assert paged_attention_triton._decode_form(batch.q, batch.k_cache, batch.v_cache) == (True, shape[2] > 16)
-    for products in (True, False):
-        monkeypatch.setattr(paged_attention_triton, "E4M3_DECODE_PRODUCTS", products)
-        for num_splits in (None, 1, 7):
-            assert_close(run_decode(batch, sliding_window, num_splits, softcap), reference, 2**-7)
-    monkeypatch.setattr(paged_attention_triton, "_decode_form", lambda *args: (False, False))
+    assert paged_attention_triton._keys_as_rows(batch.q, batch.k_cache, batch.v_cache)
+    for num_splits in (None, 1, 7):
+        assert_close(run_decode(batch, sliding_window, num_splits, softcap), reference, 2**-7)
+    monkeypatch.setattr(paged_attention_triton, "_keys_as_rows", lambda *args: False)
     assert_close(run_decode(batch, sliding_window, None, softcap), reference, 2**-7)
 
 
