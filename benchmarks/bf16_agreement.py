@@ -19,7 +19,8 @@ position of a prompt computed through the paged KV cache (attention reads every 
 from the cache, as decode does) with float8_e4m3fn pools, against the same with bf16 pools: top-1
 agreement and KL, on the random models above, the tiny random fidelity models (those of
 ``benchmarks/fidelity.py``: tests/models/test_parity.py's and DeepSeek-V3's, with MLA's latent cache) and
-SmolLM2's real weights.
+SmolLM2's real weights. Beside them, the floor they are read against: the bf16 cache with every
+entry rounded to bf16 once more (``ROUNDING_SCALE``) against the bf16 cache.
 
     python3 benchmarks/bf16_agreement.py --kv-cache-dtype fp8 [--decode]
 
@@ -149,11 +150,33 @@ def paged_logits(model, input_ids, kv_cache_dtype: str, decode: bool = False, bl
     return logits
 
 
+# The bf16 cache holding every key and value divided by this scale and read back times it: one
+# more bf16 rounding of each entry (a scale that is not a power of two), and nothing else.
+ROUNDING_SCALE = 1.37
+
+
+@contextlib.contextmanager
+def kv_scales(model, scale: float):
+    """Every attention layer's cache scales (``k_scale`` and ``v_scale``, MLA's ``kv_scale``) set to
+    ``scale`` inside the block."""
+    saved = [(module, name, getattr(module, name)) for module in model.modules()
+             for name in ("k_scale", "v_scale", "kv_scale") if hasattr(module, name)]
+    try:
+        for module, name, _ in saved:
+            setattr(module, name, scale)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def report_kv_cache(name, model, input_ids, kv_cache_dtype, decode):
-    ours = paged_logits(model, input_ids, kv_cache_dtype, decode)
-    agreement, kl = compare(ours, paged_logits(model, input_ids, "auto", decode))
-    print(f"| {name} | {ours.shape[0] * ours.shape[1]} | {agreement:.2%} | {kl:.1e} |", flush=True)
-    return agreement
+    bf16 = paged_logits(model, input_ids, "auto", decode)
+    agreement, kl = compare(paged_logits(model, input_ids, kv_cache_dtype, decode), bf16)
+    with kv_scales(model, ROUNDING_SCALE):
+        floor, floor_kl = compare(paged_logits(model, input_ids, "auto", decode), bf16)
+    print(f"| {name} | {bf16.shape[0] * bf16.shape[1]} | {agreement:.2%} | {kl:.1e} | {floor:.2%} | {floor_kl:.1e} |",
+          flush=True)
 
 
 def kv_cache_main(kv_cache_dtype, decode):
@@ -164,8 +187,9 @@ def kv_cache_main(kv_cache_dtype, decode):
     from tests.models.test_parity import VARIANTS
 
     positions = "teacher-forced decode steps" if decode else "teacher-forced positions"
-    print(f"| model (bf16) | {positions} | top-1 agreement, {kv_cache_dtype} cache vs bf16 cache | KL |")
-    print("|---|---|---|---|")
+    print(f"| model (bf16) | {positions} | top-1 agreement, {kv_cache_dtype} cache vs bf16 cache | KL "
+          f"| bf16 cache rounded once more (scales {ROUNDING_SCALE}) vs bf16 cache | KL |")
+    print("|---|---|---|---|---|---|")
     random_ids = random_input_ids()
     for name, reference in random_models():
         report_kv_cache(name, AutoModelForCausalLM.from_hf(reference), random_ids, kv_cache_dtype, decode)
