@@ -69,9 +69,9 @@ def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
 class KVCache:
     """Per layer of ``model.kv_cache_spec()``, a pool of fixed-size blocks per entry:
     [num_blocks, block_size, *shape] (K and V of [kv_heads, head_dim] for plain attention, laid out
-    by ``ops_cuda.kv_layout.new_kv_cache``), bound to the model with the attention ``backend``. The pools are ``dtype`` (None: the model's;
-    ``cache_dtype`` resolves ``EngineConfig.kv_cache_dtype``); the layers' scales (``k_scale``,
-    ``v_scale``, MLA's ``kv_scale``) say what their entries stand for.
+    by ``ops_cuda.kv_layout.new_kv_cache``), bound to the model with the attention ``backend``. The
+    pools are ``dtype`` (None: the model's; ``cache_dtype`` resolves ``EngineConfig.kv_cache_dtype``);
+    the layers' scales (``k_scale``, ``v_scale``, MLA's ``kv_scale``) say what their entries stand for.
 
     With ``padding_block`` the pools hold one block more, which no sequence is given: padding
     tokens of a compiled step write there (``padding_slot``), as a graph cannot skip them."""
@@ -90,8 +90,8 @@ class KVCache:
         weakref.finalize(self, model.unbind_kv_cache, self.pools)
 
     def _layer_pools(self, shapes: tuple[tuple[int, ...], ...], num_blocks: int, device) -> tuple[torch.Tensor, ...]:
-        if len(shapes) == 2:  # K and V of plain attention (kv_cache_spec)
-            return new_kv_cache(num_blocks, self.block_size, *shapes[1], self.dtype, device)
+        if len(shapes) == 2:  # K and V of plain attention, one shape (kv_cache_spec)
+            return new_kv_cache(num_blocks, self.block_size, *shapes[0], self.dtype, device)
         return tuple(torch.empty((num_blocks, self.block_size, *shape), dtype=self.dtype, device=device)
                      for shape in shapes)
 
