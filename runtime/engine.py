@@ -71,8 +71,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
-        self.run_ahead = RunAhead(config.max_num_seqs, config.max_model_len, device)
+                                   config.max_model_len, config.enable_chunked_prefill)
+        self.run_ahead = RunAhead(config.max_num_seqs, device)
         # Graphs capture the decode step: it must not sync with the host (the triton backend does
         # not; the reference backend and a model that is not capturable do).
         use_cuda_graphs = (device.type == "cuda" and not config.enforce_eager and backend.name == "triton"

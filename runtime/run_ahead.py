@@ -6,10 +6,10 @@ once, and only then does the host read the ids of the step before: its bookkeepi
 overlaps the device's work on the next. ``RunAhead`` holds the whole scheme:
 
 1. The decision (``must_take_in_first``). The next step may run ahead unless it needs the
-   pending ids on the host: a sampling setting reads them (penalties, logprobs), a sequence surely
-   ends with its pending token (it must not be scheduled again), or the step may preempt a
-   sequence (which would be recomputed from tokens the host does not have yet). Then the step in
-   flight is taken in first.
+   pending ids on the host: a sampling setting reads them (penalties, logprobs), or the step may
+   preempt a sequence (which would be recomputed from tokens the host does not have yet). Then the
+   step in flight is taken in first. A sequence whose pending token is its last by length needs no
+   waiting: the scheduler leaves it out of the next step (``Sequence.ends_with_pending_token``).
 2. The ids on the device (``launch``). A launched step's sampled ids stay on the device in
    ``sampled_ids``, each sequence's row noted, and their copy to the host starts: on CUDA into
    one of two pinned buffers, used by turns, so that the copy does not wait for the next step.
@@ -43,8 +43,7 @@ class LaunchedStep:
 
 
 class RunAhead:
-    def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device):
-        self.max_model_len = max_model_len
+    def __init__(self, max_num_seqs: int, device: torch.device):
         self.device = device
         self.in_flight: LaunchedStep | None = None  # the last step launched, not yet taken in
         self.num_steps_run_ahead = 0  # steps launched while the one before was in flight
@@ -61,12 +60,8 @@ class RunAhead:
         """Whether the step in flight must reach the host before the next step is scheduled."""
         if self.in_flight is None:
             return False
-        for seq in self.in_flight.sampled:
-            params = seq.params
-            if params.penalised or seq.logprobs is not None:
-                return True
-            if len(seq.output_token_ids) + seq.num_pending >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                return True
+        if any(seq.params.penalised or seq.logprobs is not None for seq in self.in_flight.sampled):
+            return True
         # The next step preempts nothing when the free blocks cover all that the running sequences
         # have left to compute (admitting a waiting sequence never preempts).
         manager = scheduler.block_manager

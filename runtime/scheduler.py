@@ -22,11 +22,13 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
         enable_chunked_prefill: bool = True,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -57,11 +59,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefills, decodes, failed = [], [], []
 
-        # Running sequences first, oldest first; the newest are preempted to make room.
+        # Running sequences first, oldest first; the newest are preempted to make room. One whose
+        # pending token ends it is left out: the step can run ahead without waiting for that token.
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            count = self._chunk(seq, budget)
+            count = 0 if seq.ends_with_pending_token(self.max_model_len) else self._chunk(seq, budget)
             if count == 0:
                 index += 1
                 continue

@@ -59,6 +59,12 @@ class Sequence:
     def num_resolved_tokens(self) -> int:
         return len(self.token_ids) - self.num_pending
 
+    def ends_with_pending_token(self, max_model_len: int) -> bool:
+        """Whether a pending token is its last by length (``max_tokens`` generated, or ``max_model_len``
+        tokens in all): it ends with that token whatever its value, so it is not scheduled again."""
+        return self.num_pending > 0 and (len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
+                                         or self.num_tokens >= max_model_len)
+
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]

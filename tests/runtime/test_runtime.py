@@ -368,6 +368,33 @@ def test_stop_token_ids_and_max_tokens(checkpoints):
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
 
 
+def test_sequences_ending_by_length_leave_the_next_step_running_ahead(checkpoints):
+    # A sequence whose pending token is its last (max_tokens, or max_model_len) is left out of the
+    # next step instead of the host waiting for that token: every decode step runs ahead.
+    path, _ = checkpoints["llama"]  # max_position_embeddings 64
+    engine = llm(path, max_model_len=40)
+    batch = prompts(4, seed=12, low=5, high=8)
+    longest = token_ids(engine.generate(batch, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+                                        use_tqdm=False))
+    ahead = engine.engine.run_ahead.num_steps_run_ahead
+    lengths = [3, 5, 7, 9]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = engine.generate(batch, params, use_tqdm=False)
+    assert token_ids(outputs) == [ids[:n] for ids, n in zip(longest, lengths)]
+    assert [o.finish_reason for o in outputs] == ["length"] * 4
+    # One prompt step, then 8 decode steps for the longest, each launched while the one before runs.
+    assert engine.engine.run_ahead.num_steps_run_ahead - ahead == 8
+    # A prompt that reaches max_model_len ends there with no wait either.
+    near_limit = [prompts(1, seed=13, low=36, high=36)[0]]
+    ahead = engine.engine.run_ahead.num_steps_run_ahead
+    output = engine.generate(near_limit, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0]
+    assert len(output.token_ids) == 4 and output.finish_reason == "length"
+    assert engine.engine.run_ahead.num_steps_run_ahead - ahead == 3
+    assert not engine.engine.scheduler.running and engine.engine.block_manager.num_free_blocks == \
+        engine.engine.block_manager.num_blocks
+
+
 def test_tokens_sampled_ahead_of_a_stop_are_dropped(checkpoints):
     # Decodes run ahead of the host: the step after a stop token is already launched when the
     # host sees it. Its token must not reach the output, and the cache must stay right.
