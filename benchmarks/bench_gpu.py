@@ -13,7 +13,8 @@ throughput-8b  Llama-3.1-8B shape, 1000 input / 1000 output tokens, as many requ
                holds at once (at most --requests-8b), zoo vs HF's continuous batching; --kv-cache-dtype
                fp8 runs zoo over an e4m3 cache, which holds about twice the requests. Beside it, the
                run's serial bound (serial_bound): its K/V reads at the copy bandwidth plus its matmuls
-               at the bf16 matmul peak, both measured here.
+               at the bf16 matmul peak, both measured here; and the GPU's SM clock and power
+               through the timed run (gpu_clocks), which show whether the power cap held it back.
 prefill        Llama-3.1-8B shape, 4096-token prompts: tokens/s and MFU against the bf16 matmul
                peak measured here, counting the FLOPs zoo runs: the LM head on the last row of
                each prompt only (prefill_flops).
@@ -30,7 +31,9 @@ import contextlib
 import datetime
 import json
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -91,6 +94,43 @@ def stage(startup: dict, name: str):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     startup[name] = time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def gpu_clocks(readings: dict):
+    """Samples this GPU's SM clock and power draw with nvidia-smi every 500 ms while the block runs,
+    and puts their medians into ``readings``, with the highest clock it reports, its power limit and
+    the share of samples in which the power cap held the clock back. Nothing where nvidia-smi is missing."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        yield
+        return
+    uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+    fields = "clocks.sm,clocks.max.sm,power.draw,enforced.power.limit,clocks_event_reasons.sw_power_cap"
+    sampler = subprocess.Popen([smi, "-i", f"GPU-{uuid}", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                                "-lms", "500"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield
+    finally:
+        sampler.terminate()
+        text = sampler.communicate()[0]
+    samples = []
+    for line in text.splitlines():
+        clock, max_clock, power, limit, capped = (field.strip() for field in line.split(","))
+        with contextlib.suppress(ValueError):
+            samples.append((float(clock), float(max_clock), float(power), float(limit), capped == "Active"))
+    if samples:
+        readings.update(samples=len(samples), sm_clock_mhz=statistics.median(s[0] for s in samples),
+                        max_sm_clock_mhz=max(s[1] for s in samples), power_w=statistics.median(s[2] for s in samples),
+                        power_limit_w=samples[0][3], power_capped=sum(s[4] for s in samples) / len(samples))
+
+
+def clocks_text(readings: dict) -> str:
+    if not readings:
+        return "no clock readings (nvidia-smi missing)"
+    return (f"SM clock median {readings['sm_clock_mhz']:.0f} MHz (highest {readings['max_sm_clock_mhz']:.0f}), "
+            f"power median {readings['power_w']:.0f} W (limit {readings['power_limit_w']:.0f} W), "
+            f"held back by the power cap in {readings['power_capped']:.0%} of {readings['samples']} samples")
 
 
 def startup_text(startup: dict) -> str:
@@ -348,11 +388,14 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_d
     lengths = [1000] * requests
     with stage(startup, "zoo first call"):
         llm.generate(first_call_prompts(prompts, 4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    tokens, seconds = zoo_run(llm, prompts, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+    clocks = {}
+    with gpu_clocks(clocks):
+        tokens, seconds = zoo_run(llm, prompts, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     results["throughput_8b"] = dict(tokens_per_s=tokens / seconds, requests=requests, seconds=seconds,
                                     kv_cache_dtype=kv_cache_dtype, kv_blocks=blocks,
                                     preemptions=llm.engine.scheduler.num_preemptions,
-                                    steps_run_ahead=llm.engine.run_ahead.num_steps_run_ahead, startup_s=startup)
+                                    steps_run_ahead=llm.engine.run_ahead.num_steps_run_ahead, startup_s=startup,
+                                    gpu_clocks=clocks)
     print(f"throughput 8B 1000/1000: {tokens / seconds:.0f} output tok/s ({requests} requests, {seconds:.1f} s, "
           f"{batched_tokens} tokens per step, "
           f"{blocks} KV blocks of {llm.engine.kv_cache.dtype}, {llm.engine.scheduler.num_preemptions} preemptions, "
@@ -363,6 +406,7 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_d
           f"{bound['kv_read_tb']:.1f} TB of K/V reads at {bound['hbm_tb_s']:.2f} TB/s, {bound['kv_read_s']:.1f} s, + "
           f"{bound['matmul_pflop']:.1f} PFLOP of matmuls at {bound['matmul_peak_tflops']:.0f} TFLOP/s, "
           f"{bound['matmul_s']:.1f} s): zoo at {bound['seconds'] / seconds:.0%} of it", flush=True)
+    print(f"throughput 8B 1000/1000: GPU during the timed run: {clocks_text(clocks)}", flush=True)
     del llm, model
     torch.cuda.empty_cache()
     if hf_requests != 0:

@@ -1,6 +1,8 @@
-"""Where the 8B 1000/1000 throughput run's time goes: the prefill phase against the decode phase,
-decode steps early, midway and late, and the kernels of a few decode steps midway and of two
-steps of the prefill phase.
+"""Where the 8B 1000/1000 throughput run's time goes: the steps that carry prompt tokens, the
+decode steps of every sequence and those of the tail (the sequences admitted first end first),
+each with how many did not run ahead of the host; decode steps early, midway and late; the
+kernels of a few decode steps midway and of two steps of the prefill phase; and the GPU's SM
+clock and power through the run (``bench_gpu.gpu_clocks``).
 
 Same workload as ``bench_gpu.py --task throughput-8b`` (Llama-3.1-8B shape, random bf16 weights,
 as many 1000-token prompts as the KV cache holds at once, 1000 greedy tokens each, EOS ignored),
@@ -22,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import LLAMA_8B, workload, zoo_8b  # noqa: E402
+from bench_gpu import LLAMA_8B, clocks_text, gpu_clocks, workload, zoo_8b  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 
@@ -37,6 +39,40 @@ def kernel_table(prof, steps: int, rows: int = 14) -> None:
     print("|---|---:|---:|")
     for name, us in sorted(kernels.items(), key=lambda item: -item[1])[:rows]:
         print(f"| {name} | {us / steps / 1e3:.2f} | {us / total:.1%} |")
+
+
+def step_through(engine, profile_steps: int):
+    """Steps the engine until its requests are done, timing each step; profiles two steps of the
+    prefill phase and ``profile_steps`` decode steps midway. Returns the steps, each (seconds,
+    prompt tokens, decode rows, whether it ran ahead), and the two profiles."""
+    steps, prof, prefill_prof = [], None, None
+    last = time.perf_counter()
+    while engine.has_unfinished():
+        if prefill_prof is None and len(steps) == 20:
+            with profile(activities=[ProfilerActivity.CUDA]) as prefill_prof:
+                for _ in range(2):
+                    engine.step()
+                torch.cuda.synchronize()
+            last = time.perf_counter()
+            continue
+        if prof is None and sum(1 for s in steps[-500:] if s[1] == 0) == 500:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(profile_steps):
+                    engine.step()
+                torch.cuda.synchronize()
+            last = time.perf_counter()
+            continue
+        ahead = engine.run_ahead.num_steps_run_ahead
+        engine.step()
+        now = time.perf_counter()
+        launched = engine.run_ahead.in_flight
+        scheduled = launched.scheduled if launched is not None else []
+        prompt_tokens = sum(count for _, count in scheduled if count > 1)
+        decodes = sum(1 for _, count in scheduled if count == 1)
+        steps.append((now - last, prompt_tokens, decodes, engine.run_ahead.num_steps_run_ahead > ahead))
+        last = now
+    torch.cuda.synchronize()
+    return steps, prof, prefill_prof
 
 
 def main():
@@ -58,40 +94,28 @@ def main():
     for i, prompt in enumerate(workload(requests, 1000, 1000, LLAMA_8B["vocab_size"])[0]):
         engine.add_request(10_000 + i, prompt, params)
 
+    clocks = {}
     torch.cuda.synchronize()
-    start = last = time.perf_counter()
-    prefill_s, decode_steps, prof, prefill_prof, steps = 0.0, [], None, None, 0
-    while engine.has_unfinished():
-        if prefill_prof is None and steps == 20:
-            with profile(activities=[ProfilerActivity.CUDA]) as prefill_prof:
-                for _ in range(2):
-                    engine.step()
-                torch.cuda.synchronize()
-            last = time.perf_counter()
-            continue
-        steps += 1
-        if prof is None and len(decode_steps) == 500:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.profile_steps):
-                    engine.step()
-                torch.cuda.synchronize()
-            last = time.perf_counter()
-            continue
-        engine.step()
-        now = time.perf_counter()
-        launched = engine.run_ahead.in_flight
-        if launched is not None and all(count == 1 for _, count in launched.scheduled):
-            decode_steps.append(now - last)
-        else:
-            prefill_s += now - last
-        last = now
-    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with gpu_clocks(clocks):
+        steps, prof, prefill_prof = step_through(engine, args.profile_steps)
     total = time.perf_counter() - start
     tokens = requests * 1000
     print(f"{requests} requests x 1000 tokens: {total:.1f} s, {tokens / total:.0f} output tok/s "
           f"({engine.run_ahead.num_steps_run_ahead} steps run ahead)")
-    print(f"steps with prefill tokens: {prefill_s:.1f} s; decode-only steps: {sum(decode_steps):.1f} s "
-          f"over {len(decode_steps)} steps (the {args.profile_steps} profiled ones not counted)")
+    print(f"GPU through the run: {clocks_text(clocks)}")
+    phases = {"steps with prompt tokens": [s for s in steps if s[1] > 0],
+              f"decode-only steps of all {requests} sequences": [s for s in steps if s[1] == 0 and s[2] == requests],
+              "decode-only steps of fewer (the tail)": [s for s in steps if s[1] == 0 and s[2] < requests]}
+    print("| steps | count | seconds | median ms | not run ahead | prompt tokens | decode rows |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, part in phases.items():
+        if part:
+            print(f"| {label} | {len(part)} | {sum(s[0] for s in part):.1f} | "
+                  f"{statistics.median(s[0] for s in part) * 1e3:.1f} | {sum(not s[3] for s in part)} | "
+                  f"{sum(s[1] for s in part)} | {sum(s[2] for s in part)} |")
+    print(f"(the {2 + args.profile_steps} profiled steps not counted)")
+    decode_steps = [s[0] for s in steps if s[1] == 0]
     for label, part in (("first 100", decode_steps[:100]), ("middle 100", decode_steps[450:550]),
                         ("last 100", decode_steps[-100:])):
         print(f"decode step, {label}: median {statistics.median(part) * 1e3:.2f} ms")

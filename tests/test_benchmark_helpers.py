@@ -1,0 +1,45 @@
+"""benchmarks/bench_gpu.py's GPU clock sampler (gpu_clocks), read from a stand-in nvidia-smi."""
+
+import importlib
+import os
+import time
+import types
+
+import torch
+
+SAMPLES = """1980, 1980, 130.50, 700.00, Not Active
+1635, 1980, 694.00, 700.00, Active
+[N/A], 1980, 80.00, 700.00, Not Active
+1560, 1980, 695.50, 700.00, Active
+"""
+
+
+def test_gpu_clocks_reads_the_sm_clock_power_and_power_cap_from_nvidia_smi(tmp_path, monkeypatch):
+    bench_gpu = importlib.import_module("benchmarks.bench_gpu")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '{SAMPLES}'\necho \"$@\" > {tmp_path}/args\nexec sleep 60\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid="1234-abcd"))
+    readings = {}
+    start = time.perf_counter()
+    with bench_gpu.gpu_clocks(readings):
+        while not (tmp_path / "args").exists() and time.perf_counter() - start < 20:
+            time.sleep(0.05)
+    assert time.perf_counter() - start < 30  # the sampler is stopped, not waited for
+    args = (tmp_path / "args").read_text().split()
+    assert args[:2] == ["-i", "GPU-1234-abcd"] and args[-2:] == ["-lms", "500"]
+    assert readings == dict(samples=3, sm_clock_mhz=1635.0, max_sm_clock_mhz=1980.0, power_w=694.0,
+                            power_limit_w=700.0, power_capped=2 / 3)
+    assert bench_gpu.clocks_text(readings) == ("SM clock median 1635 MHz (highest 1980), power median 694 W "
+                                               "(limit 700 W), held back by the power cap in 67% of 3 samples")
+
+
+def test_gpu_clocks_reads_nothing_without_nvidia_smi(tmp_path, monkeypatch):
+    bench_gpu = importlib.import_module("benchmarks.bench_gpu")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    readings = {}
+    with bench_gpu.gpu_clocks(readings):
+        pass
+    assert readings == {} and bench_gpu.clocks_text(readings) == "no clock readings (nvidia-smi missing)"
