@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.fp8 import FP8_DTYPE
-from ops_cuda.paged_attention_triton import LOG2_E, SCORE_FLOOR, decode_num_splits
+from ops_cuda.paged_attention_triton import LOG2_E, SCORE_FLOOR, UNALIGNED_METADATA, decode_num_splits
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
 # How decode splits the keys: a chunk's partial output is [heads, kv_lora_rank] float32 (256 KiB at
@@ -31,7 +31,7 @@ MIN_SPLIT_KEYS = 128
 PROGRAMS_PER_SM = 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=UNALIGNED_METADATA)
 def _mla_decode_split_kernel(
     q_latent_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     score_scale, kv_scale, num_heads,

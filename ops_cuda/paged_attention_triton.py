@@ -158,7 +158,14 @@ def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache
     return new_max, total, acc
 
 
-@triton.jit
+# A mixed step's decodes read the step's block tables and lengths from the row after its prefills,
+# at any offset. Not specialising on those pointers' alignment keeps one compiled kernel for every
+# offset, the one the decode graphs compile at start-up; else each split count compiles again
+# (about a second each) in the first mixed steps.
+UNALIGNED_METADATA = ["block_tables_ptr", "seq_lens_ptr"]
+
+
+@triton.jit(do_not_specialize_on_alignment=UNALIGNED_METADATA)
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     score_scale, cap_log2, window, v_scale,

@@ -500,6 +500,32 @@ def test_prefill_kernel_cuda(dtype, shape, sliding_window):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
+def test_decode_kernel_compiles_once_for_metadata_at_any_offset(fp8_scales):
+    # A mixed step's decodes read the lengths and block tables from the row after its prefills:
+    # rows 1..4 of these (4-byte and odd-width offsets) run the kernel compiled for rows 0..3.
+    batch = decode_batch([1500, 700, 31, 1025, 2000], *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda",
+                         fp8_scales=fp8_scales)
+    assert batch.block_tables.shape[1] % 4 != 0
+    q, k_cache, v_cache, block_tables, seq_lens, scale, window = batch.decode_args(0)
+    expected = batch.reference_decode(0)
+
+    def decode(rows):
+        out = torch.full_like(q[rows], float("nan"))
+        paged_decode_attention_triton(q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale, window,
+                                      out, k_scale=batch.scales[0], v_scale=batch.scales[1])
+        assert_close(out, expected[rows], 2**-7)
+
+    def compiled():
+        return len(paged_attention_triton._decode_split_kernel.device_caches[q.device.index][0])
+
+    decode(slice(0, 4))
+    count = compiled()
+    decode(slice(1, 5))
+    assert compiled() == count
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
 def test_decode_op_replays_in_cuda_graph(fp8_scales):
     batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda", fp8_scales=fp8_scales)
     args = (*batch.decode_args(0), 0.0, *batch.scales)
