@@ -116,8 +116,8 @@ def gpu_clocks(readings: dict):
         text = sampler.communicate()[0]
     samples = []
     for line in text.splitlines():
-        clock, max_clock, power, limit, capped = (field.strip() for field in line.split(","))
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError):  # "[N/A]" fields, or a line that is no sample
+            clock, max_clock, power, limit, capped = (field.strip() for field in line.split(","))
             samples.append((float(clock), float(max_clock), float(power), float(limit), capped == "Active"))
     if samples:
         readings.update(samples=len(samples), sm_clock_mhz=statistics.median(s[0] for s in samples),

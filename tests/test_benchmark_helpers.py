@@ -8,6 +8,7 @@ import types
 import torch
 
 SAMPLES = """1980, 1980, 130.50, 700.00, Not Active
+No sample on this line
 1635, 1980, 694.00, 700.00, Active
 [N/A], 1980, 80.00, 700.00, Not Active
 1560, 1980, 695.50, 700.00, Active
