@@ -103,9 +103,11 @@ class Cli:
 
     def __init__(self, *argv):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # SIGINT as a terminal delivers it, also where this test runs in a job started with `&`, which
+        # its children would inherit ignoring SIGINT.
         self.process = subprocess.Popen([sys.executable, "-m", "runtime.cli", *argv], cwd=ROOT, env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
+                                        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.out, self.err = "", ""
         for stream, name in ((self.process.stdout, "out"), (self.process.stderr, "err")):
             threading.Thread(target=self._read, args=(stream, name), daemon=True).start()
