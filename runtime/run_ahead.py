@@ -9,7 +9,8 @@ overlaps the device's work on the next. ``RunAhead`` holds the whole scheme:
    pending ids on the host: a sampling setting reads them (penalties, logprobs), or the step may
    preempt a sequence (which would be recomputed from tokens the host does not have yet). Then the
    step in flight is taken in first. A sequence whose pending token is its last by length needs no
-   waiting: the scheduler leaves it out of the next step (``Sequence.ends_with_pending_token``).
+   waiting: the scheduler leaves it out of the next step (``Sequence.ends_with_pending_token``), and
+   its row and blocks are freed once that token is taken in, after the next step's launch.
 2. The ids on the device (``launch``). A launched step's sampled ids stay on the device in
    ``sampled_ids``, each sequence's row noted, and their copy to the host starts: on CUDA into
    one of two pinned buffers, used by turns, so that the copy does not wait for the next step.
