@@ -205,7 +205,7 @@ class Engine:
             seq.finish("stop")
         elif params.stop and self._cut_at_stop_string(seq):
             seq.finish("stop")
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_resolved_tokens >= self.config.max_model_len:
+        elif seq.reaches_length_limit(self.config.max_model_len, count_pending=False):
             seq.finish("length")
         else:
             return False

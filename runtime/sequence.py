@@ -59,11 +59,17 @@ class Sequence:
     def num_resolved_tokens(self) -> int:
         return len(self.token_ids) - self.num_pending
 
+    def reaches_length_limit(self, max_model_len: int, count_pending: bool) -> bool:
+        """Whether its tokens reach its length limit: ``max_tokens`` generated, or ``max_model_len``
+        tokens in all; its pending tokens counted or not."""
+        pending = self.num_pending if count_pending else 0
+        return (len(self.output_token_ids) + pending >= self.params.max_tokens
+                or self.num_resolved_tokens + pending >= max_model_len)
+
     def ends_with_pending_token(self, max_model_len: int) -> bool:
-        """Whether a pending token is its last by length (``max_tokens`` generated, or ``max_model_len``
-        tokens in all): it ends with that token whatever its value, so it is not scheduled again."""
-        return self.num_pending > 0 and (len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
-                                         or self.num_tokens >= max_model_len)
+        """Whether a pending token is its last by length: it ends with that token whatever its value,
+        so it is not scheduled again."""
+        return self.num_pending > 0 and self.reaches_length_limit(max_model_len, count_pending=True)
 
     @property
     def prompt_token_ids(self) -> list[int]:
