@@ -41,12 +41,12 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    begin_after_previous(PDL)
     # Stage 1. Program (sequence, head tile, split): the tile's heads over one chunk of the keys.
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
+    begin_after_previous(PDL)
     # Chunks follow this sequence's own length (whole key tiles each); later splits may be empty.
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk

@@ -175,7 +175,6 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
-    begin_after_previous(PDL)
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
     # Writes each head's normalised partial output and its log2-sum-exp2; with one split, the
@@ -184,7 +183,8 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
+    begin_after_previous(PDL)
     first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys first..seq_len-1
     first_tile = first // BLOCK_N * BLOCK_N
     # Chunks follow this sequence's own length (whole key tiles each); later splits may be empty.

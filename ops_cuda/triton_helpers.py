@@ -73,8 +73,10 @@ def fullest_tile(tiles, programs, slots, preferred: int) -> int:
 @triton.jit
 def begin_after_previous(PDL: tl.constexpr):
     # Under PDL the previous kernel may still be running: wait for all of its writes before this
-    # kernel reads or writes activations (weights, never written, may be read before), then let
-    # the next kernel start. Every program waits, so a finished kernel implies a finished predecessor.
+    # kernel reads or writes activations, then let the next kernel start. Weights, never written,
+    # may be read before, and so may a step's attention metadata (lengths, block tables, slots),
+    # which the runtime writes before the step's first kernel. Every program waits, so a finished
+    # kernel implies a finished predecessor.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

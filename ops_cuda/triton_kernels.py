@@ -58,13 +58,14 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr,
     BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    begin_after_previous(PDL)
     # One program per row; rows are [M, R] (tokens x heads for q/k-norm, R = 1 otherwise).
     row = tl.program_id(0).to(tl.int64)
     m, r = row // rows_per_outer, row % rows_per_outer
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = x_ptr.dtype.element_ty
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a parameter, read before waiting for x
+    begin_after_previous(PDL)
     x = tl.load(x_ptr + m * x_stride_m + r * x_stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + m * res_stride_m + r * res_stride_r + cols, mask=mask, other=0.0)
@@ -72,22 +73,23 @@ def _rms_norm_kernel(
         tl.store(summed_ptr + m * sum_stride_m + r * sum_stride_r + cols, x.to(dtype), mask=mask)
     variance = tl.sum(x * x, axis=0) / hidden
     normed = x * tl.math.rsqrt(variance + eps)
-    out = _times_weight(normed, weight_ptr, cols, mask, dtype, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
+    out = _times_weight(normed, weight, dtype, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
     tl.store(out_ptr + m * out_stride_m + r * out_stride_r + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _times_weight(normed, weight_ptr, cols, cols_mask, dtype: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+def _times_weight(normed, weight, dtype: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
                   MULTIPLY_IN_FLOAT32: tl.constexpr):
-    # ``normed`` (x * rsqrt(mean(x^2) + eps), float32) times the weight at ``cols``, rounded where
+    # ``normed`` (x * rsqrt(mean(x^2) + eps), float32) times ``weight`` (as loaded), rounded where
     # rms_norm_reference rounds; the caller casts the product to the output dtype.
-    weight = tl.load(weight_ptr + cols, mask=cols_mask, other=0.0).to(tl.float32)
+    weight_dtype: tl.constexpr = weight.dtype
+    weight = weight.to(tl.float32)
     if WEIGHT_OFFSET != 0:
         weight = weight + WEIGHT_OFFSET
     if not MULTIPLY_IN_FLOAT32:  # HF's Llama casts back before the weight multiply
         normed = round_to(normed, dtype)
         if WEIGHT_OFFSET != 0:  # the reference adds the offset in the weight's dtype
-            weight = round_to(weight, weight_ptr.dtype.element_ty)
+            weight = round_to(weight, weight_dtype)
     return normed * weight
 
 
@@ -229,13 +231,13 @@ def _rotary_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     cos1, sin1, cos2, sin2 = _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim,
                                      q_out_ptr.dtype.element_ty, INTERLEAVED, BLOCK_HALF)
-    # rotary_write_kv's per-head step with no norm and no cache: its weight and cache pointers are unread.
-    _norm_rotate_heads(q_ptr, q_ptr, q_out_ptr, q_out_ptr, token, h, q_heads, 0, q_dim, rotary_dim, 0.0, 1.0,
+    # rotary_write_kv's per-head step with no norm and no cache: its weights and cache pointer are unread.
+    _norm_rotate_heads(q_ptr, 0.0, 0.0, 0.0, q_out_ptr, q_out_ptr, token, h, q_heads, 0, q_dim, rotary_dim, 0.0, 1.0,
                        q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
                        NORM=False, WEIGHT_OFFSET=0.0, MULTIPLY_IN_FLOAT32=False, INTERLEAVED=INTERLEAVED,
                        WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False, BLOCK_HALF=BLOCK_HALF,
                        BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
-    _norm_rotate_heads(k_ptr, k_ptr, k_out_ptr, k_out_ptr, token, h, k_heads, 0, k_dim, rotary_dim, 0.0, 1.0,
+    _norm_rotate_heads(k_ptr, 0.0, 0.0, 0.0, k_out_ptr, k_out_ptr, token, h, k_heads, 0, k_dim, rotary_dim, 0.0, 1.0,
                        k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, 0, cos1, sin1, cos2, sin2,
                        NORM=False, WEIGHT_OFFSET=0.0, MULTIPLY_IN_FLOAT32=False, INTERLEAVED=INTERLEAVED,
                        WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False, BLOCK_HALF=BLOCK_HALF,
@@ -370,27 +372,45 @@ def write_kv_cache_triton(
 
 
 @triton.jit
-def _load_normed(src, cols, mask, cols_mask, inv_rms, weight_ptr, dtype: tl.constexpr, NORM: tl.constexpr,
+def _load_normed(src, cols, mask, inv_rms, weight, dtype: tl.constexpr, NORM: tl.constexpr,
                  WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr):
     # Channels ``cols`` of heads ``src`` ([BLOCK_H, 1] pointers), RMS-normalised as rms_norm_reference
-    # rounds them when NORM; float32 values of ``dtype``.
+    # rounds them when NORM, by ``weight`` (the norm weight at ``cols``); float32 values of ``dtype``.
     x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        x = round_to(_times_weight(x * inv_rms, weight_ptr, cols, cols_mask, dtype, WEIGHT_OFFSET,
-                                   MULTIPLY_IN_FLOAT32), dtype)
+        x = round_to(_times_weight(x * inv_rms, weight, dtype, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32), dtype)
     return x
 
 
 @triton.jit
+def _norm_weights(weight_ptr, head_dim, rotary_dim, NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    # The per-head norm's weight at the channels _norm_rotate_heads reads (each pair's two, then the
+    # channels past rotary_dim), loaded up front: a parameter, read before waiting for q and k.
+    # Without NORM, none.
+    w1, w2, w_pass = 0.0, 0.0, 0.0
+    if NORM:
+        i, in1, in2 = _pair_channels(rotary_dim, INTERLEAVED, BLOCK_HALF)
+        pair_ok = i < rotary_dim // 2
+        w1 = tl.load(weight_ptr + in1, mask=pair_ok, other=0.0)
+        w2 = tl.load(weight_ptr + in2, mask=pair_ok, other=0.0)
+        if BLOCK_PASS > 0:
+            passed = rotary_dim + tl.arange(0, BLOCK_PASS)[None, :]
+            w_pass = tl.load(weight_ptr + passed, mask=passed < head_dim, other=0.0)
+    return w1, w2, w_pass
+
+
+@triton.jit
 def _norm_rotate_heads(
-    x_ptr, weight_ptr, out_ptr, cache_ptr, token, h, num_heads, cache_heads, head_dim, rotary_dim, eps, scale,
+    x_ptr, w1, w2, w_pass, out_ptr, cache_ptr, token, h, num_heads, cache_heads, head_dim, rotary_dim, eps, scale,
     x_stride_t, x_stride_h, out_stride_t, out_stride_h, cache_stride_h, cos1, sin1, cos2, sin2,
     NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr, INTERLEAVED: tl.constexpr,
     WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Heads h ([BLOCK_H, 1]) of one token: normalised (NORM), rotated, stored to out and, for the
-    # first ``cache_heads`` of them (WRITE_CACHE), to the cache row ``cache_ptr`` of the token's slot.
+    # Heads h ([BLOCK_H, 1]) of one token: normalised (NORM, by _norm_weights' w1, w2, w_pass), rotated,
+    # stored to out and, for the first ``cache_heads`` of them (WRITE_CACHE), to the cache row
+    # ``cache_ptr`` of the token's slot.
     dtype = out_ptr.dtype.element_ty
     half = rotary_dim // 2
     heads = h < num_heads
@@ -405,8 +425,8 @@ def _norm_rotate_heads(
     i, in1, in2 = _pair_channels(rotary_dim, INTERLEAVED, BLOCK_HALF)
     pair_ok = i < half
     mask = heads & pair_ok
-    x1 = _load_normed(src, in1, mask, pair_ok, inv_rms, weight_ptr, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
-    x2 = _load_normed(src, in2, mask, pair_ok, inv_rms, weight_ptr, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
+    x1 = _load_normed(src, in1, mask, inv_rms, w1, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
+    x2 = _load_normed(src, in2, mask, inv_rms, w2, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
     first, second = _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype)
     first, second = round_to(first, dtype), round_to(second, dtype)
     tl.store(dst + i, first.to(dtype), mask=mask)
@@ -419,7 +439,7 @@ def _norm_rotate_heads(
     if BLOCK_PASS > 0:  # partial rotary: channels rotary_dim.. pass through (normalised)
         passed = rotary_dim + tl.arange(0, BLOCK_PASS)[None, :]
         pass_ok = passed < head_dim
-        x = _load_normed(src, passed, heads & pass_ok, pass_ok, inv_rms, weight_ptr, dtype, NORM, WEIGHT_OFFSET,
+        x = _load_normed(src, passed, heads & pass_ok, inv_rms, w_pass, dtype, NORM, WEIGHT_OFFSET,
                          MULTIPLY_IN_FLOAT32)
         tl.store(dst + passed, x.to(dtype), mask=heads & pass_ok)
         if WRITE_CACHE:
@@ -440,22 +460,24 @@ def _rotary_write_kv_kernel(
     BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (token, block of BLOCK_H heads): those heads of q, k and v.
-    begin_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    slot = tl.load(slot_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)  # the step's metadata, written before its first kernel
+    q_w1, q_w2, q_w_pass = _norm_weights(q_weight_ptr, head_dim, rotary_dim, NORM, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+    k_w1, k_w2, k_w_pass = _norm_weights(k_weight_ptr, head_dim, rotary_dim, NORM, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+    begin_after_previous(PDL)
     block, offset = slot // block_size, slot % block_size
     # A negative slot (padding of a captured batch) has no heads to write: every cache access is masked.
     cache_heads = tl.where(slot >= 0, kv_heads, 0)
     cos1, sin1, cos2, sin2 = _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim,
                                      q_out_ptr.dtype.element_ty, INTERLEAVED, BLOCK_HALF)
-    _norm_rotate_heads(q_ptr, q_weight_ptr, q_out_ptr, k_cache_ptr, token, h, q_heads, 0, head_dim, rotary_dim, eps,
-                       1.0, q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
+    _norm_rotate_heads(q_ptr, q_w1, q_w2, q_w_pass, q_out_ptr, k_cache_ptr, token, h, q_heads, 0, head_dim,
+                       rotary_dim, eps, 1.0, q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
                        NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, False, FP8, ROUND_TO_E4M3,
                        BLOCK_HALF, BLOCK_PASS, BLOCK_D)
     k_row = k_cache_ptr + block * kc_stride_b + offset * kc_stride_o
-    _norm_rotate_heads(k_ptr, k_weight_ptr, k_out_ptr, k_row, token, h, kv_heads, cache_heads, head_dim, rotary_dim,
-                       eps, k_scale, k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, kc_stride_h,
+    _norm_rotate_heads(k_ptr, k_w1, k_w2, k_w_pass, k_out_ptr, k_row, token, h, kv_heads, cache_heads, head_dim,
+                       rotary_dim, eps, k_scale, k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, kc_stride_h,
                        cos1, sin1, cos2, sin2, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, True, FP8,
                        ROUND_TO_E4M3, BLOCK_HALF, BLOCK_PASS, BLOCK_D)
     _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, h, cache_heads, v_dim, v_scale,
@@ -516,16 +538,18 @@ GEMV_ROWS = (2, 4, 8)
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # BLOCK_N weight rows per program. The first weight tile is read before waiting for the
-    # previous kernel.
+    # BLOCK_N weight rows per program. The first weight tile and the bias are read before waiting
+    # for the previous kernel.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
     first_tile = weight_tile(row_starts, row_ok[:, None], tl.arange(0, BLOCK_K), K)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     begin_after_previous(PDL)
     out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        out += bias
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
