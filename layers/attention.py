@@ -49,7 +49,8 @@ class AttentionMetadata:
     prefills and decodes with them); the tensors live on the model's device, where the attention
     ops read them. Under CUDA-graph capture the tensors are views of buffers allocated once and
     rewritten in place before each replay; padding rows of a captured batch have ``seq_lens`` 0,
-    no block table and slot -1 (nothing is written).
+    no block table and slot -1 (nothing is written). No kernel of a step writes them: the CUDA
+    kernels read them before waiting for the kernel launched just before (``begin_after_previous``).
     """
 
     query_lens: list[int]
