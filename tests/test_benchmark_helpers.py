@@ -1,10 +1,13 @@
-"""benchmarks/bench_gpu.py's GPU clock sampler (gpu_clocks), read from a stand-in nvidia-smi."""
+"""The benchmarks' helpers that run without a GPU: bench_gpu.py's clock sampler (gpu_clocks), read
+from a stand-in nvidia-smi, and bench_decode_ab.py's kernel swap."""
 
 import importlib
 import os
 import time
 import types
+from pathlib import Path
 
+import pytest
 import torch
 
 SAMPLES = """1980, 1980, 130.50, 700.00, Not Active
@@ -44,3 +47,31 @@ def test_gpu_clocks_reads_nothing_without_nvidia_smi(tmp_path, monkeypatch):
     with bench_gpu.gpu_clocks(readings):
         pass
     assert readings == {} and bench_gpu.clocks_text(readings) == "no clock readings (nvidia-smi missing)"
+
+
+def test_bench_decode_ab_swaps_in_the_other_trees_kernel_and_puts_this_trees_back(tmp_path):
+    bench_decode_ab = importlib.import_module("benchmarks.bench_decode_ab")
+    import ops_cuda.triton_kernels as kernels
+
+    (tmp_path / "ops_cuda").mkdir()
+    (tmp_path / "ops_cuda" / "triton_kernels.py").write_text(Path(kernels.__file__).read_text())
+    swaps = bench_decode_ab.base_kernels(tmp_path, ["ops_cuda/triton_kernels.py:_rms_norm_kernel"])
+    ours = kernels._rms_norm_kernel
+    ((module, name, theirs),) = swaps
+    assert module is kernels and name == "_rms_norm_kernel" and theirs is not ours
+    assert Path(theirs.fn.__code__.co_filename) == tmp_path / "ops_cuda" / "triton_kernels.py"
+    with bench_decode_ab.swapped(swaps):
+        assert kernels._rms_norm_kernel is theirs
+    assert kernels._rms_norm_kernel is ours
+
+
+def test_bench_decode_ab_names_what_it_cannot_swap(tmp_path):
+    bench_decode_ab = importlib.import_module("benchmarks.bench_decode_ab")
+    (tmp_path / "ops_cuda").mkdir()
+    (tmp_path / "ops_cuda" / "norm.py").write_text("")
+    with pytest.raises(ValueError, match="FILE.py:NAME"):
+        bench_decode_ab.base_kernels(tmp_path, ["ops_cuda/norm.py"])
+    with pytest.raises(FileNotFoundError, match="no ops_cuda/gemv.py under"):
+        bench_decode_ab.base_kernels(tmp_path, ["ops_cuda/gemv.py:gemv"])
+    with pytest.raises(AttributeError, match="has no rms_norm"):
+        bench_decode_ab.base_kernels(tmp_path, ["ops_cuda/norm.py:rms_norm"])

@@ -1,0 +1,97 @@
+"""Batch-1 decode with chosen Triton kernels taken from another tree, against this tree's own, in one
+process and alternating: an A/B that the drift between machines (±3%) and over a run cannot blur.
+
+    git worktree add /tmp/base <commit>          # or any copy of the other tree
+    python3 benchmarks/bench_decode_ab.py /tmp/base ops_cuda/triton_kernels.py:_rms_norm_kernel \\
+        ops_cuda/paged_attention_triton.py:_decode_split_kernel --shape qwen3-30b-a3b --pairs 4
+
+Each FILE:NAME is loaded from the other tree's FILE, as a module of its own that imports this tree's
+packages, and put in place of NAME in this tree's module of FILE for the "base" configurations (the
+launchers look their kernels up when they run). The kernels keep their launchers' arguments: an A/B
+of a kernel's body, not of its signature. Random bf16 weights of the shape, one model; per
+configuration a fresh LLM (CUDA graphs captured with the kernels in place), a 128-token prompt and
+256 greedy tokens timed five times, as bench_decode_without.py does; "this" and "base" alternate
+--pairs times. Prints the fastest, the median and all five runs of each configuration.
+"""
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode_without import SHAPES, time_decode  # noqa: E402
+from bench_gpu import zoo_8b  # noqa: E402
+from bench_moe import PROMPT_LEN, free_memory, random_hf  # noqa: E402
+from models import AutoModelForCausalLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def base_kernels(base: Path, names: list[str]) -> list[tuple[object, str, object]]:
+    """(this tree's module, NAME, the other tree's object of that name) for each FILE:NAME."""
+    loaded, swaps = {}, []
+    for spec in names:
+        file, _, name = spec.partition(":")
+        if not name or not file.endswith(".py"):
+            raise ValueError(f"{spec!r}: give FILE.py:NAME, a path from the tree's root and a name in it")
+        if not (base / file).is_file():
+            raise FileNotFoundError(f"{spec!r}: no {file} under {base}")
+        module = importlib.import_module(file.removesuffix(".py").replace("/", "."))
+        if file not in loaded:
+            alias = "base_" + file.removesuffix(".py").replace("/", "_")
+            module_spec = importlib.util.spec_from_file_location(alias, base / file)
+            loaded[file] = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(loaded[file])
+        for tree, where in ((module, "this tree"), (loaded[file], str(base))):
+            if not hasattr(tree, name):
+                raise AttributeError(f"{spec!r}: {where}'s {file} has no {name}")
+        swaps.append((module, name, getattr(loaded[file], name)))
+    return swaps
+
+
+@contextlib.contextmanager
+def swapped(swaps):
+    """The other tree's objects in place of this tree's, put back on exit."""
+    own = [getattr(module, name) for module, name, _ in swaps]
+    for module, name, theirs in swaps:
+        setattr(module, name, theirs)
+    try:
+        yield
+    finally:
+        for (module, name, _), mine in zip(swaps, own):
+            setattr(module, name, mine)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("base", type=Path, help="the other tree's root")
+    parser.add_argument("kernels", nargs="+", metavar="FILE:NAME")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
+    parser.add_argument("--pairs", type=int, default=3)
+    args = parser.parse_args()
+    swaps = base_kernels(args.base, args.kernels)
+    fields = SHAPES[args.shape]
+    print({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
+           "base": str(args.base), "kernels": args.kernels}, flush=True)
+    model = AutoModelForCausalLM.from_hf(random_hf()) if args.shape == "qwen3-30b-a3b" else zoo_8b()
+    free_memory()
+    prompt = torch.randint(0, fields["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
+    print("\n| kernels | ms/token, fastest | median | all runs |\n|---|---:|---:|---|", flush=True)
+    for tree in ("this", "base") * args.pairs:
+        with swapped(swaps) if tree == "base" else contextlib.nullcontext():
+            runs = time_decode(model, prompt)
+        print(f"| {tree} | {min(runs):.3f} | {statistics.median(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |",
+              flush=True)
+        free_memory()
+
+
+if __name__ == "__main__":
+    main()
