@@ -21,6 +21,7 @@ import importlib.util
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -60,14 +61,10 @@ def base_kernels(base: Path, names: list[str]) -> list[tuple[object, str, object
 @contextlib.contextmanager
 def swapped(swaps):
     """The other tree's objects in place of this tree's, put back on exit."""
-    own = [getattr(module, name) for module, name, _ in swaps]
-    for module, name, theirs in swaps:
-        setattr(module, name, theirs)
-    try:
+    with contextlib.ExitStack() as stack:
+        for module, name, theirs in swaps:
+            stack.enter_context(mock.patch.object(module, name, theirs))
         yield
-    finally:
-        for (module, name, _), mine in zip(swaps, own):
-            setattr(module, name, mine)
 
 
 def main():

@@ -36,6 +36,7 @@ import contextlib
 import copy
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import transformers
@@ -68,14 +69,10 @@ def pytorch_ops():
     names = [(layers.norm, "fused_add_rms_norm", fused_add_rms_norm_reference),
              (layers.norm, "rms_norm", rms_norm_reference), (layers.attention, "apply_rotary", apply_rotary_reference),
              (layers.mlp, "act_and_mul", act_and_mul_reference), (layers.mlp, "gated_gemv", gated_gemv_reference)]
-    saved = [getattr(module, name) for module, name, _ in names]
-    for module, name, reference in names:
-        setattr(module, name, reference)
-    try:
+    with contextlib.ExitStack() as stack:
+        for module, name, reference in names:
+            stack.enter_context(mock.patch.object(module, name, reference))
         yield
-    finally:
-        for (module, name, _), original in zip(names, saved):
-            setattr(module, name, original)
 
 
 def in_float32(model):
