@@ -28,12 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode_without import SHAPES, time_decode  # noqa: E402
-from bench_gpu import zoo_8b  # noqa: E402
-from bench_moe import PROMPT_LEN, free_memory, random_hf  # noqa: E402
-from models import AutoModelForCausalLM  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_decode_without import SHAPES, model_and_prompt, time_decode  # noqa: E402
+from bench_moe import free_memory  # noqa: E402
 
 
 def base_kernels(base: Path, names: list[str]) -> list[tuple[object, str, object]]:
@@ -75,12 +71,9 @@ def main():
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
     swaps = base_kernels(args.base, args.kernels)
-    fields = SHAPES[args.shape]
     print({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
            "base": str(args.base), "kernels": args.kernels}, flush=True)
-    model = AutoModelForCausalLM.from_hf(random_hf()) if args.shape == "qwen3-30b-a3b" else zoo_8b()
-    free_memory()
-    prompt = torch.randint(0, fields["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
+    model, prompt = model_and_prompt(args.shape)
     print("\n| kernels | ms/token, fastest | median | all runs |\n|---|---:|---:|---|", flush=True)
     for tree in ("this", "base") * args.pairs:
         with swapped(swaps) if tree == "base" else contextlib.nullcontext():

@@ -107,6 +107,14 @@ def time_decode(model, prompt) -> list[float]:
     return [decode_ms_per_token(llm, prompt, DECODE_TOKENS) for _ in range(RUNS)]
 
 
+def model_and_prompt(shape: str) -> tuple:
+    """The random bf16 model of ``shape`` (a key of SHAPES) and the 128-token prompt its decode is timed on."""
+    model = AutoModelForCausalLM.from_hf(random_hf()) if shape == "qwen3-30b-a3b" else zoo_8b()
+    free_memory()
+    generator = torch.Generator().manual_seed(0)
+    return model, torch.randint(0, SHAPES[shape]["vocab_size"], (PROMPT_LEN,), generator=generator).tolist()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configurations", nargs="*")
@@ -121,9 +129,7 @@ def main():
         if "route_topk" in kernels and "num_experts" not in fields:
             parser.error(f"{args.shape} has no router: route_topk is the MoE shape's")
     print({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape}, flush=True)
-    model = AutoModelForCausalLM.from_hf(random_hf()) if args.shape == "qwen3-30b-a3b" else zoo_8b()
-    free_memory()
-    prompt = torch.randint(0, fields["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
+    model, prompt = model_and_prompt(args.shape)
     print("\n| kernels removed | ms/token, fastest | all runs |\n|---|---:|---|", flush=True)
     for name, kernels in zip(names, configurations):
         with Removed(model, kernels, fields):

@@ -156,15 +156,12 @@ ROUNDING_SCALE = 1.37
 def kv_scales(model, scale: float):
     """Every attention layer's cache scales (``k_scale`` and ``v_scale``, MLA's ``kv_scale``) set to
     ``scale`` inside the block."""
-    saved = [(module, name, getattr(module, name)) for module in model.modules()
-             for name in ("k_scale", "v_scale", "kv_scale") if hasattr(module, name)]
-    try:
-        for module, name, _ in saved:
-            setattr(module, name, scale)
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            for name in ("k_scale", "v_scale", "kv_scale"):
+                if hasattr(module, name):
+                    stack.enter_context(mock.patch.object(module, name, scale))
         yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 def report_kv_cache(name, model, input_ids, kv_cache_dtype, decode):
