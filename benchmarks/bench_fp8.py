@@ -3,19 +3,22 @@ and against the bf16 GEMM, and the FP8 fused-MoE kernel against the bf16 one. Ra
 
     python3 benchmarks/bench_fp8.py                    # linear + moe, Markdown tables (~3 minutes on an H200)
     python3 benchmarks/bench_fp8.py --task linear      # the linear layers alone
+    python3 benchmarks/bench_fp8.py --task linear --rows 1   # their batch-1 decode products alone
     python3 benchmarks/bench_fp8.py --task moe         # the routed experts alone
     python3 benchmarks/bench_fp8.py --json fp8.json    # also write the figures
 
-linear  zoo::fp8_block_linear's two GEMMs on DeepSeek-V3's linear shapes (hidden 7168, q_lora 1536,
+linear  zoo::fp8_block_linear's kernels on DeepSeek-V3's linear shapes (hidden 7168, q_lora 1536,
         kv_lora 512 + rope 64, 128 heads of 192 / 128, dense MLP 18432, experts and shared expert 2048,
         vocab 129280), weights in 128 x 128 blocks, at M = 1, 64, 256 and 4096 tokens: the Triton
         block-FP8 GEMM (ops_cuda/fp8_triton.py) and torch._scaled_mm with 1x128 / 128x128 block scales
         (where this torch and GPU have it), each timed with its activation quantisation, against the
-        bf16 GEMM (F.linear, cuBLAS) on the same shapes; TFLOP/s (2 M N K over the time), and for M <= 64
-        GB/s (weight, activation and output bytes over the time: small M is a stream of the weight).
+        bf16 GEMM (F.linear, cuBLAS) on the same shapes; at M = 1 also the single-row FP8 kernel
+        ("gemv", what the op runs there) and zoo::gemv on the bf16 weight ("bf16 gemv", what a bf16
+        model runs there); TFLOP/s (2 M N K over the time), and for M <= 64 GB/s (weight, activation
+        and output bytes over the time: small M is a stream of the weight).
         The bf16 weight is the FP8 one dequantised, so the bf16 GEMM is also the op's reference
         (dequantise, then matmul): max rel diff, relative to its largest magnitude, is the activations'
-        quantisation. The dispatch's column says which GEMM zoo::fp8_block_linear runs;
+        quantisation (the gemv's: the reference's rounding of each dequantised entry). The dispatch's column says which GEMM zoo::fp8_block_linear runs;
         SCALED_MM_MIN_ROWS in ops_cuda/fp8_triton.py is set from this table.
 moe     The routed experts of one DeepSeek-V3 MoE layer (256 experts, top-8, 7168 -> 2048 -> 7168) at
         decode batch sizes 1 to 256 and prefill-sized 1024 and 4096 tokens: the Triton fused-MoE kernel
@@ -46,8 +49,10 @@ from ops_cuda.fp8_triton import (  # noqa: E402
     cuda_kernel,
     fp8_block_gemm_scaled_mm,
     fp8_block_gemm_triton,
+    fp8_block_gemv_triton,
     scaled_mm_supported,
 )
+from ops_cuda.gemv import gemv  # noqa: E402
 from ops_cuda.moe import cuda_kernel as moe_cuda_kernel  # noqa: E402
 from ops_cuda.moe import moe_experts_op  # noqa: E402
 
@@ -102,40 +107,51 @@ def random_fp8(n: int, k: int, generator, experts: int | None = None) -> tuple[t
     return weight, fp8, scales
 
 
-def linear(results):
+def linear_shape(name: str, n: int, k: int, row_counts, generator) -> list[dict]:
+    """The rows of the linear table for one layer's shape, at each of ``row_counts`` rows."""
+    weight, fp8, scales = random_fp8(n, k, generator)
+    rows_out = []
+    for m in row_counts:
+        x = torch.randn(m, k, device="cuda", generator=generator, dtype=torch.bfloat16)
+        reference = F.linear(x, weight).float()  # the op's reference: the dequantised weight
+        row = dict(layer=name, n=n, k=k, m=m, dispatch=cuda_kernel(x, fp8, BLOCK))
+        paths = {"bf16": lambda: F.linear(x, weight), "triton": lambda: fp8_block_gemm_triton(x, fp8, scales, BLOCK, None)}
+        if scaled_mm_supported(x, fp8, BLOCK):
+            paths["scaled_mm"] = lambda: fp8_block_gemm_scaled_mm(x, fp8, scales, None)
+        if m == 1:
+            paths["gemv"] = lambda: fp8_block_gemv_triton(x, fp8, scales, BLOCK, None)
+            paths["bf16 gemv"] = lambda: gemv(x, weight, None)
+        for path, fn in paths.items():
+            us = graph_us(fn, flush_l2_bytes=L2_FLUSH_BYTES)
+            bf16 = path.startswith("bf16")
+            weight_bytes = n * k * (2 if bf16 else 1) + (0 if bf16 else scales.numel() * 4)
+            moved = weight_bytes + m * k * 2 + m * n * 2
+            row[path] = dict(us=us, tflops=2 * m * n * k / us / 1e6, gb_s=moved / us / 1e3)
+            if not bf16:
+                row[path]["max_rel_diff"] = ((fn().float() - reference).abs().max() / reference.abs().max()).item()
+        rows_out.append(row)
+        print(f"{name} M={m}: " + ", ".join(f"{p} {row[p]['us']:.1f} µs" for p in paths), flush=True)
+    return rows_out
+
+
+def linear(results, row_counts=ROWS):
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
     for name, n, k in LINEARS:
-        weight, fp8, scales = random_fp8(n, k, generator)
-        for m in ROWS:
-            x = torch.randn(m, k, device="cuda", generator=generator, dtype=torch.bfloat16)
-            reference = F.linear(x, weight).float()  # the op's reference: the dequantised weight
-            row = dict(layer=name, n=n, k=k, m=m, dispatch=cuda_kernel(x, fp8, BLOCK))
-            paths = {"bf16": lambda: F.linear(x, weight), "triton": lambda: fp8_block_gemm_triton(x, fp8, scales, BLOCK, None)}
-            if scaled_mm_supported(x, fp8, BLOCK):
-                paths["scaled_mm"] = lambda: fp8_block_gemm_scaled_mm(x, fp8, scales, None)
-            for path, fn in paths.items():
-                us = graph_us(fn, flush_l2_bytes=L2_FLUSH_BYTES)
-                weight_bytes = n * k * (2 if path == "bf16" else 1) + (0 if path == "bf16" else scales.numel() * 4)
-                moved = weight_bytes + m * k * 2 + m * n * 2
-                row[path] = dict(us=us, tflops=2 * m * n * k / us / 1e6, gb_s=moved / us / 1e3)
-                if path != "bf16":
-                    row[path]["max_rel_diff"] = ((fn().float() - reference).abs().max() / reference.abs().max()).item()
-            rows_out.append(row)
-            print(f"{name} M={m}: " + ", ".join(f"{p} {row[p]['us']:.1f} µs" for p in paths), flush=True)
-        del weight, fp8, scales
-        torch.cuda.empty_cache()
+        rows_out += linear_shape(name, n, k, row_counts, generator)
+        torch.cuda.empty_cache()  # the shape's weights are gone with linear_shape's frame
     results["linear"] = rows_out
 
 
 def linear_table(results) -> str:
-    paths = ["bf16", "triton", "scaled_mm"]
+    paths = ["bf16", "triton", "scaled_mm", "gemv", "bf16 gemv"]
+    diff_paths = ("triton", "scaled_mm", "gemv")
     lines = [
         f"DeepSeek-V3 linear shapes, 128 x 128 FP8 blocks, bf16 activations. {results['date']}, {results['device']}, "
         f"torch {results['torch']}, triton {results['triton']}; HBM copy bandwidth {results['hbm_tb_s']:.2f} TB/s.",
         "",
         "| layer | N x K | M | " + " | ".join(f"{p} µs | {p} TFLOP/s | {p} GB/s" for p in paths)
-        + " | triton / scaled_mm max rel diff | dispatch |",
+        + " | triton / scaled_mm / gemv max rel diff | dispatch |",
         "|" + "---|" * (3 + 3 * len(paths) + 2),
     ]
     for row in results["linear"]:
@@ -146,7 +162,7 @@ def linear_table(results) -> str:
                 cells += [f"{row[p]['us']:.1f}", f"{row[p]['tflops']:.1f}", gb_s]
             else:
                 cells += ["—", "—", ""]
-        diffs = [f"{row[p]['max_rel_diff']:.3f}" for p in ("triton", "scaled_mm") if p in row]
+        diffs = [f"{row[p]['max_rel_diff']:.3f}" if p in row else "—" for p in diff_paths]
         lines.append("| " + " | ".join(cells) + f" | {' / '.join(diffs)} | {row['dispatch']} |")
     return "\n".join(lines)
 
@@ -225,6 +241,7 @@ def moe_table(results) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="all", choices=["all", "linear", "moe"])
+    parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help=f"linear: the values of M (default {ROWS})")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
@@ -232,8 +249,9 @@ def main():
     print(results, flush=True)
     torch.cuda.empty_cache()
     if args.task in ("all", "linear"):
-        linear(results)
-        print("\n" + linear_table(results) + "\n\n" + crossover(results) + "\n", flush=True)
+        linear(results, args.rows)
+        crossover_text = crossover(results) if len(args.rows) > 1 else ""  # a crossover needs several M
+        print("\n" + linear_table(results) + "\n\n" + crossover_text + "\n", flush=True)
     if args.task in ("all", "moe"):
         moe(results)
         print("\n" + moe_table(results) + "\n", flush=True)

@@ -1,8 +1,9 @@
 """``zoo::fp8_block_linear``: ``x W^T + b`` with an FP8 block-scaled weight (``ops_cuda/fp8.py``).
 
 Its reference (the CPU path and the test oracle) dequantises the weight to the activation dtype and
-multiplies: exactly what a checkpoint dequantised on load computes. Its CUDA kernel quantises the
-activations per token and group and multiplies FP8 operands (``ops_cuda/fp8_triton.py``).
+multiplies: exactly what a checkpoint dequantised on load computes. On the GPU a single row takes that
+product itself in a matrix-vector kernel; more rows have their activations quantised per token and
+group and multiply FP8 operands (``ops_cuda/fp8_triton.py``).
 """
 
 import torch
@@ -36,12 +37,14 @@ def _(x, weight, scale_inv, block, bias):
 @fp8_block_linear_op.register_kernel("cuda")
 def _(x, weight, scale_inv, block, bias):
     # triton is imported only where a kernel runs
-    from ops_cuda.fp8_triton import cuda_kernel, fp8_block_gemm_scaled_mm, fp8_block_gemm_triton
+    from ops_cuda.fp8_triton import cuda_kernel, fp8_block_gemm_scaled_mm, fp8_block_gemm_triton, fp8_block_gemv_triton
 
     check_block_weight("fp8_block_linear", weight, scale_inv, block)
     kernel = cuda_kernel(x, weight, block)
     if kernel == "reference":  # other dtypes or blocks, GPUs without FP8 tensor cores
         return fp8_block_linear_reference(x, weight, scale_inv, block, bias)
+    if kernel == "gemv":
+        return fp8_block_gemv_triton(x, weight, scale_inv, block, bias).view(*x.shape[:-1], weight.shape[0])
     rows = x.reshape(-1, x.shape[-1])
     if kernel == "scaled_mm":
         out = fp8_block_gemm_scaled_mm(rows, weight, scale_inv, bias)

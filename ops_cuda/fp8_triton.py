@@ -1,7 +1,16 @@
-"""The CUDA kernels of ``zoo::fp8_block_linear`` (``ops_cuda/fp8_linear.py``): activations quantised
-per token and group of ``block[1]`` columns (a Triton kernel, ``quantise_groups``, which the FP8
-fused-MoE kernel uses too), then one of two block-scaled FP8 GEMMs, chosen by the number of rows
-(``SCALED_MM_MIN_ROWS``, ``cuda_kernel``):
+"""The CUDA kernels of ``zoo::fp8_block_linear`` (``ops_cuda/fp8_linear.py``), chosen by the number of
+rows (``cuda_kernel``).
+
+A single row (batch-1 decode) takes ``fp8_block_gemv_triton``: the dequantised weight times the row,
+in float32 on CUDA cores as ``zoo::gemv`` multiplies, with each scale applied to the row's group of
+columns once per program rather than to every weight entry. Nothing quantises the row, so it is one
+launch, and the product is the reference's but for the reference's rounding of each dequantised entry
+to the activation dtype (within 2^-9 of it in bf16): the kernel multiplies by the exact dequantised
+weight.
+
+More rows have their activations quantised per token and group of ``block[1]`` columns (a Triton
+kernel, ``quantise_groups``, which the FP8 fused-MoE kernel uses too), then run one of two
+block-scaled FP8 GEMMs (``SCALED_MM_MIN_ROWS``):
 
 - PyTorch's own scaled matmul, ``torch._scaled_mm`` with 1x128 activation scales and 128x128 weight
   scales (cuBLASLt's block-scaled FP8 GEMM on sm90, CUDA 12.9 onward): where the installed torch and
@@ -27,6 +36,9 @@ import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE, FP8_MAX, MIN_GROUP_MAX, dequantise, quantise_groups_reference
+from ops_cuda.gemv import GEMV_DTYPES
+from ops_cuda.triton_helpers import begin_after_previous, pdl_launch
+from ops_cuda.triton_kernels import GEMV_BLOCK_K, GEMV_ROWS, GEMV_WARPS, rows_per_program
 
 # From this many rows on, torch._scaled_mm runs the product where it can; below it, the Triton kernel.
 # Set from `python3 benchmarks/bench_fp8.py --task linear` on the H200, which prints both per shape and M.
@@ -202,6 +214,108 @@ def fp8_block_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torc
 
 
 # ---------------------------------------------------------------------------------------------
+# A single row: the dequantised weight streamed through CUDA cores
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _weight_groups(row_starts, row_ok, groups, K, GROUP_K: tl.constexpr):
+    # [rows, groups, GROUP_K] float32: the FP8 weight's columns of scale groups `groups` (`row_starts`
+    # and `row_ok` [rows, 1, 1]), read past the cache: nothing else reuses them.
+    cols = groups[None, :, None] * GROUP_K + tl.arange(0, GROUP_K)[None, None, :]
+    entries = tl.load(row_starts + cols, mask=row_ok & (cols < K), other=0.0, eviction_policy="evict_first")
+    return entries.to(tl.float32)
+
+
+@triton.jit
+def _scaled_row_groups(x_ptr, scale_row, groups, K, scale_stride_k, GROUP_K: tl.constexpr):
+    # [1, groups, GROUP_K] float32: the row's columns of scale groups `groups`, each times its group's
+    # weight scale in the program's row block (`scale_row`), so that the weight's entries need none.
+    cols = groups[None, :, None] * GROUP_K + tl.arange(0, GROUP_K)[None, None, :]
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    scales = tl.load(scale_row + groups[None, :, None] * scale_stride_k, mask=groups[None, :, None] * GROUP_K < K,
+                     other=0.0)
+    return x * scales
+
+
+@triton.jit
+def _fp8_block_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, w_stride,
+                           scale_stride_n, scale_stride_k, GROUP_N, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # BLOCK_N weight rows per program, all in one row block of scales (BLOCK_N divides GROUP_N);
+    # BLOCK_K columns (BLOCK_K / GROUP_K scale groups) per step, as a [rows, groups, GROUP_K] tile.
+    # The row is scaled per group once for all the program's rows, so each weight entry costs a
+    # conversion and a multiply-add. The first tile and the bias are read before waiting for the
+    # previous kernel.
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    first_row = tl.program_id(0) * BLOCK_N
+    rows = first_row + tl.arange(0, BLOCK_N)
+    row_ok = (rows < N)[:, None, None]
+    row_starts = w_ptr + rows[:, None, None].to(tl.int64) * w_stride
+    scale_row = scale_ptr + (first_row // GROUP_N) * scale_stride_n
+    groups = tl.arange(0, GROUPS)
+    first_tile = _weight_groups(row_starts, row_ok, groups, K, GROUP_K)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    begin_after_previous(PDL)
+    acc = first_tile * _scaled_row_groups(x_ptr, scale_row, groups, K, scale_stride_k, GROUP_K)
+    for start in range(BLOCK_K, K, BLOCK_K):
+        step_groups = groups + start // GROUP_K
+        acc += (_weight_groups(row_starts, row_ok, step_groups, K, GROUP_K)
+                * _scaled_row_groups(x_ptr, scale_row, step_groups, K, scale_stride_k, GROUP_K))
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += bias
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor, block) -> bool:
+    """Whether ``fp8_block_gemv_triton`` takes these inputs: a single float16/bfloat16 row, a 2D weight
+    with contiguous rows, scale blocks of rows that some of GEMV_ROWS divides and of a power-of-two
+    number of columns up to a step's 1,024 (DeepSeek-V3's 128 x 128), on a GPU with FP8 conversions
+    (sm89 onward) or the interpreter."""
+    group = block[1]
+    return (
+        x.dtype in GEMV_DTYPES
+        and x.numel() == x.shape[-1]
+        and weight.dim() == 2
+        and weight.stride(-1) == 1
+        and bool(_gemv_rows_choices(block))
+        and group & (group - 1) == 0
+        and 16 <= group <= GEMV_BLOCK_K
+        and (not x.is_cuda or _compute_capability(x.device) >= FP8_CUDA_CAPABILITY)
+    )
+
+
+def _gemv_rows_choices(block) -> tuple[int, ...]:
+    # A program's rows share one row block of scales.
+    return tuple(rows for rows in GEMV_ROWS if block[0] % rows == 0)
+
+
+def fp8_block_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block,
+                          bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
+    """x (one row of K) times the FP8 block-scaled weight [N, K], plus bias: [N] in x's dtype. ``rows``
+    weight rows per program, a divisor of block[0]: by default ``rows_per_program``'s choice on a GPU,
+    the most elsewhere."""
+    n, k = weight.shape
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    row = x.reshape(k).contiguous()
+    args = (row, weight, scale_inv, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0),
+            *scale_inv.stride(), block[0])
+    options = dict(GROUP_K=block[1], HAS_BIAS=bias is not None,
+                   BLOCK_K=max(block[1], min(GEMV_BLOCK_K, triton.next_power_of_2(k))), num_warps=GEMV_WARPS,
+                   **pdl_launch(x))
+    if rows is None:
+        choices = _gemv_rows_choices(block)
+        rows = (rows_per_program(_fp8_block_gemv_kernel, args, options, weight, out, choices) if x.is_cuda
+                else max(choices))
+    if block[0] % rows:
+        raise ValueError(f"fp8_block_gemv_triton: {rows} rows per program straddle row blocks of {block[0]}")
+    _fp8_block_gemv_kernel[(triton.cdiv(n, rows),)](*args, BLOCK_N=rows, **options)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # PyTorch's block-scaled FP8 GEMM
 # ---------------------------------------------------------------------------------------------
 
@@ -266,7 +380,9 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 
 
 def cuda_kernel(x: torch.Tensor, weight: torch.Tensor, block) -> str:
-    """Which GEMM the op's CUDA dispatch runs on these inputs: "scaled_mm", "triton" or "reference"."""
+    """Which kernel the op's CUDA dispatch runs on these inputs: "gemv", "scaled_mm", "triton" or "reference"."""
+    if gemv_supported(x, weight, block):
+        return "gemv"
     rows = x.numel() // x.shape[-1]
     if rows >= SCALED_MM_MIN_ROWS and scaled_mm_supported(x, weight, block):
         return "scaled_mm"

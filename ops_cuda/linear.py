@@ -6,7 +6,6 @@ zoo::gated_gemv, ``takes_gemv``). ``layers.linear.pack_for_cpu_decode`` packs a 
 """
 
 import torch
-import torch.nn.functional as F
 
 from ops_cuda.gemv import GEMV_DTYPES, gemv, gemv_reference
 

@@ -581,23 +581,30 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return args, options
 
 
-_gemv_rows: dict[tuple, int] = {}
-
-
 def gemv_rows(args: tuple, options: dict) -> int:
-    """The weight rows per program of gemv_kernel on these launch arguments: of GEMV_ROWS, the one
-    whose grid fills the GPU's resident programs best (``fullest_tile``), once per weight shape, dtype
-    and output. On an H200 it takes 2 rows for the Llama-3.1-8B shape's qkv_proj and LM head and 4
-    for its o_proj and down_proj, each the fastest of the three or within 0.2 µs of it
-    (docs/performance.md)."""
-    weight, out = args[1], args[3]
-    key = (tuple(weight.shape), weight.dtype, out.dtype, options["HAS_BIAS"], options["PDL"], weight.device)
-    if key not in _gemv_rows:
-        def slots(rows):
-            return resident_programs(gemv_kernel.warmup(*args, BLOCK_N=rows, grid=(1,), **options), weight.device)
+    """The weight rows per program of gemv_kernel on these launch arguments (``rows_per_program``). On
+    an H200 it takes 2 rows for the Llama-3.1-8B shape's qkv_proj and LM head and 4 for its o_proj
+    and down_proj, each the fastest of the three or within 0.2 µs of it (docs/performance.md)."""
+    return rows_per_program(gemv_kernel, args, options, weight=args[1], out=args[3])
 
-        _gemv_rows[key] = fullest_tile(GEMV_ROWS, lambda rows: triton.cdiv(weight.shape[0], rows), slots, GEMV_BLOCK_N)
-    return _gemv_rows[key]
+
+_rows_per_program: dict[tuple, int] = {}
+
+
+def rows_per_program(kernel, args: tuple, options: dict, weight: torch.Tensor, out: torch.Tensor,
+                     choices: tuple[int, ...] = GEMV_ROWS) -> int:
+    """The weight rows per program (BLOCK_N) of a single-row product ``kernel`` on these launch
+    arguments: of ``choices``, the one whose grid fills the GPU's resident programs best
+    (``fullest_tile``), once per kernel, weight shape and dtype, output dtype and options."""
+    key = (kernel.fn.__name__, tuple(weight.shape), weight.dtype, out.dtype, tuple(sorted(options.items())),
+           choices, weight.device)
+    if key not in _rows_per_program:
+        def slots(rows):
+            return resident_programs(kernel.warmup(*args, BLOCK_N=rows, grid=(1,), **options), weight.device)
+
+        _rows_per_program[key] = fullest_tile(choices, lambda rows: triton.cdiv(weight.shape[0], rows), slots,
+                                              GEMV_BLOCK_N)
+    return _rows_per_program[key]
 
 
 # The gated product's weight tile is gemv's, 4 rows x 1,024 columns: 2 columns of h, each a gate and an up row.

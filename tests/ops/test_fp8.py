@@ -2,17 +2,18 @@
 dequantise-then-matmul, the per-token-group quantisation of the activations, and the kernels.
 
 On the CPU: the ops are their references; the quantisation's values. Under ``TRITON_INTERPRET=1``:
-the Triton block-FP8 GEMM and the FP8 fused-MoE kernel on tiny shapes (float32 and float16
-activations; the interpreter's own cast to float8 is wrong, so the activations are quantised by the
-PyTorch reference there). On the GPU (``gpu``): the quantisation kernel, both GEMMs of the dispatch
-(Triton, and torch._scaled_mm's block-scaled kernel where it runs) on DeepSeek-V3's shapes, the FP8
-fused-MoE kernel, CUDA-graph replay, and a tiny FP8 DeepSeek-V3 checkpoint loaded on CUDA with its
-weights kept in FP8, against its dequantised twin.
+the single-row kernel, the Triton block-FP8 GEMM and the FP8 fused-MoE kernel on tiny shapes (float32
+and float16 activations; the interpreter's own cast to float8 is wrong, so the activations are
+quantised by the PyTorch reference there). On the GPU (``gpu``): the quantisation kernel, the
+single-row kernel and both GEMMs of the dispatch (Triton, and torch._scaled_mm's block-scaled kernel
+where it runs) on DeepSeek-V3's shapes, the FP8 fused-MoE kernel, CUDA-graph replay, and a tiny FP8
+DeepSeek-V3 checkpoint loaded on CUDA with its weights kept in FP8, against its dequantised twin.
 
 Two oracles: the kernels' own arithmetic in PyTorch (activations quantised the same way, products in
 float32: ``quantised_product``), which they must match up to summation order and the final
 rounding; and the ops' references (dequantise, then matmul), which they match up to the activations'
-quantisation (``QUANTISATION_TOL``).
+quantisation (``QUANTISATION_TOL``). The single-row kernel quantises nothing: it must match the
+reference itself up to summation order and rounding (``KERNEL_TOL``).
 """
 
 import functools
@@ -147,6 +148,46 @@ def test_quantise_groups_scales_each_group_by_its_largest_magnitude():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape, block, rows_per_program", [
+    ((72, 112), (32, 16), 4),  # 7 scale groups in one step of 128 columns; partial row blocks
+    ((45, 1100), (16, 128), 2),  # two steps of 1,024 columns, the last group partial; a partial last program
+    ((45, 1100), (16, 128), 8),
+    ((45, 1100), (12, 128), None),  # rows per program: a divisor of the 12-row scale blocks
+])
+def test_fp8_block_gemv_interpreted(dtype, shape, block, rows_per_program):
+    from ops_cuda.fp8_triton import fp8_block_gemv_triton
+
+    weight, scale_inv = fp8_weight(*shape, block)
+    x, bias = torch.randn(1, shape[1]).to(dtype), torch.randn(shape[0]).to(dtype)
+    ours = fp8_block_gemv_triton(x, weight, scale_inv, block, bias, rows=rows_per_program)
+    assert ours.dtype == dtype and ours.shape == (shape[0],)
+    expected = fp8_block_linear_reference(x, weight, scale_inv, block, bias)[0]
+    assert relative_error(ours, expected) <= KERNEL_TOL[dtype]
+    without_bias = fp8_block_gemv_triton(x, weight, scale_inv, block, None, rows=rows_per_program)
+    assert relative_error(without_bias, fp8_block_linear_reference(x, weight, scale_inv, block, None)[0]) <= KERNEL_TOL[dtype]
+
+
+def test_one_row_takes_the_gemv_and_more_rows_a_gemm():
+    from ops_cuda.fp8_triton import cuda_kernel
+
+    weight, _ = fp8_weight(64, 256, (128, 128))
+    assert cuda_kernel(torch.randn(1, 1, 256).bfloat16(), weight, (128, 128)) == "gemv"
+    assert cuda_kernel(torch.randn(2, 256).bfloat16(), weight, (128, 128)) == "triton"
+    assert cuda_kernel(torch.randn(1, 256), weight, (128, 128)) == "triton"  # float32 rows: the GEMM
+    assert cuda_kernel(torch.randn(1, 256).bfloat16(), weight, (128, 96)) == "triton"  # groups of 96 columns
+    assert cuda_kernel(torch.randn(1, 256).bfloat16(), weight, (3, 128)) == "triton"  # no rows per program divide 3
+
+
+def test_gemv_rows_per_program_must_divide_the_row_blocks():
+    from ops_cuda.fp8_triton import fp8_block_gemv_triton
+
+    weight, scale_inv = fp8_weight(24, 64, (12, 32))
+    with pytest.raises(ValueError, match="straddle row blocks of 12"):
+        fp8_block_gemv_triton(torch.randn(1, 64), weight, scale_inv, (12, 32), None, rows=8)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 19])
 def test_triton_block_gemm_interpreted(dtype, rows):
     from ops_cuda.fp8_triton import fp8_block_gemm_triton
@@ -230,8 +271,24 @@ def test_scaled_mm_runs_block_scaled_on_sm90():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_program", [None, 2, 4, 8])
+@pytest.mark.parametrize("k, n", DEEPSEEK_LINEARS)
+def test_fp8_block_gemv_on_deepseek_shapes(rows_per_program, k, n):
+    from ops_cuda.fp8_triton import cuda_kernel, fp8_block_gemv_triton
+
+    weight, scale_inv = deepseek_weight(n, k)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    assert cuda_kernel(x, weight, DEEPSEEK_BLOCK) == "gemv"
+    ours = (fp8_block_linear(x, weight, scale_inv, DEEPSEEK_BLOCK, None) if rows_per_program is None
+            else fp8_block_gemv_triton(x, weight, scale_inv, DEEPSEEK_BLOCK, None, rows=rows_per_program))
+    assert ours.dtype == torch.bfloat16 and ours.numel() == n
+    reference = fp8_block_linear_reference(x, weight, scale_inv, DEEPSEEK_BLOCK, None)
+    assert relative_error(ours.view(1, n), reference) <= KERNEL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["triton", "scaled_mm"])
-@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("rows", [2, 5, 64, 300])
 @pytest.mark.parametrize("k, n", DEEPSEEK_LINEARS)
 def test_fp8_block_linear_on_deepseek_shapes(monkeypatch, kernel, rows, k, n):
     from ops_cuda.fp8_triton import cuda_kernel
@@ -281,13 +338,14 @@ def test_fp8_moe_experts_on_deepseek_expert_shapes(tokens):
 
 
 @pytest.mark.gpu
-def test_fp8_ops_replay_in_a_cuda_graph():
+@pytest.mark.parametrize("tokens", [1, 4])  # one row: the linear's single-row kernel; four: the GEMM
+def test_fp8_ops_replay_in_a_cuda_graph(tokens):
     weight, scale_inv = deepseek_weight(1536, 7168)
     gate_up, gate_up_scale = deepseek_weight(512, 1024, 8)
     down, down_scale = deepseek_weight(1024, 256, 8, seed=1)
-    x = torch.randn(4, 7168, device="cuda").bfloat16()
-    hidden = torch.randn(4, 1024, device="cuda").bfloat16()
-    weights, ids = routed(4, 2, list(range(8)), device="cuda")
+    x = torch.randn(tokens, 7168, device="cuda").bfloat16()
+    hidden = torch.randn(tokens, 1024, device="cuda").bfloat16()
+    weights, ids = routed(tokens, 2, list(range(8)), device="cuda")
 
     def step():
         return (fp8_block_linear(x, weight, scale_inv, DEEPSEEK_BLOCK, None),
@@ -299,7 +357,7 @@ def test_fp8_ops_replay_in_a_cuda_graph():
         captured = step()
     x.copy_(torch.randn_like(x))
     hidden.copy_(torch.randn_like(hidden))
-    new_weights, new_ids = routed(4, 2, list(range(8)), seed=1, device="cuda")
+    new_weights, new_ids = routed(tokens, 2, list(range(8)), seed=1, device="cuda")
     weights.copy_(new_weights)
     ids.copy_(new_ids)
     graph.replay()
