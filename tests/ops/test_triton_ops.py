@@ -23,7 +23,7 @@ import ops_cuda.linear  # noqa: E402
 from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.argmax import argmax_reference  # noqa: E402
-from ops_cuda.gemv import gated_gemv_reference, gemv_reference  # noqa: E402
+from ops_cuda.gemv import gemv_reference  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
 from ops_cuda.kv_layout import is_key_minor, new_kv_cache, read_slots  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402

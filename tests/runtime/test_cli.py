@@ -15,7 +15,7 @@ from gguf import GGUFReader
 
 import runtime
 from runtime import LLM, SamplingParams
-from runtime.cli import build_parser, main
+from runtime.cli import main
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 from tests.loaders.gguf_writer import T, write_llama_gguf
 
