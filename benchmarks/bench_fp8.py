@@ -18,8 +18,9 @@ linear  zoo::fp8_block_linear's kernels on DeepSeek-V3's linear shapes (hidden 7
         and output bytes over the time: small M is a stream of the weight).
         The bf16 weight is the FP8 one dequantised, so the bf16 GEMM is also the op's reference
         (dequantise, then matmul): max rel diff, relative to its largest magnitude, is the activations'
-        quantisation (the gemv's: the reference's rounding of each dequantised entry). The dispatch's column says which GEMM zoo::fp8_block_linear runs;
-        SCALED_MM_MIN_ROWS in ops_cuda/fp8_triton.py is set from this table.
+        quantisation (the gemv's: the reference's rounding of each dequantised entry). The dispatch's
+        column says which kernel zoo::fp8_block_linear runs; SCALED_MM_MIN_ROWS in ops_cuda/fp8_triton.py
+        is set from this table.
 moe     The routed experts of one DeepSeek-V3 MoE layer (256 experts, top-8, 7168 -> 2048 -> 7168) at
         decode batch sizes 1 to 256 and prefill-sized 1024 and 4096 tokens: the Triton fused-MoE kernel
         (ops_cuda/moe_triton.py) on FP8 experts (zoo::fp8_moe_experts) against the same kernel on bf16
@@ -115,7 +116,8 @@ def linear_shape(name: str, n: int, k: int, row_counts, generator) -> list[dict]
         x = torch.randn(m, k, device="cuda", generator=generator, dtype=torch.bfloat16)
         reference = F.linear(x, weight).float()  # the op's reference: the dequantised weight
         row = dict(layer=name, n=n, k=k, m=m, dispatch=cuda_kernel(x, fp8, BLOCK))
-        paths = {"bf16": lambda: F.linear(x, weight), "triton": lambda: fp8_block_gemm_triton(x, fp8, scales, BLOCK, None)}
+        paths = {"bf16": lambda: F.linear(x, weight),
+                 "triton": lambda: fp8_block_gemm_triton(x, fp8, scales, BLOCK, None)}
         if scaled_mm_supported(x, fp8, BLOCK):
             paths["scaled_mm"] = lambda: fp8_block_gemm_scaled_mm(x, fp8, scales, None)
         if m == 1:

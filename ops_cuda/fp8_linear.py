@@ -18,8 +18,16 @@ def fp8_block_linear_reference(
 ) -> torch.Tensor:
     """x [..., K] times the FP8 weight [N, K] (``scale_inv`` [ceil(N / block[0]), ceil(K / block[1])])
     dequantised to x's dtype, plus ``bias``: [..., N]."""
-    check_block_weight("fp8_block_linear", weight, scale_inv, block)
+    _check(x, weight, scale_inv, block)
     return F.linear(x, dequantise(weight, scale_inv, block).to(x.dtype), bias)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block) -> None:
+    # Before any kernel: a row of another width would be read against the weight's columns.
+    check_block_weight("fp8_block_linear", weight, scale_inv, block)
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"zoo::fp8_block_linear: x of shape {tuple(x.shape)} for a weight of shape "
+                         f"{tuple(weight.shape)}: its last dimension must be the weight's {weight.shape[-1]} columns")
 
 
 @torch.library.custom_op("zoo::fp8_block_linear", mutates_args=())
@@ -37,9 +45,14 @@ def _(x, weight, scale_inv, block, bias):
 @fp8_block_linear_op.register_kernel("cuda")
 def _(x, weight, scale_inv, block, bias):
     # triton is imported only where a kernel runs
-    from ops_cuda.fp8_triton import cuda_kernel, fp8_block_gemm_scaled_mm, fp8_block_gemm_triton, fp8_block_gemv_triton
+    from ops_cuda.fp8_triton import (
+        cuda_kernel,
+        fp8_block_gemm_scaled_mm,
+        fp8_block_gemm_triton,
+        fp8_block_gemv_triton,
+    )
 
-    check_block_weight("fp8_block_linear", weight, scale_inv, block)
+    _check(x, weight, scale_inv, block)
     kernel = cuda_kernel(x, weight, block)
     if kernel == "reference":  # other dtypes or blocks, GPUs without FP8 tensor cores
         return fp8_block_linear_reference(x, weight, scale_inv, block, bias)

@@ -116,7 +116,7 @@ def test_ops_pass_opcheck_of_their_fake_kernels():
                           test_utils="test_faketensor")
 
 
-def test_weights_of_another_dtype_or_block_are_named():
+def test_weights_of_another_dtype_or_block_and_rows_of_another_width_are_named():
     weight, scale_inv = fp8_weight(64, 96, (32, 32))
     with pytest.raises(TypeError, match=r"zoo::fp8_block_linear takes a torch.float8_e4m3fn weight and float32 "
                                         r"scales, got torch.float32"):
@@ -124,6 +124,9 @@ def test_weights_of_another_dtype_or_block_are_named():
     with pytest.raises(ValueError, match=r"zoo::fp8_block_linear: scales of shape \(2, 3\) do not match a weight of "
                                          r"shape \(64, 96\) in blocks of \[32, 48\]"):
         fp8_block_linear(torch.randn(1, 96), weight, scale_inv, (32, 48), None)
+    with pytest.raises(ValueError, match=r"zoo::fp8_block_linear: x of shape \(1, 95\) for a weight of shape "
+                                         r"\(64, 96\): its last dimension must be the weight's 96 columns"):
+        fp8_block_linear(torch.randn(1, 95), weight, scale_inv, (32, 32), None)
 
 
 def test_quantise_groups_scales_each_group_by_its_largest_magnitude():
@@ -164,7 +167,8 @@ def test_fp8_block_gemv_interpreted(dtype, shape, block, rows_per_program):
     expected = fp8_block_linear_reference(x, weight, scale_inv, block, bias)[0]
     assert relative_error(ours, expected) <= KERNEL_TOL[dtype]
     without_bias = fp8_block_gemv_triton(x, weight, scale_inv, block, None, rows=rows_per_program)
-    assert relative_error(without_bias, fp8_block_linear_reference(x, weight, scale_inv, block, None)[0]) <= KERNEL_TOL[dtype]
+    expected = fp8_block_linear_reference(x, weight, scale_inv, block, None)[0]
+    assert relative_error(without_bias, expected) <= KERNEL_TOL[dtype]
 
 
 def test_one_row_takes_the_gemv_and_more_rows_a_gemm():
