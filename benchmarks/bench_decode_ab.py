@@ -7,9 +7,11 @@ process and alternating: an A/B that the drift between machines (±3%) and over 
 
 Each FILE:NAME is loaded from the other tree's FILE, as a module of its own that imports this tree's
 packages, and put in place of NAME in this tree's module of FILE for the "base" configurations (the
-launchers look their kernels up when they run). The kernels keep their launchers' arguments: an A/B
-of a kernel's body, not of its signature. Random bf16 weights of the shape, one model; per
-configuration a fresh LLM (CUDA graphs captured with the kernels in place), a 128-token prompt and
+launchers look their kernels up when they run). A kernel keeps its launcher's arguments: an A/B of
+its body, not of its signature; to change a signature too, swap the launcher (the op files import
+theirs when they run), which brings the other tree's kernels with it. Random bf16 weights of the
+shape, one model; per configuration a fresh LLM (max_model_len as bench_decode_without.py's; CUDA
+graphs captured with the kernels in place), a 128-token prompt and
 256 greedy tokens timed five times, as bench_decode_without.py does; "this" and "base" alternate
 --pairs times. Prints the fastest, the median and all five runs of each configuration.
 """
@@ -28,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode_without import SHAPES, model_and_prompt, time_decode  # noqa: E402
+from bench_decode_without import MAX_MODEL_LEN, MAX_MODEL_LEN_HELP, SHAPES, model_and_prompt, time_decode  # noqa: E402
 from bench_moe import free_memory  # noqa: E402
 
 
@@ -69,15 +71,16 @@ def main():
     parser.add_argument("kernels", nargs="+", metavar="FILE:NAME")
     parser.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help=MAX_MODEL_LEN_HELP)
     args = parser.parse_args()
     swaps = base_kernels(args.base, args.kernels)
     print({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
-           "base": str(args.base), "kernels": args.kernels}, flush=True)
+           "base": str(args.base), "kernels": args.kernels, "max_model_len": args.max_model_len}, flush=True)
     model, prompt = model_and_prompt(args.shape)
     print("\n| kernels | ms/token, fastest | median | all runs |\n|---|---:|---:|---|", flush=True)
     for tree in ("this", "base") * args.pairs:
         with swapped(swaps) if tree == "base" else contextlib.nullcontext():
-            runs = time_decode(model, prompt)
+            runs = time_decode(model, prompt, args.max_model_len)
         print(f"| {tree} | {min(runs):.3f} | {statistics.median(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |",
               flush=True)
         free_memory()

@@ -21,7 +21,8 @@ rotary_write_kv   the per-head q/k-norm, rotary and KV-cache write (the cache st
 decode_attention  both decode-attention kernels (split and reduce): o_proj reads the queries
 
 Random bf16 weights (bench_moe.random_hf, bench_gpu.zoo_8b), one model for every configuration; per
-configuration a fresh LLM (CUDA graphs captured after the removal), a 128-token prompt and 256 greedy
+configuration a fresh LLM (max_model_len 1024 unless --max-model-len says otherwise; CUDA graphs
+captured after the removal), a 128-token prompt and 256 greedy
 tokens timed as bench_moe's decode, five times: the fastest run and all five are printed. Each
 removal applies to single-row steps only, so the KV-cache sizing's prefill runs unchanged.
 """
@@ -49,6 +50,9 @@ DEFAULT_DENSE = ("none", "input_norm", "post_norm", "input_norm+post_norm", "rot
                  "rotary_write_kv+decode_attention", "none")
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "llama-3.1-8b": LLAMA_8B}
 RUNS = 5
+MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN_HELP = ("the LLM's max_model_len (default %(default)s): the decode graphs' block tables are that wide, "
+                      "and decode attention splits each sequence's keys by it")
 
 
 class Removed:
@@ -98,8 +102,8 @@ class Removed:
             layer.post_attention_layernorm.__dict__.pop("forward", None)
 
 
-def time_decode(model, prompt) -> list[float]:
-    llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
+def time_decode(model, prompt, max_model_len: int = MAX_MODEL_LEN) -> list[float]:
+    llm = LLM(model, max_num_seqs=1, max_model_len=max_model_len, enable_prefix_caching=False)
     for module in model.modules():  # entries no kernel writes read as zeros, not NaN
         for cache in getattr(module, "kv_cache", None) or ():
             cache.zero_()
@@ -119,6 +123,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configurations", nargs="*")
     parser.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help=MAX_MODEL_LEN_HELP)
     args = parser.parse_args()
     fields = SHAPES[args.shape]
     names = args.configurations or (DEFAULT if args.shape == "qwen3-30b-a3b" else DEFAULT_DENSE)
@@ -133,7 +138,7 @@ def main():
     print("\n| kernels removed | ms/token, fastest | all runs |\n|---|---:|---|", flush=True)
     for name, kernels in zip(names, configurations):
         with Removed(model, kernels, fields):
-            runs = time_decode(model, prompt)
+            runs = time_decode(model, prompt, args.max_model_len)
         print(f"| {name} | {min(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |", flush=True)
         free_memory()
 

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from ops_cuda.fp8 import FP8_DTYPE
-from ops_cuda.paged_attention_triton import LOG2_E, SCORE_FLOOR, UNALIGNED_METADATA, decode_num_splits
+from ops_cuda.paged_attention_triton import (
+    LOG2_E, SCORE_FLOOR, UNALIGNED_METADATA, decode_num_splits, split_chunks,
+)
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
 # How decode splits the keys: a chunk's partial output is [heads, kv_lora_rank] float32 (256 KiB at
@@ -47,10 +49,11 @@ def _mla_decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
     begin_after_previous(PDL)
-    # Chunks follow this sequence's own length (whole key tiles each); later splits may be empty.
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    _, chunk, _ = split_chunks(seq_len, 0, NUM_SPLITS, BLOCK_N)  # every key is visible
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    if (NUM_SPLITS > 1) & (start >= end):
+        return  # an empty split: the reduce reads only the splits that hold keys
 
     head_ok = heads < num_heads
     dims = tl.arange(0, BLOCK_R)
@@ -86,42 +89,42 @@ def _mla_decode_split_kernel(
         acc = acc * rescale[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=DOT_PRECISION)
         running_max = new_max
 
-    # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
-    has_keys = total > 0
-    total = tl.where(has_keys, total, 1.0)
-    out = acc / total[:, None] * kv_scale
+    # A length-0 padding row under one split (no keys) writes zeros.
+    out = acc / tl.where(total > 0, total, 1.0)[:, None] * kv_scale
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
     else:
-        lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
+        lse = running_max + tl.log2(total)  # a split that gets here holds keys
         parts = ((seq * num_heads + heads) * NUM_SPLITS + split).to(tl.int64)  # [B, H, NUM_SPLITS]
         tl.store(part_out_ptr + parts[:, None] * RANK + dims[None, :], out, mask=head_ok[:, None] & dim_ok[None, :])
         tl.store(part_lse_ptr + parts, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _mla_decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h,
-    RANK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, out_stride_b, out_stride_h,
+    RANK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
-    begin_after_previous(PDL)
-    # Stage 2. Program (sequence, head): the splits' partial outputs weighted by their share of the
-    # softmax mass, summed one split at a time (a whole [splits, rank] tile would not fit in registers).
+    # Stage 2. Program (sequence, head): the partial outputs of the splits that hold keys (the others
+    # wrote nothing) weighted by their share of the softmax mass, summed one split at a time (a
+    # whole [splits, rank] tile would not fit in registers).
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    _, _, splits_with_keys = split_chunks(tl.load(seq_lens_ptr + seq), 0, NUM_SPLITS, BLOCK_N)
+    begin_after_previous(PDL)
     parts = ((seq * tl.num_programs(1) + head) * NUM_SPLITS).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + parts + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + parts + splits, mask=splits < splits_with_keys, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
     total = tl.sum(tl.exp2(lse - top), 0)
     dims = tl.arange(0, BLOCK_R)
     dim_ok = dims < RANK
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for split in range(NUM_SPLITS):
-        weight = tl.exp2(tl.load(part_lse_ptr + parts + split) - top)  # an empty split's is exp2(-inf) = 0
+    for split in range(splits_with_keys):
+        weight = tl.exp2(tl.load(part_lse_ptr + parts + split) - top)
         acc += weight * tl.load(part_out_ptr + (parts + split) * RANK + dims, mask=dim_ok, other=0.0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
@@ -264,9 +267,9 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     if num_splits == 1:
         return
     _mla_decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1),
-        RANK=rank, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_R=block_r, num_warps=4,
-        **launch,
+        part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1),
+        RANK=rank, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_R=block_r, num_warps=4, **launch,
     )
 
 

@@ -158,6 +158,18 @@ def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache
     return new_max, total, acc
 
 
+@triton.jit
+def split_chunks(seq_len, first, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # How a decode kernel splits the keys first..seq_len-1 of a sequence: the key tile holding the
+    # first, the keys of each split from there (whole key tiles, following this sequence's own
+    # length) and how many splits hold keys. A short sequence leaves the later splits empty; they
+    # write nothing, and the reduce reads the splits that hold keys only.
+    first_tile = first // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - first_tile, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    splits_with_keys = tl.where(chunk > 0, tl.cdiv(seq_len - first_tile, tl.maximum(chunk, 1)), 0)
+    return first_tile, chunk, splits_with_keys
+
+
 # A mixed step's decodes read the step's block tables and lengths from the row after its prefills,
 # at any offset. Not specialising on those pointers' alignment keeps one compiled kernel for every
 # offset, the one the decode graphs compile at start-up; else each split count compiles again
@@ -186,11 +198,11 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
     begin_after_previous(PDL)
     first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys first..seq_len-1
-    first_tile = first // BLOCK_N * BLOCK_N
-    # Chunks follow this sequence's own length (whole key tiles each); later splits may be empty.
-    chunk = tl.cdiv(tl.cdiv(seq_len - first_tile, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    first_tile, chunk, _ = split_chunks(seq_len, first, NUM_SPLITS, BLOCK_N)
     start = first_tile + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    if (NUM_SPLITS > 1) & (start >= end):
+        return  # an empty split: the reduce reads only the splits that hold keys
 
     rows = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -246,35 +258,35 @@ def _decode_split_kernel(
                 v_stride_head, v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
             )
 
-    # An empty split (a short sequence, or a length-0 padding row) reports weight zero.
-    has_keys = total > 0
-    total = tl.where(has_keys, total, 1.0)
-    out = acc / total[:, None] * v_scale
+    # A length-0 padding row under one split (no keys) writes zeros.
+    out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
-        lse = tl.where(has_keys, running_max + tl.log2(total), float("-inf"))
+        lse = running_max + tl.log2(total)  # a split that gets here holds keys
         parts = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
         tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], out,
                  mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(part_lse_ptr + parts, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, window, out_stride_b, out_stride_h,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    begin_after_previous(PDL)
-    # Stage 2. Program (sequence, query head): the splits' partial outputs weighted by their
-    # share of the softmax mass.
+    # Stage 2. Program (sequence, query head): the partial outputs of the splits that hold keys
+    # (the others wrote nothing) weighted by their share of the softmax mass.
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
+    _, _, splits_with_keys = split_chunks(seq_len, tl.maximum(seq_len - window, 0), NUM_SPLITS, BLOCK_N)
+    begin_after_previous(PDL)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < splits_with_keys
     dim_ok = dims < HEAD_DIM
     parts = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
     lse = tl.load(part_lse_ptr + parts, mask=split_ok, other=float("-inf"))
@@ -477,9 +489,9 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if num_splits == 1:
         return
     _decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-        num_warps=4, **launch,
+        part_out, part_lse, seq_lens, out, sliding_window or NO_WINDOW, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d, num_warps=4, **launch,
     )
 
 

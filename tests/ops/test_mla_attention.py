@@ -28,7 +28,7 @@ from ops_cuda.mla_attention import (  # noqa: E402
 from ops_cuda.mla_attention_triton import mla_decode_attention_triton, mla_prefill_attention_triton  # noqa: E402
 from ops_cuda.paged_attention import gather_cache  # noqa: E402
 from ops_cuda.triton_kernels import write_kv_cache_triton  # noqa: E402
-from tests.ops.test_paged_attention import TOL, assert_close  # noqa: E402
+from tests.ops.test_paged_attention import TOL, allocate_as_nan, assert_close  # noqa: E402
 
 
 class LatentBatch:
@@ -155,6 +155,16 @@ def test_decode_kernel_interpreted(dtype, geometry):
     reference = batch.reference_decode()
     for num_splits in (1, 3):
         assert_close(run_decode(batch, num_splits=num_splits), reference, TOL[dtype])
+
+
+@pytest.mark.interpreter
+def test_decode_reduce_reads_only_the_splits_that_hold_keys(monkeypatch):
+    # 8 splits of whole 16-key tiles over lengths that fill 1, 3, none (a padding row) and 2 of them:
+    # the others write nothing.
+    batch = decode_batch([1, 37, 0, 20], *GEOMETRIES["5h-r24-block16"], torch.float32)
+    reference = batch.reference_decode()
+    allocate_as_nan(monkeypatch)
+    assert_close(run_decode(batch, num_splits=8), reference, TOL[torch.float32])
 
 
 @pytest.mark.interpreter

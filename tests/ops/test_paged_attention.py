@@ -141,6 +141,29 @@ def run_prefill(batch, sliding_window, softcap=0.0):
 GEOMETRIES = {"d8-block4": (8, 4), "d12-block4": (12, 4), "d16-block4": (16, 4), "d32-block16": (32, 16)}
 
 
+def allocate_as_nan(monkeypatch):
+    """Float tensors from torch.empty hold NaN until the test ends: a decode kernel's partial
+    outputs that no split wrote then poison any output that reads them."""
+    empty = torch.empty
+
+    def empty_as_nan(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty_as_nan)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_decode_reduce_reads_only_the_splits_that_hold_keys(sliding_window, monkeypatch):
+    # 8 splits of whole 16-key tiles over lengths that fill 3, 1, none (a padding row) and 1 of them:
+    # the others write nothing.
+    batch = decode_batch([2 * 16 + 3, 1, 0, 16], 4, 2, 16, 4, torch.float32)
+    reference = batch.reference_decode(sliding_window)
+    allocate_as_nan(monkeypatch)
+    assert_close(run_decode(batch, sliding_window, num_splits=8), reference, TOL[torch.float32])
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("geometry", GEOMETRIES)
