@@ -279,8 +279,6 @@ def decode(results):
           f"roofline {roofline_ms:.2f} ms ({weight_bytes / 1e9:.1f} GB at {bandwidth / 1e12:.2f} TB/s): "
           f"zoo at {roofline_ms / zoo_ms:.0%} of roofline", flush=True)
     print(f"decode 8B batch 1: {startup_text(startup)}", flush=True)
-    del reference, model
-    torch.cuda.empty_cache()
 
 
 def workload(count, low, high, vocab, seed=0):
@@ -461,8 +459,6 @@ def prefill(results):
           f"measured bf16 matmul peak ({flops / 1e12:.0f} TFLOP per run: the LM head on the last row of each prompt, "
           f"the rows zoo computes logits for)", flush=True)
     print(f"prefill 8B: {startup_text(startup)}", flush=True)
-    del llm, model
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -489,6 +485,7 @@ def main():
             throughput_8b(results, args.requests_8b, args.batched_tokens_8b, args.hf_requests, args.kv_cache_dtype)
         else:
             prefill(results)
+        torch.cuda.empty_cache()  # the task's models went with its frame
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
 

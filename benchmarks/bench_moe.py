@@ -172,8 +172,6 @@ def kernels(results):
                                                       if name in row)
             + ", router kernel {kernel:.1f} µs, reference {reference:.1f} µs".format(**row["router_us"]))
     results["kernels"] = rows
-    del layer_weights
-    free_memory()
 
 
 def kernels_table(results) -> str:
@@ -360,6 +358,7 @@ def main():
     log(f"HBM bandwidth {bandwidth / 1e12:.2f} TB/s")
     if args.task in ("all", "kernels"):
         kernels(results)
+        free_memory()  # the experts' weights went with the function's frame
         print("\n" + kernels_table(results) + "\n", flush=True)
         save()
     if not (decode or throughput):
