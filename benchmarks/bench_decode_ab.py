@@ -11,9 +11,9 @@ launchers look their kernels up when they run). A kernel keeps its launcher's ar
 its body, not of its signature; to change a signature too, swap the launcher (the op files import
 theirs when they run), which brings the other tree's kernels with it. Random bf16 weights of the
 shape, one model; per configuration a fresh LLM (max_model_len as bench_decode_without.py's; CUDA
-graphs captured with the kernels in place), a 128-token prompt and
-256 greedy tokens timed five times, as bench_decode_without.py does; "this" and "base" alternate
---pairs times. Prints the fastest, the median and all five runs of each configuration.
+graphs captured with the kernels in place), a 128-token prompt and 256 greedy tokens timed five
+times, as bench_decode_without.py does; "this" and "base" alternate --pairs times. Prints the
+fastest, the median and all five runs of each configuration.
 """
 
 import argparse

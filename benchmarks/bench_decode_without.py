@@ -22,9 +22,9 @@ decode_attention  both decode-attention kernels (split and reduce): o_proj reads
 
 Random bf16 weights (bench_moe.random_hf, bench_gpu.zoo_8b), one model for every configuration; per
 configuration a fresh LLM (max_model_len 1024 unless --max-model-len says otherwise; CUDA graphs
-captured after the removal), a 128-token prompt and 256 greedy
-tokens timed as bench_moe's decode, five times: the fastest run and all five are printed. Each
-removal applies to single-row steps only, so the KV-cache sizing's prefill runs unchanged.
+captured after the removal), a 128-token prompt and 256 greedy tokens timed as bench_moe's decode,
+five times: the fastest run and all five are printed. Each removal applies to single-row steps
+only, so the KV-cache sizing's prefill runs unchanged.
 """
 
 import argparse
