@@ -32,15 +32,29 @@ class Staging:
         out.view(-1).copy_(self.buffer[: out.numel()], non_blocking=True)
         self.copied.record()
 
-    def send_arrays(self, arrays, device) -> list[torch.Tensor]:
-        """The arrays on the device, packed into one new tensor there."""
-        starts = np.cumsum([0] + [-(-a.size // self.ALIGN) * self.ALIGN for a in arrays])
+    def send_arrays(self, arrays, device, shapes=None) -> list[torch.Tensor]:
+        """The arrays on the device, packed into one new tensor there. An array given a wider 2-D
+        shape in ``shapes`` (None: its own) arrives with that shape: its values in the leading
+        columns of each row, zeros after them."""
+        shapes = [a.shape if s is None else s for a, s in zip(arrays, shapes or [None] * len(arrays))]
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        starts = np.cumsum([0] + [-(-size // self.ALIGN) * self.ALIGN for size in sizes])
         host = self.host(int(starts[-1]))
-        for start, array in zip(starts, arrays):
-            host[start : start + array.size] = array.reshape(-1)
+        for start, size, shape, array in zip(starts, sizes, shapes, arrays):
+            if shape == array.shape:
+                host[start : start + size] = array.reshape(-1)
+            else:
+                fill_leading_columns(host[start : start + size].reshape(shape), array)
         packed = torch.empty(int(starts[-1]), dtype=self.buffer.dtype, device=device)
         self.send(packed)
-        return [packed[start : start + a.size].view(a.shape) for start, a in zip(starts, arrays)]
+        return [packed[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+
+
+def fill_leading_columns(out: np.ndarray, array: np.ndarray) -> None:
+    """``out`` [rows, width] holds ``array`` [rows, <= width] in its leading columns, zeros after:
+    block tables cut to the step's blocks, as wide again as the kernels were compiled for."""
+    out[:, : array.shape[1]] = array
+    out[:, array.shape[1] :] = 0
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -120,11 +134,12 @@ class DecodeGraphs:
         for staged, values, padding in zip(host_longs, arrays, (0, 0, 0, -1)):
             staged[:n] = values
             staged[n:size] = padding
-        ints_used = self.table_start + step.block_tables.size  # every length, the first n table rows
+        table_width = self.block_tables.shape[1]
+        ints_used = self.table_start + n * table_width  # every length, the first n table rows
         host_ints = self.staged_ints.host(ints_used)
         host_ints[:n] = step.seq_lens
         host_ints[n:size] = 0
-        host_ints[self.table_start :] = step.block_tables.reshape(-1)
+        fill_leading_columns(host_ints[self.table_start :].reshape(n, table_width), step.block_tables)
         self.staged_longs.send(self.longs)
         self.staged_ints.send(self.ints[:ints_used])
         self.graphs[size].replay()

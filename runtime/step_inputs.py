@@ -14,7 +14,9 @@ class StepInputs:
     """The flat batch of one step as host arrays; ``to_device`` turns it into the model's arguments.
 
     ``scheduled`` lists prefills before decodes. The per-token arrays are built with numpy, the
-    block tables are a gather of the block manager's rows.
+    block tables are a gather of the block manager's rows, cut to the columns that hold the step's
+    blocks: the manager's tables are as wide as ``max_model_len`` needs, often far wider than the
+    step's sequences, and the host gathers and packs only what the kernels will read.
     """
 
     def __init__(self, scheduled: list[tuple[Sequence, int]], block_tables: np.ndarray, block_size: int,
@@ -23,8 +25,11 @@ class StepInputs:
         seqs = [seq for seq, _ in scheduled]
         self.query_lens = [count for _, count in scheduled]
         self.context_lens = [seq.num_computed_tokens for seq in seqs]
-        # One fixed table width for every step: kernels see the same shapes eagerly and in graphs.
-        self.block_tables = block_tables[[seq.table_row for seq in seqs]]
+        # On CUDA the model sees the manager's full width (``table_width``), zeros past a sequence's
+        # blocks as in the manager, in every step, eager or in a graph: kernels compile once.
+        self.table_width = block_tables.shape[1]
+        held = max(len(seq.block_table) for seq in seqs)
+        self.block_tables = block_tables[[seq.table_row for seq in seqs], :held]
         counts = np.array(self.query_lens, dtype=np.int64)
         starts = np.array(self.context_lens, dtype=np.int64)
         ends = np.cumsum(counts)  # where each sequence's new tokens end in the stream
@@ -65,10 +70,12 @@ class StepInputs:
         host can go on while the device works."""
         longs = (self.input_ids, self.sources, self.positions, self.slots, self.logits_rows)
         ints = (self.seq_lens, self.query_start_loc, self.block_tables)
-        if staging is None:
+        if staging is None:  # the CPU: the columns the step's blocks fill
             longs, ints = ([torch.from_numpy(a) for a in arrays] for arrays in (longs, ints))
         else:
-            longs, ints = (buffers.send_arrays(arrays, device) for buffers, arrays in zip(staging, (longs, ints)))
+            longs = staging[0].send_arrays(longs, device)
+            full_width = (len(self.block_tables), self.table_width)
+            ints = staging[1].send_arrays(ints, device, shapes=(None, None, full_width))
         input_ids, sources, positions, slots, logits_rows = longs
         seq_lens, query_start_loc, block_tables = ints
         metadata = AttentionMetadata(

@@ -2,7 +2,9 @@
 to itself under chunked prefill, prefix caching, preemption and batching."""
 
 import random
+import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -332,6 +334,39 @@ def test_block_table_rows_follow_the_sequences(checkpoints):
     assert token_ids(outputs) == roomy
     assert engine.scheduler.num_preemptions > 0 and any(o.num_cached_tokens for o in outputs)
     assert len(rows_used) <= 4 and sorted(manager.free_rows) == [0, 1, 2, 3]
+
+
+def test_a_step_gathers_the_table_columns_its_longest_sequence_fills(checkpoints, monkeypatch):
+    """The block manager's rows are as wide as max_model_len needs (the model's 64 positions here:
+    16 blocks); a step gathers and packs only the columns that hold its sequences' blocks."""
+    import runtime.model_runner
+    from runtime.step_inputs import StepInputs
+
+    steps = []
+
+    class Recorded(StepInputs):
+        def __init__(self, *args):
+            super().__init__(*args)
+            steps.append((self.block_tables.shape[1], int(self.seq_lens.max()), self.table_width))
+
+    monkeypatch.setattr(runtime.model_runner, "StepInputs", Recorded)
+    path, _ = checkpoints["llama"]
+    batch, params = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], SamplingParams(max_tokens=6, temperature=0.0)
+    llm(path, block_size=4).generate(batch, params, use_tqdm=False)
+    assert [width for width, _, _ in steps] == [-(-longest // 4) for _, longest, _ in steps]
+    assert {width for width, _, _ in steps} == {2, 3, 4} and {table_width for _, _, table_width in steps} == {16}
+
+
+def test_staging_sends_a_table_as_wide_as_the_kernels_compiled_for_with_zeros_after_its_columns():
+    from runtime.cuda_graphs import Staging
+
+    staging = Staging.__new__(Staging)  # its packing alone, on the CPU: a plain buffer, no CUDA event
+    staging.buffer = torch.full((64,), 99, dtype=torch.int32)  # what an earlier step left there
+    staging.copied = types.SimpleNamespace(synchronize=lambda: None, record=lambda: None)
+    lengths, table = np.array([5, 9], dtype=np.int32), np.array([[3, 1], [4, 0]], dtype=np.int32)
+    sent_lengths, sent_table = staging.send_arrays((lengths, table), "cpu", shapes=(None, (2, 6)))
+    assert sent_lengths.tolist() == [5, 9]
+    assert sent_table.tolist() == [[3, 1, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0]]
 
 
 def test_request_alone_equals_request_in_batch(checkpoints):
