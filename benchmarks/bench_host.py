@@ -14,13 +14,14 @@ The vocabulary is small on purpose: on a GPU the argmax over it is one kernel la
 its size, but here it runs on the CPU (451 rows x 128256 take ~130 ms) and would hide the rest.
 
 Each batch size runs that many requests at once: random 1000-token prompts, 64 new tokens,
-greedy, EOS ignored, prefix caching on, max_model_len 2048, block size 16 (the shape of the
-8B 1000/1000 throughput benchmark, whose 451 concurrent sequences are the last column, with
-fewer output tokens). All prompts prefill in one step, so every decode step holds the whole
-batch. Reported: the median and the mean milliseconds between decode steps, of the least
-disturbed of --repeats runs (the one of the lowest median: a busy neighbour only adds time).
+greedy, EOS ignored, prefix caching on, max_model_len 2048 (or --max-model-len: the block
+tables are as wide as it needs), block size 16 (the shape of the 8B 1000/1000 throughput
+benchmark, whose 451 concurrent sequences are the last column, with fewer output tokens). All
+prompts prefill in one step, so every decode step holds the whole batch. Reported: the median
+and the mean milliseconds between decode steps, of the least disturbed of --repeats runs (the
+one of the lowest median: a busy neighbour only adds time).
 
-    .venv/bin/python benchmarks/bench_host.py
+    .venv/bin/python benchmarks/bench_host.py [--max-model-len 131072]
 """
 
 import argparse
@@ -48,10 +49,10 @@ NEXT_TOKEN = 7  # what every step samples
 class HostOnlyLlama(LlamaForCausalLM):
     """A Llama of one tiny layer whose forward does no compute: logits that always pick NEXT_TOKEN."""
 
-    def __init__(self, max_rows: int):
+    def __init__(self, max_rows: int, max_model_len: int):
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                           num_attention_heads=1, num_key_value_heads=1,
-                                          max_position_embeddings=MAX_MODEL_LEN)
+                                          max_position_embeddings=max_model_len)
         super().__init__(config)
         self.logits = torch.zeros(max_rows, VOCAB)
         self.logits[:, NEXT_TOKEN] = 1.0
@@ -64,10 +65,10 @@ class HostOnlyLlama(LlamaForCausalLM):
         return self.logits[:rows]
 
 
-def host_ms_per_decode_step(batch: int) -> tuple[float, float]:
-    model = HostOnlyLlama(max_rows=batch)
+def host_ms_per_decode_step(batch: int, max_model_len: int) -> tuple[float, float]:
+    model = HostOnlyLlama(max_rows=batch, max_model_len=max_model_len)
     # All prompts in one step, so that every request decodes in every decode step.
-    llm = LLM(model, max_num_seqs=batch, max_model_len=MAX_MODEL_LEN, block_size=16,
+    llm = LLM(model, max_num_seqs=batch, max_model_len=max_model_len, block_size=16,
               max_num_batched_tokens=batch * PROMPT_TOKENS)
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
@@ -82,12 +83,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 451])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                        help="the block tables are as wide as this many tokens need (default %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the host work is one Python thread; keep torch's own threads out of the way
     print("| batch | host ms / decode step (median) | mean |")
     print("| ---: | ---: | ---: |")
     for batch in args.batches:
-        median, mean = min(host_ms_per_decode_step(batch) for _ in range(args.repeats))
+        median, mean = min(host_ms_per_decode_step(batch, args.max_model_len) for _ in range(args.repeats))
         print(f"| {batch} | {median:.3f} | {mean:.3f} |", flush=True)
 
 
