@@ -6,6 +6,7 @@ its continuous batching takes ~1000 decode steps at HF's step time whatever --hf
 
     python3 benchmarks/bench_moe.py                         # kernels + decode + throughput, Markdown tables
     python3 benchmarks/bench_moe.py --task kernels          # the experts op alone (no model built)
+    python3 benchmarks/bench_moe.py --task token-tiles      # one token's expert kernels per tiling (not in "all")
     python3 benchmarks/bench_moe.py --hf-decode none        # skip HF's static-cache generate (its first call compiles)
     python3 benchmarks/bench_moe.py --hf-requests 0         # skip HF's continuous batching (~4 minutes)
     python3 benchmarks/bench_moe.py --json moe.json         # also write the figures
@@ -22,6 +23,10 @@ kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, h
             op's PyTorch reference in bf16. Beside them the router after its logits GEMM (top-8 of 128,
             softmax, renormalised): zoo::route_topk's Triton kernel and its PyTorch reference
             (softmax, top-k, renormalisation: several launches), each in a CUDA graph.
+token-tiles one token's two expert kernels (the op's batch-1 path in ops_cuda/moe_decode.py) over
+            TOKEN_TILINGS, on Qwen3-30B-A3B's expert shape and DeepSeek-V3's (hidden 7168, intermediate
+            2048; 16 of its experts held), timed as `kernels` times the op; the tiling gpu_token_tiles
+            picks for each shape is marked.
 decode      batch 1, 128-token prompt, 256 new tokens (greedy, EOS ignored): zoo (CUDA graphs) ms/token as
             (time for 256 tokens - time for 1) / 255, against the active-weight roofline: the bytes of weight
             one decode step reads (attention, norms, router, top-k of the experts per layer, lm_head, one
@@ -172,6 +177,72 @@ def kernels(results):
                                                       if name in row)
             + ", router kernel {kernel:.1f} µs, reference {reference:.1f} µs".format(**row["router_us"]))
     results["kernels"] = rows
+
+
+# The one-token expert kernels' tilings: (columns of h per gate_up program, output rows per down program,
+# gate_up tile width, down tile width, warps), each shape's own choice (gpu_token_tiles) among them.
+TOKEN_TILINGS = ((2, 4, 1024, 256, 4), (1, 4, 1024, 256, 4), (1, 4, 2048, 256, 4), (1, 4, 2048, 256, 2),
+                 (2, 4, 2048, 256, 4), (1, 4, 1024, 128, 2), (1, 4, 2048, 128, 2), (1, 8, 1024, 256, 8))
+# name -> (hidden, intermediate, experts held, top-k). DeepSeek-V3 holds 16 of its 256 experts: its
+# KERNEL_LAYERS copies are 5.6 GB, and one token reads 8 experts whichever they are.
+TOKEN_TILE_SHAPES = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "DeepSeek-V3": (7168, 2048, 16, 8)}
+
+
+def token_tiles(results):
+    results["token_tiles"] = []
+    for shape, dims in TOKEN_TILE_SHAPES.items():
+        results["token_tiles"] += token_tilings_of_shape(shape, *dims)
+        free_memory()  # the shape's experts went with the function's frame
+
+
+def token_tilings_of_shape(shape, hidden_size, intermediate, num_experts, top_k) -> list[dict]:
+    from ops_cuda.moe_decode import TokenTiles, gpu_token_tiles, moe_experts_decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layer_weights = [
+        (torch.randn(num_experts, 2 * intermediate, hidden_size, device="cuda", generator=g, dtype=torch.bfloat16)
+         / hidden_size**0.5,
+         torch.randn(num_experts, hidden_size, intermediate, device="cuda", generator=g, dtype=torch.bfloat16)
+         / intermediate**0.5)
+        for _ in range(KERNEL_LAYERS)
+    ]
+    hidden = torch.randn(1, hidden_size, device="cuda", generator=g, dtype=torch.bfloat16)
+    ids = torch.randperm(num_experts, device="cuda", generator=g)[:top_k].view(1, top_k)
+    weights = torch.rand(1, top_k, device="cuda", generator=g).softmax(-1)
+    reference = moe_experts_reference(hidden, weights, ids, *layer_weights[0], "silu").float()
+    picked = gpu_token_tiles(hidden_size)
+    read = top_k * 3 * intermediate * hidden_size * 2  # the picked experts' gate, up and down, bf16
+    rows = []
+    for tiling in TOKEN_TILINGS:
+        tiles = TokenTiles(*tiling)
+
+        def experts(weights_of_layer, tiles=tiles):
+            return moe_experts_decode(hidden, weights, ids, *weights_of_layer, "silu", token_tiles=tiles)
+
+        diff = (experts(layer_weights[0]).float() - reference).abs().max().item()
+        us = min(graph_us(lambda: [experts(layer) for layer in layer_weights]) for _ in range(3)) / KERNEL_LAYERS
+        rows.append(dict(shape=shape, tiles=tiles._asdict(), us=us, tb_s=read / us / 1e6, max_diff=diff,
+                         picked=tiles == picked))
+        log(f"token tiles: {shape} {tiles}: {us:.2f} µs{' (picked)' if tiles == picked else ''}")
+    return rows
+
+
+def token_tiles_table(results) -> str:
+    lines = [
+        f"One token's experts (zoo::moe_experts' two one-token kernels, top-8, bf16), per tiling: µs per layer "
+        f"(fastest of three medians of CUDA-graph replays over {KERNEL_LAYERS} weight copies). {results['date']}, "
+        f"{results['device']}, torch {results['torch']}, triton {results['triton']}.",
+        "",
+        "| shape | gate_up columns | down rows | gate_up tile | down tile | warps | µs | TB/s "
+        "| max \\|diff\\| | picked |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in results["token_tiles"]:
+        t = row["tiles"]
+        lines.append(f"| {row['shape']} | {t['gate_up_n']} | {t['down_n']} | {t['gate_up_k']} | {t['down_k']} | "
+                     f"{t['num_warps']} | {row['us']:.2f} | {row['tb_s']:.2f} | {row['max_diff']:.1e} | "
+                     f"{'yes' if row['picked'] else ''} |")
+    return "\n".join(lines)
 
 
 def kernels_table(results) -> str:
@@ -332,7 +403,7 @@ def table(results) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="all", choices=["all", "kernels", "decode", "throughput"])
+    parser.add_argument("--task", default="all", choices=["all", "kernels", "token-tiles", "decode", "throughput"])
     parser.add_argument("--hf-decode", default="static", choices=["static", "dynamic", "none"],
                         help="HF generate's cache for the decode timing (static: transformers compiles it)")
     parser.add_argument("--requests", type=int, default=256, help="zoo: at most this many concurrent requests")
@@ -360,6 +431,10 @@ def main():
         kernels(results)
         free_memory()  # the experts' weights went with the function's frame
         print("\n" + kernels_table(results) + "\n", flush=True)
+        save()
+    if args.task == "token-tiles":
+        token_tiles(results)
+        print("\n" + token_tiles_table(results) + "\n", flush=True)
         save()
     if not (decode or throughput):
         return

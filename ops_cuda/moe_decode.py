@@ -70,9 +70,15 @@ class TokenTiles(NamedTuple):
     num_warps: int
 
 
-# One token: the fastest tiling timed on the H200 for Qwen3-30B-A3B's experts (`bench_moe.py --task
-# kernels` times it). A down program holds a tile of each of the token's experts at once: short ones.
-GPU_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=1024, down_k=256, num_warps=4)
+def gpu_token_tiles(hidden_size: int) -> TokenTiles:
+    """One token's tiles on the GPU: the fastest that `bench_moe.py --task token-tiles` times on the H200.
+    A gate_up program reads a row of up to 2,048 values as one tile (Qwen3-30B-A3B's experts) and
+    longer rows in 1,024-column tiles (DeepSeek-V3's 7,168). A down program holds a tile of each of
+    the token's experts at once: short ones."""
+    return TokenTiles(gate_up_n=1, down_n=4, gate_up_k=2048 if hidden_size <= 2048 else 1024, down_k=256,
+                      num_warps=4)
+
+
 INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=16, down_k=16, num_warps=4)
 
 
@@ -279,8 +285,10 @@ def moe_experts_decode(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    token_tiles: TokenTiles | None = None,
 ) -> torch.Tensor:
-    """``zoo::moe_experts`` for a few tokens; the caller checks ``decode_supported`` first."""
+    """``zoo::moe_experts`` for a few tokens; the caller checks ``decode_supported`` first.
+    ``token_tiles``: one token's tiles in place of the device's (`bench_moe.py --task token-tiles` sweeps them)."""
     num_tokens, hidden_size = hidden.shape
     intermediate, top_k = down.shape[2], topk_ids.shape[1]
     num_pairs = topk_ids.numel()
@@ -288,7 +296,7 @@ def moe_experts_decode(
         hidden = hidden.contiguous()
     ids = topk_ids.contiguous()
     if num_tokens == 1 and gate_up.stride(-1) == down.stride(-1) == 1:
-        return _one_token(hidden, topk_weights, ids, gate_up, down, activation)
+        return _one_token(hidden, topk_weights, ids, gate_up, down, activation, token_tiles)
     tiles = GPU_TILES if hidden.is_cuda else INTERPRETER_TILES
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
     # TOP_K is a power of two for the [tokens, slots] view: pad each token's slots with -1 where it is not.
@@ -325,10 +333,11 @@ def moe_experts_decode(
     return out
 
 
-def _one_token(hidden, topk_weights, ids, gate_up, down, activation):
+def _one_token(hidden, topk_weights, ids, gate_up, down, activation, tiles):
     # Two launches: gate_up with the activation for every slot, then down with the weighted sum.
     hidden_size, intermediate, top_k = hidden.shape[1], down.shape[2], ids.shape[1]
-    tiles = GPU_TOKEN_TILES if hidden.is_cuda else INTERPRETER_TOKEN_TILES
+    if tiles is None:
+        tiles = gpu_token_tiles(hidden_size) if hidden.is_cuda else INTERPRETER_TOKEN_TILES
     launch = dict(num_warps=tiles.num_warps, **pdl_launch(hidden))
     h = torch.empty(top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
     _token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from ops_cuda.moe import moe_experts_reference  # noqa: E402
-from ops_cuda.moe_decode import DECODE_MAX_TOKENS, decode_supported, moe_experts_decode  # noqa: E402
+from ops_cuda.moe_decode import DECODE_MAX_TOKENS, TokenTiles, decode_supported, moe_experts_decode  # noqa: E402
 from tests.ops.test_moe_triton import TOL, assert_close, experts  # noqa: E402
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 40, 24  # H and I: partial column and K tiles
@@ -57,6 +57,17 @@ def test_matches_reference_interpreted(case, dtype):
     assert_close(ours, reference_skipping_missing(*args, "silu"), TOL[dtype])
     if case == "missing_experts":
         assert torch.equal(ours[2], torch.zeros(HIDDEN, dtype=dtype)), "a token with no expert here gives zeros"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("tiles", [
+    TokenTiles(gate_up_n=1, down_n=4, gate_up_k=64, down_k=32, num_warps=4),  # each row in one tile
+    TokenTiles(gate_up_n=4, down_n=2, gate_up_k=32, down_k=8, num_warps=2),  # a partly masked last tile
+], ids=["whole_rows", "masked_last_tile"])
+def test_one_token_tilings_interpreted(tiles):
+    args = inputs([[3, 0, 6, 1]], torch.float32, seed=5)
+    assert_close(moe_experts_decode(*args, "silu", token_tiles=tiles), moe_experts_reference(*args, "silu"),
+                 TOL[torch.float32])
 
 
 @pytest.mark.interpreter
