@@ -26,6 +26,23 @@ def _best(values, index, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _choice_keys(values, index, BLOCK: tl.constexpr):
+    # One int64 per float32 value, ordered as the values are and, among equals, the lower index first:
+    # the float's bits made to order as signed integers, above BLOCK - 1 - index. The largest key is the
+    # best choice, found by one max reduction where `_best` takes two.
+    bits = values.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (BLOCK - 1 - index).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    # The float32 value a key of `_choice_keys` was made from.
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _route_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, logits_stride, scaling_factor,
     TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr,
@@ -67,12 +84,19 @@ def _route_topk_kernel(
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    keys = _choice_keys(choice, experts, BLOCK_E)
+    last = tl.min(keys, 0)  # a picked expert's key from then on: no expert left to pick is below it
     for k in tl.static_range(TOP_K):
-        expert = _best(choice, experts, BLOCK_E)
+        key = tl.max(keys, 0)
+        expert = BLOCK_E - 1 - (key & 0xFFFFFFFF)
         picked = experts == expert
-        weights = tl.where(slots == k, tl.sum(tl.where(picked, scores, 0.0), 0), weights)
-        ids = tl.where(slots == k, expert.to(tl.int64), ids)
-        choice = tl.where(picked, float("-inf"), choice)
+        if HAS_BIAS:  # the weight is the score, without the bias the choice took
+            weight = tl.sum(tl.where(picked, scores, 0.0), 0)
+        else:
+            weight = _key_value(key)
+        weights = tl.where(slots == k, weight, weights)
+        ids = tl.where(slots == k, expert, ids)
+        keys = tl.where(picked, last, keys)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)  # slots past k hold zero
     weights = weights * scaling_factor
@@ -100,11 +124,12 @@ def route_topk_triton(
     if num_tokens == 0:
         return weights, ids
     bias = correction_bias.contiguous() if correction_bias is not None else logits
+    # One warp reduces by shuffles alone; a group-limited router's [groups, experts] tiles run faster on two.
     _route_topk_kernel[(num_tokens,)](
         logits, bias, weights, ids, num_experts, num_experts // num_groups, logits.stride(0), float(scaling_factor),
         TOP_K=top_k, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None, NUM_GROUPS=num_groups,
         TOPK_GROUPS=topk_groups, GROUP_TOP2=group_score == "top2_sum", RENORMALIZE=renormalize,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(num_groups),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=2, **pdl_launch(logits),
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if num_groups == 1 else 2, **pdl_launch(logits),
     )
     return weights, ids

@@ -77,6 +77,21 @@ def test_half_logits_strided_and_no_tokens_interpreted():
     assert weights.shape == ids.shape == (0, 8)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_equal_choices_go_to_the_lower_ids_interpreted(bias):
+    from ops_cuda.router_triton import route_topk_triton
+
+    logits = torch.full((1, 16), -1.0)
+    logits[0, [12, 3, 9, 7]] = 2.0
+    correction = torch.zeros(16) if bias else None
+    options = dict(top_k=3, scoring="sigmoid", renormalize=False, num_groups=1, topk_groups=1,
+                   group_score="top2_sum", scaling_factor=1.0)
+    weights, ids = route_topk_triton(logits, correction, **options)
+    assert ids.tolist() == [[3, 7, 9]]
+    assert torch.equal(weights, torch.full((1, 3), 2.0).sigmoid())
+
+
 def test_groups_limit_the_choice():
     """DeepSeek-V3's choice on hand-made scores: the best experts sit in groups that lose to groups of two
     good experts, so the top-k comes from those groups only."""
