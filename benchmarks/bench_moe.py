@@ -16,9 +16,10 @@ kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, h
             tokens: the grouped-GEMM kernel (ops_cuda/moe_grouped_mm.py), the Triton fused-MoE kernel
             (ops_cuda/moe_triton.py) and, up to DECODE_MAX_TOKENS tokens, the decode kernel
             (ops_cuda/moe_decode.py), each called directly, and the one the op's dispatch picks
-            (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS and DECODE_MAX_PAIRS come from this table). Time per call: the median of CUDA
-            graph replays (CUDA events) of one call on each of KERNEL_LAYERS weight copies in turn, as the
-            model's layers run, so the experts are read from HBM and not from L2; achieved weight bandwidth:
+            (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS and DECODE_MAX_PAIRS come from this table). Time per
+            call: the median of CUDA graph replays (CUDA events) of one call on each of KERNEL_LAYERS weight
+            copies in turn, as the model's layers run, so the experts are read from HBM and not from L2;
+            achieved weight bandwidth:
             the bytes of the distinct experts the routing touches over that time; max |diff|: against the
             op's PyTorch reference in bf16. Beside them the router after its logits GEMM (top-8 of 128,
             softmax, renormalised): zoo::route_topk's Triton kernel and its PyTorch reference
@@ -129,6 +130,18 @@ def short_error(exc: BaseException) -> str:
 # -- the experts op's kernels -------------------------------------------------------------------
 
 
+def expert_weight_copies(num_experts, hidden_size, intermediate, generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """KERNEL_LAYERS random bf16 (gate_up, down) pairs of one layer's experts: the layers a timed graph runs
+    through in turn."""
+    return [
+        (torch.randn(num_experts, 2 * intermediate, hidden_size, device="cuda", generator=generator,
+                     dtype=torch.bfloat16) / hidden_size**0.5,
+         torch.randn(num_experts, hidden_size, intermediate, device="cuda", generator=generator,
+                     dtype=torch.bfloat16) / intermediate**0.5)
+        for _ in range(KERNEL_LAYERS)
+    ]
+
+
 def kernels(results):
     from ops_cuda.moe_decode import decode_supported, moe_experts_decode
     from ops_cuda.moe_grouped_mm import grouped_mm_supported, moe_experts_grouped_mm
@@ -138,13 +151,7 @@ def kernels(results):
     hidden_size, intermediate = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["moe_intermediate_size"]
     num_experts, top_k = QWEN3_30B_A3B["num_experts"], QWEN3_30B_A3B["num_experts_per_tok"]
     g = torch.Generator(device="cuda").manual_seed(0)
-    layer_weights = [
-        (torch.randn(num_experts, 2 * intermediate, hidden_size, device="cuda", generator=g, dtype=torch.bfloat16)
-         / hidden_size**0.5,
-         torch.randn(num_experts, hidden_size, intermediate, device="cuda", generator=g, dtype=torch.bfloat16)
-         / intermediate**0.5)
-        for _ in range(KERNEL_LAYERS)
-    ]
+    layer_weights = expert_weight_copies(num_experts, hidden_size, intermediate, g)
     expert_bytes = (3 * intermediate * hidden_size) * 2  # gate, up and down of one expert, bf16
     paths = {"triton": moe_experts_triton, "decode": moe_experts_decode}
     if grouped_mm_supported(torch.empty(1, hidden_size, device="cuda", dtype=torch.bfloat16), *layer_weights[0]):
@@ -166,7 +173,8 @@ def kernels(results):
             if name == "decode" and not decode_supported(hidden, ids, *layer_weights[0], "silu"):
                 continue
             diff = (kernel(hidden, weights, ids, *layer_weights[0], "silu").float() - reference).abs().max().item()
-            us = graph_us(lambda: [kernel(hidden, weights, ids, *layer, "silu") for layer in layer_weights]) / KERNEL_LAYERS
+            us = graph_us(lambda: [kernel(hidden, weights, ids, *layer, "silu") for layer in layer_weights])
+            us /= KERNEL_LAYERS
             row[name] = dict(us=us, gb_s=touched * expert_bytes / us / 1e3, max_diff=diff)
         router_logits = logits.bfloat16()
         router_options = (None, top_k, "softmax", True, 1, 1, "top2_sum", 1.0)
@@ -199,13 +207,7 @@ def token_tilings_of_shape(shape, hidden_size, intermediate, num_experts, top_k)
     from ops_cuda.moe_decode import TokenTiles, gpu_token_tiles, moe_experts_decode
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    layer_weights = [
-        (torch.randn(num_experts, 2 * intermediate, hidden_size, device="cuda", generator=g, dtype=torch.bfloat16)
-         / hidden_size**0.5,
-         torch.randn(num_experts, hidden_size, intermediate, device="cuda", generator=g, dtype=torch.bfloat16)
-         / intermediate**0.5)
-        for _ in range(KERNEL_LAYERS)
-    ]
+    layer_weights = expert_weight_copies(num_experts, hidden_size, intermediate, g)
     hidden = torch.randn(1, hidden_size, device="cuda", generator=g, dtype=torch.bfloat16)
     ids = torch.randperm(num_experts, device="cuda", generator=g)[:top_k].view(1, top_k)
     weights = torch.rand(1, top_k, device="cuda", generator=g).softmax(-1)
