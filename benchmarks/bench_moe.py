@@ -19,15 +19,14 @@ kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, h
             (ops_cuda/moe.py: GROUPED_MM_MIN_PAIRS and DECODE_MAX_PAIRS come from this table). Time per
             call: the median of CUDA graph replays (CUDA events) of one call on each of KERNEL_LAYERS weight
             copies in turn, as the model's layers run, so the experts are read from HBM and not from L2;
-            achieved weight bandwidth:
-            the bytes of the distinct experts the routing touches over that time; max |diff|: against the
-            op's PyTorch reference in bf16. Beside them the router after its logits GEMM (top-8 of 128,
-            softmax, renormalised): zoo::route_topk's Triton kernel and its PyTorch reference
-            (softmax, top-k, renormalisation: several launches), each in a CUDA graph.
+            achieved weight bandwidth: the bytes of the distinct experts the routing touches over that
+            time; max |diff|: against the op's PyTorch reference in bf16. Beside them the router after
+            its logits GEMM (top-8 of 128, softmax, renormalised): zoo::route_topk's Triton kernel and its
+            PyTorch reference (softmax, top-k, renormalisation: several launches), each in a CUDA graph.
 token-tiles one token's two expert kernels (the op's batch-1 path in ops_cuda/moe_decode.py) over
             TOKEN_TILINGS, on Qwen3-30B-A3B's expert shape and DeepSeek-V3's (hidden 7168, intermediate
-            2048; 16 of its experts held), timed as `kernels` times the op; the tiling gpu_token_tiles
-            picks for each shape is marked.
+            2048; 16 of its experts held), timed as `kernels` times the op (the fastest of three medians);
+            the tiling gpu_token_tiles picks for each shape is marked.
 decode      batch 1, 128-token prompt, 256 new tokens (greedy, EOS ignored): zoo (CUDA graphs) ms/token as
             (time for 256 tokens - time for 1) / 255, against the active-weight roofline: the bytes of weight
             one decode step reads (attention, norms, router, top-k of the experts per layer, lm_head, one
