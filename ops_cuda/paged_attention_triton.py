@@ -166,7 +166,7 @@ def split_chunks(seq_len, first, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr
     # write nothing, and the reduce reads the splits that hold keys only.
     first_tile = first // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(seq_len - first_tile, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    splits_with_keys = tl.where(chunk > 0, tl.cdiv(seq_len - first_tile, tl.maximum(chunk, 1)), 0)
+    splits_with_keys = tl.cdiv(seq_len - first_tile, tl.maximum(chunk, 1))  # 0 for a sequence with no keys
     return first_tile, chunk, splits_with_keys
 
 
