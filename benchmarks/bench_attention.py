@@ -3,8 +3,11 @@
 
 Llama-3.1-8B attention: 32 query heads, 8 KV heads, head dim 128, bfloat16, cache blocks of 16
 tokens placed in random order. Decode: batch 1/16/64 x 1k/4k-token sequences, latency and
-achieved K/V read bandwidth (bytes of K and V read / time). Prefill: 4096-token prompts, TFLOP/s
-of causal attention (2 * T^2 * H * D multiply-adds per sequence: half of full attention).
+achieved K/V read bandwidth (bytes of K and V read / time). Prefill: 1 and 4 x 4096-token and
+8 x 1024-token prompts, TFLOP/s of causal attention (2 * T^2 * H * D multiply-adds per sequence:
+half of full attention), for the paged kernel (which reads every key from the cache, as a prompt
+after cached context does) and for ``prompt_attention`` (which a prompt with nothing cached runs on
+its own k/v: flash attention).
 
 With ``--kv-cache-dtype fp8`` it times decode over an e4m3 cache (the same bf16 randn entries cast,
 scale 1.0, V key-minor as the runtime stores it) beside the bf16 cache instead, at 1 x 4096,
@@ -37,6 +40,7 @@ from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention_reference,
     paged_prefill_attention,
 )
+from ops_cuda.prompt_attention import prompt_attention  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 L2_FLUSH_BYTES = 256 << 20
@@ -127,6 +131,8 @@ def bench_prefill(batch: int, seq_len: int, iters: int) -> dict:
     args = (flat_q, flat_k, flat_v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_len, scale, 0)
     ms = {
         "triton": device_ms(lambda: paged_prefill_attention(*args), iters),
+        "prompt": device_ms(lambda: prompt_attention(flat_q, flat_k, flat_v, query_start_loc, seq_len, scale, 0),
+                            iters),
         "sdpa": device_ms(lambda: F.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=scale, enable_gqa=True), iters),
     }
@@ -142,9 +148,10 @@ def markdown(decode: list[dict], prefill: list[dict], header: str) -> str:
         cells = [f"{r['us'][k]:.1f} / {r['gb_s'][k]:.0f}" for k in ("triton", "torch", "sdpa")]
         lines.append(f"| {r['batch']} | {r['seq_len']} | " + " | ".join(cells) + " |")
     lines += ["", "Prefill, fresh prompts (ms / TFLOP/s)", "",
-              "| batch | prompt | zoo triton | SDPA contiguous |", "|---:|---:|---:|---:|"]
+              "| batch | prompt | zoo triton, paged | zoo prompt_attention | SDPA contiguous |",
+              "|---:|---:|---:|---:|---:|"]
     for r in prefill:
-        cells = [f"{r['ms'][k]:.3f} / {r['tflop_s'][k]:.0f}" for k in ("triton", "sdpa")]
+        cells = [f"{r['ms'][k]:.3f} / {r['tflop_s'][k]:.0f}" for k in ("triton", "prompt", "sdpa")]
         lines.append(f"| {r['batch']} | {r['seq_len']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -176,7 +183,7 @@ def main():
                                                    "fp8_decode": results}, indent=2))
         return
     decode = [bench_decode(b, n, args.iters) for b in (1, 16, 64) for n in (1024, 4096)]
-    prefill = [bench_prefill(b, 4096, args.iters) for b in (1, 4)]
+    prefill = [bench_prefill(b, n, args.iters) for b, n in ((1, 4096), (4, 4096), (8, 1024))]
     header = (f"Attention kernels, Llama-3.1-8B shape (Hq {NUM_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, bf16, "
               f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "
               f"torch {torch.__version__}, triton {triton.__version__}")

@@ -7,6 +7,7 @@ q/k/v to an attention backend together with an ``AttentionMetadata`` that says h
 splits into sequences. The backend attends only.
 """
 
+import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -32,8 +33,8 @@ from ops_cuda.paged_attention import (
     paged_decode_attention_op,
     paged_prefill_attention_op,
     paged_prefill_attention_reference,
-    sdpa,
 )
+from ops_cuda.prompt_attention import prompt_attention
 
 
 @dataclass
@@ -98,20 +99,12 @@ def score_modifiers_used(model: nn.Module) -> frozenset[str]:
     return frozenset().union(*(m.score_modifiers.used for m in model.modules() if isinstance(m, Attention)))
 
 
-def _cache_free(q, k, v, metadata, scale, sliding_window, softcap):
-    # Causal prefill of every sequence with no cache: SDPA (flash attention on GPU) straight on q/k/v.
-    lengths = metadata.query_lens
-
-    def attend(q, k, v):  # [B, T, H, D] sequences of equal length T
-        length = q.shape[1]
-        mask = None
-        if sliding_window is not None and sliding_window < length:
-            mask = attention_mask(torch.arange(length, device=q.device), length, sliding_window)
-        return sdpa(q, k, v, mask, scale, softcap)
-
-    if len(set(lengths)) == 1:  # a [B, T] batch: one call
-        return attend(*(t.view(len(lengths), lengths[0], *t.shape[1:]) for t in (q, k, v))).reshape(q.shape)
-    return torch.cat([attend(*(t[None] for t in seq))[0] for seq in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+def sequence_starts(metadata: AttentionMetadata, device) -> torch.Tensor:
+    """[num_seqs + 1] int32: where each sequence's new tokens start, from the metadata or, where a
+    cache-free forward's metadata has none, counted from its query lengths."""
+    if metadata.query_start_loc is not None:
+        return metadata.query_start_loc
+    return torch.tensor([0, *itertools.accumulate(metadata.query_lens)], dtype=torch.int32, device=device)
 
 
 def decode_keys(metadata: AttentionMetadata, block_size: int, window: int):
@@ -142,20 +135,26 @@ class TorchAttentionBackend:
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]. Prefill tokens first, then one per decode.
         # With a cache, the layer has written the new tokens' keys and values into it (rotary_write_kv).
-        softcap = layer.score_modifiers.softcap
-        if metadata.slot_mapping is None:
-            return _cache_free(q, k, v, metadata, layer.scale, layer.sliding_window, softcap)
+        softcap, window = layer.score_modifiers.softcap, layer.sliding_window or 0
+        if metadata.slot_mapping is None:  # no cache: every sequence is a prompt of new tokens
+            return prompt_attention(q, k, v, sequence_starts(metadata, q.device), max(metadata.query_lens),
+                                    layer.scale, window, softcap)
         k_cache, v_cache = layer.kv_cache
         k_scale, v_scale = layer.k_scale, layer.v_scale
-        window = layer.sliding_window or 0
         prefills, tokens = metadata.num_prefills, metadata.num_prefill_tokens
         out = []
         if prefills:
-            out.append(self.prefill(
-                q[:tokens], k[:tokens], v[:tokens], k_cache, v_cache, metadata.block_tables[:prefills],
-                metadata.seq_lens[:prefills], metadata.query_start_loc[: prefills + 1],
-                max(metadata.query_lens[:prefills]), layer.scale, window, softcap, k_scale, v_scale,
-            ))
+            args = (q[:tokens], k[:tokens], v[:tokens])
+            starts, longest = metadata.query_start_loc[: prefills + 1], max(metadata.query_lens[:prefills])
+            # Prompts with nothing cached yet, over a cache that holds their k/v exactly (q's dtype,
+            # scale 1.0), attend the k/v they have rather than read them back from the cache.
+            new = metadata.context_lens is not None and not any(metadata.context_lens[:prefills])
+            if new and k_cache.dtype == q.dtype and k_scale == v_scale == 1.0:
+                out.append(prompt_attention(*args, starts, longest, layer.scale, window, softcap))
+            else:
+                out.append(self.prefill(*args, k_cache, v_cache, metadata.block_tables[:prefills],
+                                        metadata.seq_lens[:prefills], starts, longest, layer.scale, window, softcap,
+                                        k_scale, v_scale))
         if tokens < q.shape[0]:  # decodes follow; a shape, which a compiled graph leaves dynamic
             out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window, softcap,
                                            k_scale, v_scale))

@@ -41,6 +41,7 @@ from ops_cuda.paged_attention_triton import (  # noqa: E402
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
 )
+from ops_cuda.prompt_attention import prompt_attention, prompt_attention_reference, takes_flash  # noqa: E402
 
 
 # Largest difference allowed relative to the float32 reference's largest magnitude: float32 is
@@ -371,6 +372,21 @@ def test_ops_default_to_the_references_and_pass_opcheck():
     assert torch.equal(torch.ops.zoo.paged_decode_attention(*args), paged_decode_attention_reference(*args))
     assert torch.equal(paged_decode_attention(*args), paged_decode_attention_reference(*args))
     torch.library.opcheck(torch.ops.zoo.paged_decode_attention.default, args)
+    batch = PagedBatch([0, 0], [5, 3], 4, 2, 16, 4, torch.float32)
+    args = (batch.q, batch.k, batch.v, batch.query_start_loc, 5, batch.scale, 3)
+    assert torch.equal(torch.ops.zoo.prompt_attention(*args), prompt_attention_reference(*args))
+    assert torch.equal(prompt_attention(*args), prompt_attention_reference(*args))
+    torch.library.opcheck(torch.ops.zoo.prompt_attention.default, args)
+
+
+@pytest.mark.parametrize("sliding_window, softcap", [(0, 0.0), (5, 0.0), (0, 2.0)])
+@pytest.mark.parametrize("query_lens", [[13, 1, 6], [6, 6]], ids=["ragged", "equal"])
+def test_prompt_attention_is_the_paged_prefill_of_new_prompts(query_lens, sliding_window, softcap):
+    # Prompts with nothing cached: attention over their own k/v equals the paged reference over the cache.
+    batch = PagedBatch([0] * len(query_lens), query_lens, 4, 2, 16, 4, torch.float32)
+    out = prompt_attention(batch.q, batch.k, batch.v, batch.query_start_loc, max(query_lens), batch.scale,
+                           sliding_window, softcap)
+    torch.testing.assert_close(out, batch.reference_prefill(sliding_window, softcap), rtol=1e-5, atol=1e-6)
 
 
 def test_num_splits_fill_the_gpu_from_shapes(monkeypatch):
@@ -390,11 +406,11 @@ def test_select_backend():
         select_backend("flash", "cpu")
 
 
-def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales=None):
-    """A layer stub with a cache, and a flat step of two prefills (one after cached context) then
-    two decodes. The cache holds the new tokens' keys and values too: the layer writes them
-    (zoo::rotary_write_kv) before its backend attends."""
-    batch = PagedBatch([0, 5, 6, 9], [6, 4, 1, 1], 4, 2, 16, 4, dtype, device, fp8_scales=fp8_scales)
+def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales=None, context_lens=(0, 5, 6, 9)):
+    """A layer stub with a cache, and a flat step of two prefills (by default one after cached
+    context) then two decodes. The cache holds the new tokens' keys and values too: the layer writes
+    them (zoo::rotary_write_kv) before its backend attends."""
+    batch = PagedBatch(list(context_lens), [6, 4, 1, 1], 4, 2, 16, 4, dtype, device, fp8_scales=fp8_scales)
     new = torch.cat([torch.arange(c, c + q) for c, q in zip(batch.context_lens, batch.query_lens)])
     seq = torch.repeat_interleave(torch.arange(4), torch.tensor(batch.query_lens))
     slots = batch.block_tables.cpu()[seq, new // 4].long() * 4 + new % 4
@@ -407,6 +423,30 @@ def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales
         block_tables=batch.block_tables, num_decodes=2, seq_lens=batch.seq_lens, query_start_loc=batch.query_start_loc,
     )
     return layer, batch, metadata
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, TritonAttentionBackend])
+@pytest.mark.parametrize("step", ["new prompts", "cached context", "fp8 cache"])
+def test_only_new_prompts_over_an_exact_cache_skip_reading_it(backend, step, monkeypatch):
+    # New prompts over a cache of q's dtype attend their own k/v (prompt_attention); after cached
+    # context, or over an FP8 cache, which rounds them, they read the cache (the paged prefill op).
+    # Either way the step's rows are the paged reference's.
+    import layers.attention
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return prompt_attention(*args)
+
+    monkeypatch.setattr(layers.attention, "prompt_attention", counted)
+    fp8_scales = (0.5, 2.0) if step == "fp8 cache" else None
+    context_lens = (5, 0, 6, 9) if step == "cached context" else (0, 0, 6, 9)
+    layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, fp8_scales=fp8_scales,
+                                        context_lens=context_lens)
+    out = backend().forward(layer, batch.q, batch.k, batch.v, metadata)
+    assert len(calls) == (step == "new prompts")
+    torch.testing.assert_close(out, batch.reference_prefill(4), rtol=1e-5, atol=1e-6)
 
 
 def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale,
@@ -519,6 +559,25 @@ def test_prefill_kernel_cuda(dtype, shape, sliding_window):
     reference = batch.reference_prefill(sliding_window)
     assert_close(run_prefill(batch, sliding_window), reference, TOL[dtype])
     assert_close(paged_prefill_attention(*batch.prefill_args(sliding_window)), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("sliding_window", [0, 1000])
+@pytest.mark.parametrize("query_lens", [[1000, 300, 1, 129], [1100] * 3], ids=["ragged", "one-length"])
+def test_prompt_attention_cuda(dtype, shape, sliding_window, query_lens):
+    # New prompts, their q/k/v views of one fused projection's output as the layer hands them over:
+    # one SDPA call for prompts of one length, else flash attention in the 16-bit dtypes and the
+    # reference in float32.
+    num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    batch = PagedBatch([0] * len(query_lens), query_lens, num_heads, num_kv_heads, head_dim, 16, dtype, "cuda")
+    fused = torch.cat([t.flatten(1) for t in (batch.q, batch.k, batch.v)], dim=1)
+    q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    q, k, v = q.view(batch.q.shape), k.view(batch.k.shape), v.view(batch.v.shape)
+    assert takes_flash(q, 0.0) == (dtype != torch.float32)
+    out = prompt_attention(q, k, v, batch.query_start_loc, max(query_lens), batch.scale, sliding_window)
+    assert_close(out, batch.reference_prefill(sliding_window), TOL[dtype])
 
 
 @pytest.mark.gpu

@@ -1,0 +1,84 @@
+"""Causal attention over prompts whose keys are all new: sequences laid one after another in the
+token stream, each attending only its own tokens, with no cache to read.
+
+This is attention without a KV cache (a model called on whole sequences), and the prompts of a
+step none of whose tokens are cached yet when the cache holds the new keys and values exactly (the
+model's dtype, scale 1.0): there the cache would hand back the k/v the op already has.
+
+Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; ``query_start_loc`` [sequences + 1] int32, where
+each sequence's tokens start; ``max_query_len`` the longest sequence. ``sliding_window`` and
+``softcap`` are ``ops_cuda/paged_attention.py``'s. On CUDA, prompts of one length are one SDPA
+call, as in the reference; prompts of several lengths, and prompts under a window, are PyTorch's
+flash attention in its variable-length form (one launch for every sequence, grouped KV heads read
+as they are) where it takes the inputs (16-bit dtypes, head dims up to 256 in multiples of 8, no
+softcap, sm80 or newer), else the reference.
+"""
+
+import torch
+
+from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.paged_attention import attention_mask, sdpa
+
+
+def _prompts_of_one_length(q, k, v, scale, sliding_window, softcap):
+    # q: [B, T, Hq, D], k/v: [B, T, Hkv, D]: one SDPA call.
+    length = q.shape[1]
+    mask = None
+    if sliding_window and sliding_window < length:
+        mask = attention_mask(torch.arange(length, device=q.device), length, sliding_window)
+    return sdpa(q, k, v, mask, scale, softcap)
+
+
+def prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap=0.0):
+    """Each sequence's tokens attend their own earlier tokens (and themselves), within the window."""
+    # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]
+    lengths = query_start_loc.diff().tolist()
+    if len(set(lengths)) == 1:
+        batch = (t.view(len(lengths), lengths[0], *t.shape[1:]) for t in (q, k, v))
+        return _prompts_of_one_length(*batch, scale, sliding_window, softcap).reshape(q.shape)
+    return torch.cat([_prompts_of_one_length(*(t[None] for t in seq), scale, sliding_window, softcap)[0]
+                      for seq in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+
+
+@torch.library.custom_op("zoo::prompt_attention", mutates_args=())
+def prompt_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+    scale: float, sliding_window: int, softcap: float = 0.0,
+) -> torch.Tensor:
+    return prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap)
+
+
+@prompt_attention_op.register_fake
+def _(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap=0.0):
+    return torch.empty_like(q)
+
+
+def takes_flash(q: torch.Tensor, softcap: float) -> bool:
+    """Whether the CUDA kernel runs flash attention on these inputs (the module's docstring)."""
+    head_dim = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256 and not softcap
+            and torch.cuda.get_device_capability(q.device)[0] >= 8 and torch.backends.cuda.flash_sdp_enabled())
+
+
+@prompt_attention_op.register_kernel("cuda")
+def _(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap=0.0):
+    prompts = query_start_loc.shape[0] - 1
+    flash = takes_flash(q, softcap)
+    if q.shape[0] == prompts * max_query_len and not (sliding_window and flash):
+        # Prompts of one length, without a window: one SDPA call, which takes its fastest kernel
+        # (cuDNN's on Hopper, 1.9x flash's on 4 x 4,096 tokens of the 8B shape).
+        batch = (t.view(prompts, max_query_len, *t.shape[1:]) for t in (q, k, v))
+        return _prompts_of_one_length(*batch, scale, sliding_window, softcap).reshape(q.shape)
+    if not flash:
+        return prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap)
+    # Flash's window counts the keys before the query's own: sliding_window - 1 of them.
+    left = sliding_window - 1 if sliding_window else -1
+    out, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, query_start_loc, query_start_loc, max_query_len, max_query_len, 0.0, True, False, scale=scale,
+        window_size_left=left, window_size_right=0 if sliding_window else -1,
+    )
+    return out
+
+
+# The reference reads the sequences' lengths on the host.
+prompt_attention = reference_on_cpu(prompt_attention_op, prompt_attention_reference, reads_host=True)
