@@ -29,6 +29,7 @@ warm-up, HF's static-cache compile (decode), and each side's first call.
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import random
 import shutil
@@ -166,9 +167,15 @@ def hf_continuous_batching(model, prompts: list[list[int]], lengths: list[int], 
         manager.destroy()
 
 
-def first_call_prompts(prompts: list[list[int]], count: int) -> list[list[int]]:
+def first_call_prompts(prompts: list[list[int]], count: int, step_tokens: int | None = None) -> list[list[int]]:
     """The first ``count`` prompts reversed, for a side's untimed first call: as long as the timed
-    prompts but sharing no prefix with them, so that no prefix cache carries work into the timed run."""
+    prompts but sharing no prefix with them, so that no prefix cache carries work into the timed run.
+    With ``step_tokens`` (zoo's new tokens per step), more where needed, until the last one spans two
+    steps: the timed run's prompt steps carry such chunks, which zoo's paged prefill kernel attends
+    (a step of new prompts only does not run it), and that kernel then compiles here."""
+    if step_tokens is not None:
+        filled = itertools.accumulate(len(prompt) for prompt in prompts)
+        count = max(count, next((i for i, total in enumerate(filled, 1) if total > step_tokens), len(prompts)))
     return [prompt[::-1] for prompt in prompts[:count]]
 
 
@@ -324,7 +331,8 @@ def throughput(results, hf_requests):
     with stage(startup, "zoo LLM() (KV cache, CUDA graphs)"):
         llm = LLM(model, max_num_seqs=256, max_model_len=2048)
     with stage(startup, "zoo first call"):
-        llm.generate(first_call_prompts(prompts, 8), params[:8], use_tqdm=False)
+        warm = first_call_prompts(prompts, 8, llm.engine.config.max_num_batched_tokens)
+        llm.generate(warm, params[: len(warm)], use_tqdm=False)
     zoo_tokens, zoo_seconds = zoo_run(llm, prompts, params)
     del llm, model
     torch.cuda.empty_cache()
@@ -385,7 +393,8 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_d
     prompts = workload(requests, 1000, 1000, LLAMA_8B["vocab_size"])[0]
     lengths = [1000] * requests
     with stage(startup, "zoo first call"):
-        llm.generate(first_call_prompts(prompts, 4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.generate(first_call_prompts(prompts, 4, batched_tokens), SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
     clocks = {}
     with gpu_clocks(clocks):
         tokens, seconds = zoo_run(llm, prompts, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))

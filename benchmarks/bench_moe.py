@@ -308,7 +308,8 @@ def zoo_throughput(results, model, max_requests, startup):
     log(f"zoo LLM ready: {blocks} KV blocks, {requests} concurrent requests of {IN_LEN}+{OUT_LEN} tokens")
     prompts = workload(requests, IN_LEN, IN_LEN, QWEN3_30B_A3B["vocab_size"])[0]
     with stage(startup, "zoo first call"):
-        llm.generate(first_call_prompts(prompts, 4), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.generate(first_call_prompts(prompts, 4, llm.engine.config.max_num_batched_tokens),
+                     SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=OUT_LEN, temperature=0.0, ignore_eos=True),

@@ -7,11 +7,12 @@ model's dtype, scale 1.0): there the cache would hand back the k/v the op alread
 
 Shapes: q [tokens, Hq, D]; k/v [tokens, Hkv, D]; ``query_start_loc`` [sequences + 1] int32, where
 each sequence's tokens start; ``max_query_len`` the longest sequence. ``sliding_window`` and
-``softcap`` are ``ops_cuda/paged_attention.py``'s. On CUDA, prompts of one length are one SDPA
-call, as in the reference; prompts of several lengths, and prompts under a window, are PyTorch's
-flash attention in its variable-length form (one launch for every sequence, grouped KV heads read
-as they are) where it takes the inputs (16-bit dtypes, head dims up to 256 in multiples of 8, no
-softcap, sm80 or newer), else the reference.
+``softcap`` are ``ops_cuda/paged_attention.py``'s. The CUDA kernel is PyTorch's flash attention
+in its variable-length form (one launch for every sequence, grouped KV heads read as they are),
+for the inputs it takes: 16-bit dtypes, head dims up to 256 in multiples of 8, no softcap, sm80 or
+newer; other inputs run the reference. Not SDPA on prompts of one length, though it is 1.9x
+faster there on the H200 (cuDNN's kernel): cuDNN builds a plan for each new prompt length, about
+43 ms each, which a server meeting a new length with most requests would pay again and again.
 """
 
 import torch
@@ -62,14 +63,7 @@ def takes_flash(q: torch.Tensor, softcap: float) -> bool:
 
 @prompt_attention_op.register_kernel("cuda")
 def _(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap=0.0):
-    prompts = query_start_loc.shape[0] - 1
-    flash = takes_flash(q, softcap)
-    if q.shape[0] == prompts * max_query_len and not (sliding_window and flash):
-        # Prompts of one length, without a window: one SDPA call, which takes its fastest kernel
-        # (cuDNN's on Hopper, 1.9x flash's on 4 x 4,096 tokens of the 8B shape).
-        batch = (t.view(prompts, max_query_len, *t.shape[1:]) for t in (q, k, v))
-        return _prompts_of_one_length(*batch, scale, sliding_window, softcap).reshape(q.shape)
-    if not flash:
+    if not takes_flash(q, softcap):
         return prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap)
     # Flash's window counts the keys before the query's own: sliding_window - 1 of them.
     left = sliding_window - 1 if sliding_window else -1
