@@ -17,7 +17,7 @@ from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
-from ops_cuda import apply_rotary, rotary_write_kv, write_kv_cache
+from ops_cuda import apply_rotary, prompt_attention, rotary_write_kv, write_kv_cache
 from ops_cuda.kv_cache import dequantize
 from ops_cuda.mla_attention import (
     gather_latents,
@@ -34,7 +34,6 @@ from ops_cuda.paged_attention import (
     paged_prefill_attention_op,
     paged_prefill_attention_reference,
 )
-from ops_cuda.prompt_attention import prompt_attention
 
 
 @dataclass

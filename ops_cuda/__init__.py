@@ -2,7 +2,8 @@
 
 Each op is a ``torch.library`` custom op in the ``zoo`` namespace (``torch.ops.zoo.<name>``; in its
 file, ``<name>_op``). Its default kernel is a pure-PyTorch reference (``<name>_reference``, used on
-CPU and as the test oracle); GPU kernels register for the ``cuda`` dispatch key on top of it. The
+CPU and as the test oracle); GPU kernels register for the ``cuda`` dispatch key on top of it
+(Triton's, or PyTorch's flash attention for ``prompt_attention``). The
 name exported here calls the reference directly on CPU tensors and the custom op elsewhere
 (``ops_cuda.dispatch``). The Triton kernels live in ``triton_kernels`` (norms, rotary, gated
 activations, KV-cache write, q/k-norm with rotary and the KV-cache write in one kernel, single-row
@@ -22,6 +23,7 @@ from ops_cuda.mla_attention import mla_decode_attention, mla_prefill_attention
 from ops_cuda.moe import fp8_moe_experts, moe_experts
 from ops_cuda.norm import fused_add_rms_norm, rms_norm
 from ops_cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+from ops_cuda.prompt_attention import prompt_attention
 from ops_cuda.rotary import apply_rotary
 from ops_cuda.rotary_kv import rotary_write_kv
 from ops_cuda.router import route_topk
@@ -29,5 +31,5 @@ from ops_cuda.router import route_topk
 __all__ = [
     "ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fp8_block_linear", "fp8_moe_experts", "fused_add_rms_norm",
     "gated_gemv", "gemv", "mla_decode_attention", "mla_prefill_attention", "moe_experts", "paged_decode_attention",
-    "paged_prefill_attention", "rms_norm", "rotary_write_kv", "route_topk", "write_kv_cache",
+    "paged_prefill_attention", "prompt_attention", "rms_norm", "rotary_write_kv", "route_topk", "write_kv_cache",
 ]

@@ -86,9 +86,9 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
                      v_stride_dim, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      KV_FP8: tl.constexpr):
     # One online-softmax step: the rows of q over one tile of keys, `visible` [rows or 1, keys] of them
-    # (None: all of them, to every row). Keys outside `key_ok` are not read (None: all are). The values of keys outside `values_ok`
-    # (None: none) are zeroed: slots past the sequence's end may hold anything, even NaN, which a
-    # zero weight would not cancel. Returns the updated running max, softmax mass and unnormalised
+    # (None: all of them, to every row). Keys outside `key_ok` are not read (None: all are). The
+    # values of keys outside `values_ok` (None: none) are zeroed: slots past the sequence's end may
+    # hold anything, even NaN, which a zero weight would not cancel. Returns the updated running max, softmax mass and unnormalised
     # output (its values unscaled).
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
                       k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
@@ -440,12 +440,11 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 # Tile shapes. The interpreter (CPU tensors) gets small tiles so the tests' short sequences still
 # cross tile boundaries. On the GPU, half types multiply on tensor cores: decode's key tiles of at
-# most 16 KiB keep K and V double-buffered in shared memory (prefill's as large as it fits,
-# `_prefill_tiles`); triple-buffered in decode, which only
-# streams them (1-2% faster at 450 x 1500 tokens, the same at 64 x 4096), except with the keys as
-# rows over an FP8 cache (4-16% slower from 900 x 1536 to 64 x 1536 tokens). Float32 ("ieee") dots
-# run on FMA units with their operands in registers: smaller tiles, chosen so no head size up to
-# 256 spills.
+# most 16 KiB keep K and V double-buffered in shared memory (prefill's are as large as fits,
+# `_prefill_tiles`); triple-buffered in decode, which only streams them (1-2% faster at
+# 450 x 1500 tokens, the same at 64 x 4096), except with the keys as rows over an FP8 cache (4-16%
+# slower from 900 x 1536 to 64 x 1536 tokens). Float32 ("ieee") dots run on FMA units with their
+# operands in registers: smaller tiles, chosen so no head size up to 256 spills.
 
 
 def _head_block(head_dim: int) -> int:
@@ -483,7 +482,7 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
     row_bytes = block_d * q.element_size()
     if row_bytes <= 256:  # up to D=128: 128-query tiles fit beside the key tiles
         # 128-key tiles where their K and V stages, the query tile and 16 KiB of scratch fit in a
-        # program's shared memory (176 of the H200's 227 KiB at D=128): 1.15-1.3x 64-key tiles
+        # program's shared memory (176 of the H200's 227 KiB at D=128): 1.1-1.15x 64-key tiles
         # there on prompts of 1,024 and 4,096 tokens, with or without cached context.
         wide = (128 + 4 * 128) * row_bytes + (16 << 10) <= _shared_memory(q.device)
         return 128, (128 if wide else 64), block_d, 8

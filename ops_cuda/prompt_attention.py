@@ -10,9 +10,10 @@ each sequence's tokens start; ``max_query_len`` the longest sequence. ``sliding_
 ``softcap`` are ``ops_cuda/paged_attention.py``'s. The CUDA kernel is PyTorch's flash attention
 in its variable-length form (one launch for every sequence, grouped KV heads read as they are),
 for the inputs it takes: 16-bit dtypes, head dims up to 256 in multiples of 8, no softcap, sm80 or
-newer; other inputs run the reference. Not SDPA on prompts of one length, though it is 1.9x
-faster there on the H200 (cuDNN's kernel): cuDNN builds a plan for each new prompt length, about
-43 ms each, which a server meeting a new length with most requests would pay again and again.
+newer; other inputs run the reference. Not SDPA on prompts of one length, though cuDNN's kernel
+behind it is 1.8x faster on the H200: cuDNN builds a plan for each new prompt length, 42-46 ms
+each, which a server meeting a new length with most requests would pay again and again
+(docs/performance.md).
 """
 
 import torch

@@ -1,5 +1,5 @@
 """The benchmarks' helpers that run without a GPU: bench_gpu.py's clock sampler (gpu_clocks), read
-from a stand-in nvidia-smi, and bench_decode_ab.py's kernel swap."""
+from a stand-in nvidia-smi, its first-call prompts, and bench_decode_ab.py's kernel swap."""
 
 import importlib
 import os
@@ -47,6 +47,15 @@ def test_gpu_clocks_reads_nothing_without_nvidia_smi(tmp_path, monkeypatch):
     with bench_gpu.gpu_clocks(readings):
         pass
     assert readings == {} and bench_gpu.clocks_text(readings) == "no clock readings (nvidia-smi missing)"
+
+
+def test_first_call_prompts_span_two_steps_when_given_the_step_size():
+    bench_gpu = importlib.import_module("benchmarks.bench_gpu")
+    prompts = [list(range(i, i + 1000)) for i in range(20)]
+    assert bench_gpu.first_call_prompts(prompts, 4) == [p[::-1] for p in prompts[:4]]
+    assert len(bench_gpu.first_call_prompts(prompts, 4, 8192)) == 9  # 9,000 tokens: the ninth spills over
+    assert len(bench_gpu.first_call_prompts(prompts, 12, 8192)) == 12
+    assert len(bench_gpu.first_call_prompts(prompts[:3], 2, 8192)) == 3  # all there are
 
 
 def test_bench_decode_ab_swaps_in_the_other_trees_kernel_and_puts_this_trees_back(tmp_path):
