@@ -182,11 +182,13 @@ def test_decode_kernel_interpreted(dtype, geometry, sliding_window):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("geometry", GEOMETRIES)
-@pytest.mark.parametrize("sliding_window", [0, 5])
+@pytest.mark.parametrize("sliding_window", [0, 5, 40])
 def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
     head_dim, block_size = GEOMETRIES[geometry]
-    # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query.
-    batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, head_dim, block_size, dtype)
+    # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query, and
+    # a chunk long enough that under the 40-key window a query tile sees key tiles across the
+    # window's start, whole and across the diagonal.
+    batch = PagedBatch([0, 6, 21, 50], [19, 7, 1, 80], 4, 2, head_dim, block_size, dtype)
     assert_close(run_prefill(batch, sliding_window), batch.reference_prefill(sliding_window), TOL[dtype])
 
 
