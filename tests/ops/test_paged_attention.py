@@ -570,8 +570,7 @@ def test_prefill_kernel_cuda(dtype, shape, sliding_window):
 @pytest.mark.parametrize("query_lens", [[1000, 300, 1, 129], [1100] * 3], ids=["ragged", "one-length"])
 def test_prompt_attention_cuda(dtype, shape, sliding_window, query_lens):
     # New prompts, their q/k/v views of one fused projection's output as the layer hands them over:
-    # one SDPA call for prompts of one length, else flash attention in the 16-bit dtypes and the
-    # reference in float32.
+    # flash attention in the 16-bit dtypes, ragged or of one length, and the reference in float32.
     num_heads, num_kv_heads, head_dim = SHAPES[shape]
     batch = PagedBatch([0] * len(query_lens), query_lens, num_heads, num_kv_heads, head_dim, 16, dtype, "cuda")
     fused = torch.cat([t.flatten(1) for t in (batch.q, batch.k, batch.v)], dim=1)
