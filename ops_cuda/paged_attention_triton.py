@@ -347,15 +347,6 @@ def _prefill_kernel(
     running_max = tl.full([BLOCK_M], SCORE_FLOOR, tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for key_tile in range(begin, whole_from, BLOCK_N):
-        keys = key_tile + tl.arange(0, BLOCK_N)
-        visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
-        running_max, total, acc = _attend_key_tile(
-            q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, None, None, dims, dim_ok, score_scale, cap_log2,
-            k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
-            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
-        )
     for key_tile in range(whole_from, whole_to, BLOCK_N):
         running_max, total, acc = _attend_key_tile(
             q, running_max, total, acc, None, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
@@ -363,7 +354,11 @@ def _prefill_kernel(
             k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
             BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
         )
-    for key_tile in range(whole_to, stop, BLOCK_N):
+    # The tiles seen in part, masked: those across the window's start (before whole_from) and
+    # across the diagonal (from whole_to on), in one loop that steps over the whole tiles.
+    whole = whole_to - whole_from
+    for index in range(begin, stop - whole, BLOCK_N):
+        key_tile = tl.where(index < whole_from, index, index + whole)
         keys = key_tile + tl.arange(0, BLOCK_N)
         visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
         running_max, total, acc = _attend_key_tile(
