@@ -80,63 +80,12 @@ def _query_for_cache(q, KV_FP8: tl.constexpr):
 
 
 @triton.jit
-def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-                     table_stride, kv_head, keys, key_ok, values_ok, dims, dim_ok, score_scale, cap_log2,
-                     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-                     v_stride_dim, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     KV_FP8: tl.constexpr):
-    # One online-softmax step: the rows of q over one tile of keys, `visible` [rows or 1, keys] of them
-    # (None: all of them, to every row). Keys outside `key_ok` are not read (None: all are). The
-    # values of keys outside `values_ok` (None: none) are zeroed: slots past the sequence's end may
-    # hold anything, even NaN, which a zero weight would not cancel. Returns the updated running max, softmax mass and unnormalised
-    # output (its values unscaled).
-    k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                      k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
-    if KV_FP8:
-        k = k.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
-    if SOFTCAP:
-        scores = cap_log2 * tanh(scores)
-    if visible is not None:
-        scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    rescale = tl.exp2(running_max - new_max)
-    p = tl.exp2(scores - new_max[:, None])
-    total = total * rescale + tl.sum(p, 1)
-    v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                      v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE)
-    if KV_FP8:
-        v = v.to(q.dtype)
-    if values_ok is not None:
-        v = tl.where(values_ok[:, None], v, 0.0)
-    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return new_max, total, acc
-
-
-@triton.jit
-def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                                  seq, table_stride, kv_head, tile, key_ok, seq_end, dims, dim_ok, score_scale,
-                                  cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block,
-                                  v_stride_head, v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
-    # `_attend_key_tile` over an e4m3 cache with the keys as the rows of both products and the query
-    # heads as their columns (8 fill a tensor-core product, where heads as rows are padded to 16).
-    # q_t [dims, heads] is float16, and the e4m3 entries widen to it (`_query_for_cache`).
-    # The tile's keys start at `tile`; visible [keys, 1], acc [dims, heads]. V is key-minor
-    # (`new_kv_cache`) and read as the tile's whole cache blocks, [blocks, dims, block_size], each
-    # block's keys side by side. Values at or past `seq_end` (None: the tile lies inside the sequence)
-    # count as zeros: their slots may hold NaN.
-    keys = tile + tl.arange(0, BLOCK_N)
-    k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
-                      k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
-    scores = tl.dot(k.to(tl.float16), q_t) * score_scale
-    if SOFTCAP:
-        scores = cap_log2 * tanh(scores)
-    scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 0))
-    rescale = tl.exp2(running_max - new_max)
-    p = tl.exp2(scores - new_max[None, :])
-    total = total * rescale + tl.sum(p, 0)
+def _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, seq_end, dims, dim_ok,
+                   v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # A key-minor V cache's entries for the key tile starting at `tile` (a multiple of BLOCK_N, which
+    # BLOCK_SIZE divides), read as the tile's whole cache blocks: [blocks, dims, block_size], each
+    # block's keys side by side, 16-byte vector loads. Values at or past `seq_end` (None: the tile lies
+    # inside the sequence) are zeros: their slots may hold NaN. Dims outside `dim_ok` (None: none) too.
     blocks_per_tile: tl.constexpr = BLOCK_N // BLOCK_SIZE
     tile_blocks = tile // BLOCK_SIZE + tl.arange(0, blocks_per_tile)
     slots = tl.arange(0, BLOCK_SIZE)
@@ -154,6 +103,79 @@ def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache
     if seq_end is not None:  # zeros for the last block's slots past the end
         before_end = (tile_blocks[:, None] * BLOCK_SIZE + slots[None, :]) < seq_end
         v_blocks = tl.where(before_end[:, None, :], v_blocks.to(tl.float32), 0.0).to(v_blocks.dtype)
+    return v_blocks
+
+
+@triton.jit
+def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+                     table_stride, kv_head, tile, seq_end, dims, dim_ok, score_scale, cap_log2,
+                     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
+                     v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BLOCKS: tl.constexpr):
+    # One online-softmax step: the rows of q over the key tile starting at `tile`, `visible`
+    # [rows or 1, keys] of them (None: all of them, to every row). `seq_end` (None: the tile lies
+    # inside the sequence) is the sequence's length: keys past its last cache block are not read,
+    # and values at or past it are zeroed, since their slots may hold anything, even NaN, which a
+    # zero weight would not cancel. With V_BLOCKS (a key-minor V) V is read as whole cache blocks
+    # (`_load_v_blocks`). Returns the updated running max, softmax mass and unnormalised output (its
+    # values unscaled).
+    keys = tile + tl.arange(0, BLOCK_N)
+    key_ok = None if seq_end is None else _sequence_blocks(keys, seq_end, BLOCK_SIZE)
+    k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                      k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
+    if KV_FP8:
+        k = k.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
+    if SOFTCAP:
+        scores = cap_log2 * tanh(scores)
+    if visible is not None:
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    total = total * rescale + tl.sum(p, 1)
+    if V_BLOCKS:
+        v_blocks = _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, seq_end, dims,
+                                  dim_ok, v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N)
+        v = tl.reshape(tl.permute(v_blocks, (0, 2, 1)), (BLOCK_N, v_blocks.shape[1]))
+    else:
+        v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                          v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    if not V_BLOCKS:  # `_load_v_blocks` zeroes the values past the end itself
+        if seq_end is not None:
+            v = tl.where((keys < seq_end)[:, None], v, 0.0)
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, total, acc
+
+
+@triton.jit
+def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                  seq, table_stride, kv_head, tile, seq_end, dims, dim_ok, score_scale,
+                                  cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block,
+                                  v_stride_head, v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
+    # `_attend_key_tile` over an e4m3 cache with the keys as the rows of both products and the query
+    # heads as their columns (8 fill a tensor-core product, where heads as rows are padded to 16).
+    # q_t [dims, heads] is float16, and the e4m3 entries widen to it (`_query_for_cache`).
+    # The tile's keys start at `tile`; visible [keys, 1], acc [dims, heads]. V is key-minor
+    # (`new_kv_cache`) and read as the tile's whole cache blocks (`_load_v_blocks`). `seq_end` as in
+    # `_attend_key_tile`.
+    keys = tile + tl.arange(0, BLOCK_N)
+    key_ok = None if seq_end is None else _sequence_blocks(keys, seq_end, BLOCK_SIZE)
+    k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, keys, key_ok, dims, dim_ok,
+                      k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
+    scores = tl.dot(k.to(tl.float16), q_t) * score_scale
+    if SOFTCAP:
+        scores = cap_log2 * tanh(scores)
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 0))
+    rescale = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max[None, :])
+    total = total * rescale + tl.sum(p, 0)
+    v_blocks = _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, seq_end, dims, dim_ok,
+                              v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N)
     v_t = tl.reshape(tl.permute(v_blocks, (1, 0, 2)), (BLOCK_D, BLOCK_N))
     acc = acc * rescale[None, :] + tl.dot(v_t.to(tl.float16), p.to(tl.float16))
     return new_max, total, acc
@@ -186,7 +208,8 @@ def _decode_split_kernel(
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, V_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
@@ -224,7 +247,7 @@ def _decode_split_kernel(
             keys = tile + tl.arange(0, BLOCK_N)
             running_max, total, acc = _attend_key_tile_keys_as_rows(
                 q_t, running_max, total, acc, (keys >= first)[:, None], k_cache_ptr, v_cache_ptr,
-                block_tables_ptr, seq, table_stride, kv_head, tile, None, None, dims, tile_dim_ok, score_scale,
+                block_tables_ptr, seq, table_stride, kv_head, tile, None, dims, tile_dim_ok, score_scale,
                 cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_head, v_stride_dim,
                 BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
             )
@@ -233,9 +256,9 @@ def _decode_split_kernel(
             visible = (keys >= first) & (keys < end)
             running_max, total, acc = _attend_key_tile_keys_as_rows(
                 q_t, running_max, total, acc, visible[:, None], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-                table_stride, kv_head, last, _sequence_blocks(keys, seq_len, BLOCK_SIZE), seq_len, dims,
-                tile_dim_ok, score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head,
-                v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D, SOFTCAP,
+                table_stride, kv_head, last, seq_len, dims, tile_dim_ok, score_scale, cap_log2, k_stride_block,
+                k_stride_slot, k_stride_head, v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N, BLOCK_D,
+                SOFTCAP,
             )
         acc = tl.trans(acc)
     else:
@@ -245,18 +268,18 @@ def _decode_split_kernel(
             keys = tile + tl.arange(0, BLOCK_N)
             running_max, total, acc = _attend_key_tile(
                 q, running_max, total, acc, (keys >= first)[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                seq, table_stride, kv_head, keys, None, None, dims, dim_ok, score_scale, cap_log2,
+                seq, table_stride, kv_head, tile, None, dims, dim_ok, score_scale, cap_log2,
                 k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
-                v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+                v_stride_dim, BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
             )
         if (start <= last) & (last < end):
             keys = last + tl.arange(0, BLOCK_N)
             visible = (keys >= first) & (keys < end)
             running_max, total, acc = _attend_key_tile(
                 q, running_max, total, acc, visible[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-                table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE), keys < seq_len, dims, dim_ok,
-                score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot,
-                v_stride_head, v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+                table_stride, kv_head, last, seq_len, dims, dim_ok, score_scale, cap_log2, k_stride_block,
+                k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE,
+                BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
             )
 
     # A length-0 padding row under one split (no keys) writes zeros.
@@ -309,7 +332,7 @@ def _prefill_kernel(
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BLOCKS: tl.constexpr,
 ):
     # Program (query tile, head, sequence): BLOCK_M new queries of one head, online softmax over
     # the key tiles they can see (cached context and the new tokens alike, all from the cache).
@@ -350,9 +373,9 @@ def _prefill_kernel(
     for key_tile in range(whole_from, whole_to, BLOCK_N):
         running_max, total, acc = _attend_key_tile(
             q, running_max, total, acc, None, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, key_tile + tl.arange(0, BLOCK_N), None, None, dims, dim_ok, score_scale, cap_log2,
+            table_stride, kv_head, key_tile, None, dims, dim_ok, score_scale, cap_log2,
             k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
-            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+            BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
         )
     # The tiles seen in part, masked: those across the window's start (before whole_from) and
     # across the diagonal (from whole_to on), in one loop that steps over the whole tiles.
@@ -363,9 +386,9 @@ def _prefill_kernel(
         visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
         running_max, total, acc = _attend_key_tile(
             q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, None, None, dims, dim_ok, score_scale, cap_log2,
+            table_stride, kv_head, key_tile, None, dims, dim_ok, score_scale, cap_log2,
             k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
-            BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+            BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
         )
     if last < end:
         keys = last + tl.arange(0, BLOCK_N)
@@ -373,9 +396,9 @@ def _prefill_kernel(
                    & (keys[None, :] > positions[:, None] - window))
         running_max, total, acc = _attend_key_tile(
             q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-            table_stride, kv_head, keys, _sequence_blocks(keys, seq_len, BLOCK_SIZE), keys < seq_len, dims, dim_ok,
-            score_scale, cap_log2, k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot,
-            v_stride_head, v_stride_dim, BLOCK_SIZE, SOFTCAP, DOT_PRECISION, KV_FP8,
+            table_stride, kv_head, last, seq_len, dims, dim_ok, score_scale, cap_log2, k_stride_block,
+            k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE,
+            BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
         )
 
     out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
@@ -467,6 +490,13 @@ def _keys_as_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
             and is_key_minor(v_cache) and k_cache.shape[1] in (16, 32, 64, 128))
 
 
+def _v_blocks(v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether a kernel with key tiles of ``block_n`` rows reads V as whole cache blocks
+    (`_load_v_blocks`): a key-minor V (an FP8 cache's) whose blocks lie whole in a key tile. Read
+    through its strides instead, each value would be gathered a byte at a time."""
+    return is_key_minor(v_cache) and block_n % v_cache.shape[1] == 0
+
+
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
     """(query tile rows, key tile rows, head-dim block, warps) of the prefill kernel."""
     block_d = _head_block(q.shape[-1])
@@ -512,6 +542,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
+        V_BLOCKS=_v_blocks(v_cache, block_n),
         num_warps=4, num_stages=2 if keys_as_rows else 3, **launch,
     )
     if num_splits == 1:
@@ -540,5 +571,5 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, 
         *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SOFTCAP=bool(softcap), DOT_PRECISION=_dot_precision(q),
-        KV_FP8=k_cache.dtype == FP8_DTYPE, num_warps=num_warps, num_stages=2,
+        KV_FP8=k_cache.dtype == FP8_DTYPE, V_BLOCKS=_v_blocks(v_cache, block_n), num_warps=num_warps, num_stages=2,
     )

@@ -510,6 +510,7 @@ def test_fp8_cache_kernels_cuda(dtype, shape):
     assert_close(paged_decode_attention(*batch.decode_args(1000), 0.0, 0.25, 3.0), reference, TOL[dtype])
     batch = PagedBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *SHAPES[shape], 16, dtype, "cuda",
                        fp8_scales=(0.25, 3.0))
+    assert paged_attention_triton._v_blocks(batch.v_cache, paged_attention_triton._prefill_tiles(batch.q)[1])
     reference = batch.reference_prefill(0)
     assert_close(run_prefill(batch, 0), reference, TOL[dtype])
     assert_close(paged_prefill_attention(*batch.prefill_args(0), 0.0, 0.25, 3.0), reference, TOL[dtype])
