@@ -11,7 +11,9 @@ its own k/v: flash attention).
 
 With ``--kv-cache-dtype fp8`` it times decode over an e4m3 cache (the same bf16 randn entries cast,
 scale 1.0, V key-minor as the runtime stores it) beside the bf16 cache instead, at 1 x 4096,
-64 x 4096, 450 x 1536 and 900 x 1536 tokens, in µs and TB/s of cache bytes read.
+64 x 4096, 450 x 1536 and 900 x 1536 tokens, in µs and TB/s of cache bytes read, and the paged
+prefill kernel over both (prompts over an FP8 cache read their keys back from it) on 4 x 4096 and
+8 x 1024-token prompts.
 
 Each case is captured in a CUDA graph and replayed (no launch overhead), with the L2 cache
 flushed before every replay; the median of --iters replays is reported.
@@ -87,16 +89,25 @@ def bench_decode(batch: int, seq_len: int, iters: int) -> dict:
 FP8_DECODE_SHAPES = ((1, 4096), (64, 4096), (450, 1536), (900, 1536), (900, 1500))
 
 
-def bench_fp8_decode(batch: int, seq_len: int, iters: int) -> dict:
-    """zoo::paged_decode_attention over the bf16 cache and over its entries cast to e4m3 (scale 1.0,
-    laid out as the runtime's: V key-minor), with the e4m3 output's largest difference from the bf16
-    cache's, relative to its largest magnitude."""
+def bf16_and_fp8_caches(batch: int, seq_len: int) -> tuple[dict, torch.Tensor]:
+    """The bf16 caches of `paged_cache` and their entries cast to e4m3 (scale 1.0, laid out as the
+    runtime's: V key-minor), by name, and their block tables."""
     k_cache, v_cache, block_tables, _, _ = paged_cache(batch, seq_len)
     fp8_caches = new_kv_cache(*k_cache.shape, FP8_DTYPE, "cuda")
     for fp8_cache, cache in zip(fp8_caches, (k_cache, v_cache)):
         fp8_cache.copy_(quantize(cache, 1.0, FP8_DTYPE))
-    caches = {"bf16": (k_cache, v_cache), "e4m3": fp8_caches}
-    del k_cache, v_cache
+    return {"bf16": (k_cache, v_cache), "e4m3": fp8_caches}, block_tables
+
+
+def e4m3_difference(outputs: dict) -> float:
+    """The e4m3 cache's output's largest difference from the bf16 cache's, relative to its largest
+    magnitude."""
+    return ((outputs["e4m3"] - outputs["bf16"]).abs().max() / outputs["bf16"].abs().max()).item()
+
+
+def bench_fp8_decode(batch: int, seq_len: int, iters: int) -> dict:
+    """zoo::paged_decode_attention over the bf16 cache and over its entries cast to e4m3."""
+    caches, block_tables = bf16_and_fp8_caches(batch, seq_len)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     entries = 2 * batch * seq_len * NUM_KV_HEADS * HEAD_DIM
@@ -106,15 +117,43 @@ def bench_fp8_decode(batch: int, seq_len: int, iters: int) -> dict:
         us[name] = device_ms(lambda args=args: paged_decode_attention(*args), iters) * 1e3
         tb_s[name] = entries * k.element_size() / (us[name] * 1e-6) / 1e12
         outputs[name] = paged_decode_attention(*args).float()
-    difference = ((outputs["e4m3"] - outputs["bf16"]).abs().max() / outputs["bf16"].abs().max()).item()
-    return {"batch": batch, "seq_len": seq_len, "us": us, "tb_s": tb_s, "e4m3_difference": difference}
+    return {"batch": batch, "seq_len": seq_len, "us": us, "tb_s": tb_s, "e4m3_difference": e4m3_difference(outputs)}
 
 
-def fp8_markdown(results: list[dict], header: str) -> str:
-    lines = [header, "", "| batch | seq len | bf16 cache µs / TB/s | e4m3 cache µs / TB/s | e4m3 output's difference |",
-             "|---:|---:|---:|---:|---:|"]
-    for r in results:
+# Prompts over an FP8 cache read their keys back from it through the paged prefill kernel.
+FP8_PREFILL_SHAPES = ((4, 4096), (8, 1024))
+
+
+def bench_fp8_prefill(batch: int, seq_len: int, iters: int) -> dict:
+    """zoo::paged_prefill_attention of fresh prompts over the bf16 cache and over its entries cast
+    to e4m3."""
+    caches, block_tables = bf16_and_fp8_caches(batch, seq_len)
+    q = torch.randn(batch * seq_len, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    # The new tokens' k and v, which the kernel reads back from the cache instead.
+    k = v = torch.randn(batch * seq_len, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device="cuda")
+    flops = 2 * batch * NUM_HEADS * HEAD_DIM * seq_len * seq_len
+    ms, tflop_s, outputs = {}, {}, {}
+    for name, (k_cache, v_cache) in caches.items():
+        args = (q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_len, HEAD_DIM**-0.5, 0)
+        ms[name] = device_ms(lambda args=args: paged_prefill_attention(*args), iters)
+        tflop_s[name] = flops / (ms[name] * 1e-3) / 1e12
+        outputs[name] = paged_prefill_attention(*args).float()
+    return {"batch": batch, "seq_len": seq_len, "ms": ms, "tflop_s": tflop_s,
+            "e4m3_difference": e4m3_difference(outputs)}
+
+
+def fp8_markdown(decode: list[dict], prefill: list[dict], header: str) -> str:
+    lines = [header, "", "Decode", "", "| batch | seq len | bf16 cache µs / TB/s | e4m3 cache µs / TB/s | "
+             "e4m3 output's difference |", "|---:|---:|---:|---:|---:|"]
+    for r in decode:
         cells = [f"{r['us'][k]:.1f} / {r['tb_s'][k]:.2f}" for k in ("bf16", "e4m3")]
+        lines.append(f"| {r['batch']} | {r['seq_len']} | " + " | ".join(cells) + f" | {r['e4m3_difference']:.1e} |")
+    lines += ["", "Prefill, fresh prompts, paged kernel", "", "| batch | prompt | bf16 cache ms / TFLOP/s | "
+              "e4m3 cache ms / TFLOP/s | e4m3 output's difference |", "|---:|---:|---:|---:|---:|"]
+    for r in prefill:
+        cells = [f"{r['ms'][k]:.3f} / {r['tflop_s'][k]:.0f}" for k in ("bf16", "e4m3")]
         lines.append(f"| {r['batch']} | {r['seq_len']} | " + " | ".join(cells) + f" | {r['e4m3_difference']:.1e} |")
     return "\n".join(lines)
 
@@ -161,7 +200,7 @@ def main():
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                        help="fp8: decode over an e4m3 cache beside the bf16 cache")
+                        help="fp8: decode and the paged prefill over an e4m3 cache beside the bf16 cache")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device")
@@ -170,17 +209,20 @@ def main():
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     if args.kv_cache_dtype == "fp8":
-        results = []
+        decode, prefill = [], []
         for batch, seq_len in FP8_DECODE_SHAPES:
-            results.append(bench_fp8_decode(batch, seq_len, args.iters))
+            decode.append(bench_fp8_decode(batch, seq_len, args.iters))
             torch.cuda.empty_cache()
-        header = (f"FP8 KV cache decode, Llama-3.1-8B shape (Hq {NUM_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, "
+        for batch, seq_len in FP8_PREFILL_SHAPES:
+            prefill.append(bench_fp8_prefill(batch, seq_len, args.iters))
+            torch.cuda.empty_cache()
+        header = (f"FP8 KV cache attention, Llama-3.1-8B shape (Hq {NUM_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, "
                   f"bf16 queries, block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "
                   f"torch {torch.__version__}, triton {triton.__version__}")
-        print(fp8_markdown(results, header))
+        print(fp8_markdown(decode, prefill, header))
         if args.json:
             Path(args.json).write_text(json.dumps({"device": device, "date": str(datetime.date.today()),
-                                                   "fp8_decode": results}, indent=2))
+                                                   "fp8_decode": decode, "fp8_prefill": prefill}, indent=2))
         return
     decode = [bench_decode(b, n, args.iters) for b in (1, 16, 64) for n in (1024, 4096)]
     prefill = [bench_prefill(b, n, args.iters) for b, n in ((1, 4096), (4, 4096), (8, 1024))]
