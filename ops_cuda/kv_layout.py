@@ -4,9 +4,9 @@ layouts the CUDA kernels take, and reading entries at slots in any of them.
 Every op sees a cache as [num_blocks, block_size, kv_heads, head_dim] and indexes it through its
 strides. ``new_kv_cache`` decides the layout behind that view: an FP8 V cache is stored key-minor,
 [num_blocks, kv_heads, head_dim, block_size], so a block's keys lie side by side for each dim. The
-decode kernel's P.V product multiplies pairs of consecutive keys of V; from 16-bit rows a transposing
-shared-memory load (ldmatrix.trans) pairs them, but e4m3 has none, and rows of V would be gathered a
-byte at a time.
+attention kernels' P.V product multiplies pairs of consecutive keys of V; from 16-bit rows a
+transposing shared-memory load (ldmatrix.trans) pairs them, but e4m3 has none, and rows of V would be
+gathered a byte at a time. The kernels read a key tile's V as its whole cache blocks instead.
 """
 
 import torch
