@@ -210,18 +210,23 @@ def test_fp8_cache_kernels_interpreted(dtype, sliding_window):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("block_size", [4, 32], ids=["whole-blocks", "strided"])
 @pytest.mark.parametrize("sliding_window", [0, 5])
-def test_kernels_read_a_key_minor_v_cache_interpreted(sliding_window):
+def test_kernels_read_a_key_minor_v_cache_interpreted(block_size, sliding_window):
     # The FP8 runtime's V layout in float16, whose unused NaN slots the interpreter keeps NaN (it
     # widens e4m3's NaN to a finite value): the partial tile's whole-block loads must not leak them.
-    decode = decode_batch([2 * 16 + 3, 1, 0, 32, 8], 4, 2, 16, 4, torch.float16)
+    # Blocks of 4 lie whole in the interpreter's 16-key tiles and load as blocks; blocks of 32 do not,
+    # and V is read through its strides.
+    decode = decode_batch([2 * 16 + 3, 1, 0, 32, 8], 4, 2, 16, block_size, torch.float16)
     reference = decode.reference_decode(sliding_window)
     decode.v_cache = _key_minor(decode.v_cache)
     assert decode.v_cache.isnan().any()
+    tile_rows = paged_attention_triton._prefill_tiles(decode.q)[1]
+    assert paged_attention_triton._v_blocks(decode.v_cache, tile_rows) == (block_size == 4)
     torch.testing.assert_close(decode.reference_decode(sliding_window), reference, rtol=0, atol=0)
     for num_splits in (1, 3):
         assert_close(run_decode(decode, sliding_window, num_splits), reference, TOL[torch.float16])
-    prefill = PagedBatch([0, 6, 21, 17], [19, 7, 1, 15], 4, 2, 16, 4, torch.float16)
+    prefill = PagedBatch([0, 6, 21, 17], [19, 7, 1, 15], 4, 2, 16, block_size, torch.float16)
     reference = prefill.reference_prefill(sliding_window)
     prefill.v_cache = _key_minor(prefill.v_cache)
     assert_close(run_prefill(prefill, sliding_window), reference, TOL[torch.float16])
