@@ -11,7 +11,8 @@ function, checks they agree, and reports:
   captured: it selects the valid slots with a boolean mask, a host sync.
 
 A second table times each fused op against the separate zoo ops it replaces (the same kernels
-the layers call without the fusion), at one token (batch-1 decode) and at 256.
+the layers call without the fusion), at one token (batch-1 decode), 256 and 8,192, over a cache of
+the model's dtype and over an e4m3 one.
 
     .venv/bin/python benchmarks/bench_ops.py [--dtype bfloat16] [--json results.json]
 """
@@ -33,7 +34,9 @@ from ops_cuda import (  # noqa: E402
     act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm, rotary_write_kv, write_kv_cache,
 )
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
+from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
 from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.kv_layout import new_kv_cache  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
 
@@ -90,17 +93,25 @@ def cases(dtype):
 def fusion_cases(dtype):
     """(name, shape label, fused call, separate calls): each returns its outputs, the caches last.
     Llama-3.1-8B's attention shape (32 q heads, 8 KV heads of 128), and Qwen3-8B's (the same, with
-    per-head q/k-norm)."""
+    per-head q/k-norm), at one token (batch-1 decode), 256 (a decode step) and 8,192 (a throughput
+    run's prompt step); and over an e4m3 cache (V key-minor, as the runtime lays it out) at one token
+    and 8,192."""
     q_heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
-    for n in (1, 256):
+    for n, cache_dtype in ((1, dtype), (256, dtype), (8192, dtype), (1, FP8_DTYPE), (8192, FP8_DTYPE)):
         qkv = torch.randn(n, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device="cuda")
         q, k, v = (t.view(n, -1, head_dim) for t in qkv.split([q_heads * head_dim] + [kv_heads * head_dim] * 2, -1))
         cos, sin = rope_table(n, head_dim)
-        k_cache, v_cache = torch.zeros(2, 4 * n // block_size + 1, block_size, kv_heads, head_dim, dtype=dtype,
-                                       device="cuda")
-        slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda")[:n]
+        k_cache, v_cache = new_kv_cache(4 * n // block_size + 1, block_size, kv_heads, head_dim, cache_dtype, "cuda")
+        k_cache.zero_()
+        v_cache.zero_()
+        if n > 256:  # a prompt step: each cache block filled in order, the blocks anywhere
+            blocks = torch.randperm(k_cache.shape[0], device="cuda")[: -(-n // block_size)]
+            slots = (blocks[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()[:n]
+        else:  # decode steps: a token of each sequence, anywhere
+            slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda")[:n]
         q_weight, k_weight = torch.randn(2, head_dim, dtype=dtype, device="cuda")
-        shape = f"{n} tokens, q {q_heads} x {head_dim}, kv {kv_heads} x {head_dim}"
+        cache = "" if cache_dtype == dtype else ", e4m3 cache"
+        shape = f"{n} tokens, q {q_heads} x {head_dim}, kv {kv_heads} x {head_dim}{cache}"
 
         def fused(norm):
             weights = (q_weight, k_weight, EPS) if norm else ()
@@ -114,7 +125,8 @@ def fusion_cases(dtype):
             return q_out, k_out, k_cache, v_cache
 
         yield "rotary + KV write", shape, lambda: fused(False), lambda: separate(False)
-        yield "q/k-norm + rotary + KV write", shape, lambda: fused(True), lambda: separate(True)
+        if not cache:
+            yield "q/k-norm + rotary + KV write", shape, lambda: fused(True), lambda: separate(True)
 
 
 def max_difference(op, reference, args) -> float:
