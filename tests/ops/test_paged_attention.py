@@ -221,8 +221,9 @@ def test_kernels_read_a_key_minor_v_cache_interpreted(block_size, sliding_window
     reference = decode.reference_decode(sliding_window)
     decode.v_cache = _key_minor(decode.v_cache)
     assert decode.v_cache.isnan().any()
-    tile_rows = paged_attention_triton._prefill_tiles(decode.q)[1]
-    assert paged_attention_triton._v_blocks(decode.v_cache, tile_rows) == (block_size == 4)
+    for tile_rows in (paged_attention_triton._decode_tiles(decode.q, decode.k_cache)[0],
+                      paged_attention_triton._prefill_tiles(decode.q)[1]):
+        assert paged_attention_triton._v_blocks(decode.v_cache, tile_rows) == (block_size == 4)
     torch.testing.assert_close(decode.reference_decode(sliding_window), reference, rtol=0, atol=0)
     for num_splits in (1, 3):
         assert_close(run_decode(decode, sliding_window, num_splits), reference, TOL[torch.float16])
