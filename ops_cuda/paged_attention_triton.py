@@ -84,8 +84,10 @@ def _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, ti
                    v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     # A key-minor V cache's entries for the key tile starting at `tile` (a multiple of BLOCK_N, which
     # BLOCK_SIZE divides), read as the tile's whole cache blocks: [blocks, dims, block_size], each
-    # block's keys side by side, 16-byte vector loads. Values at or past `seq_end` (None: the tile lies
-    # inside the sequence) are zeros: their slots may hold NaN. Dims outside `dim_ok` (None: none) too.
+    # block's keys side by side, 16-byte vector loads. Blocks past `seq_end` (None: the tile lies
+    # inside the sequence) are not read: zeros. The last block's slots past it are read as they
+    # are, anything, even NaN: the caller zeroes them once it has widened them. Dims outside
+    # `dim_ok` (None: none) are zeros.
     blocks_per_tile: tl.constexpr = BLOCK_N // BLOCK_SIZE
     tile_blocks = tile // BLOCK_SIZE + tl.arange(0, blocks_per_tile)
     slots = tl.arange(0, BLOCK_SIZE)
@@ -99,11 +101,7 @@ def _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, ti
         mask = in_sequence if dim_ok is None else in_sequence & dim_ok[None, :, None]
     starts = block.to(tl.int64) * v_stride_block + kv_head * v_stride_head
     entries = v_cache_ptr + starts[:, None, None] + dims[None, :, None] * v_stride_dim + slots[None, None, :]
-    v_blocks = tl.load(entries) if mask is None else tl.load(entries, mask=mask, other=0.0)
-    if seq_end is not None:  # zeros for the last block's slots past the end
-        before_end = (tile_blocks[:, None] * BLOCK_SIZE + slots[None, :]) < seq_end
-        v_blocks = tl.where(before_end[:, None, :], v_blocks.to(tl.float32), 0.0).to(v_blocks.dtype)
-    return v_blocks
+    return tl.load(entries) if mask is None else tl.load(entries, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -143,9 +141,8 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
                           v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE)
     if KV_FP8:
         v = v.to(q.dtype)
-    if not V_BLOCKS:  # `_load_v_blocks` zeroes the values past the end itself
-        if seq_end is not None:
-            v = tl.where((keys < seq_end)[:, None], v, 0.0)
+    if seq_end is not None:  # zeroed once widened: e4m3 selects through float32 and back
+        v = tl.where((keys < seq_end)[:, None], v, 0.0)
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, total, acc
 
@@ -176,8 +173,10 @@ def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache
     total = total * rescale + tl.sum(p, 0)
     v_blocks = _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, seq_end, dims, dim_ok,
                               v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N)
-    v_t = tl.reshape(tl.permute(v_blocks, (1, 0, 2)), (BLOCK_D, BLOCK_N))
-    acc = acc * rescale[None, :] + tl.dot(v_t.to(tl.float16), p.to(tl.float16))
+    v_t = tl.reshape(tl.permute(v_blocks, (1, 0, 2)), (BLOCK_D, BLOCK_N)).to(tl.float16)
+    if seq_end is not None:
+        v_t = tl.where((keys < seq_end)[None, :], v_t, 0.0)
+    acc = acc * rescale[None, :] + tl.dot(v_t, p.to(tl.float16))
     return new_max, total, acc
 
 
@@ -461,8 +460,11 @@ def _dot_precision(q: torch.Tensor) -> str:
 # most 16 KiB keep K and V double-buffered in shared memory (prefill's are as large as fits,
 # `_prefill_tiles`); triple-buffered in decode, which only streams them (1-2% faster at
 # 450 x 1500 tokens, the same at 64 x 4096), except with the keys as rows over an FP8 cache (4-16%
-# slower from 900 x 1536 to 64 x 1536 tokens). Float32 ("ieee") dots run on FMA units with their
-# operands in registers: smaller tiles, chosen so no head size up to 256 spills.
+# slower from 900 x 1536 to 64 x 1536 tokens). There the decode kernel is capped at 128 registers a
+# thread, which lets four programs share an SM: a few more, which a small change to its last tile
+# can bring, leave room for three, and it runs 8-35% slower (docs/performance.md). Float32 ("ieee")
+# dots run on FMA units with their operands in registers: smaller tiles, chosen so no head size up
+# to 256 spills.
 
 
 def _head_block(head_dim: int) -> int:
@@ -543,7 +545,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
         V_BLOCKS=_v_blocks(v_cache, block_n),
-        num_warps=4, num_stages=2 if keys_as_rows else 3, **launch,
+        num_warps=4, num_stages=2 if keys_as_rows else 3, maxnreg=128 if keys_as_rows else None, **launch,
     )
     if num_splits == 1:
         return
