@@ -462,7 +462,9 @@ def _dot_precision(q: torch.Tensor) -> str:
 # 450 x 1500 tokens, the same at 64 x 4096), except with the keys as rows over an FP8 cache (4-16%
 # slower from 900 x 1536 to 64 x 1536 tokens). There the decode kernel is capped at 128 registers a
 # thread, which lets four programs share an SM: a few more, which a small change to its last tile
-# can bring, leave room for three, and it runs 8-35% slower (docs/performance.md). Float32 ("ieee")
+# can bring, leave room for three, and it runs 8-35% slower (docs/performance.md). Larger tiles
+# (head dims past 128, or 16 query heads a KV head) would spill under the cap, and run without it
+# (Triton 3.6 for sm_90: 64-112 bytes of stack, 168-196 registers uncapped). Float32 ("ieee")
 # dots run on FMA units with their operands in registers: smaller tiles, chosen so no head size up
 # to 256 spills.
 
@@ -531,6 +533,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     keys_as_rows = _keys_as_rows(q, k_cache, v_cache)
     # The query heads fill the products' rows (16 at least) or their columns (8).
     block_h = max(8 if keys_as_rows else 16, triton.next_power_of_2(group))
+    # The register cap of the tile-shape notes above, where the tiles fit it.
+    max_registers = 128 if keys_as_rows and block_d <= 128 and block_h <= 8 else None
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
@@ -545,7 +549,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
         V_BLOCKS=_v_blocks(v_cache, block_n),
-        num_warps=4, num_stages=2 if keys_as_rows else 3, maxnreg=128 if keys_as_rows else None, **launch,
+        num_warps=4, num_stages=2 if keys_as_rows else 3, maxnreg=max_registers, **launch,
     )
     if num_splits == 1:
         return
