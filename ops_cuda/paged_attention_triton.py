@@ -141,7 +141,7 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
                           v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE)
     if KV_FP8:
         v = v.to(q.dtype)
-    if seq_end is not None:  # zeroed once widened: e4m3 selects through float32 and back
+    if seq_end is not None:  # after the widening, where the select is on q's dtype, not e4m3's bytes
         v = tl.where((keys < seq_end)[:, None], v, 0.0)
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, total, acc
