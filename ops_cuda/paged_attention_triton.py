@@ -242,7 +242,8 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
         # Unmasked loads where the head dim fills BLOCK_D: a mask would cost them their vector width.
         tile_dim_ok = None if HEAD_DIM == BLOCK_D else dim_ok
-        for tile in range(start, tl.minimum(end, last), BLOCK_N):
+        # Five copy groups in flight: the next tile's K and V load while this one computes.
+        for tile in tl.range(start, tl.minimum(end, last), BLOCK_N, num_stages=5):
             keys = tile + tl.arange(0, BLOCK_N)
             running_max, total, acc = _attend_key_tile_keys_as_rows(
                 q_t, running_max, total, acc, (keys >= first)[:, None], k_cache_ptr, v_cache_ptr,
@@ -457,16 +458,17 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 # Tile shapes. The interpreter (CPU tensors) gets small tiles so the tests' short sequences still
 # cross tile boundaries. On the GPU, half types multiply on tensor cores: decode's key tiles of at
-# most 16 KiB keep K and V double-buffered in shared memory (prefill's are as large as fits,
-# `_prefill_tiles`); triple-buffered in decode, which only streams them (1-2% faster at
-# 450 x 1500 tokens, the same at 64 x 4096), except with the keys as rows over an FP8 cache (4-16%
-# slower from 900 x 1536 to 64 x 1536 tokens). There the decode kernel is capped at 128 registers a
-# thread, which lets four programs share an SM: a few more, which a small change to its last tile
-# can bring, leave room for three, and it runs 8-35% slower (docs/performance.md). Larger tiles
-# (head dims past 128, or 16 query heads a KV head) would spill under the cap, and run without it
-# (Triton 3.6 for sm_90: 64-112 bytes of stack, 168-196 registers uncapped). Float32 ("ieee")
-# dots run on FMA units with their operands in registers: smaller tiles, chosen so no head size up
-# to 256 spills.
+# most 16 KiB (as many rows over an FP8 cache, half the bytes) stream through three buffers in
+# shared memory (prefill's are as large as fits, `_prefill_tiles`). With the keys as rows over an
+# FP8 cache the decode kernel waits on memory, not on its instructions, so what moves it is how
+# many programs share an SM and how much each keeps in flight: its whole-tile loop loads the next
+# 64-key tile while one computes, and the kernel is capped at 96 registers a thread, which lets
+# five programs share an SM (2-4% faster at 900 x 1,500 and 900 x 1,536 tokens than 128-key tiles
+# loaded one at a time by four programs; more registers, three programs, ran 8-35% slower than
+# those: docs/performance.md). Larger tiles (head dims past 128, or 16 query heads a KV head) would spill
+# under the cap and run without it (Triton 3.6 for sm_90: 125-160 registers, nothing spilled).
+# Float32 ("ieee") dots run on FMA units with their operands in registers: smaller tiles, chosen
+# so no head size up to 256 spills.
 
 
 def _head_block(head_dim: int) -> int:
@@ -475,23 +477,21 @@ def _head_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _decode_tiles(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
-    """(key tile rows, head-dim block) of the decode kernel. A tile of an FP8 cache has twice the
-    rows of a 16-bit one, the same bytes, and each step widens and multiplies twice the entries
-    (`bench_attention.py --kv-cache-dtype fp8`)."""
+def _decode_tiles(q: torch.Tensor) -> tuple[int, int]:
+    """(key tile rows, head-dim block) of the decode kernel: as many rows over an FP8 cache as over
+    a 16-bit one, half the bytes (see the tile-shape notes above)."""
     block_d = _head_block(q.shape[-1])
     if not q.is_cuda or q.dtype == torch.float32:
         return 16, block_d
-    rows = max(16, min(64, 16384 // (block_d * q.element_size())))
-    return (2 * rows if k_cache.dtype == FP8_DTYPE else rows), block_d
+    return max(16, min(64, 16384 // (block_d * q.element_size()))), block_d
 
 
 def _keys_as_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the decode kernel puts the keys on its products' rows (`_attend_key_tile_keys_as_rows`):
     on CUDA under a 16-bit q, over an FP8 cache whose V is key-minor, in blocks of 16 to 128 keys (a
-    power of two) that lie whole in a key tile."""
+    power of two) that lie whole in a key tile (`_v_blocks`)."""
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == FP8_DTYPE
-            and is_key_minor(v_cache) and k_cache.shape[1] in (16, 32, 64, 128))
+            and k_cache.shape[1] in (16, 32, 64, 128) and _v_blocks(v_cache, _decode_tiles(q)[0]))
 
 
 def _v_blocks(v_cache: torch.Tensor, block_n: int) -> bool:
@@ -529,12 +529,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
-    block_n, block_d = _decode_tiles(q, k_cache)
+    block_n, block_d = _decode_tiles(q)
     keys_as_rows = _keys_as_rows(q, k_cache, v_cache)
     # The query heads fill the products' rows (16 at least) or their columns (8).
     block_h = max(8 if keys_as_rows else 16, triton.next_power_of_2(group))
     # The register cap of the tile-shape notes above, where the tiles fit it.
-    max_registers = 128 if keys_as_rows and block_d <= 128 and block_h <= 8 else None
+    max_registers = 96 if keys_as_rows and block_d <= 128 and block_h <= 8 else None
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
@@ -549,7 +549,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
         V_BLOCKS=_v_blocks(v_cache, block_n),
-        num_warps=4, num_stages=2 if keys_as_rows else 3, maxnreg=max_registers, **launch,
+        num_warps=4, num_stages=3, maxnreg=max_registers, **launch,
     )
     if num_splits == 1:
         return

@@ -221,7 +221,7 @@ def test_kernels_read_a_key_minor_v_cache_interpreted(block_size, sliding_window
     reference = decode.reference_decode(sliding_window)
     decode.v_cache = _key_minor(decode.v_cache)
     assert decode.v_cache.isnan().any()
-    for tile_rows in (paged_attention_triton._decode_tiles(decode.q, decode.k_cache)[0],
+    for tile_rows in (paged_attention_triton._decode_tiles(decode.q)[0],
                       paged_attention_triton._prefill_tiles(decode.q)[1]):
         assert paged_attention_triton._v_blocks(decode.v_cache, tile_rows) == (block_size == 4)
     torch.testing.assert_close(decode.reference_decode(sliding_window), reference, rtol=0, atol=0)
@@ -539,6 +539,19 @@ def test_fp8_decode_keys_as_rows_cuda(shape, softcap, sliding_window, monkeypatc
         assert_close(run_decode(batch, sliding_window, num_splits, softcap), reference, 2**-7)
     monkeypatch.setattr(paged_attention_triton, "_keys_as_rows", lambda *args: False)
     assert_close(run_decode(batch, sliding_window, None, softcap), reference, 2**-7)
+
+
+@pytest.mark.gpu
+def test_fp8_decode_over_blocks_longer_than_a_key_tile_cuda():
+    # Cache blocks of 128 keys do not lie whole in the decode kernel's 64-key tiles at D=128: it
+    # puts the heads on its products' rows and reads the key-minor V through its strides.
+    batch = decode_batch([1, 16, 0, 777, 3001, 2053, 128, 129], 32, 8, 128, 128, torch.bfloat16, "cuda",
+                         fp8_scales=(0.25, 3.0))
+    assert paged_attention_triton._decode_tiles(batch.q)[0] == 64
+    assert not paged_attention_triton._keys_as_rows(batch.q, batch.k_cache, batch.v_cache)
+    reference = batch.reference_decode(1000)
+    for num_splits in (None, 1, 7):
+        assert_close(run_decode(batch, 1000, num_splits), reference, TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
