@@ -465,10 +465,10 @@ def _dot_precision(q: torch.Tensor) -> str:
 # 64-key tile while one computes, and the kernel is capped at 96 registers a thread, which lets
 # five programs share an SM (2-4% faster at 900 x 1,500 and 900 x 1,536 tokens than 128-key tiles
 # loaded one at a time by four programs; more registers, three programs, ran 8-35% slower than
-# those: docs/performance.md). Larger tiles (head dims past 128, or 16 query heads a KV head) would spill
-# under the cap and run without it (Triton 3.6 for sm_90: 125-160 registers, nothing spilled).
-# Float32 ("ieee") dots run on FMA units with their operands in registers: smaller tiles, chosen
-# so no head size up to 256 spills.
+# those: docs/performance.md). Larger tiles (head dims past 128, or 16 query heads a KV head) would
+# spill under the cap and run without it (Triton 3.6 for sm_90: 125-160 registers, nothing
+# spilled). Float32 ("ieee") dots run on FMA units with their operands in registers: smaller
+# tiles, chosen so no head size up to 256 spills.
 
 
 def _head_block(head_dim: int) -> int:
