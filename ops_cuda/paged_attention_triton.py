@@ -458,17 +458,16 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 # Tile shapes. The interpreter (CPU tensors) gets small tiles so the tests' short sequences still
 # cross tile boundaries. On the GPU, half types multiply on tensor cores: decode's key tiles of at
-# most 16 KiB (as many rows over an FP8 cache, half the bytes) stream through three buffers in
-# shared memory (prefill's are as large as fits, `_prefill_tiles`). With the keys as rows over an
-# FP8 cache the decode kernel waits on memory, not on its instructions, so what moves it is how
-# many programs share an SM and how much each keeps in flight: its whole-tile loop loads the next
-# 64-key tile while one computes, and the kernel is capped at 96 registers a thread, which lets
-# five programs share an SM (2-4% faster at 900 x 1,500 and 900 x 1,536 tokens than 128-key tiles
-# loaded one at a time by four programs; more registers, three programs, ran 8-35% slower than
-# those: docs/performance.md). Larger tiles (head dims past 128, or 16 query heads a KV head) would
-# spill under the cap and run without it (Triton 3.6 for sm_90: 125-160 registers, nothing
-# spilled). Float32 ("ieee") dots run on FMA units with their operands in registers: smaller
-# tiles, chosen so no head size up to 256 spills.
+# most 16 KiB (as many rows over an FP8 cache, half the bytes) are copied through shared memory
+# (prefill's are as large as fits, `_prefill_tiles`). With the keys as rows over an FP8 cache,
+# what moves the decode kernel is how many programs share an SM and how much each keeps in
+# flight: its whole-tile loop loads the next 64-key tile while one computes, and where the tiles
+# are at most 128 dims x 8 heads a program is two warps (160-164 registers a thread, nothing
+# spilled), six programs an SM: 1-5% faster alone than five programs of four warps capped at 96
+# registers, 5% more tokens a second in a throughput run at the power cap (docs/performance.md).
+# Larger tiles (head dims past 128, or 16 query heads a KV head) take four warps, which hold them
+# without spilling (Triton 3.6 for sm_90: 125-198 registers). Float32 ("ieee") dots run on FMA
+# units with their operands in registers: smaller tiles, chosen so no head size up to 256 spills.
 
 
 def _head_block(head_dim: int) -> int:
@@ -533,8 +532,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     keys_as_rows = _keys_as_rows(q, k_cache, v_cache)
     # The query heads fill the products' rows (16 at least) or their columns (8).
     block_h = max(8 if keys_as_rows else 16, triton.next_power_of_2(group))
-    # The register cap of the tile-shape notes above, where the tiles fit it.
-    max_registers = 96 if keys_as_rows and block_d <= 128 and block_h <= 8 else None
+    # Two warps a program where the tiles fit them (the tile-shape notes above).
+    num_warps = 2 if keys_as_rows and block_d <= 128 and block_h <= 8 else 4
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
@@ -549,7 +548,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
         V_BLOCKS=_v_blocks(v_cache, block_n),
-        num_warps=4, num_stages=3, maxnreg=max_registers, **launch,
+        num_warps=num_warps, num_stages=3, **launch,
     )
     if num_splits == 1:
         return
