@@ -242,7 +242,8 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_D, BLOCK_H], tl.float32)
         # Unmasked loads where the head dim fills BLOCK_D: a mask would cost them their vector width.
         tile_dim_ok = None if HEAD_DIM == BLOCK_D else dim_ok
-        # Five copy groups in flight: the next tile's K and V load while this one computes.
+        # Five stages: the fewest at which Triton 3.6 gives K and V two buffers each here (four give
+        # one), so the next tile's K and V load while this one computes.
         for tile in tl.range(start, tl.minimum(end, last), BLOCK_N, num_stages=5):
             keys = tile + tl.arange(0, BLOCK_N)
             running_max, total, acc = _attend_key_tile_keys_as_rows(
