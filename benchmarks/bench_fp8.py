@@ -26,6 +26,9 @@ moe     The routed experts of one DeepSeek-V3 MoE layer (256 experts, top-8, 716
         (ops_cuda/moe_triton.py) on FP8 experts (zoo::fp8_moe_experts) against the same kernel on bf16
         experts (the FP8 ones dequantised: the op's reference), and against what zoo::moe_experts's
         dispatch picks for bf16; µs, GB/s of the distinct experts the routing touches, max rel diff.
+        Then the FP8 experts with DeepSeek-V3's shared expert: as one more pair per token in the fused-MoE
+        launch, against its own launches after it (single-row kernel or block-FP8 GEMMs, act_and_mul,
+        the add); zoo::fp8_moe_experts runs it in the launch up to SHARED_IN_LAUNCH_MAX_TOKENS tokens.
 
 Times: the median of CUDA-graph replays (CUDA events), the L2 cache flushed before each replay so that
 weights come from HBM.
@@ -45,7 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
+from ops_cuda.activation import act_and_mul  # noqa: E402
 from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX  # noqa: E402
+from ops_cuda.fp8_linear import fp8_block_linear  # noqa: E402
 from ops_cuda.fp8_triton import (  # noqa: E402
     cuda_kernel,
     fp8_block_gemm_scaled_mm,
@@ -55,7 +60,7 @@ from ops_cuda.fp8_triton import (  # noqa: E402
 )
 from ops_cuda.gemv import gemv  # noqa: E402
 from ops_cuda.moe import cuda_kernel as moe_cuda_kernel  # noqa: E402
-from ops_cuda.moe import moe_experts_op  # noqa: E402
+from ops_cuda.moe import SHARED_IN_LAUNCH_MAX_TOKENS, moe_experts_op  # noqa: E402
 
 BLOCK = (128, 128)
 # (name, N, K) of DeepSeek-V3's linear layers. kv_b_proj and lm_head stay bf16 in zoo (MLA reads
@@ -191,12 +196,15 @@ def routing(tokens: int, generator):
 
 
 def moe(results):
-    from ops_cuda.moe_triton import Fp8Scales, moe_experts_triton
+    from ops_cuda.moe_triton import Fp8Scales, SharedExpert, moe_experts_triton
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     gate_up, gate_up_fp8, gate_up_scales = random_fp8(2 * INTERMEDIATE, HIDDEN, generator, EXPERTS)
     down, down_fp8, down_scales = random_fp8(HIDDEN, INTERMEDIATE, generator, EXPERTS)
     scales = Fp8Scales(gate_up_scales, down_scales, BLOCK)
+    _, shared_gate_up, shared_gate_up_scales = random_fp8(2 * INTERMEDIATE, HIDDEN, generator)
+    _, shared_down, shared_down_scales = random_fp8(HIDDEN, INTERMEDIATE, generator)
+    shared = SharedExpert(shared_gate_up, shared_down, shared_gate_up_scales, shared_down_scales)
     expert_elements = 3 * INTERMEDIATE * HIDDEN
     rows = []
     for tokens in MOE_TOKENS:
@@ -215,8 +223,20 @@ def moe(results):
         # The op's reference: the experts dequantised to bf16, which the bf16 runs multiply by.
         reference, ours = paths["bf16 triton"][0]().float(), paths["fp8 triton"][0]().float()
         row["max_rel_diff"] = ((ours - reference).abs().max() / reference.abs().max()).item()
+
+        def shared_apart(hidden=hidden, weights=weights, ids=ids):
+            h = act_and_mul(fp8_block_linear(hidden, shared.gate_up, shared.gate_up_scale, BLOCK, None), "silu")
+            return (moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", scales)
+                    + fp8_block_linear(h, shared.down, shared.down_scale, BLOCK, None))
+
+        row["shared_in_launch_us"] = graph_us(
+            lambda: moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", scales, shared),
+            flush_l2_bytes=L2_FLUSH_BYTES)
+        row["shared_apart_us"] = graph_us(shared_apart, flush_l2_bytes=L2_FLUSH_BYTES)
         rows.append(row)
-        print(f"moe {tokens} tokens: " + ", ".join(f"{p} {row[p]['us']:.1f} µs" for p in paths), flush=True)
+        print(f"moe {tokens} tokens: " + ", ".join(f"{p} {row[p]['us']:.1f} µs" for p in paths)
+              + f"; with the shared expert in the launch {row['shared_in_launch_us']:.1f} µs, "
+              f"apart {row['shared_apart_us']:.1f} µs", flush=True)
     results["moe"] = rows
 
 
@@ -237,6 +257,12 @@ def moe_table(results) -> str:
         speed = row["bf16 triton"]["us"] / row["fp8 triton"]["us"]
         diff = f"{row['max_rel_diff']:.3f}" if "max_rel_diff" in row else ""
         lines.append("| " + " | ".join(cells) + f" | {speed:.2f}x | {row['bf16_dispatch']} | {diff} |")
+    lines += ["", "FP8 experts with the shared expert (7168 -> 2048 -> 7168, every token's):", "",
+              "| tokens | in the fused-MoE launch µs | its own launches after it µs | zoo::fp8_moe_experts takes |",
+              "|---|---|---|---|"]
+    for row in results["moe"]:
+        takes = "in the launch" if row["tokens"] <= SHARED_IN_LAUNCH_MAX_TOKENS else "its own launches"
+        lines.append(f"| {row['tokens']} | {row['shared_in_launch_us']:.1f} | {row['shared_apart_us']:.1f} | {takes} |")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@
     mlp.shared_experts                        optional: dense experts every token takes, ungated (DeepSeek)
 
 The experts' math is the ``zoo::moe_experts`` op, the router's after its linear layer ``zoo::route_topk``;
-the shared expert is a plain layer. Their tensor- and expert-parallel forms are in ``layers/parallel.py``.
+the shared expert is a plain layer, except that FP8 experts take DeepSeek's into their op
+(``Experts.takes_shared``). Their tensor- and expert-parallel forms are in ``layers/parallel.py``.
 """
 
 import torch
@@ -134,11 +135,26 @@ class Experts(nn.Module):
             "down_proj": OneOf(per_expert_down, [Shard(f"{prefix}.down_proj")]),
         }
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared: GatedMLP | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum; plus ``shared(x)`` where ``takes_shared(shared)``."""
         if self.fp8_block is not None:
+            shared_weights = () if shared is None else (
+                shared.gate_up_proj.weight, shared.gate_up_proj.weight_scale_inv,
+                shared.down_proj.weight, shared.down_proj.weight_scale_inv)
             return fp8_moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.gate_up_proj_scale_inv,
-                                   self.down_proj, self.down_proj_scale_inv, self.fp8_block, self.hidden_act)
+                                   self.down_proj, self.down_proj_scale_inv, self.fp8_block, self.hidden_act,
+                                   *shared_weights)
         return moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.down_proj, self.hidden_act)
+
+    def takes_shared(self, shared: GatedMLP | None) -> bool:
+        """Whether ``shared``, an ungated shared expert, runs inside these experts' op: FP8 experts and an
+        FP8 expert of their shape, block and activation, without biases. At decode sizes its weights are
+        then read in the experts' launch, as one more expert per token (``zoo::fp8_moe_experts``)."""
+        if shared is None or self.fp8_block is None or shared.hidden_act != self.hidden_act:
+            return False
+        return all(linear.fp8_block == self.fp8_block and linear.bias is None and linear.weight.shape == stack.shape[1:]
+                   for linear, stack in ((shared.gate_up_proj, self.gate_up_proj), (shared.down_proj, self.down_proj)))
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
@@ -181,11 +197,15 @@ class SparseMoE(nn.Module):
         self.group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))
+        topk_weights, topk_ids = self.gate(x)
+        if self.experts.takes_shared(self.shared_experts):
+            out = self.experts(x, topk_weights, topk_ids, shared=self.shared_experts)
+        else:
+            out = self.experts(x, topk_weights, topk_ids)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         if self.group is not None:
             dist.all_reduce(out, group=self.group)
         return out

@@ -16,15 +16,18 @@ CUDA-graph capture switches to its dense form.
 
 ``zoo::fp8_moe_experts`` is the same with FP8 block-scaled experts (``ops_cuda/fp8.py``): its reference
 dequantises them to the activation dtype; on CUDA the Triton fused-MoE kernel multiplies FP8 operands,
-the activations quantised per token and group of ``block[1]`` columns.
+the activations quantised per token and group of ``block[1]`` columns. It also takes an ungated FP8
+shared expert of the experts' shape (DeepSeek-V3's), added to their sum: in the fused-MoE launch up to
+``SHARED_IN_LAUNCH_MAX_TOKENS`` tokens, through its own GEMMs beyond.
 """
 
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.activation import act_and_mul_reference
+from ops_cuda.activation import act_and_mul, act_and_mul_reference
 from ops_cuda.dispatch import reference_on_cpu
 from ops_cuda.fp8 import check_block_weight, dequantise
+from ops_cuda.fp8_linear import fp8_block_linear
 
 
 def moe_experts_reference(
@@ -155,14 +158,49 @@ def fp8_moe_experts_reference(
     down_scale_inv: torch.Tensor,
     block: list[int],
     activation: str,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_gate_up_scale_inv: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    shared_down_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``moe_experts`` with float8_e4m3fn experts ``gate_up`` [E, 2 * I, H] and ``down`` [E, H, I], each
-    with float32 scales per ``block`` of its last two dimensions, dequantised to hidden's dtype."""
+    with float32 scales per ``block`` of its last two dimensions, dequantised to hidden's dtype.
+
+    With the ``shared_*`` tensors, an ungated FP8 expert of the same shape and block that every token
+    takes (DeepSeek's ``shared_experts``): its output added to the experts' sum, both in hidden's dtype,
+    as the model adds them."""
     check_block_weight("fp8_moe_experts", gate_up, gate_up_scale_inv, block)
     check_block_weight("fp8_moe_experts", down, down_scale_inv, block)
+    shared = _checked_shared(gate_up, down, block, shared_gate_up, shared_gate_up_scale_inv, shared_down,
+                             shared_down_scale_inv)
     gate_up = dequantise(gate_up, gate_up_scale_inv, block).to(hidden.dtype)
     down = dequantise(down, down_scale_inv, block).to(hidden.dtype)
-    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+    out = moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+    if shared is None:
+        return out
+    shared_gate_up, shared_down = (dequantise(weight, scale_inv, block).to(hidden.dtype)
+                                   for weight, scale_inv in ((shared[0], shared[1]), (shared[2], shared[3])))
+    return out + F.linear(act_and_mul_reference(F.linear(hidden, shared_gate_up), activation), shared_down)
+
+
+def _checked_shared(gate_up, down, block, *shared) -> tuple | None:
+    # The shared expert's four tensors, all or none, each of one expert's shape.
+    if all(tensor is None for tensor in shared):
+        return None
+    if any(tensor is None for tensor in shared):
+        raise ValueError("zoo::fp8_moe_experts: a shared expert takes all four of shared_gate_up, "
+                         "shared_gate_up_scale_inv, shared_down and shared_down_scale_inv")
+    for (weight, scale_inv), experts in zip((shared[:2], shared[2:]), (gate_up, down), strict=True):
+        check_block_weight("fp8_moe_experts", weight, scale_inv, block)
+        if weight.shape != experts.shape[1:]:
+            raise ValueError(f"zoo::fp8_moe_experts: a shared expert weight of shape {tuple(weight.shape)} for "
+                             f"experts of shape {tuple(experts.shape)}: it must be one expert's {tuple(experts.shape[1:])}")
+    return shared
+
+
+# Up to this many tokens the shared expert runs as one more pair per token in the fused-MoE launch;
+# from there on its own GEMMs are faster (`bench_fp8.py --task moe`, DeepSeek-V3's shapes).
+SHARED_IN_LAUNCH_MAX_TOKENS = 32
 
 
 @torch.library.custom_op("zoo::fp8_moe_experts", mutates_args=())
@@ -176,27 +214,44 @@ def fp8_moe_experts_op(
     down_scale_inv: torch.Tensor,
     block: list[int],
     activation: str,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_gate_up_scale_inv: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    shared_down_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return fp8_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv,
-                                     block, activation)
+                                     block, activation, shared_gate_up, shared_gate_up_scale_inv, shared_down,
+                                     shared_down_scale_inv)
 
 
 @fp8_moe_experts_op.register_fake
-def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv, block, activation):
+def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv, block, activation,
+      shared_gate_up=None, shared_gate_up_scale_inv=None, shared_down=None, shared_down_scale_inv=None):
     return torch.empty_like(hidden)
 
 
 @fp8_moe_experts_op.register_kernel("cuda")
-def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv, block, activation):
-    from ops_cuda.moe_triton import Fp8Scales, moe_experts_triton, triton_supported
+def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv, block, activation,
+      shared_gate_up=None, shared_gate_up_scale_inv=None, shared_down=None, shared_down_scale_inv=None):
+    from ops_cuda.moe_triton import Fp8Scales, SharedExpert, moe_experts_triton, shared_supported, triton_supported
 
     check_block_weight("fp8_moe_experts", gate_up, gate_up_scale_inv, block)
     check_block_weight("fp8_moe_experts", down, down_scale_inv, block)
+    shared = _checked_shared(gate_up, down, block, shared_gate_up, shared_gate_up_scale_inv, shared_down,
+                             shared_down_scale_inv)
     scales = Fp8Scales(gate_up_scale_inv, down_scale_inv, tuple(block))
-    if triton_supported(hidden, gate_up, down, activation, scales):
-        return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales)
-    return fp8_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv,
-                                     block, activation)
+    if not triton_supported(hidden, gate_up, down, activation, scales):
+        return fp8_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down,
+                                         down_scale_inv, block, activation, *(shared or ()))
+    if shared is not None:
+        shared = SharedExpert(shared[0], shared[2], shared[1], shared[3])
+        if hidden.shape[0] <= SHARED_IN_LAUNCH_MAX_TOKENS and shared_supported(shared, gate_up, down, scales):
+            return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales, shared)
+    out = moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales)
+    if shared is None:
+        return out
+    h = act_and_mul(fp8_block_linear(hidden, shared.gate_up, shared.gate_up_scale, block, None), activation)
+    return out + fp8_block_linear(h, shared.down, shared.down_scale, block, None)
 
 
 fp8_moe_experts = reference_on_cpu(fp8_moe_experts_op, fp8_moe_experts_reference, reads_host=True)

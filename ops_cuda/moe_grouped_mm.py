@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ops_cuda.triton_helpers import round_to
 from ops_cuda.triton_kernels import act_and_mul_triton
 
 _MAX_GROUPS = 1024  # the CUTLASS kernel's limit on the number of groups (experts)
@@ -121,10 +122,12 @@ def _moe_permute_kernel(
 @triton.jit
 def _moe_combine_kernel(
     y_ptr, position_ptr, weights_ptr, ids_ptr, out_ptr, hidden_size, y_stride, weights_stride, ids_stride,
-    out_stride, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    out_stride, TOP_K: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr,
 ):
     # Program (t, c): out[t] = sum over k, in order, of weight[t, k] * y[position of pair (t, k)], in float32.
-    # A pair of id -1 has no row of y (its position is never written): it adds nothing.
+    # A pair of id -1 has no row of y (its position is never written): it adds nothing. With SHARED, the
+    # shared expert's pair of the token (numbered after all the routed pairs) is added unweighted to
+    # that sum rounded to out's dtype.
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -136,6 +139,9 @@ def _moe_combine_kernel(
         held = mask & (cols * 0 + expert >= 0)  # a vector: Triton's interpreter takes no scalar into a mask
         y = tl.load(y_ptr + row * y_stride + cols, mask=held, other=0.0).to(tl.float32)
         acc += y * weight
+    if SHARED:
+        row = tl.load(position_ptr + tl.num_programs(0) * TOP_K + token).to(tl.int64)
+        acc = round_to(acc, out_ptr.dtype.element_ty) + tl.load(y_ptr + row * y_stride + cols, mask=mask).to(tl.float32)
     tl.store(out_ptr + token * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -159,10 +165,12 @@ def moe_permute(hidden: torch.Tensor, order: torch.Tensor, top_k: int) -> tuple[
 
 
 def moe_combine(
-    y: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype
+    y: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype,
+    shared: bool = False,
 ) -> torch.Tensor:
     """out [N, H] (dtype) with out[t] = sum_k topk_weights[t, k] * y[position[t * top_k + k]], in float32,
-    over the slots whose ``topk_ids`` are not -1."""
+    over the slots whose ``topk_ids`` are not -1. ``shared``: plus y[position[N * top_k + t]], a shared
+    expert's output, added unweighted to that sum once it is rounded to ``dtype``."""
     num_tokens, top_k = topk_weights.shape
     hidden_size = y.shape[1]
     weights = topk_weights.to(torch.float32).contiguous()
@@ -173,7 +181,7 @@ def moe_combine(
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         y, position, weights, topk_ids, out, hidden_size, y.stride(0), weights.stride(0), topk_ids.stride(0),
         out.stride(0),
-        TOP_K=top_k, BLOCK=block, num_warps=4,
+        TOP_K=top_k, BLOCK=block, SHARED=shared, num_warps=4,
     )
     return out
 

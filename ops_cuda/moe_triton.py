@@ -14,6 +14,12 @@ every group). The idea is vLLM's ``fused_moe``; the code is zoo's own.
 A pair of id -1 (an expert on another rank) sorts after every expert's run, gets no row and adds
 nothing to the combine.
 
+A shared expert every token takes (DeepSeek's, ``SharedExpert``) can ride along: one more pair per
+token, numbered after the routed pairs, whose run the align lays out after every routed expert's
+and whose weights the kernels read from its own tensors; the combine adds its output, unweighted, to
+the routed sum rounded to the activation dtype. At a few tokens this saves the shared expert's own
+launches (``zoo::fp8_moe_experts`` takes it up to ``SHARED_IN_LAUNCH_MAX_TOKENS``).
+
 The buffers are sized for the worst case, P pairs on min(E, P) experts each padding up to BLOCK_M - 1
 rows, so every shape and grid depends on P only and nothing is read back to the host: the op runs
 under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed return at once.
@@ -72,6 +78,18 @@ class Fp8Scales(NamedTuple):
     block: tuple[int, int]
 
 
+class SharedExpert(NamedTuple):
+    """An ungated expert every token takes (DeepSeek's ``shared_experts``), run as one more pair per token
+    of weight 1, added to the routed experts' sum once that is rounded to the activation dtype (as the
+    model adds the shared expert's output): ``gate_up`` [2I, H] and ``down`` [H, I] laid out as one
+    expert of the stack (``shared_supported``), with FP8 scales where the experts have them."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+
 def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int, fp8: Fp8Scales | None = None) -> Tiles:
     tiles = SMALL_TILES if num_pairs <= SMALL_TILES_MAX_ROWS_PER_EXPERT * num_experts else LARGE_TILES
     if not hidden.is_cuda:
@@ -110,6 +128,19 @@ def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     )
 
 
+def shared_supported(shared: SharedExpert, gate_up: torch.Tensor, down: torch.Tensor,
+                     fp8: Fp8Scales | None = None) -> bool:
+    """Whether the kernels can read ``shared`` as one more expert of the stack: each of its tensors of
+    the dtype, shape and strides of one expert's (scales too)."""
+    pairs = [(shared.gate_up, gate_up), (shared.down, down)]
+    if fp8 is not None:
+        if shared.gate_up_scale is None or shared.down_scale is None:
+            return False
+        pairs += [(shared.gate_up_scale, fp8.gate_up), (shared.down_scale, fp8.down)]
+    return all(one.dtype == stack.dtype and one.shape == stack.shape[1:] and one.stride() == stack.stride()[1:]
+               for one, stack in pairs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
@@ -118,32 +149,49 @@ def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
 @triton.jit
 def _moe_align_kernel(
     offsets_ptr, order_ptr, row_pair_ptr, pair_row_ptr, block_expert_ptr, num_experts, num_pairs, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    routed_pairs, num_tokens, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr,
 ):
-    # Program e < E lays out expert e's rows; program E marks the blocks after the last expert's as
-    # unused. Every program recomputes the padded run lengths from the E offsets (a few hundred values)
-    # rather than waiting on a prefix sum from another launch.
+    # Program e < E lays out expert e's rows; program E lays out the shared expert's (with SHARED: one
+    # pair per token, numbered from routed_pairs on, after every routed expert's run) and marks the
+    # blocks after the last run as unused. Every program recomputes the padded run lengths from the E
+    # offsets (a few hundred values) rather than waiting on a prefix sum from another launch.
     expert = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     ends = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
     starts = tl.load(offsets_ptr + experts - 1, mask=(experts > 0) & (experts < num_experts), other=0)
     counts = ends - starts
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    first_row = tl.sum(tl.where(experts < expert, padded, 0))  # for program E: all the rows in use
+    first_row = tl.sum(tl.where(experts < expert, padded, 0))  # for program E: all the routed rows
     if expert < num_experts:
         start = tl.sum(tl.where(experts == expert, starts, 0))
         count = tl.sum(tl.where(experts == expert, counts, 0))
-        for offset in range(0, count, BLOCK_M):
-            rows = offset + tl.arange(0, BLOCK_M)
-            holds_pair = rows < count
-            pairs = tl.load(order_ptr + start + rows, mask=holds_pair, other=num_pairs)  # num_pairs: padding
-            tl.store(row_pair_ptr + first_row + rows, pairs.to(tl.int32))
-            tl.store(pair_row_ptr + pairs, (first_row + rows).to(tl.int32), mask=holds_pair)
-            tl.store(block_expert_ptr + (first_row + offset) // BLOCK_M, expert)
+        _lay_out_run(order_ptr + start, count, first_row, expert, row_pair_ptr, pair_row_ptr, block_expert_ptr,
+                     num_pairs, 0, BLOCK_M, False)
     else:
+        if SHARED:
+            _lay_out_run(order_ptr, num_tokens, first_row, num_experts, row_pair_ptr, pair_row_ptr,
+                         block_expert_ptr, num_pairs, routed_pairs, BLOCK_M, True)
+            first_row += (num_tokens + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         for first_block in range(first_row // BLOCK_M, num_blocks, BLOCK_E):
             blocks = first_block + tl.arange(0, BLOCK_E)
             tl.store(block_expert_ptr + blocks, tl.full([BLOCK_E], -1, tl.int32), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _lay_out_run(run_order_ptr, count, first_row, expert, row_pair_ptr, pair_row_ptr, block_expert_ptr, num_pairs,
+                 first_pair, BLOCK_M: tl.constexpr, CONSECUTIVE: tl.constexpr):
+    # One expert's run of count pairs from first_row on, padded to whole blocks: the pairs in
+    # run_order_ptr's order, or with CONSECUTIVE the pairs first_pair, first_pair + 1, ...
+    for offset in range(0, count, BLOCK_M):
+        rows = offset + tl.arange(0, BLOCK_M)
+        holds_pair = rows < count
+        if CONSECUTIVE:
+            pairs = tl.where(holds_pair, first_pair + rows, num_pairs)
+        else:
+            pairs = tl.load(run_order_ptr + rows, mask=holds_pair, other=num_pairs)  # num_pairs: padding
+        tl.store(row_pair_ptr + first_row + rows, pairs.to(tl.int32))
+        tl.store(pair_row_ptr + pairs, (first_row + rows).to(tl.int32), mask=holds_pair)
+        tl.store(block_expert_ptr + (first_row + offset) // BLOCK_M, expert)
 
 
 @triton.jit
@@ -157,15 +205,30 @@ def _scale_groups(x_scale_ptrs, w_scale_ptrs, row_ok, col_ok, k, x_scale_stride_
 
 
 @triton.jit
+def _expert_weights(expert, w_ptr, w_scale_ptr, w_stride_e, w_scale_stride_e, shared_ptr, shared_scale_ptr,
+                    num_experts, SHARED: tl.constexpr):
+    # Where an expert's weights and scales start; with SHARED, id num_experts is the shared expert,
+    # held in tensors of its own laid out as one expert of the stack.
+    weights = w_ptr + expert * w_stride_e
+    scales = w_scale_ptr + expert * w_scale_stride_e
+    if SHARED:
+        is_shared = expert == num_experts
+        weights = tl.where(is_shared, shared_ptr, weights)
+        scales = tl.where(is_shared, shared_scale_ptr, scales)
+    return weights, scales
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     hidden_ptr, gate_up_ptr, row_pair_ptr, block_expert_ptr, h_ptr,
     num_pairs, hidden_size, intermediate,
     hidden_stride, w_stride_e, w_stride_n, w_stride_k, h_stride,
     hidden_scale_ptr, w_scale_ptr, hidden_scale_stride_m, hidden_scale_stride_g,
     w_scale_stride_e, w_scale_stride_n, w_scale_stride_k,
+    shared_ptr, shared_scale_ptr, num_experts, routed_pairs,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of h for the block's rows: the gate and up tiles side by
     # side over the hidden size, then act(gate) * up, each rounded where the reference rounds. With
@@ -175,20 +238,24 @@ def _moe_gate_up_kernel(
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:
         return
+    weights, weight_scales = _expert_weights(expert, gate_up_ptr, w_scale_ptr, w_stride_e, w_scale_stride_e,
+                                             shared_ptr, shared_scale_ptr, num_experts, SHARED)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(row_pair_ptr + rows)
     row_ok = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
+    if SHARED:  # the shared expert's pairs follow the routed ones, one per token
+        tokens = tl.where(pairs < routed_pairs, tokens, pairs - routed_pairs)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < intermediate
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + ks[None, :]
     # [BLOCK_K, BLOCK_N] tiles of the expert's gate rows and of its up rows (I rows further), transposed.
-    gate_ptrs = gate_up_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
+    gate_ptrs = weights + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
     up_ptrs = gate_ptrs + intermediate * w_stride_n
     x_scale_ptrs = hidden_scale_ptr + tokens * hidden_scale_stride_m
-    gate_scale_ptrs = w_scale_ptr + expert * w_scale_stride_e + (cols // GROUP_N) * w_scale_stride_n
-    up_scale_ptrs = w_scale_ptr + expert * w_scale_stride_e + ((cols + intermediate) // GROUP_N) * w_scale_stride_n
+    gate_scale_ptrs = weight_scales + (cols // GROUP_N) * w_scale_stride_n
+    up_scale_ptrs = weight_scales + ((cols + intermediate) // GROUP_N) * w_scale_stride_n
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, hidden_size, BLOCK_K):
@@ -218,8 +285,9 @@ def _moe_down_kernel(
     h_stride, w_stride_e, w_stride_n, w_stride_k, y_stride,
     h_scale_ptr, w_scale_ptr, h_scale_stride_m, h_scale_stride_g,
     w_scale_stride_e, w_scale_stride_n, w_scale_stride_k,
+    shared_ptr, shared_scale_ptr, num_experts,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of y = h down_e^T for the block's rows. Padding rows of h
     # were never written: they are read as zeros and their outputs not stored.
@@ -227,15 +295,17 @@ def _moe_down_kernel(
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:
         return
+    weights, weight_scales = _expert_weights(expert, down_ptr, w_scale_ptr, w_stride_e, w_scale_stride_e,
+                                             shared_ptr, shared_scale_ptr, num_experts, SHARED)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = tl.load(row_pair_ptr + rows) < num_pairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None] * h_stride + ks[None, :]
-    w_ptrs = down_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
+    w_ptrs = weights + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
     h_scale_ptrs = h_scale_ptr + rows * h_scale_stride_m
-    w_scale_ptrs = w_scale_ptr + expert * w_scale_stride_e + (cols // GROUP_N) * w_scale_stride_n
+    w_scale_ptrs = weight_scales + (cols // GROUP_N) * w_scale_stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, intermediate, BLOCK_K):
         k_ok = ks < intermediate - k
@@ -263,10 +333,13 @@ class Layout(NamedTuple):
     block_expert: torch.Tensor  # [blocks] int32: each block's expert, -1 for unused blocks
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
-    """The (token, slot) pairs in expert order, each expert's run padded to a multiple of block_m rows."""
-    num_pairs = topk_ids.numel()
-    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared: bool = False) -> Layout:
+    """The (token, slot) pairs in expert order, each expert's run padded to a multiple of block_m rows.
+    With ``shared``, one more pair per token (numbered after the routed pairs) for expert ``num_experts``,
+    whose run comes last."""
+    routed_pairs, num_tokens = topk_ids.numel(), topk_ids.shape[0] if shared else 0
+    num_pairs = routed_pairs + num_tokens
+    num_blocks = max_blocks(num_pairs, num_experts + shared, block_m)
     order, offsets = sort_pairs_by_expert(topk_ids, num_experts)
     device = topk_ids.device
     layout = Layout(
@@ -275,8 +348,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
         block_expert=torch.empty(num_blocks, dtype=torch.int32, device=device),
     )
     _moe_align_kernel[(num_experts + 1,)](
-        offsets, order, *layout, num_experts, num_pairs, num_blocks,
-        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4,
+        offsets, order, *layout, num_experts, num_pairs, num_blocks, routed_pairs, num_tokens,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), SHARED=shared, num_warps=4,
     )
     return layout
 
@@ -289,24 +362,25 @@ def moe_experts_triton(
     down: torch.Tensor,
     activation: str,
     fp8: Fp8Scales | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """``zoo::moe_experts`` with the fused-MoE kernels, or with ``fp8`` scales ``zoo::fp8_moe_experts``;
-    the caller checks ``triton_supported`` first."""
+    with ``shared``, plus that expert for every token; the caller checks ``triton_supported`` first."""
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
-    top_k = topk_ids.shape[1]
     if num_tokens == 0:  # a static shape: no launch has anything to do
         return hidden.new_zeros(num_tokens, hidden_size)
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
-    num_pairs = topk_ids.numel()
-    tiles = tiles_for(hidden, num_pairs, num_experts, fp8)
-    layout = moe_align(topk_ids, num_experts, tiles.block_m)
+    top_k, routed_pairs = topk_ids.shape[1], topk_ids.numel()
+    num_pairs = routed_pairs + (num_tokens if shared is not None else 0)  # the shared expert's: one per token
+    tiles = tiles_for(hidden, num_pairs, num_experts + (shared is not None), fp8)
+    layout = moe_align(topk_ids, num_experts, tiles.block_m, shared is not None)
     num_blocks, rows = layout.block_expert.shape[0], layout.row_pair.shape[0]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
     launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, FP8=fp8 is not None,
-                  GROUP_N=fp8.block[0] if fp8 else 1, GROUP_K=fp8.block[1] if fp8 else 1)
+                  GROUP_N=fp8.block[0] if fp8 else 1, GROUP_K=fp8.block[1] if fp8 else 1, SHARED=shared is not None)
 
     x, x_scales = quantise_groups(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
     h = torch.empty(rows, intermediate, dtype=hidden.dtype, device=hidden.device)
@@ -315,6 +389,7 @@ def moe_experts_triton(
         num_pairs, hidden_size, intermediate,
         x.stride(0), *gate_up.stride(), h.stride(0),
         *_scale_arguments(x_scales, fp8.gate_up if fp8 else None),
+        *_shared_arguments(shared, "gate_up", x_scales, gate_up, num_experts), routed_pairs,
         TOP_K=top_k, ACTIVATION=KERNEL_ACTIVATIONS[activation], **launch,
     )
     # Padding rows of h were never written: their quantised rows and scales are never read.
@@ -324,9 +399,20 @@ def moe_experts_triton(
         h_in, down, layout.row_pair, layout.block_expert, y,
         num_pairs, hidden_size, intermediate,
         h_in.stride(0), *down.stride(), y.stride(0),
-        *_scale_arguments(h_scales, fp8.down if fp8 else None), **launch,
+        *_scale_arguments(h_scales, fp8.down if fp8 else None),
+        *_shared_arguments(shared, "down", h_scales, down, num_experts), **launch,
     )
-    return moe_combine(y, layout.pair_row, topk_weights, topk_ids, hidden.dtype)
+    return moe_combine(y, layout.pair_row, topk_weights, topk_ids, hidden.dtype, shared=shared is not None)
+
+
+def _shared_arguments(shared: SharedExpert | None, name: str, x_scales: torch.Tensor, experts: torch.Tensor,
+                      num_experts: int) -> tuple:
+    """The kernels' shared-expert pointers (``name``: "gate_up" or "down") and its id; without a shared
+    expert, tensors never read."""
+    if shared is None:
+        return (experts, x_scales, num_experts)
+    scales = getattr(shared, name + "_scale")
+    return (getattr(shared, name), x_scales if scales is None else scales, num_experts)
 
 
 def _scale_arguments(x_scales: torch.Tensor, w_scales: torch.Tensor | None) -> tuple:

@@ -270,8 +270,9 @@ def test_qwen3_moe_experts_kept_in_fp8(tmp_path, layout):
 
 @pytest.fixture
 def deepseek_pair(tmp_path):
-    """A tiny DeepSeek-V3 in blocks of 16 x 32: every expert's gate and up (16 rows each) whole blocks."""
-    model = deepseek_hf_model(deepseek_config())
+    """A tiny DeepSeek-V3 in blocks of 16 x 32: every expert's gate and up (16 rows each) whole blocks;
+    one shared expert (DeepSeek-V3's count), of the routed experts' shape."""
+    model = deepseek_hf_model(deepseek_config(n_shared_experts=1))
     return write_pair(model, model.state_dict(), tmp_path, quantization={**QUANTIZATION, "weight_block_size": [16, 32]})
 
 
@@ -283,6 +284,7 @@ def test_deepseek_v3_kept_in_fp8_generates_the_twins_greedy_tokens(deepseek_pair
                    moe.shared_experts.gate_up_proj, model.model.layers[0].mlp.down_proj):
         assert linear.weight.dtype == FP8 and linear.fp8_block == (16, 32)
     assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == FP8
+    assert moe.experts.takes_shared(moe.shared_experts)  # one op for the routed experts and the shared one
     # The absorbed form reads kv_b_proj's weight itself: dequantised, in the model's dtype.
     assert attention.kv_b_proj.weight.dtype == torch.float32 and attention.kv_b_proj.fp8_block is None
     twin_model = AutoModelForCausalLM.from_pretrained(twin)
@@ -297,6 +299,8 @@ def test_keep_fp8_false_dequantises(deepseek_pair):
     fp8, _ = deepseek_pair
     model = AutoModelForCausalLM.from_pretrained(fp8, keep_fp8=False)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+    moe = model.model.layers[1].mlp
+    assert not moe.experts.takes_shared(moe.shared_experts)
     assert not [name for name, _ in model.named_buffers() if name.endswith("_scale_inv")]
 
 

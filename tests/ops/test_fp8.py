@@ -57,20 +57,31 @@ def fp8_weight(out_features, in_features, block, device="cpu", leading=(), seed=
     return fp8.to(device), scale_inv.to(device)
 
 
-def quantised_moe(hidden, topk_weights, topk_ids, gate_up, gate_up_scale, down, down_scale, block, activation):
+def quantised_moe(hidden, topk_weights, topk_ids, gate_up, gate_up_scale, down, down_scale, block, activation,
+                  *shared):
     """The FP8 fused-MoE kernel's arithmetic pair by pair: the hidden row quantised, the gate and up
     products in float32 rounded to hidden's dtype, the activation and product as act_and_mul rounds,
-    h quantised, the down product rounded, the weighted sum in float32."""
+    h quantised, the down product rounded, the weighted sum in float32. ``shared``: a shared expert's
+    (gate_up, its scales, down, its scales), one more pair per token added to the sum rounded."""
+    def expert_output(x, gate_up, down):
+        h = act_and_mul_reference((x @ gate_up.t()).to(hidden.dtype), activation)
+        return (quantised_activations(h, block[1]) @ down.t()).to(hidden.dtype)[0]
+
     gate_up, down = dequantise(gate_up, gate_up_scale, block), dequantise(down, down_scale, block)
     x = quantised_activations(hidden, block[1])
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for token in range(hidden.shape[0]):
         for slot in range(topk_ids.shape[1]):
             expert = topk_ids[token, slot]
-            h = act_and_mul_reference((x[token : token + 1] @ gate_up[expert].t()).to(hidden.dtype), activation)
-            y = (quantised_activations(h, block[1]) @ down[expert].t()).to(hidden.dtype)
-            out[token] += topk_weights[token, slot] * y[0].float()
-    return out.to(hidden.dtype)
+            out[token] += topk_weights[token, slot] * expert_output(x[token : token + 1], gate_up[expert],
+                                                                    down[expert]).float()
+    if not shared:
+        return out.to(hidden.dtype)
+    shared_gate_up, shared_down = dequantise(*shared[:2], block), dequantise(*shared[2:], block)
+    out = out.to(hidden.dtype)
+    for token in range(hidden.shape[0]):
+        out[token] += expert_output(x[token : token + 1], shared_gate_up, shared_down)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +114,27 @@ def test_fp8_moe_experts_is_moe_experts_on_the_dequantised_weights():
     assert torch.equal(ours, expected)
 
 
+def test_fp8_moe_experts_adds_the_shared_expert():
+    block = (16, 32)
+    gate_up, gate_up_scale = fp8_weight(2 * 24, 40, block, leading=(4,))
+    down, down_scale = fp8_weight(40, 24, block, leading=(4,), seed=1)
+    shared = (*fp8_weight(2 * 24, 40, block, seed=2), *fp8_weight(40, 24, block, seed=3))
+    hidden = torch.randn(5, 40).bfloat16()
+    weights, ids = routed(5, 2, [0, 1, 3])
+    routed_sum = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu")
+    h = act_and_mul_reference(F.linear(hidden, dequantise(*shared[:2], block).bfloat16()), "silu")
+    expected = routed_sum + F.linear(h, dequantise(*shared[2:], block).bfloat16())  # bf16 + bf16, as the model adds them
+    ours = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu", *shared)
+    assert torch.equal(ours, expected)
+    with pytest.raises(ValueError, match="a shared expert takes all four of shared_gate_up"):
+        fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu", *shared[:3], None)
+    other, other_scale = fp8_weight(2 * 16, 40, block, seed=2)
+    with pytest.raises(ValueError, match=r"a shared expert weight of shape \(32, 40\) for experts of shape "
+                                         r"\(4, 48, 40\): it must be one expert's \(48, 40\)"):
+        fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu",
+                        other, other_scale, *shared[2:])
+
+
 def test_ops_pass_opcheck_of_their_fake_kernels():
     # (opcheck's schema test multiplies the inputs, which float8 tensors do not take on the CPU.)
     weight, scale_inv = fp8_weight(64, 96, (32, 32))
@@ -114,6 +146,10 @@ def test_ops_pass_opcheck_of_their_fake_kernels():
     torch.library.opcheck(torch.ops.zoo.fp8_moe_experts.default,
                           (torch.randn(3, 32), weights, ids, gate_up, gate_up_scale, down, down_scale, [32, 32], "silu"),
                           test_utils="test_faketensor")
+    shared = (*fp8_weight(64, 32, (32, 32), seed=2), *fp8_weight(32, 32, (32, 32), seed=3))
+    torch.library.opcheck(torch.ops.zoo.fp8_moe_experts.default,
+                          (torch.randn(3, 32), weights, ids, gate_up, gate_up_scale, down, down_scale, [32, 32], "silu",
+                           *shared), test_utils="test_faketensor")
 
 
 def test_weights_of_another_dtype_or_block_and_rows_of_another_width_are_named():
@@ -223,6 +259,30 @@ def test_fp8_fused_moe_interpreted(tokens, top_k, allowed):
     assert relative_error(ours, reference) <= QUANTISATION_TOL["moe"]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 9, 20])  # 20: the shared expert's run over two blocks of 16 rows
+def test_fp8_fused_moe_with_the_shared_expert_interpreted(tokens, dtype):
+    from ops_cuda.moe_triton import Fp8Scales, SharedExpert, moe_experts_triton, shared_supported
+
+    block = (16, 32)
+    gate_up, gate_up_scale = fp8_weight(2 * 40, 48, block, leading=(4,))
+    down, down_scale = fp8_weight(48, 40, block, leading=(4,), seed=1)
+    shared = (*fp8_weight(2 * 40, 48, block, seed=2), *fp8_weight(48, 40, block, seed=3))
+    scales = Fp8Scales(gate_up_scale, down_scale, block)
+    hidden = torch.randn(tokens, 48).to(dtype)
+    weights, ids = routed(tokens, 2, [0, 2, 3])
+    shared_expert = SharedExpert(shared[0], shared[2], shared[1], shared[3])
+    assert shared_supported(shared_expert, gate_up, down, scales)
+    assert not shared_supported(shared_expert._replace(gate_up=shared[0].t().contiguous().t()), gate_up, down, scales)
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu", scales, shared_expert)
+    expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu", *shared)
+    assert relative_error(ours, expected) <= KERNEL_TOL[dtype]
+    reference = fp8_moe_experts_reference(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, list(block),
+                                          "silu", *shared)
+    assert relative_error(ours, reference) <= QUANTISATION_TOL["moe"]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -321,23 +381,28 @@ def test_fp8_block_linear_other_dtypes_bias_and_leading_dims(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
-def test_fp8_moe_experts_on_deepseek_expert_shapes(tokens):
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with_shared"])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])  # with the shared expert: in the launch up to 32 tokens
+def test_fp8_moe_experts_on_deepseek_expert_shapes(tokens, shared):
     from ops_cuda.moe_triton import Fp8Scales, triton_supported
 
     num_experts, hidden_size, intermediate = 16, 7168, 2048  # DeepSeek-V3's experts (top-8), fewer of them
     gate_up, gate_up_scale = deepseek_weight(2 * intermediate, hidden_size, num_experts)
     down, down_scale = deepseek_weight(hidden_size, intermediate, num_experts, seed=1)
+    shared = (*deepseek_weight(2 * intermediate, hidden_size, seed=2), *deepseek_weight(hidden_size, intermediate, seed=3)
+              ) if shared else ()
     hidden = torch.randn(tokens, hidden_size, device="cuda").bfloat16()
     weights, ids = routed(tokens, 8, list(range(num_experts)), device="cuda")
     assert triton_supported(hidden, gate_up, down, "silu", Fp8Scales(gate_up_scale, down_scale, DEEPSEEK_BLOCK))
-    ours = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu")
+    ours = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu",
+                           *shared)
     assert ours.dtype == torch.bfloat16 and ours.shape == hidden.shape
     reference = fp8_moe_experts_reference(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale,
-                                          list(DEEPSEEK_BLOCK), "silu")
+                                          list(DEEPSEEK_BLOCK), "silu", *shared)
     assert relative_error(ours, reference) <= QUANTISATION_TOL["moe"]
     if tokens <= 8:  # the pair-by-pair oracle is slow; h's bf16 rounding may move a quantised value one step
-        expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu")
+        expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu",
+                                 *shared)
         assert relative_error(ours, expected) <= 2e-2
 
 
@@ -351,9 +416,13 @@ def test_fp8_ops_replay_in_a_cuda_graph(tokens):
     hidden = torch.randn(tokens, 1024, device="cuda").bfloat16()
     weights, ids = routed(tokens, 2, list(range(8)), device="cuda")
 
+    shared = (*deepseek_weight(512, 1024, seed=2), *deepseek_weight(1024, 256, seed=3))
+
     def step():
         return (fp8_block_linear(x, weight, scale_inv, DEEPSEEK_BLOCK, None),
-                fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu"))
+                fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu"),
+                fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu",
+                                *shared))
 
     step()  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -390,12 +459,13 @@ def test_deepseek_v3_fp8_checkpoint_on_cuda_keeps_fp8(tmp_path, monkeypatch):
     from tests.loaders.test_fp8 import QUANTIZATION, TOKENS, write_pair
     from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
 
-    hf = deepseek_hf_model(deepseek_config())
+    hf = deepseek_hf_model(deepseek_config(n_shared_experts=1))  # its shared expert in the experts' launch
     # Blocks of 16 x 32: whole blocks for every expert's 16 gate and up rows, and K-steps of 32 columns.
     fp8, twin = write_pair(hf, hf.state_dict(), tmp_path, quantization={**QUANTIZATION, "weight_block_size": [16, 32]})
     model = AutoModelForCausalLM.from_pretrained(fp8, device="cuda")  # float32; FP8 kept: the default on CUDA
     attention, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
     assert attention.q_b_proj.weight.dtype == moe.experts.gate_up_proj.dtype == FP8_DTYPE
+    assert moe.experts.takes_shared(moe.shared_experts)
     assert attention.q_b_proj.weight.is_cuda and attention.q_b_proj.weight_scale_inv.is_cuda
     assert attention.kv_b_proj.weight.dtype == torch.float32
     with torch.no_grad():
