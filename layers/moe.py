@@ -137,7 +137,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared: GatedMLP | None = None) -> torch.Tensor:
-        """The routed experts' weighted sum; plus ``shared(x)`` where ``takes_shared(shared)``."""
+        """The routed experts' weighted sum; plus ``shared(x)``, which ``takes_shared`` must accept."""
+        if shared is not None and not self.takes_shared(shared):
+            raise ValueError(f"{type(self).__name__} cannot take this shared expert into its op: it takes an FP8 "
+                             f"expert of its own shape, block and activation (see takes_shared)")
         if self.fp8_block is not None:
             shared_weights = () if shared is None else (
                 shared.gate_up_proj.weight, shared.gate_up_proj.weight_scale_inv,

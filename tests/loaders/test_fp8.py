@@ -301,6 +301,9 @@ def test_keep_fp8_false_dequantises(deepseek_pair):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     moe = model.model.layers[1].mlp
     assert not moe.experts.takes_shared(moe.shared_experts)
+    x = torch.randn(2, model.config.hidden_size)
+    with pytest.raises(ValueError, match="Experts cannot take this shared expert into its op: it takes an FP8 expert"):
+        moe.experts(x, *moe.gate(x), shared=moe.shared_experts)
     assert not [name for name, _ in model.named_buffers() if name.endswith("_scale_inv")]
 
 
