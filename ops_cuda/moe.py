@@ -198,8 +198,9 @@ def _checked_shared(gate_up, down, block, *shared) -> tuple | None:
     return shared
 
 
-# Up to this many tokens the shared expert runs as one more pair per token in the fused-MoE launch;
-# from there on its own GEMMs are faster (`bench_fp8.py --task moe`, DeepSeek-V3's shapes).
+# Up to this many tokens the shared expert runs as one more pair per token in the fused-MoE launch:
+# faster there up to 32 tokens, as fast at 64, slower from 128 on than its own GEMMs
+# (`bench_fp8.py --task moe`, DeepSeek-V3's shapes).
 SHARED_IN_LAUNCH_MAX_TOKENS = 32
 
 
@@ -244,7 +245,7 @@ def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_sca
         return fp8_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down,
                                          down_scale_inv, block, activation, *(shared or ()))
     if shared is not None:
-        shared = SharedExpert(shared[0], shared[2], shared[1], shared[3])
+        shared = SharedExpert(gate_up=shared[0], down=shared[2], gate_up_scale=shared[1], down_scale=shared[3])
         if hidden.shape[0] <= SHARED_IN_LAUNCH_MAX_TOKENS and shared_supported(shared, gate_up, down, scales):
             return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales, shared)
     out = moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales)
