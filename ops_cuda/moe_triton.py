@@ -6,6 +6,7 @@ every group). The idea is vLLM's ``fused_moe``; the code is zoo's own.
     order, offsets = sort_pairs_by_expert(topk_ids)      # shared with the grouped-GEMM kernel
     align:   each expert's run of pairs padded to a multiple of BLOCK_M rows; per row the pair it
              holds (or "none"), per block its expert (or "none"), per pair the row it landed on
+             (one token: a block per pair, in slot order, one launch and no sort)
     gate_up: h[row] = act(gate_e x) * up_e x, x the hidden row of the row's token   [rows, I]
     down:    y[row] = down_e h[row]                                                  [rows, H]
     combine: out[t] = sum_k w[t, k] * y[row of (t, k)], float32, k in order
@@ -178,6 +179,24 @@ def _moe_align_kernel(
 
 
 @triton.jit
+def _one_token_layout_kernel(ids_ptr, row_pair_ptr, pair_row_ptr, block_expert_ptr, top_k, num_experts, num_pairs,
+                             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, SHARED: tl.constexpr):
+    # One token: each pair is its expert's whole run, so pair p (slot p; with SHARED, pair top_k is the
+    # shared expert's) is the first row of block p and the ids need no sort. A pair of id -1 (another
+    # rank's expert) leaves its block unused.
+    pairs = tl.arange(0, BLOCK_P)
+    in_use = pairs < num_pairs
+    experts = tl.load(ids_ptr + pairs, mask=pairs < top_k, other=-1)
+    if SHARED:
+        experts = tl.where(pairs == top_k, num_experts, experts)
+    tl.store(block_expert_ptr + pairs, experts.to(tl.int32), mask=in_use)
+    tl.store(pair_row_ptr + pairs, (pairs * BLOCK_M).to(tl.int32), mask=in_use & (experts >= 0))
+    rows = tl.arange(0, BLOCK_M)
+    row_pairs = tl.where(rows[None, :] == 0, pairs[:, None], num_pairs)  # num_pairs: padding
+    tl.store(row_pair_ptr + pairs[:, None] * BLOCK_M + rows[None, :], row_pairs.to(tl.int32), mask=in_use[:, None])
+
+
+@triton.jit
 def _lay_out_run(run_order_ptr, count, first_row, expert, row_pair_ptr, pair_row_ptr, block_expert_ptr, num_pairs,
                  first_pair, BLOCK_M: tl.constexpr, CONSECUTIVE: tl.constexpr):
     # One expert's run of count pairs from first_row on, padded to whole blocks: the pairs in
@@ -336,17 +355,23 @@ class Layout(NamedTuple):
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared: bool = False) -> Layout:
     """The (token, slot) pairs in expert order, each expert's run padded to a multiple of block_m rows.
     With ``shared``, one more pair per token (numbered after the routed pairs) for expert ``num_experts``,
-    whose run comes last."""
+    whose run comes last. One token's pairs need no sort: block p holds pair p, in slot order."""
     routed_pairs, num_tokens = topk_ids.numel(), topk_ids.shape[0] if shared else 0
     num_pairs = routed_pairs + num_tokens
     num_blocks = max_blocks(num_pairs, num_experts + shared, block_m)
-    order, offsets = sort_pairs_by_expert(topk_ids, num_experts)
     device = topk_ids.device
     layout = Layout(
         row_pair=torch.empty(num_blocks * block_m, dtype=torch.int32, device=device),
         pair_row=torch.empty(num_pairs, dtype=torch.int32, device=device),
         block_expert=torch.empty(num_blocks, dtype=torch.int32, device=device),
     )
+    if topk_ids.shape[0] == 1:  # a block per pair (num_blocks == num_pairs): one launch, no sort
+        _one_token_layout_kernel[(1,)](
+            topk_ids.reshape(-1).contiguous(), *layout, routed_pairs, num_experts, num_pairs,
+            BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(num_pairs), SHARED=shared, num_warps=1,
+        )
+        return layout
+    order, offsets = sort_pairs_by_expert(topk_ids, num_experts)
     _moe_align_kernel[(num_experts + 1,)](
         offsets, order, *layout, num_experts, num_pairs, num_blocks, routed_pairs, num_tokens,
         BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), SHARED=shared, num_warps=4,

@@ -77,6 +77,9 @@ def check_layout(topk_ids, num_experts, block_m):
     expert_of_pair = topk_ids.reshape(-1).cpu().long()
     assert block_expert.shape[0] == max_blocks(num_pairs, num_experts, block_m)
     assert torch.equal(row_pair[pair_row], torch.arange(num_pairs)), "pair -> row -> pair is not the identity"
+    if topk_ids.shape[0] == 1:  # one token: block p holds pair p alone, in slot order (no sort)
+        assert torch.equal(block_expert, expert_of_pair) and torch.equal(pair_row, torch.arange(num_pairs) * block_m)
+        return
     used = block_expert >= 0
     assert used.sum() == sum(-(-int(c) // block_m) for c in torch.bincount(expert_of_pair, minlength=num_experts))
     assert used[: used.sum()].all(), "unused blocks must come after every expert's blocks"
@@ -110,6 +113,21 @@ def test_layout_interpreted(case):
     tokens, top_k, allowed = CASES[case]
     block_m = tiles_for(torch.empty(0), tokens * top_k, NUM_EXPERTS).block_m
     check_layout(routed(tokens, top_k, allowed)[1], NUM_EXPERTS, block_m)
+
+
+@pytest.mark.interpreter
+def test_one_token_layout_keeps_slot_order_and_skipped_ids_interpreted():
+    ids = torch.tensor([[5, 1, -1, 3]])  # slots out of expert order, one expert on another rank
+    layout = moe_align(ids, NUM_EXPERTS, 16)
+    assert layout.block_expert.tolist() == [5, 1, -1, 3]
+    row_pair = layout.row_pair.view(4, 16)
+    assert row_pair[:, 0].tolist() == [0, 1, 2, 3] and (row_pair[:, 1:] == 4).all()  # 4: padding
+    assert layout.pair_row[[0, 1, 3]].tolist() == [0, 16, 48]
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, 24, torch.float32)
+    hidden = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(1))
+    weights = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    expected = moe_experts_reference(hidden, weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0), gate_up, down, "silu")
+    assert_close(moe_experts_triton(hidden, weights, ids, gate_up, down, "silu"), expected, TOL[torch.float32])
 
 
 @pytest.mark.interpreter
