@@ -3,7 +3,9 @@ name over the steps of one generation, next to the wall-clock time per step.
 
 Random bf16 weights of one of three shapes (--shape): Llama-3.1-8B (the default), Qwen3-30B-A3B (48
 MoE layers, 128 experts, top-8) or DeepSeek-V3 with 3 layers (1 dense, 2 MoE: 256 experts in 8 groups,
-top-8, a shared expert); 128-token prompt, greedy, EOS ignored. The roofline counts the weight bytes a
+top-8, a shared expert), the last also with its decoder's linear weights block-quantised to FP8
+(``deepseek-v3-3layer-fp8``, written and loaded as DeepSeek's checkpoints are, as
+``bench_deepseek.py`` does); 128-token prompt, greedy, EOS ignored. The roofline counts the weight bytes a
 decode step reads (the picked experts only). On Hopper the decode chain's Triton kernels use
 programmatic dependent launch: each starts while the previous one still runs and waits inside, so
 their times here include those waits and overlap.
@@ -16,11 +18,13 @@ the before and after of one run.
     python3 benchmarks/profile_decode.py --steps 128
     python3 benchmarks/profile_decode.py --shape qwen3-30b-a3b --baseline
     python3 benchmarks/profile_decode.py --shape deepseek-v3-3layer --baseline
+    python3 benchmarks/profile_decode.py --shape deepseek-v3-3layer-fp8
 """
 
 import argparse
 import gc
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -64,7 +68,19 @@ def deepseek_v3_3layer():
     return model, bench_deepseek.active_weight_bytes(model)
 
 
-SHAPES = {"llama-8b": llama_8b, "qwen3-30b-a3b": qwen3_30b_a3b, "deepseek-v3-3layer": deepseek_v3_3layer}
+def deepseek_v3_3layer_fp8():
+    import bench_deepseek
+
+    reference = bench_deepseek.random_hf(3)
+    with tempfile.TemporaryDirectory() as checkpoint:  # block-quantised as DeepSeek's checkpoints are
+        bench_deepseek.write_fp8_checkpoint(reference, Path(checkpoint))
+        del reference
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device="cuda")
+    return model, bench_deepseek.active_weight_bytes(model)
+
+
+SHAPES = {"llama-8b": llama_8b, "qwen3-30b-a3b": qwen3_30b_a3b, "deepseek-v3-3layer": deepseek_v3_3layer,
+          "deepseek-v3-3layer-fp8": deepseek_v3_3layer_fp8}
 
 
 def use_moe_decode_paths(enabled: bool) -> None:
