@@ -12,7 +12,8 @@ function, checks they agree, and reports:
 
 A second table times each fused op against the separate zoo ops it replaces (the same kernels
 the layers call without the fusion), at one token (batch-1 decode), 256 and 8,192, over a cache of
-the model's dtype and over an e4m3 one.
+the model's dtype and over an e4m3 one; and latent attention's norm, rotary and pool write
+(DeepSeek-V3's shape) against its four launches.
 
     .venv/bin/python benchmarks/bench_ops.py [--dtype bfloat16] [--json results.json]
 """
@@ -127,6 +128,39 @@ def fusion_cases(dtype):
         yield "rotary + KV write", shape, lambda: fused(False), lambda: separate(False)
         if not cache:
             yield "q/k-norm + rotary + KV write", shape, lambda: fused(True), lambda: separate(True)
+    yield from latent_fusion_cases(dtype)
+
+
+def latent_fusion_cases(dtype):
+    """DeepSeek-V3's latent attention (128 heads, rope 64, latent 512): the latent's norm, the rotary
+    of the queries' rope part and the rope key, and the write of both into the pool's columns, as
+    ``layers.mla.MLAttention`` runs them in one op, against the copies, norm, rotary and write it
+    replaces; at one token and 256, and one token over an e4m3 pool."""
+    heads, rank, rope, nope, block_size = 128, 512, 64, 128, 16
+    for n, cache_dtype in ((1, dtype), (256, dtype), (1, FP8_DTYPE)):
+        q_rope = torch.randn(n, heads, nope + rope, dtype=dtype, device="cuda")[..., nope:]
+        latent_and_rope = torch.randn(n, rank + rope, dtype=dtype, device="cuda")
+        latent, k_rope = latent_and_rope.split([rank, rope], -1)
+        cos, sin = rope_table(n, rope)
+        pool = torch.zeros(4 * n // block_size + 1, block_size, rank + rope, dtype=cache_dtype, device="cuda")
+        rope_cache, latent_cache = pool[:, :, None, rank:], pool[:, :, None, :rank]
+        slots = torch.randperm(pool.shape[0] * block_size, device="cuda")[:n]
+        weight = torch.randn(rank, dtype=dtype, device="cuda")
+        cache = "" if cache_dtype == dtype else ", e4m3 pool"
+
+        def fused():
+            q_out, k_out = rotary_write_kv(q_rope, k_rope[:, None], latent[:, None], cos, sin, rope_cache,
+                                           latent_cache, slots, 1.0, 1.0, True, norm_eps=1e-6, v_norm_weight=weight)
+            return q_out, k_out, pool
+
+        def separate():
+            normed = rms_norm(latent.contiguous(), weight, 1e-6)
+            q_out, k_out = apply_rotary(q_rope.contiguous(), k_rope.reshape(n, 1, -1), cos, sin, True)
+            write_kv_cache(normed[:, None], k_out, latent_cache, rope_cache, slots)
+            return q_out, k_out, pool
+
+        yield ("latent norm + rotary + pool write", f"{n} tokens, q rope {heads} x {rope}, latent {rank}{cache}",
+               fused, separate)
 
 
 def max_difference(op, reference, args) -> float:

@@ -17,7 +17,7 @@ from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
-from ops_cuda import apply_rotary, prompt_attention, rotary_write_kv, write_kv_cache
+from ops_cuda import apply_rotary, prompt_attention, rotary_write_kv
 from ops_cuda.kv_cache import dequantize
 from ops_cuda.mla_attention import (
     gather_latents,
@@ -159,16 +159,12 @@ class TorchAttentionBackend:
                                            k_scale, v_scale))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def attend_latent(self, layer, q_nope, q_rope, latent, k_rope, metadata: AttentionMetadata) -> torch.Tensor:
-        """Multi-head latent attention (``layers.mla.MLAttention``) over its paged latent cache: each
-        new token's latent and rope key go into the layer's one pool through the slot mapping;
+    def attend_latent(self, layer, q_nope, q_rope, metadata: AttentionMetadata) -> torch.Tensor:
+        """Multi-head latent attention (``layers.mla.MLAttention``) over its paged latent cache, which
+        already holds the new tokens' latents and rope keys (the layer wrote them, ``rotary_write_kv``):
         prefill rows take the plain form over their sequence's cached latents (``prefill_latent``),
         decode rows the absorbed form (``decode_latent``). -> [N, H, v_head_dim]."""
         (cache,) = layer.kv_cache  # [num_blocks, block_size, kv_lora_rank + rope]
-        rank = latent.shape[-1]
-        # The pool's latent and rope columns as two [blocks, block_size, 1, width] caches, one scale for both.
-        write_kv_cache(latent[:, None], k_rope[:, None], cache[:, :, None, :rank], cache[:, :, None, rank:],
-                       metadata.slot_mapping, layer.kv_scale, layer.kv_scale)
         tokens = metadata.num_prefill_tokens
         out = []
         if metadata.num_prefills:

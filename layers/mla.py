@@ -23,7 +23,7 @@ from torch import nn
 from layers.attention import AttentionMetadata, TorchAttentionBackend
 from layers.linear import Linear
 from layers.norm import RMSNorm
-from ops_cuda import apply_rotary
+from ops_cuda import apply_rotary, rotary_write_kv
 from ops_cuda.mla_attention import decompressed_attention, latent_attention
 from ops_cuda.paged_attention import attention_mask
 
@@ -84,10 +84,21 @@ class MLAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, metadata: AttentionMetadata) -> torch.Tensor:
         n = hidden_states.shape[0]
-        q_nope, q_rope, latent, k_rope = self.project(hidden_states, position_embeddings)
+        q_nope, q_rope, latent, k_rope = self.project(hidden_states)
+        cos, sin = position_embeddings
         if metadata.slot_mapping is not None:
-            out = self.backend.attend_latent(self, q_nope, q_rope, latent, k_rope, metadata)
+            # One launch for the latent's norm, the rotary and the write of latent and rope key into the pool.
+            norm = self.kv_a_layernorm
+            q_rope, _ = rotary_write_kv(
+                q_rope, k_rope[:, None], latent[:, None], cos, sin, *self.cache_parts(), metadata.slot_mapping,
+                self.kv_scale, self.kv_scale, self.rope_interleave, v_norm_weight=norm.weight, norm_eps=norm.eps,
+                weight_offset=norm.weight_offset, multiply_in_float32=norm.multiply_in_float32,
+            )
+            out = self.backend.attend_latent(self, q_nope, q_rope, metadata)
         else:
+            latent = self.kv_a_layernorm(latent.contiguous())
+            q_rope, k_rope = apply_rotary(q_rope.contiguous(), k_rope.reshape(n, 1, -1), cos, sin, self.rope_interleave)
+            k_rope = k_rope[:, 0]
             out, start = [], 0
             for length in metadata.query_lens:  # cache-free causal prefill of each sequence
                 rows = slice(start, start + length)
@@ -97,9 +108,9 @@ class MLAttention(nn.Module):
             out = torch.cat(out) if len(out) > 1 else out[0]
         return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
 
-    def project(self, hidden_states, position_embeddings):
-        """hidden [N, hidden] -> q_nope [N, H, nope], q_rope [N, H, rope] (rotated), latent [N, kv_lora_rank]
-        (normed), k_rope [N, rope] (rotated)."""
+    def project(self, hidden_states):
+        """hidden [N, hidden] -> q_nope [N, H, nope], q_rope [N, H, rope], latent [N, kv_lora_rank] and
+        k_rope [N, rope]: views of the projections' outputs, before the latent's norm and the rotary."""
         n = hidden_states.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -107,10 +118,13 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         q_nope, q_rope = q.view(n, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        cos, sin = position_embeddings
-        q_rope, k_rope = apply_rotary(q_rope.contiguous(), k_rope.reshape(n, 1, -1), cos, sin, self.rope_interleave)
-        return q_nope, q_rope, latent, k_rope[:, 0]
+        return q_nope, q_rope, latent, k_rope
+
+    def cache_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's rope-key and latent columns as two [blocks, block_size, 1, width] caches
+        (``rotary_write_kv``'s k_cache and v_cache), one scale for both."""
+        (cache,) = self.kv_cache
+        return cache[:, :, None, self.kv_lora_rank :], cache[:, :, None, : self.kv_lora_rank]
 
     def decompress(self, latent) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [T, kv_lora_rank] -> each head's key nope part [T, H, nope] and value [T, H, v_head_dim]."""

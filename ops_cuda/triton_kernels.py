@@ -312,13 +312,21 @@ def _copy_to_slot(
     src_ptr, cache_ptr, token, block, offset, h, num_heads, head_dim, scale,
     src_stride_t, src_stride_h, cache_stride_b, cache_stride_o, cache_stride_h, cache_stride_d,
     BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
+    weight=0.0, eps=0.0, NORM: tl.constexpr = False, WEIGHT_OFFSET: tl.constexpr = 0.0,
+    MULTIPLY_IN_FLOAT32: tl.constexpr = False,
 ):
     # Heads h ([BLOCK_H, 1]) of one token into the cache's slot (block, offset); the cache's dims
-    # lie cache_stride_d apart (a key-minor V cache: block_size).
+    # lie cache_stride_d apart (a key-minor V cache: block_size). With NORM, each head RMS-normalised
+    # first (``weight`` [1, BLOCK_D], as _norm_weights loads it), rounded as rms_norm_reference rounds.
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < num_heads) & (d < head_dim)
-    values = tl.load(src_ptr + token * src_stride_t + h * src_stride_h + d, mask=mask)
-    values = _quantize(values.to(tl.float32), scale, FP8, ROUND_TO_E4M3)
+    src = src_ptr + token * src_stride_t + h * src_stride_h
+    values = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv_rms = tl.math.rsqrt(tl.sum(values * values, axis=1)[:, None] / head_dim + eps)
+        values = round_to(_times_weight(values * inv_rms, weight, src_ptr.dtype.element_ty, WEIGHT_OFFSET,
+                                        MULTIPLY_IN_FLOAT32), src_ptr.dtype.element_ty)
+    values = _quantize(values, scale, FP8, ROUND_TO_E4M3)
     dst = cache_ptr + block * cache_stride_b + offset * cache_stride_o + h * cache_stride_h + d * cache_stride_d
     tl.store(dst, values.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -449,22 +457,29 @@ def _norm_rotate_heads(
 
 @triton.jit
 def _rotary_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, v_weight_ptr,
     k_cache_ptr, v_cache_ptr, slot_ptr,
     q_heads, kv_heads, head_dim, v_dim, rotary_dim, eps, block_size, k_scale, v_scale, cos_stride, sin_stride,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d,
-    NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr, INTERLEAVED: tl.constexpr,
-    FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, V_NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr,
+    INTERLEAVED: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program per (token, block of BLOCK_H heads): those heads of q, k and v.
+    # One program per (token, block of BLOCK_H heads): those heads of q and k, and BLOCK_HV of v's
+    # (v has at most k's heads: no wider a tile than they fill, for a latent of 512 values).
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    hv = tl.program_id(1) * BLOCK_HV + tl.arange(0, BLOCK_HV)[:, None]
     slot = tl.load(slot_ptr + token).to(tl.int64)  # the step's metadata, written before its first kernel
     q_w1, q_w2, q_w_pass = _norm_weights(q_weight_ptr, head_dim, rotary_dim, NORM, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
     k_w1, k_w2, k_w_pass = _norm_weights(k_weight_ptr, head_dim, rotary_dim, NORM, INTERLEAVED, BLOCK_HALF, BLOCK_PASS)
+    v_w = 0.0
+    if V_NORM:
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        v_w = tl.load(v_weight_ptr + dv, mask=dv < v_dim, other=0.0)
     begin_after_previous(PDL)
     block, offset = slot // block_size, slot % block_size
     # A negative slot (padding of a captured batch) has no heads to write: every cache access is masked.
@@ -480,9 +495,9 @@ def _rotary_write_kv_kernel(
                        rotary_dim, eps, k_scale, k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, kc_stride_h,
                        cos1, sin1, cos2, sin2, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, True, FP8,
                        ROUND_TO_E4M3, BLOCK_HALF, BLOCK_PASS, BLOCK_D)
-    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, h, cache_heads, v_dim, v_scale,
+    _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, hv, cache_heads, v_dim, v_scale,
                   v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d, BLOCK_DV, FP8,
-                  ROUND_TO_E4M3)
+                  ROUND_TO_E4M3, v_w, eps, V_NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
 
 
 def rotary_write_kv_triton(
@@ -490,14 +505,17 @@ def rotary_write_kv_triton(
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
     interleaved: bool = False, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 0.0, weight_offset: float = 0.0, multiply_in_float32: bool = False,
+    v_norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """zoo::rotary_write_kv on inputs the op has checked (``ops_cuda.rotary_kv.check_rotary_write_kv``)."""
-    norm = q_norm_weight is not None
-    check_dtypes("rotary_write_kv", q, k, v, *((q_norm_weight, k_norm_weight) if norm else ()))
+    norm, v_norm = q_norm_weight is not None, v_norm_weight is not None
+    norm_weights = [w for w in (q_norm_weight, k_norm_weight, v_norm_weight) if w is not None]
+    check_dtypes("rotary_write_kv", q, k, v, *norm_weights)
     check_cache_layout("rotary_write_kv", k_cache, v_cache)
     q, k, v, cos, sin = (_unit_stride(t) for t in (q, k, v, cos, sin))
     slot_mapping = slot_mapping.contiguous()
     q_weight, k_weight = (q_norm_weight.contiguous(), k_norm_weight.contiguous()) if norm else (q, k)
+    v_weight = v_norm_weight.contiguous() if v_norm else v
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     head_dim, rotary_dim = q.shape[2], cos.shape[-1]
     block_half = triton.next_power_of_2(rotary_dim // 2)
@@ -507,17 +525,18 @@ def rotary_write_kv_triton(
     max_heads = max(q.shape[1], k.shape[1])
     block_h = min(max(2048 // block_d, 1), triton.next_power_of_2(max_heads))
     _rotary_write_kv_kernel[(q.shape[0], triton.cdiv(max_heads, block_h))](
-        q, k, v, q_out, k_out, cos, sin, q_weight, k_weight, k_cache, v_cache, slot_mapping,
+        q, k, v, q_out, k_out, cos, sin, q_weight, k_weight, v_weight, k_cache, v_cache, slot_mapping,
         q.shape[1], k.shape[1], head_dim, v.shape[2], rotary_dim, float(norm_eps), k_cache.shape[1],
         float(k_scale), float(v_scale), cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
-        NORM=norm, WEIGHT_OFFSET=float(weight_offset), MULTIPLY_IN_FLOAT32=multiply_in_float32,
+        NORM=norm, V_NORM=v_norm, WEIGHT_OFFSET=float(weight_offset), MULTIPLY_IN_FLOAT32=multiply_in_float32,
         INTERLEAVED=interleaved, FP8=k_cache.dtype == FP8_DTYPE,
         ROUND_TO_E4M3=not q.is_cuda,  # the interpreter's tensors are on the CPU
         BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, BLOCK_D=block_d,
-        BLOCK_DV=triton.next_power_of_2(v.shape[2]), num_warps=4,
+        BLOCK_HV=min(block_h, triton.next_power_of_2(k.shape[1])), BLOCK_DV=triton.next_power_of_2(v.shape[2]),
+        num_warps=4,
         enable_fp_fusion=False,  # as the rotary kernel: every product rounded where the reference rounds
         **pdl_launch(q),
     )

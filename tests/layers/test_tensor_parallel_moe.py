@@ -102,7 +102,7 @@ def attention_inputs(model, device):
     attention = model.model.layers[1].self_attn
     hidden = torch.randn(20, 64, generator=torch.Generator().manual_seed(0)).to(device)
     positions = torch.arange(20, device=device)
-    return attention, attention.project(hidden, model.model.rotary_emb(positions)), attention_mask(positions, 20, None)
+    return attention, attention.project(hidden), attention_mask(positions, 20, None)
 
 
 @torch.no_grad()

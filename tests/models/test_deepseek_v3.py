@@ -184,7 +184,7 @@ def test_absorbed_form_equals_plain_form(variant, make_deepseek):
     torch.manual_seed(0)
     hidden = torch.randn(20, 64)
     positions = torch.arange(20)
-    q_nope, q_rope, latent, k_rope = attention.project(hidden, model.model.rotary_emb(positions))
+    q_nope, q_rope, latent, k_rope = attention.project(hidden)
     for rows in (slice(0, 20), slice(19, 20)):
         mask = attention_mask(positions[rows], 20, None)
         plain = attention.plain_attention(q_nope[rows], q_rope[rows], latent, k_rope, mask)

@@ -256,8 +256,13 @@ def mixed_latent_step(layer, block_size=4, device="cpu"):
 
 
 def attend_latent(backend, layer, pool, inputs):
+    # The new tokens' entries written into a copy of the pool, as the layer writes them, then attended.
+    q_nope, q_rope, latent, k_rope, metadata = inputs
     layer.backend, layer.kv_cache = backend, (pool.clone(),)
-    return backend.attend_latent(layer, *inputs)
+    rope_cache, latent_cache = layer.cache_parts()
+    write_kv_cache_reference(latent[:, None], k_rope[:, None], latent_cache, rope_cache, metadata.slot_mapping,
+                             layer.kv_scale, layer.kv_scale)
+    return backend.attend_latent(layer, q_nope, q_rope, metadata)
 
 
 def fp8_latent_step(layer, block_size=4, device="cpu"):

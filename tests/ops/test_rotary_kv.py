@@ -61,6 +61,28 @@ def poisoned(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) == 0x7F if cache.element_size() == 1 else cache.isnan()
 
 
+def latent_inputs(dtype, cache_dtype=None, n=len(SLOTS), heads=8, rank=40, rope=16, nope=24, num_blocks=3,
+                  block_size=4, device="cpu"):
+    """Latent attention's arguments, as ``layers.mla.MLAttention`` passes them: q's rope part, one
+    rope key and one latent per token, strided views of the projections' outputs; the caches the two
+    column ranges of one poisoned pool [blocks, block_size, rank + rope]; kv_a_layernorm's weight as
+    v's norm. -> (args, norm keyword arguments, the pool)."""
+    torch.manual_seed(0)
+    q = torch.randn(n, heads, nope + rope, device=device).to(dtype)[..., nope:]
+    latent_and_rope = (torch.randn(n, rank + rope, device=device) * 3).to(dtype)
+    latent, k_rope = latent_and_rope[:, None, :rank], latent_and_rope[:, None, rank:]
+    if n == len(SLOTS):
+        positions, slots = torch.tensor([0, 1, 7, 30, 1000, 5, 31999]), torch.tensor(SLOTS)
+    else:
+        positions, slots = torch.randint(0, 32768, (n,)), torch.randperm(num_blocks * block_size)[:n]
+    cos, sin = rope_table(positions.to(device), rope)
+    pool = torch.empty(num_blocks, block_size, rank + rope, dtype=cache_dtype or dtype, device=device)
+    pool.view(torch.uint8).fill_(0x7F) if pool.element_size() == 1 else pool.fill_(float("nan"))
+    args = (q, k_rope, latent, cos, sin, pool[:, :, None, rank:], pool[:, :, None, :rank], slots.to(device))
+    weight = (torch.randn(rank, device=device) * 0.5 + 1).to(dtype)
+    return args, dict(norm_eps=EPS, v_norm_weight=weight), pool
+
+
 def expected(args, scales, interleaved, norm_args):
     q, k, v, cos, sin, k_cache, v_cache, slots = args
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
@@ -89,6 +111,19 @@ def test_reference_composes_the_references():
     torch.testing.assert_close(v_cache, v_expected, rtol=0, atol=0, equal_nan=True)
 
 
+def test_reference_normalises_v_before_its_write():
+    args, norm_args, pool = latent_inputs(torch.float32)
+    q, k, v, cos, sin, k_cache, v_cache, slots = args
+    written = pool.clone()
+    q_rot, k_rot = rotary_write_kv_reference(*args, 0.5, 0.5, True, **norm_args)
+    v_normed = rms_norm_reference(v, norm_args["v_norm_weight"], EPS)
+    q_ref, k_ref = apply_rotary_reference(q, k, cos, sin, True)
+    write_kv_cache_reference(k_ref, v_normed, written[:, :, None, 40:], written[:, :, None, :40], slots, 0.5, 0.5)
+    assert torch.equal(q_rot, q_ref) and torch.equal(k_rot, k_ref)
+    torch.testing.assert_close(pool, written, rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(v_normed, v)
+
+
 def test_bad_inputs_name_the_culprit():
     args, norm_args = make_inputs(torch.float32, "llama")
     q, k, v, cos, sin, k_cache, v_cache, slots = args
@@ -103,6 +138,8 @@ def test_bad_inputs_name_the_culprit():
         rotary_write_kv(q, k, v, cos, sin, k_cache[:, :, :1], v_cache, slots)
     with pytest.raises(TypeError, match="one dtype"):
         rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache.half(), slots)
+    with pytest.raises(ValueError, match=r"v_norm_weight is \[Dv\] = \[24\], got \(12,\)"):
+        rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, v_norm_weight=torch.ones(12))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +197,23 @@ def test_rotary_write_kv_head_shapes_interpreted(q_heads, kv_heads, head_dim):
     q_out, k_out = run_interpreted(args, (1.0, 1.0), False, norm_args)
     for ours, theirs in ((q_out, q_ref), (k_out, k_ref), (args[5], k_expected), (args[6], v_expected)):
         assert_same_bits(ours, theirs)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fp8", [False, True], ids=["pool", "fp8_pool"])
+@pytest.mark.parametrize("norm", ["llama", "gemma"])
+def test_latent_norm_rotary_and_write_fp16_is_bit_equal_interpreted(norm, fp8):
+    # Latent attention's use: one rope key and one normalised latent per token into one pool's columns.
+    args, norm_args, pool = latent_inputs(torch.float16, torch.float8_e4m3fn if fp8 else None)
+    norm_args.update(zip(("weight_offset", "multiply_in_float32"), NORMS[norm]))
+    scales = (0.5, 0.5) if fp8 else (1.0, 1.0)
+    expected_pool = pool.clone()
+    q_ref, k_ref = rotary_write_kv_reference(*args[:5], expected_pool[:, :, None, 40:], expected_pool[:, :, None, :40],
+                                             args[7], *scales, True, **norm_args)
+    q_out, k_out = run_interpreted(args, scales, True, norm_args)
+    for ours, theirs in ((q_out, q_ref), (k_out, k_ref), (pool, expected_pool)):
+        assert_same_bits(ours, theirs)
+    assert poisoned(pool).sum() == (3 * 4 - 5) * 56  # the five real slots written, every column of them
 
 
 @pytest.mark.interpreter
@@ -246,4 +300,47 @@ def test_rotary_write_kv_fake_kernel_matches_cuda_kernel():
     # torch.compile traces with the fake kernel: it must give the CUDA kernel's shapes, dtypes and strides.
     args, norm_args = make_inputs(torch.bfloat16, "llama", None, 33, 32, 8, 128, 128, 8, 16, "cuda")
     torch.library.opcheck(torch.ops.zoo.rotary_write_kv, (*args, 1.0, 1.0, False, *norm_args.values()),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["pool", "fp8_pool"])
+@pytest.mark.parametrize("n", [1, 37, 4097])
+def test_latent_norm_rotary_and_write_deepseek_v3_gpu(n, fp8):
+    # DeepSeek-V3's 128 heads, latent 512 and rope 64 over 16-slot blocks, with padding tokens.
+    args, norm_args, pool = latent_inputs(torch.bfloat16, torch.float8_e4m3fn if fp8 else None, n, 128, 512, 64, 128,
+                                          -(-2 * n // 16), 16, "cuda")
+    args[-1][3::7] = -1
+    scales = (0.5, 0.5) if fp8 else (1.0, 1.0)
+    expected_pool = pool.clone()
+    q_ref, k_ref = rotary_write_kv_reference(*args[:5], expected_pool[:, :, None, 512:],
+                                             expected_pool[:, :, None, :512], args[7], *scales, True, **norm_args)
+    q_out, k_out = run_poisoned(rotary_write_kv, *args, *scales, True, None, None, EPS, 0.0, False,
+                                norm_args["v_norm_weight"])
+    assert_same_bits(q_out, q_ref)  # rotary alone: bit for bit
+    assert_same_bits(k_out, k_ref)
+    assert torch.equal(poisoned(pool), poisoned(expected_pool))
+    written = args[-1][args[-1] >= 0]
+    ours, theirs = (p.view(-1, 576)[written].float() for p in (pool, expected_pool))
+    assert torch.equal(ours[:, 512:], theirs[:, 512:])
+    # The latent's norm sums its float32 squares in another order than torch: a unit of bf16 at
+    # most, which can move an e4m3 entry by one of its units.
+    tol = 2**-3 if fp8 else GPU_TOL[torch.bfloat16]
+    torch.testing.assert_close(ours[:, :512], theirs[:, :512], rtol=tol, atol=tol * theirs.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_latent_norm_rotary_and_write_in_cuda_graph_and_fake_kernel():
+    args, norm_args, pool = latent_inputs(torch.bfloat16, None, 4, 128, 512, 64, 128, 2, 16, "cuda")
+    expected_pool = pool.clone()
+    q_ref, _ = rotary_write_kv_reference(*args[:5], expected_pool[:, :, None, 512:], expected_pool[:, :, None, :512],
+                                         args[7], 1.0, 1.0, True, **norm_args)
+    q_out, _ = replay_in_graph(rotary_write_kv, *args, 1.0, 1.0, True, None, None, EPS, 0.0, False,
+                               norm_args["v_norm_weight"])
+    assert_same_bits(q_out, q_ref)
+    assert torch.equal(poisoned(pool), poisoned(expected_pool))
+    written = args[-1]
+    assert_close(pool.view(-1, 576)[written], expected_pool.view(-1, 576)[written], GPU_TOL[torch.bfloat16])
+    torch.library.opcheck(torch.ops.zoo.rotary_write_kv,
+                          (*args, 1.0, 1.0, True, None, None, EPS, 0.0, False, norm_args["v_norm_weight"]),
                           test_utils=("test_schema", "test_faketensor"))
