@@ -317,7 +317,7 @@ def _copy_to_slot(
 ):
     # Heads h ([BLOCK_H, 1]) of one token into the cache's slot (block, offset); the cache's dims
     # lie cache_stride_d apart (a key-minor V cache: block_size). With NORM, each head RMS-normalised
-    # first (``weight`` [1, BLOCK_D], as _norm_weights loads it), rounded as rms_norm_reference rounds.
+    # first (``weight`` [1, BLOCK_D]), rounded as rms_norm_reference rounds.
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < num_heads) & (d < head_dim)
     src = src_ptr + token * src_stride_t + h * src_stride_h
