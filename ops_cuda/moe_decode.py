@@ -37,6 +37,7 @@ from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     apply_activation,
     begin_after_previous,
+    begin_after_previous_holding_next,
     gated_rows_times_vector,
     gated_weight_rows,
     pdl_launch,
@@ -220,7 +221,9 @@ def _token_gate_up_kernel(
     hidden_ptr, ids_ptr, gate_up_ptr, h_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
     ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
+    # The ids choose the weights: nothing can be read before the wait. The down kernel reads them
+    # before its own wait, so it starts only once the router has written them.
+    begin_after_previous_holding_next(PDL)
     # One token, program (k, n): columns n*BLOCK_N.. of h for its k-th expert, from that expert's gate
     # and up rows interleaved as one [2 * BLOCK_N, BLOCK_K] tile.
     # An id below zero (another rank's expert) reads nothing and writes zeros, which the down kernel reads.
@@ -244,8 +247,8 @@ def _token_down_combine_kernel(
 ):
     # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k],
     # each expert's output rounded to the activation dtype first, as the reference's combine reads it.
-    # The ids are the router's, finished before the gate_up kernel passed its wait and started this
-    # one: they and every expert's first weight tile are read while gate_up still runs, h only after.
+    # The ids are the router's, finished before the gate_up kernel passed its wait and let this one
+    # start: they and every expert's first weight tile are read while gate_up still runs, h only after.
     slots = tl.arange(0, BLOCK_SLOTS)
     slot_ok = slots < top_k
     experts = tl.load(ids_ptr + slots, mask=slot_ok, other=-1).to(tl.int64)

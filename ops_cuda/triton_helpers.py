@@ -26,7 +26,7 @@ def check_dtypes(op: str, *tensors: torch.Tensor) -> None:
 
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and later): a
-    kernel is started while the one before it drains, and waits for its results inside
+    kernel is started while the ones before it still run, and waits for their results inside
     (``begin_after_previous``). A decode step is a chain of short kernels: this hides their starts."""
     return t.is_cuda and _compute_capability(t.device)[0] >= 9
 
@@ -72,11 +72,22 @@ def fullest_tile(tiles, programs, slots, preferred: int) -> int:
 
 @triton.jit
 def begin_after_previous(PDL: tl.constexpr):
-    # Under PDL the previous kernel may still be running: wait for all of its writes before this
-    # kernel reads or writes activations, then let the next kernel start. Weights, never written,
-    # may be read before, and so may a step's attention metadata (lengths, block tables, slots),
-    # which the runtime writes before the step's first kernel. Every program waits, so a finished
-    # kernel implies a finished predecessor.
+    # Under PDL the previous kernel may still be running. Let the next kernel start now: its
+    # programs take the SMs this one leaves idle and read their first weights while the kernels
+    # before still run. Then wait for all of the previous kernel's writes before this kernel reads
+    # or writes activations. Before that wait a kernel reads only what no kernel of the step
+    # writes: weights, and the step's attention metadata (lengths, block tables, slots), which the
+    # runtime writes before the step's first kernel. Every program waits, so a finished kernel
+    # implies finished predecessors, however early each was started.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def begin_after_previous_holding_next(PDL: tl.constexpr):
+    # As begin_after_previous, but the next kernel starts only once the previous one has finished:
+    # for a kernel whose successor reads, before its own wait, what the previous kernel wrote.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
