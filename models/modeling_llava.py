@@ -63,7 +63,7 @@ class LlavaModel(nn.Module):
                              "CLIP's vision encoder (clip_vision_model)")
         layers = config.vision_feature_layer
         self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
-        self.drop_cls = config.vision_feature_select_strategy == "default"
+        self.drop_cls = config.vision_feature_select_strategy == "default"  # or "full": transformers checks
         self.vision_tower = CLIPVisionTower(vision)
         self.multi_modal_projector = MultiModalProjector(
             vision.hidden_size * len(self.feature_layers), config.text_config.hidden_size,
@@ -85,6 +85,10 @@ class LlavaNextModel(LlavaModel):
     replicated_parameters = ("image_newline",)  # every rank holds it whole (layers.tensor_parallel)
 
     def __init__(self, config, language_model: nn.Module):
+        if config.vision_feature_select_strategy == "full":
+            # A tile's features, CLS token kept, are no square grid of patches to stitch.
+            raise ValueError("vision_feature_select_strategy 'full' is not supported with LLaVA-NeXT (nor by "
+                             "HuggingFace's packing of its tiles): its tiles' features must be square grids")
         super().__init__(config, language_model)
         self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size), requires_grad=False)
 

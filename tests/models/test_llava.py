@@ -315,6 +315,12 @@ def test_bad_inputs_are_named(tokenizer):
         next_model.encode_images(torch.zeros(1, 3, 3, TILE, TILE))
 
 
+def test_full_feature_strategy_with_next_is_refused():
+    config = llava_config(next_pinpoints=PINPOINTS["wide-and-tall"], vision_feature_select_strategy="full")
+    with torch.device("meta"), pytest.raises(ValueError, match="'full' is not supported with LLaVA-NeXT"):
+        model_class_for(config)(config)
+
+
 def test_unsupported_vision_tower_is_named():
     config = llava_config(vision_config=transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48,
                                                                         num_hidden_layers=1, num_attention_heads=4))
