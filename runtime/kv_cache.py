@@ -38,8 +38,8 @@ def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
     """The blocks of a KV cache of ``dtype`` (``cache_dtype``) for a resolved ``config``: its
     ``kv_cache_gib``; else on CUDA the device's memory times ``gpu_memory_utilization``, less the
-    peak that a profiling forward of the largest step allocated; else ``CPU_KV_CACHE_GIB``. Never more than max_num_seqs sequences of
-    max_model_len tokens need."""
+    peak that a profiling forward of the largest step allocated; else ``CPU_KV_CACHE_GIB``. Never
+    more than max_num_seqs sequences of max_model_len tokens need."""
     parameter = next(model.parameters())
     device = parameter.device
     if config.kv_cache_gib is not None:
