@@ -203,8 +203,8 @@ class TorchAttentionBackend:
 
 class TritonAttentionBackend(TorchAttentionBackend):
     """The fast GPU backend: the registered paged attention ops on any device, whose CUDA kernels
-    are Triton (split-KV flash-decoding, tiled flash-attention prefill); without a cache, SDPA
-    (flash attention)."""
+    are Triton (split-KV flash-decoding, tiled flash-attention prefill); without a cache,
+    ``zoo::prompt_attention`` (flash attention's variable-length form)."""
 
     name = "triton"
     prefill = staticmethod(paged_prefill_attention_op)
