@@ -220,6 +220,7 @@ class Engine:
             start = output.text.find(stop, max(0, previous_length - len(stop) + 1))
             if start >= 0:
                 output.text = output.text[:start]
+                seq.stop_string = stop
                 return True
         return False
 
@@ -242,7 +243,7 @@ class Engine:
         output = self.outputs[seq.request_id]
         output.num_cached_tokens = seq.num_cached_tokens
         if seq.status == Status.FINISHED:
-            if not (seq.finish_reason == "stop" and seq.params.stop):  # else the stop string already cut it
+            if seq.stop_string is None:  # else its text is cut where the stop string begins
                 output.text = self.detokenize(seq.output_token_ids)
             output.finish_reason, output.error = seq.finish_reason, seq.error
             del self.sequences[seq.request_id], self.outputs[seq.request_id]  # the caller holds the output

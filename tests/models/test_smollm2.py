@@ -86,6 +86,18 @@ def test_stop_strings_cut_the_text(llm):
     assert " 8" in llm.tokenizer.decode(stopped.token_ids)
 
 
+def test_a_stop_token_ends_the_text_as_without_stop_strings(llm):
+    # The text of a sequence a stop token ends is all its tokens' text, stop strings asked for or not.
+    free = llm.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)[0]
+    end = next(i for i, token in enumerate(free.token_ids) if i >= 2 and free.token_ids.index(token) == i) + 1
+    outputs = [llm.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=30, temperature=0.0,
+                                                             stop_token_ids=[free.token_ids[end - 1]], stop=stop),
+                            use_tqdm=False)[0] for stop in ([], ["zzz"])]
+    for output in outputs:
+        assert output.finish_reason == "stop" and output.token_ids == free.token_ids[:end]
+        assert output.text == llm.tokenizer.decode(free.token_ids[:end], skip_special_tokens=True)
+
+
 def test_streamed_text_adds_up_to_the_text_a_stop_string_cut(llm):
     # " 7, 8" arrives over several tokens: what the stream has sent must not include its start.
     params = SamplingParams(max_tokens=30, temperature=0.0, stop=[" 7, 8", "zzz"])
