@@ -200,7 +200,8 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
 
-_FIELD_NAMES = {name for model in (StreamOptions, TextPart, ChatMessage, ChatCompletionRequest, CompletionRequest)
+_FIELD_NAMES = {name for model in (StreamOptions, TextPart, ImageURL, ImagePart, ChatMessage, ChatCompletionRequest,
+                                    CompletionRequest)
                 for name in model.model_fields}
 
 
@@ -235,12 +236,17 @@ def _api_error(exc: ValidationError) -> APIError:
 
 
 def _param(loc: tuple) -> str:
-    """A pydantic location as a parameter path (``messages[0].content``), without the names
-    pydantic gives the member types of a union."""
-    param = ""
+    """A pydantic location as a parameter path (``messages[0].content[1].image_url.url``), without
+    the names pydantic gives the member types of a union, nor the tag that picks a tagged union's
+    member (a content part's ``type``, which can also be a field's name)."""
+    param, tag_next = "", False
     for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
+        elif tag_next:
+            tag_next = False
         elif part in _FIELD_NAMES:
             param += f".{part}" if param else part
+        else:
+            tag_next = "tagged-union[" in part
     return param

@@ -330,6 +330,10 @@ BAD_REQUESTS = {
     "image from the web": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, 400,
                            "messages[0].content[0].image_url.url", "data URL"),
+    "wrong type in an image part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": 5}}]}]}, 400, "messages[0].content[0].image_url.url", "5"),
+    "wrong type in a text part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": 3}]}]}, 400, "messages[0].content[0].text", "3"),
     "unknown content part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "audio", "audio": "..."}]}]}, 400, "messages[0].content[0]", "audio"),
     "no messages": ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
