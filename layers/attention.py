@@ -48,9 +48,10 @@ class AttentionMetadata:
     The lists live on the host (the scheduler reads them; the backends split the stream into
     prefills and decodes with them); the tensors live on the model's device, where the attention
     ops read them. Under CUDA-graph capture the tensors are views of buffers allocated once and
-    rewritten in place before each replay; padding rows of a captured batch have ``seq_lens`` 0,
-    no block table and slot -1 (nothing is written). No kernel of a step writes them: the CUDA
-    kernels read them before waiting for the kernel launched just before (``begin_after_previous``).
+    rewritten in place before each replay; padding rows of a captured batch have ``seq_lens`` 0
+    (their block-table rows, left from earlier steps, are never read) and slot -1 (nothing is
+    written). No kernel of a step writes them: the CUDA kernels read them before waiting for the
+    kernel launched just before (``begin_after_previous``).
     """
 
     query_lens: list[int]
@@ -122,7 +123,8 @@ def decode_keys(metadata: AttentionMetadata, block_size: int, window: int):
 
 class TorchAttentionBackend:
     """Reference backend: the PyTorch references of the paged attention ops (SDPA over keys gathered
-    from the cache). Works on any device and is the oracle for faster ones."""
+    from the cache), and ``prompt_attention`` for prompts with nothing cached (flash attention on
+    CUDA). Works on any device and is the oracle for faster ones."""
 
     name = "torch"
     score_modifiers = frozenset({"softcap"})
@@ -283,7 +285,7 @@ class Attention(nn.Module):
     ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``).
     """
 
-    capturable = True  # its backends' paged ops read nothing on the host (see CausalLM.capturable)
+    capturable = True  # the Triton backend's paged ops read nothing on the host (see CausalLM.capturable)
 
     def __init__(
         self,

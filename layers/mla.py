@@ -151,8 +151,9 @@ class MLAttention(nn.Module):
 
     def absorbed_attention(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
         """``plain_attention`` with W_UK folded into the query and W_UV applied after attending over
-        the latents: the keys are never decompressed. Takes a leading batch of sequences too
-        (q [..., Tq, H, *], latent/k_rope [..., Tk, *], mask [..., Tq, Tk]): decode steps."""
+        the latents: the keys are never decompressed (the form of the backends' ``attend_latent``,
+        which the tests compare with ``plain_attention`` through this). Takes a leading batch of
+        sequences too (q [..., Tq, H, *], latent/k_rope [..., Tk, *], mask [..., Tq, Tk])."""
         attended = latent_attention(self.absorb_query(q_nope), q_rope, latent, k_rope, mask, self.scale)
         return self.expand_latent(attended)
 

@@ -8,7 +8,7 @@ anyres packing, with HuggingFace's module names:
 
 The encoder is built from a ``CLIPVisionConfig``. Its q/k/v projections run as one fused linear
 (``self_attn.qkv_proj``, filled from HF's three); its attention is full (every patch sees every
-patch), through the same SDPA call as the decoders' cache-free attention.
+patch), through SDPA (``ops_cuda.paged_attention.sdpa``).
 """
 
 import torch

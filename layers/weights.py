@@ -18,7 +18,7 @@ class Shard:
     (index tuples of ints/slices). A tensor-parallel layer declares the part its rank holds in
     ``source``; the loader then reads only that part's bytes. ``source=None`` (``elsewhere``): a
     tensor another rank holds whole (an expert of expert parallelism), part of the layout but never
-    read here; its ``index`` is empty."""
+    read here; its ``index`` selects nothing."""
 
     name: str
     index: tuple = ()

@@ -1,5 +1,5 @@
 """Checkpoint formats: HF safetensors directories (single or sharded, FP8 block-quantised ones
-dequantised on load), GGUF files, hub repo ids, state dicts in memory; their configs, tokenizers
+dequantised on load or kept in FP8), GGUF files, hub repo ids, state dicts in memory; their configs, tokenizers
 and processors; the loader that fills a model built on the meta device from its declarations.
 Nothing here imports ``models``."""
 

@@ -1,7 +1,8 @@
 """The one generic loader: given a model built on the meta device, check the checkpoint against the
 model's declarations, materialise every parameter once in the target dtype/device, fill it.
-A checkpoint tensor that already is a whole parameter in the target dtype on the CPU becomes that
-parameter as read, with no copy (``keepable``).
+A checkpoint tensor that already is a whole parameter in the target dtype on the CPU, of a module
+that lays out no storage of its own (embeddings, norms, an untied head: not the linear layers),
+becomes that parameter as read, with no copy (``keepable``).
 
 FP8 block-quantised weights load dequantised to the model's dtype, except where they stay in FP8
 (by default on CUDA devices with FP8 tensor cores): a module that can multiply by FP8 weights names
@@ -92,7 +93,8 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple, tup
     missing: list[str] = []
     for param_name, options in layouts.items():
         held = [sum(shard.name in checkpoint for shard in layout) for layout in options]
-        layout = options[held.index(max(held))]  # a complete layout holds the most; ties go to the earlier
+        complete = [o for o, count in zip(options, held) if count == len(o)]
+        layout = complete[0] if complete else options[held.index(max(held))]  # ties go to the earlier
         if max(held) == 0 and len(options) > 1:
             missing.append(" or ".join(o[0].name + (f" (+{len(o) - 1} more)" if len(o) > 1 else "") for o in options))
         else:

@@ -134,9 +134,10 @@ class AutoModelForCausalLM:
         (a floating-point torch dtype or its name; ``"auto"``: the checkpoint's, see
         ``checkpoint_dtype``) on ``device``. The linear weights of an FP8 block-quantised checkpoint
         stay in FP8 when ``keep_fp8`` (None: on CUDA devices of sm89 onward), else they are dequantised
-        to ``dtype``. On the CPU, a safetensors tensor already in ``dtype`` maps its file instead of
-        being copied: truncating or rewriting the file in place while the model lives ends the process
-        (SIGBUS); ``mmap=False`` copies every tensor. A tensor with NaN or Inf values is named in a
+        to ``dtype``. On the CPU, a safetensors tensor already in ``dtype`` that a layer takes whole
+        (embeddings, norms; ``loaders.load.keepable``) maps its file instead of being copied:
+        truncating or rewriting the file in place while the model lives ends the process (SIGBUS);
+        ``mmap=False`` copies every tensor. A tensor with NaN or Inf values is named in a
         ``loaders.NonFiniteWeightWarning``. ``tensor_parallel``: a ``torch.distributed`` process group
         to split the model over (every rank of it calls this); this process builds and loads its
         rank's slice of each layer (``layers.tensor_parallel``) and returns the whole model's logits.

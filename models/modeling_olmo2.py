@@ -1,5 +1,5 @@
 """OLMo 2: Llama's attention and MLP in a block of post-norms only, RMSNorm on q and k over the
-whole projection (before splitting into heads), every weight multiply in float32.
+whole projection (before splitting into heads), every norm's weight multiply in float32.
 
     x -> attn -> RMSNorm -> + x -> MLP -> RMSNorm -> +
 """

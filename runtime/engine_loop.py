@@ -51,7 +51,7 @@ class _Submission:
     params: list[SamplingParams]
     loop: asyncio.AbstractEventLoop
     deltas: asyncio.Queue
-    accepted: Future  # set to [(request_id, prompt_token_ids)], or to the ValueError of a bad request
+    accepted: Future  # set to [(request_id, prompt_token_ids)], or to the error adding the requests raised
     arrival: float
 
 

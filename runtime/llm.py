@@ -52,7 +52,8 @@ class LLM:
     ``dtype``: "auto" (the default) is the checkpoint's dtype on CUDA and float32 on the CPU.
     ``device``: CUDA when there is one, else the CPU. The engine's options (``EngineConfig``) are
     keywords, ``LLM(path, max_num_seqs=8)``, or a ``config``, and are checked before the model
-    loads. On the CPU, weights already in ``dtype`` map their safetensors file: truncating or
+    loads. On the CPU, weights already in ``dtype`` that a layer takes whole (embeddings, norms; not
+    the linear layers, which lay out their own storage) map their safetensors file: truncating or
     rewriting it in place while the ``LLM`` lives ends the process (SIGBUS); ``mmap=False`` copies
     them. On the CPU, ``compile_decode`` runs decode steps of up to 16 sequences through
     torch.compile: SmolLM2's take about a quarter less time in float32, over a third less in

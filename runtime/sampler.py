@@ -2,8 +2,8 @@
 penalties, temperature, top-k, top-p, min-p, then greedy argmax or a draw.
 
 Draws use the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` picks token i with
-probability p_i, needs no cumulative sum, and stays on the logits' device: the only host sync of
-a step is reading the chosen ids, which ``sample_tokens`` leaves to its caller. A seeded request
+probability p_i, needs no cumulative sum, and stays on the logits' device: the host syncs only to
+read the chosen ids, which ``sample_tokens`` leaves to its caller, and a request's logprobs. A seeded request
 draws its noise from its own generator, so its tokens do not depend on what else is in the batch.
 """
 

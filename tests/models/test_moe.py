@@ -292,6 +292,19 @@ def test_both_layouts_at_once_is_an_error(make_moe_checkpoint):
         AutoModelForCausalLM.from_pretrained(path)
 
 
+def test_a_complete_layout_is_taken_over_a_partial_one_with_more_tensors(make_moe_checkpoint):
+    """Stacked experts (one tensor) beside two stray per-expert tensors: the complete layout fills the
+    parameter and the strays are named, rather than the per-expert layout's 6 missing tensors."""
+    path, model = make_moe_checkpoint(VARIANTS["qwen3_moe-norm_topk"], "stacked")
+    down = model.model.layers[0].mlp.experts.down_proj.detach()
+    strays = {f"model.layers.0.mlp.experts.{e}.down_proj.weight": down[e].clone() for e in (0, 1)}
+    rewrite_tensors(path, lambda t: t.update(strays))
+    with pytest.raises(CheckpointError) as error:
+        AutoModelForCausalLM.from_pretrained(path)
+    assert "missing" not in str(error.value)
+    assert all(name in str(error.value) for name in strays)
+
+
 def test_wrong_expert_shape_is_named(make_moe_checkpoint):
     path, _ = make_moe_checkpoint(VARIANTS["qwen3_moe-norm_topk"], "stacked")
     rewrite_tensors(path, lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 32, 64)}))
