@@ -2,7 +2,8 @@
 
 Each op file defines the op's PyTorch reference (``<name>_reference``, which carries the op's
 docstring), its ``torch.library`` custom op (``<name>_op``, registered as ``torch.ops.zoo.<name>``),
-whose default kernel is that reference and whose ``cuda`` kernel is Triton, and the op under its own
+whose default kernel is that reference and whose ``cuda`` kernel is Triton (or a torch built-in
+where one does better: flash attention, the grouped GEMM, ``torch._scaled_mm``), and the op under its own
 name: ``<name> = reference_on_cpu(<name>_op, <name>_reference)``.
 """
 

@@ -16,8 +16,8 @@ block-scaled FP8 GEMMs (``SCALED_MM_MIN_ROWS``):
   scales (cuBLASLt's block-scaled FP8 GEMM on sm90, CUDA 12.9 onward): where the installed torch and
   device have it (``scaled_mm_available``, tried once per device), for 128x128 blocks of bf16 models;
 - a Triton block-FP8 GEMM: ``tl.dot`` on float8_e4m3fn tiles with float32 accumulation, each K-step's
-  product scaled by its rows' activation scales and its columns' weight-block scales; any block of at
-  least 16 columns, fp16/bf16/fp32 activations, on sm89 and later.
+  product scaled by its rows' activation scales and its columns' weight-block scales; blocks whose
+  columns are a multiple of 16, fp16/bf16/fp32 activations, on sm89 and later.
 
 Anything neither takes runs the op's reference (dequantise, then matmul).
 

@@ -10,8 +10,9 @@ outputs by their softmax mass.
 Prefill is flash attention over ragged runs of decompressed keys: per-head nope keys and values,
 one rope key per token shared by all heads, qk and v head dims independent.
 
-As in ``ops_cuda/paged_attention_triton.py``: an FP8 pool's entries are widened to the query's dtype
-as they load, its scale folded into the score factor and the output; the softmax runs in base 2 in float32, float32 inputs
+An FP8 pool's entries are widened to the query's dtype as they load (the paged kernels widen them to
+float16 under a bf16 query), and as in ``ops_cuda/paged_attention_triton.py`` its scale is folded
+into the score factor and the output; the softmax runs in base 2 in float32, float32 inputs
 multiply in full float32, and grids and buffers follow shapes only, so decode can be captured in a
 CUDA graph. This module imports triton: the op file imports it only inside its CUDA kernels.
 """
@@ -280,7 +281,7 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int]:
         return 16, 16, 4
     if q.dtype == torch.float32:
         return 32, 32, 8
-    return 128, 64, 8  # the paged prefill kernel's tiles at head dim 128
+    return 128, 64, 8  # 128 query rows x 64 keys, 8 warps
 
 
 def mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len,

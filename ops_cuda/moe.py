@@ -102,10 +102,11 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
 # Triton wins or ties up to 8192 pairs and loses by 27% at 32768: the switch sits between the two.
 GROUPED_MM_MIN_PAIRS = 16384
 # Up to this many pairs, fp16/bf16, the decode kernel runs the experts: it reads each picked expert once
-# and launches three kernels (gate_up, down, combine) where the fused-MoE kernel launches six or more (sort,
-# searchsorted, align, gate_up, down, combine). `python3 benchmarks/bench_moe.py --task kernels` (H200,
-# triton 3.6, the shapes above), µs decode / triton: 8 pairs 29.4 / 40.1, 64 pairs 71.8 / 79.5, 128 pairs
-# 87.9 / 90.5, 512 pairs 207.6 / 133.1: the decode kernel wins through 16 tokens of top-8.
+# and launches three kernels (gate_up, down, combine; a token alone two) where the fused-MoE kernel
+# launches four or more (the pairs' layout, gate_up, down, combine). `python3 benchmarks/bench_moe.py
+# --task kernels` (H200, triton 3.6, the shapes above, before a token alone took two launches), µs
+# decode / triton: 8 pairs 29.4 / 40.1, 64 pairs 71.8 / 79.5, 128 pairs 87.9 / 90.5, 512 pairs
+# 207.6 / 133.1: the decode kernel wins through 16 tokens of top-8.
 DECODE_MAX_PAIRS = 128
 DECODE_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -4,7 +4,7 @@ kernels around them. The op's dispatch (``ops_cuda/moe.py``) runs it from ``GROU
 on; below that the Triton fused-MoE kernel (``ops_cuda/moe_triton.py``) runs, sharing this file's sort
 of the pairs (``sort_pairs_by_expert``) and its combine (``moe_combine``).
 
-    sorted_ids, order = topk_ids.flatten().sort(stable=True)   # pairs in expert order, -1 ids last
+    sorted_ids, order = (topk_ids as E where -1).flatten().sort(stable=True)   # pairs in expert order
     offsets = searchsorted(sorted_ids, 0..E-1, right=True)      # int32 end of each expert's rows
     x = hidden[order // top_k]                                  # permute (Triton), also inverts `order`
     h = act_and_mul_triton(grouped_mm(x, gate_up^T, offsets))   # [pairs, I]
@@ -29,7 +29,7 @@ else to the Triton kernel (``grouped_mm_supported``):
   leading stride a multiple of 16 bytes, the data pointer 16-byte aligned. ``gate_up.transpose(-2, -1)``
   ([E, H, 2I], strides (2I*H, 1, H)) is the column-major case: no copy of the weights, as long as
   H and I are multiples of 8 elements.
-- fewer than 1024 groups. Rows past ``offs[-1]`` are left unwritten (here ``offs[-1]`` is every pair).
+- fewer than 1024 groups. Rows past ``offs[-1]`` are left unwritten (here the pairs of id -1, sorted last).
 """
 
 import functools
@@ -125,7 +125,7 @@ def _moe_combine_kernel(
     out_stride, TOP_K: tl.constexpr, BLOCK: tl.constexpr, SHARED: tl.constexpr,
 ):
     # Program (t, c): out[t] = sum over k, in order, of weight[t, k] * y[position of pair (t, k)], in float32.
-    # A pair of id -1 has no row of y (its position is never written): it adds nothing. With SHARED, the
+    # A pair of id -1 adds nothing: its row of y was never written, and the sum skips it by its id. With SHARED, the
     # shared expert's pair of the token (numbered after all the routed pairs) is added unweighted to
     # that sum rounded to out's dtype.
     token = tl.program_id(0).to(tl.int64)

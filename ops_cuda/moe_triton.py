@@ -3,7 +3,7 @@ block one tiled GEMM against its expert's weights only, so a decode step reads t
 its tokens picked and nothing else (the grouped GEMM of ``moe_grouped_mm.py`` runs 64-row tiles over
 every group). The idea is vLLM's ``fused_moe``; the code is zoo's own.
 
-    order, offsets = sort_pairs_by_expert(topk_ids)      # shared with the grouped-GEMM kernel
+    order, offsets = sort_pairs_by_expert(topk_ids, E)   # shared with the grouped-GEMM kernel
     align:   each expert's run of pairs padded to a multiple of BLOCK_M rows; per row the pair it
              holds (or "none"), per block its expert (or "none"), per pair the row it landed on
              (one token: a block per pair, in slot order, one launch and no sort)

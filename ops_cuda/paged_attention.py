@@ -137,8 +137,8 @@ def paged_prefill_attention_reference(
     """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
     context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
     causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid).
-    The new tokens' k/v are read from the cache too, as the CUDA kernel reads them, so an FP8
-    cache rounds them alike."""
+    Over a cache of another dtype than q's (FP8) the new tokens' k/v are read back from it, as the
+    CUDA kernel reads them, so both round them alike; over one of q's dtype, k/v are taken as given."""
     # q: [N, Hq, D], k/v: [N, Hkv, D] (the new tokens, already in the cache too) -> [N, Hq, D].
     # One SDPA call per sequence over its cached context followed by its new tokens.
     out = torch.empty_like(q)
@@ -212,7 +212,7 @@ def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_qu
       softcap=0.0, k_scale=1.0, v_scale=1.0):
     from ops_cuda.paged_attention_triton import paged_prefill_attention_triton  # triton only where a kernel runs
 
-    # The new tokens' K/V are already in the cache (write_kv_cache runs first): read all keys there.
+    # The new tokens' K/V are already in the cache (the layer's rotary_write_kv wrote them): read all keys there.
     out = torch.empty_like(q)
     paged_prefill_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out,

@@ -626,7 +626,7 @@ def rows_per_program(kernel, args: tuple, options: dict, weight: torch.Tensor, o
     return _rows_per_program[key]
 
 
-# The gated product's weight tile is gemv's, 4 rows x 1,024 columns: 2 columns of h, each a gate and an up row.
+# The gated product's weight tile is gemv's default, 4 rows x 1,024 columns: 2 columns of h, each a gate and an up row.
 GATED_GEMV_BLOCK_N = GEMV_BLOCK_N // 2
 
 
