@@ -60,18 +60,23 @@ def qk_norm_layer(dtype) -> Attention:
 
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, TritonAttentionBackend])
 def test_a_layer_writes_its_cache_before_the_backend_attends(backend):
-    # The paged prefill reads every key back from the cache: the layer's one op wrote them,
-    # normalised per head and rotated, so the output is the cache-free prefill's.
+    # The layer's one op writes every new token's key, normalised per head and rotated, and its value
+    # at the token's slot, and the paged prefill's output is the cache-free prefill's.
     layer = qk_norm_layer(torch.float32)
     layer.backend = backend()
     hidden, positions = torch.randn(10, 64), torch.arange(5).repeat(2)
-    paged, k_cache, _ = paged_prefill(layer, hidden, positions)
+    paged, k_cache, v_cache = paged_prefill(layer, hidden, positions)
     cache_free = layer(hidden, rope_table(positions, 16), AttentionMetadata.causal_prefill(2, 5))
     torch.testing.assert_close(paged, cache_free, rtol=1e-5, atol=1e-5)
-    q, k, _ = layer.qkv_proj.split(layer.qkv_proj(hidden))
+    q, k, v = layer.qkv_proj.split(layer.qkv_proj(hidden))
     k = layer.k_norm(k.reshape(10, 2, 16))
     _, k_rotated = apply_rotary_reference(k, k, *rope_table(positions, 16))
-    assert torch.equal(k_cache.view(-1, 2, 16)[:5], k_rotated[:5])  # the first prompt's block, slots 0-4
+    slots = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10, 11, 12])  # two blocks of 4 per prompt
+    assert torch.equal(k_cache.view(-1, 2, 16)[slots], k_rotated)
+    assert torch.equal(v_cache.view(-1, 2, 16)[slots], v.reshape(10, 2, 16))
+    unwritten = torch.ones(16, dtype=torch.bool)
+    unwritten[slots] = False
+    assert k_cache.view(-1, 2, 16)[unwritten].isnan().all() and v_cache.view(-1, 2, 16)[unwritten].isnan().all()
 
 
 @pytest.mark.interpreter

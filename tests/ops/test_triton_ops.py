@@ -78,12 +78,14 @@ def exact_gated_gemv(x, weight, bias, activation):
 
 
 def logits_with_ties(rows: int, vocab: int, dtype, device="cpu") -> torch.Tensor:
-    # Each row's maximum planted at three places, so the first one must win; one row all -inf.
+    # Each row's maximum planted at three places, so the first one must win; with several rows, the
+    # last all -inf.
     logits = torch.randn(rows, vocab, device=device).to(dtype)
     for row in range(rows):
         places = torch.randperm(vocab, generator=torch.Generator().manual_seed(row))[:3]
         logits[row, places] = logits[row].max() + 1
-    logits[-1] = float("-inf")
+    if rows > 1:
+        logits[-1] = float("-inf")
     return logits
 
 

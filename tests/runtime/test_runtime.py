@@ -102,9 +102,15 @@ def test_bfloat16_decode_steps_multiply_by_packed_weights_to_the_same_tokens(che
     with pytest.warns(UserWarning, match="not packing the weights"):
         unpacked_llm = llm(path, dtype="bfloat16")
     batch = prompts(4)
+    products = []
+    packed_linear = PackedWeight.linear
+    monkeypatch.setattr(PackedWeight, "linear", lambda *args: products.append(1) or packed_linear(*args))
     # Up to 16 rows oneDNN's packed products are F.linear's bit for bit: the same tokens.
-    assert token_ids(packed_llm.generate(batch, GREEDY, use_tqdm=False)) == token_ids(
-        unpacked_llm.generate(batch, GREEDY, use_tqdm=False))
+    packed_tokens = token_ids(packed_llm.generate(batch, GREEDY, use_tqdm=False))
+    assert products, "the decode steps multiplied by no packed weight"
+    products.clear()
+    assert packed_tokens == token_ids(unpacked_llm.generate(batch, GREEDY, use_tqdm=False))
+    assert not products
 
 
 def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkpoints, monkeypatch):
