@@ -29,6 +29,35 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def port(text: str) -> int:
+    """``--port``: a TCP port, checked before the model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: 0 to 65535")
+    return value
+
+
+def api_key(text: str) -> str:
+    """``--api-key``: a non-empty key (an empty one, as from an unset variable, would turn the check off)."""
+    if not text:
+        raise argparse.ArgumentTypeError("the key is empty (an unset variable?): give a key, or leave the flag out")
+    return text
+
+
+def tolerance(text: str) -> float:
+    """``--atol``/``--rtol``: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a tolerance is a finite number >= 0")
+    return value
+
+
 def _open_images(paths: list[str]) -> list:
     from PIL import Image
 
@@ -272,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "repeat for several (default: none)")
     diff.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of both models")
     diff.add_argument("--device", default="cpu", help="device of both models")
-    diff.add_argument("--atol", type=float, help="absolute tolerance (default by dtype)")
-    diff.add_argument("--rtol", type=float, help="tolerance relative to the reference's max abs value (default by dtype)")
+    diff.add_argument("--atol", type=tolerance, help="absolute tolerance (default by dtype)")
+    diff.add_argument("--rtol", type=tolerance,
+                      help="tolerance relative to the reference's max abs value (default by dtype)")
     diff.add_argument("--runtime", action="store_true", help="diff the runtime's path: a prefill through the paged "
                                                              "KV cache, then greedy decode steps, against HF with its cache")
     diff.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="decode steps of --runtime")
@@ -284,9 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "models, health and Prometheus metrics.", formatter_class=formatter)
     serve.add_argument("model", nargs="?", help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--port", type=port, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", help="the name clients give as `model` (default: MODEL as given)")
-    serve.add_argument("--api-key", help="a key every request but GET /health must bear as `Authorization: Bearer "
+    serve.add_argument("--api-key", type=api_key, help="a key every request but GET /health must bear as `Authorization: Bearer "
                                          "KEY` (default: none, no key)")
     serve.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                        help="weights' dtype; auto: the checkpoint's dtype on CUDA, float32 on the CPU")

@@ -72,6 +72,14 @@ class LLM:
     def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, processor=None,
                  config: EngineConfig | None = None, mmap: bool = True, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
+        if not isinstance(mmap, bool):
+            raise TypeError(f"mmap must be True or False, got {mmap!r}")
+        if tokenizer is not None and not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
+            raise TypeError(f"tokenizer must be a transformers tokenizer (transformers.AutoTokenizer.from_pretrained), "
+                            f"got {type(tokenizer).__name__}")
+        if isinstance(model, transformers.PreTrainedModel):
+            raise TypeError(f"LLM takes a checkpoint or a zoo model, not transformers' {type(model).__name__}: "
+                            "convert it with models.AutoModelForCausalLM.from_hf(model)")
         self.ranks = None
         if isinstance(model, torch.nn.Module):
             if config.tensor_parallel_size > 1:
@@ -131,14 +139,21 @@ class LLM:
     def _add_requests(self, prompts, sampling_params) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a string, a list of token ids, a dict, or a list of these, "
+                            f"got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         outputs = []
-        for prompt, params in zip(prompts, sampling_params):
-            outputs.append(self.engine.add_request(self._next_id, prompt, params))
-            self._next_id += 1
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                outputs.append(self.engine.add_request(self._next_id, prompt, params))
+                self._next_id += 1
+        except BaseException:  # the call fails whole: none of its requests is left to compute
+            self.engine.abort([o.request_id for o in outputs if not o.finished])
+            raise
         return outputs
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:

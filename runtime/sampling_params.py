@@ -56,7 +56,7 @@ class SamplingParams:
         numeric = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
         for name in numeric:
             value = getattr(self, name)
-            if not (is_number(value) and math.isfinite(value)):
+            if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         checks = [
             (is_integer(self.max_tokens) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
@@ -72,6 +72,7 @@ class SamplingParams:
             (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop!r}"),
             (isinstance(self.stop_token_ids, (list, tuple)) and all(is_integer(t) and 0 <= t < (vocab_size or math.inf) for t in self.stop_token_ids), f"stop_token_ids must be integers in [0, {vocab_size or 'the vocabulary size'}), got {self.stop_token_ids!r}"),
             (self.logprobs is None or (is_integer(self.logprobs) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -86,3 +87,11 @@ def is_integer(value) -> bool:
 def is_number(value) -> bool:
     """A real number, Python's or numpy's, and not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_finite_number(value) -> bool:
+    """A real number a float holds: not inf or NaN, nor an integer past a float's range."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False

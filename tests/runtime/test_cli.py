@@ -64,6 +64,20 @@ def test_sampling_flags_are_checked_before_the_model_loads(command, flags, messa
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "99999"], "argument --port: 99999 is not a port: 0 to 65535"),
+    (["serve", "--port", "http"], "argument --port: 'http' is not a port number"),
+    (["serve", "--api-key", ""], "argument --api-key: the key is empty"),
+    (["diff", "--atol", "-1"], "argument --atol: '-1': a tolerance is a finite number >= 0"),
+    (["diff", "--rtol", "nan"], "argument --rtol: 'nan': a tolerance is a finite number >= 0"),
+])
+def test_server_and_diff_flags_are_checked_before_the_model_loads(argv, message, no_loading, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"zoo {argv[0]}: error: {message}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["diff", "generate"])
 @pytest.mark.parametrize("value", ["1,a", "", "1,,2", "-1"])
 def test_bad_token_ids_name_the_flag(command, value, no_loading, capsys):

@@ -506,6 +506,8 @@ def test_bad_requests_fail_alone(checkpoints):
             [5], SamplingParams(seed=2**70)),
         "stop_token_ids must be integers in [0, 97), got [1.5]": ([5], SamplingParams(stop_token_ids=[1.5])),
         "max_tokens must be a positive integer, got True": ([5], SamplingParams(max_tokens=True)),
+        "temperature must be a finite number, got 1000000000": ([5], SamplingParams(temperature=10**400)),
+        "ignore_eos must be True or False, got 'no'": ([5], SamplingParams(ignore_eos="no")),
     }
     batch = [good[0]] + [p for p, _ in bad.values()] + [good[1]]
     params = [GREEDY] + [s for _, s in bad.values()] + [GREEDY]
@@ -514,6 +516,39 @@ def test_bad_requests_fail_alone(checkpoints):
         assert output.finish_reason == "error" and output.error.startswith(f"request {i}: {message}"), output.error
     assert outputs[0].error is None and outputs[-1].error is None
     assert token_ids([outputs[0], outputs[-1]]) == token_ids(engine.generate(good, GREEDY, use_tqdm=False))
+
+
+def test_a_call_that_fails_while_adding_its_requests_leaves_none_of_them(checkpoints, monkeypatch):
+    engine = llm(checkpoints["llama"][0])
+    add_request = engine.engine.add_request
+
+    def fail_on_the_second(request_id, prompt, params):
+        if request_id == 1:
+            raise RuntimeError("a failure while adding request 1")
+        return add_request(request_id, prompt, params)
+
+    monkeypatch.setattr(engine.engine, "add_request", fail_on_the_second)
+    with pytest.raises(RuntimeError, match="while adding request 1"):
+        engine.generate(prompts(3), GREEDY, use_tqdm=False)
+    assert not engine.engine.has_unfinished()  # request 0, added first, is gone too
+
+
+def test_arguments_of_the_wrong_kind_are_named(checkpoints):
+    from transformers import AutoTokenizer  # noqa: F401  (the tokenizer class the message names)
+
+    path, reference = checkpoints["llama"]
+    with pytest.raises(TypeError, match="mmap must be True or False, got 'no'"):
+        llm(path, mmap="no")
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer .* got str"):
+        llm(path, tokenizer="/a/tokenizer/path")
+    with pytest.raises(TypeError, match="not transformers' LlamaForCausalLM: convert it with .*from_hf"):
+        LLM(reference)
+    engine = llm(path)
+    for prompts_given, kind in ((None, "NoneType"), (torch.tensor([1, 2, 3]), "Tensor"), (b"hello", "bytes"),
+                                ((p for p in ["a"]), "generator")):
+        with pytest.raises(TypeError, match=f"prompts must be a string, .* got {kind}"):
+            engine.generate(prompts_given, GREEDY, use_tqdm=False)
+    assert not engine.engine.has_unfinished()
 
 
 def test_numpy_integers_and_tuples_are_valid_prompts_and_settings(checkpoints):
