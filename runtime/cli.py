@@ -29,12 +29,16 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def _parsed(text: str, parse, what: str):
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def port(text: str) -> int:
     """``--port``: a TCP port, checked before the model loads."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    value = _parsed(text, int, "a port number")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port: 0 to 65535")
     return value
@@ -49,10 +53,7 @@ def api_key(text: str) -> str:
 
 def tolerance(text: str) -> float:
     """``--atol``/``--rtol``: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parsed(text, float, "a number")
     if not 0.0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: a tolerance is a finite number >= 0")
     return value
