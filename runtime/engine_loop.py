@@ -175,7 +175,7 @@ class EngineLoop:
         try:
             for prompt, params in zip(submission.prompts, submission.params, strict=True):
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                    prompt = self._chat_prompt(prompt)
+                    prompt = self.llm.chat_prompt(prompt)
                 output = self.engine.add_request(next(self._request_ids), prompt, params)
                 if output.error:
                     raise ValueError(output.error.partition(": ")[2])  # without the engine's request id
@@ -189,14 +189,6 @@ class EngineLoop:
         for index, output in enumerate(added):
             self._tracked[output.request_id] = _Tracked(submission, index)
         submission.accepted.set_result([(o.request_id, o.prompt_token_ids) for o in added])
-
-    def _chat_prompt(self, conversation: list[dict]) -> list[int] | dict:
-        try:
-            return self.llm.chat_prompt(conversation)
-        except ValueError:  # no chat template
-            raise
-        except Exception as exc:  # a template rejects a conversation by raising its own errors
-            raise ValueError(f"the chat template rejects the messages: {exc}") from exc
 
     def _abort(self, request_ids: list[int]) -> None:
         self.engine.abort(request_ids)

@@ -217,20 +217,56 @@ class LLM:
         string or a list of OpenAI-style parts, ``{"type": "text", "text": ...}`` and, for a model
         that takes images, ``{"type": "image", "image": img}``, rendered by the processor's chat
         template."""
+        if not isinstance(messages, list):
+            raise TypeError(f"messages must be a conversation (a list of message dicts) or a list of them, "
+                            f"got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, conversation: list[dict]) -> list[int] | dict:
-        """The conversation's prompt: its token ids, or with images a ``prompt_token_ids`` dict."""
-        images = [part["image"] for message in conversation if isinstance(message.get("content"), list)
-                  for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
+        """The conversation's prompt: its token ids, or with images a ``prompt_token_ids`` dict. A
+        conversation the chat template cannot take is a ValueError naming the message at fault, or
+        quoting the template's own error."""
         renderer = self.processor if self.processor is not None else self.tokenizer
         if renderer is None or not getattr(renderer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        text = renderer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        messages = self._template_messages(conversation)
+        images = [part["image"] for message in messages if isinstance(message["content"], list)
+                  for part in message["content"] if part["type"] == "image"]
+        try:
+            text = renderer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template rejects a conversation by raising its own errors
+            raise ValueError(f"the chat template rejects the messages: {exc}") from exc
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+
+    def _template_messages(self, conversation) -> list[dict]:
+        """The conversation, checked, as chat templates take it: a message of text parts only has them
+        joined into one string, as most templates expect a string."""
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError(f"a conversation is a non-empty list of messages, got {conversation!r:.80}")
+        takes_images = self.engine.image_token_id is not None
+        messages = []
+        for i, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"message {i}: a message is a dict with a 'role' string, got {message!r:.80}")
+            content = message.get("content")
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind == "image" and not takes_images:
+                        raise ValueError(f"message {i}, part {j}: {type(self.model).__name__} takes no images")
+                    text_part = kind == "text" and isinstance(part.get("text"), str)
+                    if not (text_part or kind == "image" and "image" in part):
+                        raise ValueError(f"message {i}, part {j}: a part is {{'type': 'text', 'text': str}} or "
+                                         f"{{'type': 'image', 'image': img}}, got {part!r:.80}")
+                if all(part["type"] == "text" for part in content):
+                    message = {**message, "content": "".join(part["text"] for part in content)}
+            elif not isinstance(content, str):
+                raise ValueError(f"message {i}: its content is a string or a list of parts, got {content!r:.80}")
+            messages.append(message)
+        return messages
 
 
 def settled_text(text: str, stops: list[str]) -> str:

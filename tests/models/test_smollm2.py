@@ -115,6 +115,32 @@ def test_chat_uses_the_template_and_stops_at_eos(llm):
     assert output.finish_reason == "stop" and output.token_ids[-1] == 2  # <|im_end|>
 
 
+def test_chat_takes_text_parts_and_names_what_it_cannot_take(llm, monkeypatch):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    in_parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                             {"type": "text", "text": " of France?"}]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    joined = llm.chat(in_parts, params, use_tqdm=False)[0]
+    assert joined.token_ids == llm.chat(question, params, use_tqdm=False)[0].token_ids
+    bad = {
+        "messages must be a conversation .* got str": "hello",
+        "message 0: its content is a string or a list of parts, got None": [{"role": "user"}],
+        "message 1: a message is a dict with a 'role' string": [*question, {"content": "hi"}],
+        "message 0, part 0: LlamaForCausalLM takes no images": [
+            {"role": "user", "content": [{"type": "image", "image": 0}]}],
+        "message 0, part 1: a part is": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "text"}]}],
+        "message 0, part 0: a part is": [{"role": "user", "content": ["just text"]}],
+    }
+    for message, conversation in bad.items():
+        with pytest.raises((TypeError, ValueError), match=message):
+            llm.chat(conversation, params, use_tqdm=False)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{% for m in messages %}{{ m.missing.x }}{% endfor %}")
+    with pytest.raises(ValueError, match="the chat template rejects the messages"):
+        llm.chat(question, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
 def test_cli_generate(capsys):
     assert main(["generate", "--max-tokens", "8", "The capital of France is"]) == 0
     captured = capsys.readouterr()
