@@ -36,10 +36,15 @@ def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
         if path_or_repo_id is None:
             raise OSError("no checkpoint")
         config = from_checkpoint(transformers.GenerationConfig, Source(resolve_source(path_or_repo_id).directory))
+        where = "generation_config.json"
     except OSError:
         config = transformers.GenerationConfig.from_model_config(model.config)
+        where = "the model's config"
     eos = config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids = [] if eos is None else [eos] if is_integer(eos) else list(eos) if isinstance(eos, (list, tuple)) else None
+    if ids is None or not all(is_integer(i) for i in ids):  # a string id would never match a token: no stop
+        raise ValueError(f"{where}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 class LLM:

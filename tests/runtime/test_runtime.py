@@ -551,6 +551,17 @@ def test_arguments_of_the_wrong_kind_are_named(checkpoints):
     assert not engine.engine.has_unfinished()
 
 
+def test_an_eos_id_that_is_no_token_id_is_named(checkpoints, tmp_path):
+    import json
+    import shutil
+
+    path = shutil.copytree(checkpoints["llama"][0], tmp_path / "llama")
+    generation = path / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": "2"}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id .* got '2'"):
+        llm(path)
+
+
 def test_numpy_integers_and_tuples_are_valid_prompts_and_settings(checkpoints):
     import numpy as np
 
