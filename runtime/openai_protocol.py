@@ -122,17 +122,14 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def for_template(self, index: int) -> dict:
-        """The message (``messages[index]``) as chat templates take it: its text parts joined, or with
-        images its parts as ``LLM.chat`` takes them, each image decoded from its data URL."""
+        """The message (``messages[index]``) as ``LLM.chat`` takes it (which joins text-only parts):
+        its parts as dicts, each image decoded from its data URL."""
         content = self.content
         if isinstance(content, list):
-            if any(isinstance(part, ImagePart) for part in content):
-                content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
-                           else {"type": "image", "image": decoded_image(part.image_url.url,
-                                                                         f"messages[{index}].content[{i}].image_url.url")}
-                           for i, part in enumerate(content)]
-            else:
-                content = "".join(part.text for part in content)
+            content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
+                       else {"type": "image", "image": decoded_image(part.image_url.url,
+                                                                     f"messages[{index}].content[{i}].image_url.url")}
+                       for i, part in enumerate(content)]
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
