@@ -97,26 +97,69 @@ SIZE_FIELDS = (
     "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
 )
 UNBOUNDED_FIELDS = ("max_position_embeddings",)  # sizes the KV cache, which the engine's budget bounds
+# The config fields of numbers the layers compute with: each, where a config has it (null: a soft-cap
+# that caps nothing), a finite positive number. At zero or below, a norm's epsilon or a rope base or
+# factor makes NaN or Inf, a soft-cap divides by zero, Gemma 2's score scale (a square root) is complex
+# and DeepSeek's routing scale silences or inverts the routed experts.
+POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "query_pre_attn_scalar", "attn_logit_softcapping",
+                   "final_logit_softcapping", "routed_scaling_factor")
+# The same of the rope settings that layers/rotary.py reads (``layers.rope_parameters``); YaRN's betas
+# and mscales at zero mean their defaults, so they are finite and non-negative.
+POSITIVE_ROPE_FIELDS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings", "attention_factor")
+NON_NEGATIVE_ROPE_FIELDS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def validate_config(config, checkpoint: dict[str, TensorRef], origin: str) -> None:
-    """Raise a CheckpointError naming the first config field that cannot size a model of this
-    checkpoint: not a positive integer, or larger than the checkpoint could hold."""
+    """Raise a CheckpointError naming the first config field, of the config or a sub-config, that
+    cannot build a model of this checkpoint: a size not a positive integer or larger than the
+    checkpoint could hold, or a number a layer computes with that is not finite and positive."""
     elements = sum(math.prod(ref.shape) for ref in checkpoint.values())
+    for prefix, sub in _named_configs(config):
+        _check_sizes(sub, prefix, len(checkpoint), elements, origin)
+        for field in POSITIVE_FIELDS:
+            _check_number(getattr(sub, field, None), prefix + field, origin)
+        rope = layers.rope_parameters(sub)
+        for field in POSITIVE_ROPE_FIELDS + NON_NEGATIVE_ROPE_FIELDS:
+            _check_number(rope.get(field), f"{prefix}rope_parameters.{field}", origin,
+                          zero_allowed=field in NON_NEGATIVE_ROPE_FIELDS)
+
+
+def _named_configs(config, prefix: str = ""):
+    """(prefix, config) for the config and each of its sub-configs (LLaVA's text_config and
+    vision_config), the prefix naming their fields in errors."""
+    yield prefix, config
+    for name in config.sub_configs:
+        if (sub := getattr(config, name, None)) is not None:
+            yield from _named_configs(sub, f"{prefix}{name}.")
+
+
+def _check_sizes(config, prefix: str, tensors: int, elements: int, origin: str) -> None:
     for field in SIZE_FIELDS:
         value = getattr(config, field, None)
         if value is None:
             continue
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise CheckpointError(f"{origin}: config field {field!r} must be a positive integer, got {value!r}")
-        limit, what = (len(checkpoint), "tensors") if field == "num_hidden_layers" else (elements, "elements")
+            raise CheckpointError(f"{origin}: config field {prefix + field!r} must be a positive integer, "
+                                  f"got {value!r}")
+        limit, what = (tensors, "tensors") if field == "num_hidden_layers" else (elements, "elements")
         if field not in UNBOUNDED_FIELDS and value > limit:
-            raise CheckpointError(f"{origin}: config field {field!r} is {value}, more than the checkpoint's "
+            raise CheckpointError(f"{origin}: config field {prefix + field!r} is {value}, more than the checkpoint's "
                                   f"{limit} {what} can hold")
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if heads and kv_heads and heads % kv_heads:
-        raise CheckpointError(f"{origin}: config field 'num_attention_heads' ({heads}) is not a multiple of "
-                              f"'num_key_value_heads' ({kv_heads})")
+        raise CheckpointError(f"{origin}: config field {prefix + 'num_attention_heads'!r} ({heads}) is not a "
+                              f"multiple of {prefix + 'num_key_value_heads'!r} ({kv_heads})")
+
+
+def _check_number(value, field: str, origin: str, zero_allowed: bool = False) -> None:
+    """None passes: the field is absent."""
+    if value is None:
+        return
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and -math.inf < value < math.inf
+    if not (finite and (value > 0 or zero_allowed and value == 0)):
+        kind = "non-negative" if zero_allowed else "positive"
+        raise CheckpointError(f"{origin}: config field {field!r} must be a finite {kind} number, got {value!r}")
 
 
 def _build_on_meta(config, source: str, tensor_parallel=None, expert_parallel: bool | None = None) -> nn.Module:

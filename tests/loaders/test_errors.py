@@ -8,7 +8,9 @@ from safetensors.torch import load_file, save_file
 
 from loaders import CheckpointError
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
-from tests.conftest import tiny_config
+from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.models.test_deepseek_v3 import YARN, deepseek_config
+from tests.models.test_llava import hf_llava, llava_config
 
 
 @pytest.fixture
@@ -194,12 +196,87 @@ def test_config_fields_that_size_the_model_are_checked_before_it_is_built(checkp
         AutoModelForCausalLM.from_pretrained(checkpoint)
 
 
+TINY_MODELS = {
+    "llama": lambda: hf_model(tiny_config("llama")),
+    "gemma2": lambda: hf_model(tiny_config("gemma2", head_dim=16)),
+    "deepseek_v3": lambda: hf_model(deepseek_config()),
+    "llava": lambda: hf_llava(llava_config()),
+}
+NAN, INF = float("nan"), float("inf")
+
+
+def set_field(fields: dict, dotted_name: str, value):
+    *parents, name = dotted_name.split(".")
+    for parent in parents:
+        fields = fields[parent]
+    fields[name] = value
+
+
+@pytest.mark.parametrize("model, field, value, message", [
+    ("llama", "rms_norm_eps", -1.0, r"'rms_norm_eps' must be a finite positive number, got -1\.0"),
+    ("llama", "rms_norm_eps", NAN, r"'rms_norm_eps' must be a finite positive number, got nan"),
+    ("llama", "rms_norm_eps", 0.0, r"'rms_norm_eps' must be a finite positive number, got 0\.0"),
+    ("llama", "rope_parameters.rope_theta", -10000.0, r"'rope_parameters\.rope_theta' must be a finite positive number, got -10000\.0"),
+    ("llama", "rope_parameters.rope_theta", 0, r"'rope_parameters\.rope_theta' must be a finite positive number, got 0$"),
+    ("llama", "rope_parameters.rope_theta", NAN, r"'rope_parameters\.rope_theta' must be a finite positive number, got nan"),
+    ("llama", "rope_parameters.rope_theta", "1e4", r"'rope_parameters\.rope_theta' must be a finite positive number, got '1e4'"),
+    ("llama", "rope_parameters", {"rope_type": "linear", "factor": 0.0, "rope_theta": 1e4},
+     r"'rope_parameters\.factor' must be a finite positive number, got 0\.0"),
+    ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": -2.0, "rope_theta": 1e4},
+     r"'rope_parameters\.factor' must be a finite positive number, got -2\.0"),
+    ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 16, "rope_theta": 5e5},
+     r"'rope_parameters\.low_freq_factor' must be a finite positive number, got 0\.0"),
+    ("llama", "rope_parameters", {**YARN, "original_max_position_embeddings": -16},
+     r"'rope_parameters\.original_max_position_embeddings' must be a finite positive number, got -16"),
+    ("llama", "rope_parameters", {**YARN, "attention_factor": INF},
+     r"'rope_parameters\.attention_factor' must be a finite positive number, got inf"),
+    ("llama", "rope_parameters", {**YARN, "beta_fast": -32.0},
+     r"'rope_parameters\.beta_fast' must be a finite non-negative number, got -32\.0"),
+    ("gemma2", "attn_logit_softcapping", -50.0, r"'attn_logit_softcapping' must be a finite positive number, got -50\.0"),
+    ("gemma2", "final_logit_softcapping", 0.0, r"'final_logit_softcapping' must be a finite positive number, got 0\.0"),
+    ("gemma2", "query_pre_attn_scalar", -24, r"'query_pre_attn_scalar' must be a finite positive number, got -24"),
+    ("deepseek_v3", "routed_scaling_factor", INF, r"'routed_scaling_factor' must be a finite positive number, got inf"),
+    ("deepseek_v3", "rope_parameters", {**YARN, "mscale_all_dim": NAN},
+     r"'rope_parameters\.mscale_all_dim' must be a finite non-negative number, got nan"),
+    ("llava", "text_config.rms_norm_eps", NAN, r"'text_config\.rms_norm_eps' must be a finite positive number, got nan"),
+    ("llava", "vision_config.layer_norm_eps", -1e-5,
+     r"'vision_config\.layer_norm_eps' must be a finite positive number, got -1e-05"),
+    ("llava", "text_config.hidden_size", 0, r"'text_config\.hidden_size' must be a positive integer, got 0"),
+])
+def test_config_numbers_a_layer_computes_with_are_checked_before_it_is_built(tmp_path, model, field, value, message,
+                                                                             monkeypatch):
+    import models.auto
+
+    path = save_checkpoint(TINY_MODELS[model](), tmp_path / "ckpt")
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("the model was built before its config was checked")
+
+    monkeypatch.setattr(models.auto, "_build_on_meta", no_building)
+    fields = json.loads((path / "config.json").read_text())
+    set_field(fields, field, value)
+    (path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(CheckpointError, match=r"ckpt: config field " + message):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_config_numbers_where_null_or_zero_means_none_load(tmp_path):
+    """Soft-caps of null (no capping), YaRN's betas and mscales of zero (the defaults)."""
+    gemma2 = tiny_config("gemma2", head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None)
+    AutoModelForCausalLM.from_pretrained(save_checkpoint(hf_model(gemma2), tmp_path / "gemma2"))
+    yarn = tiny_config("llama", rope_parameters={**YARN, "beta_fast": 0, "beta_slow": 0, "mscale": 0, "mscale_all_dim": 0})
+    AutoModelForCausalLM.from_pretrained(save_checkpoint(hf_model(yarn), tmp_path / "yarn"))
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("llama.rope.dimension_count", 0x40000040, r"config field 'head_dim' is 1073741888, more than the checkpoint's"),
     ("llama.embedding_length", 0, r"config field 'hidden_size' must be a positive integer, got 0"),
     ("llama.block_count", 0xFFFFFFFF, r"config field 'num_hidden_layers' is 4294967295, more than the checkpoint's"),
+    ("llama.attention.layer_norm_rms_epsilon", -1.0, r"config field 'rms_norm_eps' must be a finite positive number"),
+    ("llama.rope.freq_base", NAN, r"config field 'rope_parameters\.rope_theta' must be a finite positive number, got nan"),
 ])
-def test_gguf_metadata_that_sizes_the_model_is_checked_before_it_is_built(tmp_path, key, value, message):
+def test_gguf_metadata_is_checked_before_the_model_is_built(tmp_path, key, value, message):
     from gguf import GGUFReader
 
     from tests.loaders.gguf_writer import T, write_llama_gguf
