@@ -45,6 +45,14 @@ class Delta:
     error: str | None = None
 
 
+class RequestRejected(ValueError):
+    """The error of a request the engine refuses to add; ``index`` is its place in its group."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
 @dataclass
 class _Submission:
     prompts: list  # per request: a text, token ids, or a conversation (a list of messages)
@@ -109,8 +117,8 @@ class EngineLoop:
     # -- the clients' side (any thread; submit from a coroutine) ------------------------------
 
     async def submit(self, prompts: list, params: list[SamplingParams]) -> RequestGroup:
-        """Queue requests (one per prompt, each with its params) as one group. A bad request
-        raises ValueError naming what is wrong, and none of the group runs."""
+        """Queue requests (one per prompt, each with its params) as one group. The group's first bad
+        request raises RequestRejected naming what is wrong, and none of the group runs."""
         if not self.alive:
             raise RuntimeError("the engine loop has stopped")
         submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
@@ -181,7 +189,9 @@ class EngineLoop:
                     raise ValueError(output.error.partition(": ")[2])  # without the engine's request id
                 added.append(output)
         except Exception as exc:  # a request the engine rejects or chokes on fails alone, never the loop
-            if not isinstance(exc, ValueError):
+            if isinstance(exc, ValueError):  # the request at fault is the one after those added
+                exc = RequestRejected(len(added), str(exc))
+            else:
                 logger.exception("a request failed to enter the engine")
             self.engine.abort([o.request_id for o in added])
             submission.accepted.set_exception(exc)

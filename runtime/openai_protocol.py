@@ -186,12 +186,13 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "prompt is an empty list", "prompt")
 
     @property
-    def prompts(self) -> list:
-        """Each prompt: a text or a list of token ids."""
+    def prompts(self) -> dict[str, str | list[int]]:
+        """Each prompt (a text or a list of token ids) by the parameter that names it in errors:
+        ``prompt``, or ``prompt[i]`` for those of a list of prompts."""
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        return prompt
+            return {"prompt": prompt}
+        return {f"prompt[{i}]": each for i, each in enumerate(prompt)}
 
     def _logprobs(self) -> int | None:
         return self.logprobs
@@ -217,9 +218,16 @@ def _api_error(exc: ValidationError) -> APIError:
     if errors[0]["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {errors[0]['msg']}")
     field = errors[0]["loc"][:1]
-    # Where a field takes several types, each type's failure is listed: the one that got
-    # furthest into the value says best what is wrong.
-    error = max((e for e in errors if e["loc"][:1] == field), key=lambda e: len(e["loc"]))
+    # Where a field takes several types, each type's failures are listed in order, its name in their
+    # locations: the type whose first failure lies furthest into the value (deepest, then latest in a
+    # list) says best what is wrong, so a text among token ids is named where it stands.
+    first_failures = {}
+    for error in errors:
+        if error["loc"][:1] == field:
+            types = tuple(part for part in error["loc"] if isinstance(part, str) and part not in _FIELD_NAMES)
+            first_failures.setdefault(types, error)
+    error = max(first_failures.values(),
+                key=lambda e: (len(e["loc"]), [part for part in e["loc"] if isinstance(part, int)]))
     if error["type"] == "extra_forbidden":
         *parent, name = error["loc"]
         param = f"{_param(tuple(parent))}.{name}" if parent else name

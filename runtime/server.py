@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from runtime.engine_loop import EngineLoop, RequestGroup, TokenLogprob
+from runtime.engine_loop import EngineLoop, RequestGroup, RequestRejected, TokenLogprob
 from runtime.llm import LLM
 from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -57,16 +57,18 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     if api_key is not None:
         app.add_middleware(_RequireAPIKey, api_key=api_key)
 
-    async def submit(request, prompts: list, param: str) -> RequestGroup:
+    async def submit(request, prompts: dict) -> RequestGroup:
+        """Submit the request's prompts, each keyed by the parameter that names it in errors."""
         if request.model != model_name:
             raise APIError(404, f"The model `{request.model}` does not exist; this server serves `{model_name}`",
                            "model", "model_not_found")
         params = request.sampling_params(max_model_len, vocab_size)
-        repeated = [prompt for prompt in prompts for _ in range(request.num_choices)]
+        repeated = [prompt for prompt in prompts.values() for _ in range(request.num_choices)]
         try:
             return await app.state.engine_loop.submit(repeated, params * len(prompts))
-        except ValueError as exc:
-            raise APIError(400, str(exc), param) from exc
+        except RequestRejected as exc:  # the group repeats each prompt once per choice
+            param = list(prompts)[exc.index // request.num_choices]
+            raise APIError(400, f"{param}: {exc}", param) from exc
         except Exception as exc:  # the engine loop logged it; the client gets the API's shape of it
             raise APIError(500, f"internal error: {exc}", type="server_error") from exc
 
@@ -74,7 +76,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     async def chat_completions(raw: Request):
         request = parse_request(ChatCompletionRequest, await raw.body())
         conversation = [message.for_template(i) for i, message in enumerate(request.messages)]
-        group = await submit(request, [conversation], "messages")
+        group = await submit(request, {"messages": conversation})
         reply = _Reply("chatcmpl", model_name, request.num_choices, group)
         if request.stream:
             return _StreamAbortingOnClose(reply.chat_chunks(request.include_usage), group)
@@ -83,7 +85,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(raw: Request):
         request = parse_request(CompletionRequest, await raw.body())
-        group = await submit(request, request.prompts, "prompt")
+        group = await submit(request, request.prompts)
         reply = _Reply("cmpl", model_name, request.num_choices, group)
         if request.stream:
             return _StreamAbortingOnClose(reply.completion_chunks(request.include_usage), group)

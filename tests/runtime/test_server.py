@@ -347,6 +347,21 @@ BAD_REQUESTS = {
                                 400, "messages", "max_model_len"),
     "token id outside the vocabulary": ("completions", {"model": MODEL, "prompt": [1, 5000]}, 400, "prompt",
                                         "5000"),
+    "empty prompt in a list": ("completions", {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt[1]",
+                               "prompt[1]: the prompt is empty"),
+    "empty prompt in a list, n 2": ("completions", {"model": MODEL, "prompt": ["x", "y", ""], "n": 2}, 400,
+                                    "prompt[2]", "prompt[2]: the prompt is empty"),
+    "empty token ids in a list": ("completions", {"model": MODEL, "prompt": [[5], []]}, 400, "prompt[1]",
+                                  "prompt[1]: the prompt is empty"),
+    "prompt in a list over max_model_len": ("completions", {"model": MODEL, "prompt": ["hi", "x" * MAX_MODEL_LEN]},
+                                            400, "prompt[1]", f"max_model_len is {MAX_MODEL_LEN}"),
+    "token id outside the vocabulary in a list": ("completions", {"model": MODEL, "prompt": [[1, 2], [1, 5000]]}, 400,
+                                                  "prompt[1]", "5000"),
+    "wrong type in a prompt list": ("completions", {"model": MODEL, "prompt": ["x", 5]}, 400, "prompt[1]", "5"),
+    "wrong type in a token-id list": ("completions", {"model": MODEL, "prompt": [[1, 2], [3, "x"]]}, 400,
+                                      "prompt[1][1]", "'x'"),
+    "text in a prompt of token ids": ("completions", {"model": MODEL, "prompt": [1, "x"]}, 400, "prompt[1]", "'x'"),
+    "text among token-id prompts": ("completions", {"model": MODEL, "prompt": [[1], "x"]}, 400, "prompt[1]", "'x'"),
     "negative temperature": ("chat/completions", {**CHAT, "temperature": -0.5}, 400, "temperature", ">= 0"),
     "top_p 0": ("completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
     "max_tokens 0": ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens",
@@ -382,6 +397,9 @@ def test_bad_requests_leave_the_server_serving_the_others(client):
         client.chat.completions.create(model=MODEL, messages=CONVERSATION, temperature=-1)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CONVERSATION)
+    with pytest.raises(openai.BadRequestError, match="prompt is empty") as caught:
+        client.completions.create(model=MODEL, prompt=["Hi", ""], max_tokens=3)
+    assert caught.value.param == "prompt[1]"
     assert client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=3).usage.completion_tokens
 
 
