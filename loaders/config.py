@@ -15,10 +15,7 @@ def load_config(source: Source):
         path = source.directory / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{source.directory}: no config.json")
-        try:
-            json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: malformed JSON ({exc})") from exc
+        _check_json(path)
     try:
         config = _gguf_config(source) if source.gguf_file is not None else None
         if config is None:
@@ -28,6 +25,14 @@ def load_config(source: Source):
         raise
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for bad configs
         raise CheckpointError(f"{source.path}: transformers cannot build a config from it ({exc})") from exc
+
+
+def _check_json(path) -> None:
+    """A file that is not JSON is a CheckpointError naming it (transformers' JSONDecodeError names no file)."""
+    try:
+        json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: malformed JSON ({exc})") from exc
 
 
 def _gguf_config(source: Source):
@@ -49,6 +54,9 @@ def _gguf_config(source: Source):
 # Files whose presence in a directory declares a tokenizer (transformers reads them by these names).
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "tekken.json", "tokenizer.tiktoken")
+# The JSON files transformers reads to build a tokenizer: those that declare one, and legacy ones beside them.
+TOKENIZER_JSON_FILES = (*(name for name in TOKENIZER_FILES if name.endswith(".json")),
+                        "special_tokens_map.json", "added_tokens.json")
 
 
 def from_checkpoint(factory, source: Source, **kwargs):
@@ -73,7 +81,7 @@ def from_checkpoint(factory, source: Source, **kwargs):
 def load_tokenizer(path_or_repo_id):
     """transformers' tokenizer of the checkpoint (GGUF included); None for a checkpoint that has no
     tokenizer files (tokenizer metadata, for GGUF). A declared tokenizer that cannot be built is a
-    CheckpointError naming its file and the cause."""
+    CheckpointError naming the file at fault (else the file that declares the tokenizer) and the cause."""
     import transformers
 
     source = resolve_source(path_or_repo_id)
@@ -85,7 +93,24 @@ def load_tokenizer(path_or_repo_id):
     except CheckpointError:
         raise
     except Exception as exc:  # tokenizers, sentencepiece and transformers each raise their own types
+        _check_tokenizer_files(source)
         raise CheckpointError(f"{declared}: the checkpoint's tokenizer cannot be built ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_tokenizer_files(source: Source) -> None:
+    """A tokenizer file that does not read is a CheckpointError naming it, where transformers' errors
+    name no file. Checked once the tokenizer has failed to build: one that builds reads its files once."""
+    import tokenizers
+
+    for name in TOKENIZER_JSON_FILES:
+        if (source.directory / name).is_file():
+            _check_json(source.directory / name)
+    path = source.directory / "tokenizer.json"
+    if path.is_file():
+        try:
+            tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise CheckpointError(f"{path}: the checkpoint's tokenizer cannot be built ({exc})") from exc
 
 
 def _tokenizer_declaration(source: Source) -> str | None:

@@ -4,9 +4,11 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models
 
-from loaders import CheckpointError
+from loaders import CheckpointError, load_tokenizer
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 from tests.models.test_deepseek_v3 import YARN, deepseek_config
@@ -87,6 +89,27 @@ def test_malformed_config(checkpoint):
     (checkpoint / "config.json").write_text('{"model_type": "llama", ')
     with pytest.raises(CheckpointError, match=r"config\.json: malformed JSON"):
         AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def save_tokenizer(path):
+    """A word-level tokenizer of two words, as transformers saves one: tokenizer_config.json beside tokenizer.json."""
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("tokenizer.json", None, "malformed JSON"),
+    ("tokenizer.json", '{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}}',  # merges a token it lacks
+     r"the checkpoint's tokenizer cannot be built \(Token `b` out of vocabulary"),
+    ("tokenizer_config.json", None, "malformed JSON"),
+    ("special_tokens_map.json", '{"unk_token": ', "malformed JSON"),  # a legacy file transformers still reads
+])
+def test_a_damaged_tokenizer_file_is_named_among_the_others(tmp_path, name, text, message):
+    path = save_tokenizer(tmp_path / "ckpt") / name
+    path.write_text(text or path.read_text()[:60])  # no text: the file cut short
+    with pytest.raises(CheckpointError, match=rf"ckpt/{name}: {message}"):
+        load_tokenizer(tmp_path / "ckpt")
 
 
 def test_config_transformers_rejects(checkpoint):
