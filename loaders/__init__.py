@@ -4,14 +4,14 @@ and processors; the loader that fills a model built on the meta device from its 
 Nothing here imports ``models``."""
 
 from loaders.checkpoint import open_checkpoint, resolve_source
-from loaders.config import from_checkpoint, load_config, load_processor, load_tokenizer
+from loaders.config import chat_template_error, from_checkpoint, load_config, load_processor, load_tokenizer
 from loaders.default_model import default_model_path
 from loaders.in_memory import copy_weights
 from loaders.load import load_weights
 from loaders.types import CheckpointError, NonFiniteWeightWarning, Source, TensorRef
 
 __all__ = [
-    "CheckpointError", "NonFiniteWeightWarning", "Source", "TensorRef", "copy_weights", "default_model_path",
-    "from_checkpoint", "load_config", "load_processor", "load_tokenizer", "load_weights", "open_checkpoint",
-    "resolve_source",
+    "CheckpointError", "NonFiniteWeightWarning", "Source", "TensorRef", "chat_template_error", "copy_weights",
+    "default_model_path", "from_checkpoint", "load_config", "load_processor", "load_tokenizer", "load_weights",
+    "open_checkpoint", "resolve_source",
 ]

@@ -149,6 +149,54 @@ def load_processor(path_or_repo_id):
     return processor if hasattr(processor, "image_processor") else None
 
 
+def chat_template_error(renderer, path_or_repo_id=None) -> str | None:
+    """Why ``renderer`` (a tokenizer or processor) cannot render chats: its chat template does not
+    compile (named by the checkpoint's file that holds it, and jinja's error), or jinja2 is older than
+    transformers takes. None when the template compiles, or there is none. Checked at load, where
+    transformers compiles a template only when it first renders one."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = getattr(renderer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: a chat renders the default one
+        template = template.get("default")
+    if not template:
+        return None
+    try:
+        _compile_jinja_template(template)
+    except ImportError as exc:  # a jinja2 older than transformers takes renders no template
+        return str(exc)
+    except TemplateError as exc:
+        where = _chat_template_origin(renderer, template, path_or_repo_id)
+        return f"{where}: the chat template does not compile (line {exc.lineno}: {exc})"
+    return None
+
+
+# Where a checkpoint keeps its chat template: a file of its own, or a JSON file's "chat_template" field.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json", "processor_config.json")
+
+
+def _chat_template_origin(renderer, template: str, path_or_repo_id) -> str:
+    """The checkpoint's file that holds ``template``, or its GGUF metadata; the renderer's attribute
+    when none does (a tokenizer or processor not loaded from the checkpoint)."""
+    if path_or_repo_id is not None:
+        source = resolve_source(path_or_repo_id)
+        for name in CHAT_TEMPLATE_FILES:
+            path = source.directory / name
+            if not path.is_file():
+                continue
+            if path.suffix == ".jinja":
+                held = [path.read_text()]
+            else:  # one template, or a list of named ones
+                field = json.loads(path.read_text()).get("chat_template")
+                held = [entry["template"] for entry in field] if isinstance(field, list) else [field]
+            if template in held:
+                return str(path)
+        if source.gguf_file is not None and read_gguf(source.path).metadata.get("tokenizer.chat_template") == template:
+            return f"{source.path} (its tokenizer.chat_template metadata)"
+    return f"{type(renderer).__name__}.chat_template"
+
+
 def _gguf_tokenizer_class(source: Source):
     """The class AutoTokenizer picks for a GGUF file zoo's reader takes, with no tokenizer_config.json
     beside it: the one transformers registers for the config's type. AutoTokenizer builds that config

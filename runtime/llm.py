@@ -1,6 +1,7 @@
 """``LLM``: offline generation with any registered model."""
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -10,13 +11,15 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from loaders import Source, from_checkpoint, load_processor, load_tokenizer, resolve_source
+from loaders import Source, chat_template_error, from_checkpoint, load_processor, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM
 from models.auto import model_device
 from runtime.config import EngineConfig
 from runtime.engine import Engine, RequestOutput
 from runtime.parallel import Ranks
 from runtime.sampling_params import SamplingParams, is_integer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,6 +109,10 @@ class LLM:
                 takes_images = getattr(self.model, "image_token_id", None) is not None
                 self.processor = processor or (load_processor(model) if takes_images else None)
             checkpoint = model
+        # A template that does not compile fails every chat but no generation: named at load, raised by chat_prompt.
+        self._chat_template_error = chat_template_error(self._renderer, checkpoint)
+        if self._chat_template_error is not None:
+            logger.warning("%s; chats fail, generation works", self._chat_template_error)
         # The engine writes its buffers in place at every step, whether generate runs under
         # inference_mode or not; made under inference_mode, they could not be written outside it.
         with torch.inference_mode(False), self._all_ranks():
@@ -232,10 +239,12 @@ class LLM:
     def chat_prompt(self, conversation: list[dict]) -> list[int] | dict:
         """The conversation's prompt: its token ids, or with images a ``prompt_token_ids`` dict. A
         conversation the chat template cannot take is a ValueError naming the message at fault, or
-        quoting the template's own error."""
-        renderer = self.processor if self.processor is not None else self.tokenizer
+        quoting the template's own error; a template that does not compile, one naming its file."""
+        renderer = self._renderer
         if renderer is None or not getattr(renderer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
+        if self._chat_template_error is not None:
+            raise ValueError(self._chat_template_error)
         messages = self._template_messages(conversation)
         images = [part["image"] for message in messages if isinstance(message["content"], list)
                   for part in message["content"] if part["type"] == "image"]
@@ -245,6 +254,11 @@ class LLM:
             raise ValueError(f"the chat template rejects the messages: {exc}") from exc
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+
+    @property
+    def _renderer(self):
+        """What renders chats: the processor of a model that takes images, else the tokenizer."""
+        return self.processor if self.processor is not None else self.tokenizer
 
     def _template_messages(self, conversation) -> list[dict]:
         """The conversation, checked, as chat templates take it: a message of text parts only has them

@@ -8,9 +8,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
 
-from loaders import CheckpointError, load_tokenizer
+from loaders import CheckpointError, chat_template_error, load_tokenizer
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.loaders import gguf_writer
 from tests.models.test_deepseek_v3 import YARN, deepseek_config
 from tests.models.test_llava import hf_llava, llava_config
 
@@ -110,6 +111,35 @@ def test_a_damaged_tokenizer_file_is_named_among_the_others(tmp_path, name, text
     path.write_text(text or path.read_text()[:60])  # no text: the file cut short
     with pytest.raises(CheckpointError, match=rf"ckpt/{name}: {message}"):
         load_tokenizer(tmp_path / "ckpt")
+
+
+def test_a_chat_template_that_does_not_compile_is_named_with_the_file_that_holds_it(tmp_path, monkeypatch):
+    broken = "{% for m in messages %}{{ m['content'] }}"  # a for without its endfor
+    does_not_compile = ": the chat template does not compile (line 1: Unexpected end of template"
+    path = save_tokenizer(tmp_path / "ckpt")
+    assert chat_template_error(load_tokenizer(path), path) is None  # no template
+    # tokenizer_config.json's named templates, of which a chat renders the default one
+    fields = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**fields, "chat_template": [
+        {"name": "default", "template": broken}, {"name": "tool_use", "template": "{{ tools }}"}]}))
+    tokenizer = load_tokenizer(path)
+    assert chat_template_error(tokenizer, path).startswith(f"{path / 'tokenizer_config.json'}{does_not_compile}")
+    # a tokenizer not from a checkpoint
+    assert chat_template_error(tokenizer).startswith(f"{type(tokenizer).__name__}.chat_template{does_not_compile}")
+    # a GGUF file's metadata
+    monkeypatch.setattr(gguf_writer, "CHAT_TEMPLATE", broken)
+    gguf_writer.write_llama_gguf(tmp_path / "llama.gguf", gguf_writer.T.F32, tokenizer="gpt2")
+    assert chat_template_error(load_tokenizer(tmp_path / "llama.gguf"), tmp_path / "llama.gguf").startswith(
+        f"{tmp_path / 'llama.gguf'} (its tokenizer.chat_template metadata){does_not_compile}")
+
+
+def test_a_jinja2_older_than_transformers_takes_is_a_chat_template_error(tmp_path, monkeypatch):
+    import jinja2
+
+    tokenizer = load_tokenizer(save_tokenizer(tmp_path / "ckpt"))
+    tokenizer.chat_template = "{{ messages }}{# compiled by no other test: transformers keeps those it compiled #}"
+    monkeypatch.setattr(jinja2, "__version__", "3.1.4")
+    assert "requires jinja2>=3.1.6" in chat_template_error(tokenizer)
 
 
 def test_config_transformers_rejects(checkpoint):

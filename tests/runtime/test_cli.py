@@ -1,6 +1,7 @@
 """The zoo command line as a user meets it: flags checked before loading, streamed output, Ctrl-C,
 checkpoints without a tokenizer, and help that shows every flag."""
 
+import io
 import os
 import re
 import signal
@@ -110,6 +111,15 @@ def test_text_or_chat_without_a_tokenizer_is_a_clear_error(no_tokenizer, capsys)
     err = capsys.readouterr().err
     assert f"zoo generate: error: {no_tokenizer} has no tokenizer: give the prompt as --token-ids 1,2,3" in err
     assert f"zoo chat: error: {no_tokenizer} has no tokenizer: zoo chat needs one" in err
+
+
+def test_chat_with_a_template_that_does_not_compile_names_it_and_exits_2(tmp_path, monkeypatch, capsys):
+    from tests.runtime.test_server import break_chat_template, save_chat_checkpoint
+
+    template = break_chat_template(save_chat_checkpoint(tmp_path / "ckpt"), "chat_template.jinja")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(template.parent), "--device", "cpu"]) == 2
+    assert f"zoo chat: error: {template}: the chat template does not compile (line 1: " in capsys.readouterr().err
 
 
 class Cli:

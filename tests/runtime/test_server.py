@@ -5,7 +5,9 @@ character (special tokens none), so equal texts are equal tokens."""
 import contextlib
 import http.client
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import string
@@ -51,6 +53,20 @@ def save_chat_checkpoint(path: Path) -> Path:
     save_checkpoint(hf_model(config), path)
     fast.save_pretrained(path)
     return path
+
+
+def break_chat_template(path: Path, file: str) -> Path:
+    """The chat checkpoint at ``path`` with a template jinja cannot compile (a for without its
+    endfor) in ``file``: chat_template.jinja, or tokenizer_config.json's "chat_template". Returns
+    the file's path."""
+    broken = "{% for m in messages %}{{ m['content'] }}"
+    (path / "chat_template.jinja").unlink()
+    if file == "chat_template.jinja":
+        (path / file).write_text(broken)
+    else:
+        fields = json.loads((path / file).read_text())
+        (path / file).write_text(json.dumps({**fields, "chat_template": broken}))
+    return path / file
 
 
 def free_port() -> int:
@@ -390,6 +406,25 @@ def test_bad_requests_get_an_openai_error_naming_the_culprit(name, server):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert words in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("file", ["chat_template.jinja", "tokenizer_config.json"])
+def test_a_chat_template_that_does_not_compile_is_named_at_load_and_fails_chats_not_generation(file, tmp_path, caplog):
+    template = break_chat_template(save_chat_checkpoint(tmp_path / "ckpt"), file)
+    named = rf"{re.escape(str(template))}: the chat template does not compile \(line 1: Unexpected end of template"
+    with caplog.at_level(logging.WARNING, logger="runtime.llm"):
+        llm = LLM(str(template.parent), device="cpu")
+    assert re.search(named, caplog.text), caplog.text
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(["hi"], params, use_tqdm=False)[0].token_ids) == 3
+    with pytest.raises(ValueError, match=named):
+        llm.chat(CONVERSATION, params, use_tqdm=False)
+    with serving(llm) as base_url:
+        status, body = post(f"{base_url}/v1/chat/completions", {**CHAT, "max_tokens": 3})
+        assert status == 400 and body["error"]["param"] == "messages"
+        assert re.search(named, body["error"]["message"]), body
+        status, body = post(f"{base_url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
 
 
 def test_bad_requests_leave_the_server_serving_the_others(client):
