@@ -34,7 +34,9 @@ class StreamDelta:
 
 
 def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
-    """The EOS ids HuggingFace's generate stops at: generation_config.json, else the model config."""
+    """The EOS ids HuggingFace's generate stops at: generation_config.json, else the model config.
+    Each must be a token id of the model's vocabulary (its config's ``vocab_size``, which counts an
+    LM head's padding rows), or generation could never stop at it."""
     try:
         if path_or_repo_id is None:
             raise OSError("no checkpoint")
@@ -47,6 +49,10 @@ def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     ids = [] if eos is None else [eos] if is_integer(eos) else list(eos) if isinstance(eos, (list, tuple)) else None
     if ids is None or not all(is_integer(i) for i in ids):  # a string id would never match a token: no stop
         raise ValueError(f"{where}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    vocab_size = model.config.get_text_config().vocab_size
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"{where}: eos_token_id {i} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 

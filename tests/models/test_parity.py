@@ -45,8 +45,9 @@ VARIANTS = {
         "gemma2", head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=3.0,
         final_logit_softcapping=4.0, tie_word_embeddings=True,
     ),
-    "olmo2": tiny_config("olmo2"),
-    "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True),
+    # OLMo 2's default eos_token_id, 50279, lies outside this vocabulary: the runtime refuses it
+    "olmo2": tiny_config("olmo2", eos_token_id=2),
+    "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True, eos_token_id=2),
 }
 
 

@@ -562,6 +562,25 @@ def test_an_eos_id_that_is_no_token_id_is_named(checkpoints, tmp_path):
         llm(path)
 
 
+@pytest.mark.parametrize("where, eos, bad", [
+    ("generation_config.json", 999999, 999999), ("generation_config.json", -1, -1),
+    ("generation_config.json", [2, 97], 97), ("the model's config", 97, 97),
+])
+def test_an_eos_id_outside_the_vocabulary_is_named(checkpoints, tmp_path, where, eos, bad):
+    import json
+    import shutil
+
+    path = shutil.copytree(checkpoints["llama"][0], tmp_path / "llama")  # vocab_size 97
+    file = path / ("config.json" if where == "the model's config" else "generation_config.json")
+    if where == "the model's config":
+        (path / "generation_config.json").unlink()
+    file.write_text(json.dumps({**json.loads(file.read_text()), "eos_token_id": eos}))
+    with pytest.raises(ValueError, match=rf"{where}: eos_token_id {bad} is outside the vocabulary \[0, 97\)"):
+        llm(path)
+    file.write_text(json.dumps({**json.loads(file.read_text()), "eos_token_id": 96}))
+    assert llm(path).engine.eos_token_ids == {96}
+
+
 def test_numpy_integers_and_tuples_are_valid_prompts_and_settings(checkpoints):
     import numpy as np
 
