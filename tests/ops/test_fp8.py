@@ -409,33 +409,53 @@ def test_fp8_moe_experts_on_deepseek_expert_shapes(tokens, shared):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4])  # one row: the linear's single-row kernel; four: the GEMM
 def test_fp8_ops_replay_in_a_cuda_graph(tokens):
+    """Captured once, replayed over the captured inputs, then over new activations and a new routing
+    written into the same buffers (copy_): each replay is the eager ops' output on the values it read
+    and within the activations' quantisation of the references; a graph that kept its captured values
+    (read on the host, copied or cached at capture) fails the second."""
     weight, scale_inv = deepseek_weight(1536, 7168)
     gate_up, gate_up_scale = deepseek_weight(512, 1024, 8)
     down, down_scale = deepseek_weight(1024, 256, 8, seed=1)
     x = torch.randn(tokens, 7168, device="cuda").bfloat16()
     hidden = torch.randn(tokens, 1024, device="cuda").bfloat16()
     weights, ids = routed(tokens, 2, list(range(8)), device="cuda")
-
     shared = (*deepseek_weight(512, 1024, seed=2), *deepseek_weight(1024, 256, seed=3))
+    experts = (gate_up, gate_up_scale, down, down_scale)
 
     def step():
         return (fp8_block_linear(x, weight, scale_inv, DEEPSEEK_BLOCK, None),
-                fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu"),
-                fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu",
-                                *shared))
+                fp8_moe_experts(hidden, weights, ids, *experts, DEEPSEEK_BLOCK, "silu"),
+                fp8_moe_experts(hidden, weights, ids, *experts, DEEPSEEK_BLOCK, "silu", *shared))
+
+    def references():
+        block = list(DEEPSEEK_BLOCK)
+        return (fp8_block_linear_reference(x, weight, scale_inv, block, None),
+                fp8_moe_experts_reference(hidden, weights, ids, *experts, block, "silu"),
+                fp8_moe_experts_reference(hidden, weights, ids, *experts, block, "silu", *shared))
 
     step()  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    x.copy_(torch.randn_like(x))
-    hidden.copy_(torch.randn_like(hidden))
-    new_weights, new_ids = routed(tokens, 2, list(range(8)), seed=1, device="cuda")
-    weights.copy_(new_weights)
-    ids.copy_(new_ids)
-    graph.replay()
-    for replayed, eager in zip(captured, step(), strict=True):
-        assert torch.equal(replayed, eager)
+    replays = []
+    for replay in range(2):
+        if replay:  # new values in the captured buffers
+            x.copy_(torch.randn_like(x))
+            hidden.copy_(torch.randn_like(hidden))
+            new_weights, new_ids = routed(tokens, 2, list(range(8)), seed=1, device="cuda")
+            weights.copy_(new_weights)
+            ids.copy_(new_ids)
+        eager = step()
+        for out in captured:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for replayed, eager_out, reference, op in zip(captured, eager, references(), ("linear", "moe", "moe"),
+                                                      strict=True):
+            assert torch.equal(replayed, eager_out), f"replay {replay}: {op}"
+            assert relative_error(replayed, reference) <= QUANTISATION_TOL[op]
+        replays.append([out.clone() for out in captured])
+    assert all(not torch.equal(before, after) for before, after in zip(*replays))
 
 
 def kernel_arithmetic_on_cpu(monkeypatch):

@@ -379,8 +379,23 @@ def test_triton_backend_latent_path_over_an_fp8_pool_matches_the_torch_backend_c
     assert_close(ours, reference, TOL[dtype])
 
 
+def write_decode_tokens(batch):
+    """New entries at each sequence's last position (seq_len - 1) through its block table, as a decode
+    step writes its tokens before attending; padding rows (length 0) write nothing."""
+    rows = (batch.seq_lens > 0).nonzero()[:, 0]
+    positions = batch.seq_lens[rows].long() - 1
+    block_size = batch.cache.shape[1]
+    slots = batch.block_tables[rows, positions // block_size].long() * block_size + positions % block_size
+    entries = torch.randn(len(rows), batch.cache.shape[-1], device=batch.cache.device).to(batch.cache.dtype)
+    batch.cache.view(-1, batch.cache.shape[-1])[slots] = entries
+
+
 @pytest.mark.gpu
 def test_decode_op_replays_in_cuda_graph():
+    """Captured once, replayed over the captured inputs, then over new values written into the same
+    buffers as a decode step writes them (lengths, rotated block tables, both query parts, the new
+    tokens' cache entries): each replay is the eager op's output on the values it read, close to
+    the reference, and a graph that kept its captured values fails the second."""
     batch = decode_batch([1500] * 4, *DEEPSEEK_V3, torch.bfloat16, "cuda")
     args = batch.decode_args()
     batch.seq_lens.copy_(torch.tensor([5, 300, 0, 1025]))
@@ -389,16 +404,23 @@ def test_decode_op_replays_in_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = mla_decode_attention(*args)
-    # New data in the captured buffers: lengths, tables (rows rotated), queries.
-    batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
-    batch.block_tables.copy_(batch.block_tables.roll(1, 0))
-    batch.q_latent.copy_(torch.randn_like(batch.q_latent))
-    expected = mla_decode_attention(*args)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
-    assert_close(out, batch.reference_decode(), TOL[torch.bfloat16])
+    outputs = []
+    for step in range(2):
+        if step:  # new data in the captured buffers
+            batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
+            batch.block_tables.copy_(batch.block_tables.roll(1, 0))
+            batch.q_latent.copy_(torch.randn_like(batch.q_latent))
+            batch.q_rope_decode.copy_(torch.randn_like(batch.q_rope_decode))
+            write_decode_tokens(batch)
+        expected = mla_decode_attention(*args)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"step {step}"
+        assert_close(out, batch.reference_decode(), TOL[torch.bfloat16])
+        outputs.append(out.clone())
+    assert not torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.gpu

@@ -627,9 +627,27 @@ def test_decode_kernel_compiles_once_for_metadata_at_any_offset(fp8_scales):
     assert compiled() == count
 
 
+def write_decode_tokens(batch):
+    """New keys and values at each sequence's last position (seq_len - 1) through its block table,
+    as a decode step writes its tokens before attending (with the cache's scales); padding rows
+    (length 0) get slot -1 and write nothing."""
+    block_size = batch.k_cache.shape[1]
+    positions = (batch.seq_lens.long() - 1).clamp(min=0)
+    rows = torch.arange(len(positions), device=positions.device)
+    slots = batch.block_tables[rows, positions // block_size].long() * block_size + positions % block_size
+    slots = torch.where(batch.seq_lens > 0, slots, -1)
+    k = torch.randn(len(rows), *batch.k_cache.shape[2:], device=slots.device).to(batch.q.dtype)
+    v = torch.randn_like(k)
+    write_kv_cache_reference(k, v, batch.k_cache, batch.v_cache, slots, *batch.scales)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
 def test_decode_op_replays_in_cuda_graph(fp8_scales):
+    """Captured once, replayed over the captured inputs, then over new values written into the same
+    buffers as a decode step writes them (lengths, rotated block tables, queries, the new tokens'
+    keys and values in the cache): each replay is the eager op's output on the values it read,
+    close to the reference, and a graph that kept its captured values fails the second."""
     batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda", fp8_scales=fp8_scales)
     args = (*batch.decode_args(0), 0.0, *batch.scales)
     batch.seq_lens.copy_(torch.tensor([5, 300, 0, 1025]))
@@ -638,16 +656,22 @@ def test_decode_op_replays_in_cuda_graph(fp8_scales):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = paged_decode_attention(*args)
-    # New data in the captured buffers: lengths, tables (rows rotated), queries.
-    batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
-    batch.block_tables.copy_(batch.block_tables.roll(1, 0))
-    batch.q.copy_(torch.randn_like(batch.q))
-    expected = paged_decode_attention(*args)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
-    assert_close(out, batch.reference_decode(0), TOL[torch.bfloat16])
+    outputs = []
+    for step in range(2):
+        if step:  # new data in the captured buffers
+            batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
+            batch.block_tables.copy_(batch.block_tables.roll(1, 0))
+            batch.q.copy_(torch.randn_like(batch.q))
+            write_decode_tokens(batch)
+        expected = paged_decode_attention(*args)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"step {step}"
+        assert_close(out, batch.reference_decode(0), TOL[torch.bfloat16])
+        outputs.append(out.clone())
+    assert not torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.gpu

@@ -31,10 +31,10 @@ SLOTS = [0, 5, -1, 11, 2, -1, 7]  # 7 tokens over 3 blocks of 4 slots; two paddi
 
 
 def make_inputs(dtype, norm, cache_dtype=None, n=len(SLOTS), q_heads=4, kv_heads=2, head_dim=24, rotary_dim=24,
-                num_blocks=3, block_size=4, device="cpu"):
+                num_blocks=3, block_size=4, device="cpu", seed=0):
     """(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) and the norm's keyword arguments. ``n`` other
-    than len(SLOTS) takes random positions and distinct random slots."""
-    torch.manual_seed(0)
+    than len(SLOTS) takes random positions and distinct random slots (``seed`` draws every value)."""
+    torch.manual_seed(seed)
     q, k, v = qkv_views(n, q_heads, kv_heads, head_dim, dtype, device)
     q.mul_(3)  # norms far from 1, so that a missing or doubled norm shows
     if n == len(SLOTS):
@@ -62,12 +62,12 @@ def poisoned(cache: torch.Tensor) -> torch.Tensor:
 
 
 def latent_inputs(dtype, cache_dtype=None, n=len(SLOTS), heads=8, rank=40, rope=16, nope=24, num_blocks=3,
-                  block_size=4, device="cpu"):
+                  block_size=4, device="cpu", seed=0):
     """Latent attention's arguments, as ``layers.mla.MLAttention`` passes them: q's rope part, one
     rope key and one latent per token, strided views of the projections' outputs; the caches the two
     column ranges of one poisoned pool [blocks, block_size, rank + rope]; kv_a_layernorm's weight as
-    v's norm. -> (args, norm keyword arguments, the pool)."""
-    torch.manual_seed(0)
+    v's norm. -> (args, norm keyword arguments, the pool). ``seed`` draws every value."""
+    torch.manual_seed(seed)
     q = torch.randn(n, heads, nope + rope, device=device).to(dtype)[..., nope:]
     latent_and_rope = (torch.randn(n, rank + rope, device=device) * 3).to(dtype)
     latent, k_rope = latent_and_rope[:, None, :rank], latent_and_rope[:, None, rank:]
@@ -282,17 +282,28 @@ def test_rotary_write_kv_gpu(shape, interleaved, norm, fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", ["no_norm", "llama"])
 def test_rotary_write_kv_in_cuda_graph(norm):
-    args, norm_args = make_inputs(torch.bfloat16, norm, None, 33, 32, 8, 128, 128, 8, 16, "cuda")
-    args[-1][-3:] = -1  # padding rows of a captured batch
-    (q_ref, k_ref), k_expected, v_expected = expected(args, (1.0, 1.0), False, norm_args)
-    q_out, k_out = replay_in_graph(rotary_write_kv, *args, 1.0, 1.0, False, *norm_args.values())
+    """Captured once, replayed over its inputs and over new ones written into them (other q/k/v,
+    positions, slots and norm weights; ``replay_in_graph``): each replay rotates and writes as the
+    reference does on the values it read, at that replay's slots only."""
+    def op_args(seed):
+        args, norm_args = make_inputs(torch.bfloat16, norm, None, 33, 32, 8, 128, 128, 8, 16, "cuda", seed=seed)
+        args[-1][-3:] = -1  # padding rows of a captured batch
+        return (*args, 1.0, 1.0, False, *norm_args.values())
+
+    args = op_args(seed=0)
     tol = 0.0 if norm == "no_norm" else GPU_TOL[torch.bfloat16]
-    assert_close(q_out, q_ref, tol)
-    assert_close(k_out, k_ref, tol)
-    written = args[-1][:-3]
-    assert_close(args[5].view(-1, 8, 128)[written], k_expected.view(-1, 8, 128)[written], tol)
-    assert torch.equal(poisoned(args[5]), poisoned(k_expected))
-    torch.testing.assert_close(args[6], v_expected, rtol=0, atol=0, equal_nan=True)
+
+    def check(outputs, inputs):
+        q_ref, k_ref = rotary_write_kv_reference(*inputs)  # writes the snapshot's caches
+        k_expected, v_expected, slots = inputs[5:8]
+        assert_close(outputs[0], q_ref, tol)
+        assert_close(outputs[1], k_ref, tol)
+        written = slots[slots >= 0]
+        assert_close(args[5].view(-1, 8, 128)[written], k_expected.view(-1, 8, 128)[written], tol)
+        assert torch.equal(poisoned(args[5]), poisoned(k_expected))
+        torch.testing.assert_close(args[6], v_expected, rtol=0, atol=0, equal_nan=True)
+
+    replay_in_graph(rotary_write_kv, args, op_args(seed=1), check)
 
 
 @pytest.mark.gpu
@@ -331,16 +342,23 @@ def test_latent_norm_rotary_and_write_deepseek_v3_gpu(n, fp8):
 
 @pytest.mark.gpu
 def test_latent_norm_rotary_and_write_in_cuda_graph_and_fake_kernel():
-    args, norm_args, pool = latent_inputs(torch.bfloat16, None, 4, 128, 512, 64, 128, 2, 16, "cuda")
-    expected_pool = pool.clone()
-    q_ref, _ = rotary_write_kv_reference(*args[:5], expected_pool[:, :, None, 512:], expected_pool[:, :, None, :512],
-                                         args[7], 1.0, 1.0, True, **norm_args)
-    q_out, _ = replay_in_graph(rotary_write_kv, *args, 1.0, 1.0, True, None, None, EPS, 0.0, False,
-                               norm_args["v_norm_weight"])
-    assert_same_bits(q_out, q_ref)
-    assert torch.equal(poisoned(pool), poisoned(expected_pool))
-    written = args[-1]
-    assert_close(pool.view(-1, 576)[written], expected_pool.view(-1, 576)[written], GPU_TOL[torch.bfloat16])
-    torch.library.opcheck(torch.ops.zoo.rotary_write_kv,
-                          (*args, 1.0, 1.0, True, None, None, EPS, 0.0, False, norm_args["v_norm_weight"]),
-                          test_utils=("test_schema", "test_faketensor"))
+    """Captured once, replayed over its inputs and over new ones written into them (other q, latents,
+    rope keys, positions, slots and v norm weight; ``replay_in_graph``): each replay matches the
+    reference on the values it read, in the pool's two column ranges at that replay's slots only."""
+    def op_args(seed):
+        args, norm_args, pool = latent_inputs(torch.bfloat16, None, 4, 128, 512, 64, 128, 2, 16, "cuda", seed=seed)
+        return (*args, 1.0, 1.0, True, None, None, EPS, 0.0, False, norm_args["v_norm_weight"]), pool
+
+    args, pool = op_args(seed=0)
+
+    def check(outputs, inputs):
+        q_ref, k_ref = rotary_write_kv_reference(*inputs)  # writes the snapshot's column ranges
+        assert_same_bits(outputs[0], q_ref)  # rotary alone: bit for bit
+        assert_same_bits(outputs[1], k_ref)
+        expected_pool = torch.cat((inputs[6], inputs[5]), dim=-1).view(pool.shape)  # latent, then rope key
+        assert torch.equal(poisoned(pool), poisoned(expected_pool))
+        written = inputs[7]
+        assert_close(pool.view(-1, 576)[written], expected_pool.view(-1, 576)[written], GPU_TOL[torch.bfloat16])
+
+    replay_in_graph(rotary_write_kv, args, op_args(seed=1)[0], check)
+    torch.library.opcheck(torch.ops.zoo.rotary_write_kv, args, test_utils=("test_schema", "test_faketensor"))

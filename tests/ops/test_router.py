@@ -123,6 +123,9 @@ def test_matches_reference_gpu(case, tokens):
 
 @pytest.mark.gpu
 def test_fake_kernel_and_captured_graph_gpu():
+    """Captured once, replayed over the captured logits, then over new logits (and, once, a new
+    correction bias) written into the same buffers: each replay routes as the reference does on the
+    values it read; a graph that kept its captured values fails after the first."""
     logits, bias, options = routing_inputs("deepseek_v3", 16, device="cuda")
     args = (logits, bias, *options.values())
     torch.library.opcheck(torch.ops.zoo.route_topk.default, args, test_utils=("test_schema", "test_faketensor"))
@@ -131,8 +134,18 @@ def test_fake_kernel_and_captured_graph_gpu():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         weights, ids = route_topk(*args)
-    for seed in range(3):
-        logits.copy_(routing_inputs("deepseek_v3", 16, device="cuda", seed=seed + 1)[0])
+    captured_ids = None
+    for seed in range(4):
+        if seed:  # new values in the captured buffers
+            new_logits, new_bias, _ = routing_inputs("deepseek_v3", 16, device="cuda", seed=seed)
+            logits.copy_(new_logits)
+            if seed == 3:
+                bias.copy_(new_bias)
+        weights.fill_(float("nan"))
+        ids.fill_(-1)
         graph.replay()
         torch.cuda.synchronize()
         check((weights, ids), route_topk_reference(logits, bias, **options))
+        if captured_ids is None:
+            captured_ids = ids.sort(dim=-1).values.clone()
+    assert not torch.equal(ids.sort(dim=-1).values, captured_ids)

@@ -77,12 +77,12 @@ def exact_gated_gemv(x, weight, bias, activation):
     return act_and_mul_reference(exact_gemv(x, weight, bias), activation)
 
 
-def logits_with_ties(rows: int, vocab: int, dtype, device="cpu") -> torch.Tensor:
-    # Each row's maximum planted at three places, so the first one must win; with several rows, the
-    # last all -inf.
+def logits_with_ties(rows: int, vocab: int, dtype, device="cpu", seed: int = 0) -> torch.Tensor:
+    # Each row's maximum planted at three places (``seed`` picks them), so the first one must win;
+    # with several rows, the last all -inf.
     logits = torch.randn(rows, vocab, device=device).to(dtype)
     for row in range(rows):
-        places = torch.randperm(vocab, generator=torch.Generator().manual_seed(row))[:3]
+        places = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed * rows + row))[:3]
         logits[row, places] = logits[row].max() + 1
     if rows > 1:
         logits[-1] = float("-inf")
@@ -416,8 +416,15 @@ def run_poisoned(op, *args):
     return op(*args)
 
 
-def replay_in_graph(op, *args) -> tuple[torch.Tensor, ...]:
-    """Captures op(*args) in a CUDA graph, replays it twice, checks both replays agree; returns the outputs."""
+def replay_in_graph(op, args, new_args, check) -> None:
+    """Captures op(*args) in a CUDA graph and replays it over two sets of values in the captured
+    tensors: ``args``' own, then ``new_args``' (same shapes and constants, other values: other
+    positions, slots, weights) copied into them in place, as a decode step rewrites its buffers
+    before each replay. The inputs are snapshotted (cloned) before each replay, so buffers the op
+    writes in place hold what they held before it; after it, ``check(outputs, snapshot)`` compares
+    the graph's outputs, and whatever it wrote in place, with the reference run on the snapshot.
+    A graph that kept values from its capture (read on the host, copied or cached) fails the check
+    of the second set. Each set is replayed twice: both replays must agree."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and load the kernel outside the capture
@@ -426,12 +433,24 @@ def replay_in_graph(op, *args) -> tuple[torch.Tensor, ...]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = as_tuple(op(*args))
-    graph.replay()
-    first = [t.clone() for t in outputs]
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(first, outputs))
-    return outputs
+    captured_outputs = None
+    for values in (args, new_args):
+        for old, new in zip(args, values, strict=True):
+            if torch.is_tensor(old):
+                old.copy_(new)
+            else:  # a constant baked into the graph: the same in both sets
+                assert old == new, (old, new)
+        snapshot = [a.clone() if torch.is_tensor(a) else a for a in args]
+        graph.replay()
+        first = [t.clone() for t in outputs]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(first, outputs)), "two replays differ"
+        check(outputs, snapshot)
+        if captured_outputs is not None and outputs:  # else the new values would test nothing
+            changed = any(not torch.equal(a, b) for a, b in zip(captured_outputs, outputs))
+            assert changed, "the new values gave the captured values' outputs"
+        captured_outputs = first
 
 
 GPU_NORM_CASES = {
@@ -614,14 +633,16 @@ def test_argmax_gpu(rows, vocab, dtype):
     assert torch.equal(run_poisoned(argmax, logits), logits.argmax(-1))
 
 
-def gpu_op_cases() -> dict:
-    """name -> (op, reference, args): one bf16 call of each op, shaped like a decode batch of 33."""
+def gpu_op_cases(seed: int = 0) -> dict:
+    """name -> (op, reference, args): one bf16 call of each op, shaped like a decode batch of 33;
+    ``seed`` draws the values (the positions and the cache slots too), not the shapes."""
+    torch.manual_seed(seed)
     q, k, v = qkv_views(33, 32, 8, 128, torch.bfloat16, "cuda")
     x = torch.randn(33, 4096, dtype=torch.bfloat16, device="cuda")
     weight = torch.randn(4096, dtype=torch.bfloat16, device="cuda")
-    cos, sin = rope_table(torch.arange(33, device="cuda"), 64)
+    cos, sin = rope_table(torch.randint(0, 32768, (33,), device="cuda"), 64)
     k_cache, v_cache = torch.zeros(2, 8, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-    slots = torch.arange(33, device="cuda")
+    slots = torch.randperm(8 * 16, device="cuda")[:33]  # distinct slots of the 8 blocks of 16
     slots[-3:] = -1  # padding rows of a captured batch
     return {
         "rms_norm": (rms_norm, rms_norm_reference, (x, weight, EPS)),
@@ -634,7 +655,7 @@ def gpu_op_cases() -> dict:
         "gemv": (gemv, exact_gemv, gemv_inputs(4096, 4096, (1,), True, torch.bfloat16, "cuda")),
         "gated_gemv": (gated_gemv, exact_gated_gemv,
                        (*gemv_inputs(2 * 14336, 4096, (1,), False, torch.bfloat16, "cuda"), "silu")),
-        "argmax": (argmax, argmax_reference, (logits_with_ties(33, 128256, torch.bfloat16, "cuda"),)),
+        "argmax": (argmax, argmax_reference, (logits_with_ties(33, 128256, torch.bfloat16, "cuda", seed),)),
     }
 
 
@@ -647,20 +668,24 @@ OP_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", OP_CASES)
 def test_ops_in_cuda_graph(name):
-    torch.manual_seed(0)
-    op, reference, args = gpu_op_cases()[name]
-    if op is write_kv_cache:  # compare the caches it wrote in place
-        k, v, k_cache, v_cache, slots = args
-        expected_k, expected_v = k_cache.clone(), v_cache.clone()
-        reference(k, v, expected_k, expected_v, slots)
-        replay_in_graph(op, *args)
-        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-        return
-    for mine, theirs in zip(replay_in_graph(op, *args), as_tuple(reference(*args))):
-        if theirs.dtype == torch.int64:  # indices
-            assert torch.equal(mine, theirs)
-        else:
-            assert_close(mine, theirs, GPU_TOL[torch.bfloat16])
+    """Each op captured once, replayed over its captured inputs and over new values written into
+    them (``replay_in_graph``): every replay matches the reference on the values it read."""
+    op, reference, args = gpu_op_cases(seed=0)[name]
+    new_args = gpu_op_cases(seed=1)[name][2]
+
+    def check(outputs, inputs):
+        if op is write_kv_cache:  # compare the caches it wrote in place
+            k, v, expected_k, expected_v, slots = inputs
+            reference(k, v, expected_k, expected_v, slots)
+            assert torch.equal(args[2], expected_k) and torch.equal(args[3], expected_v)
+            return
+        for mine, theirs in zip(outputs, as_tuple(reference(*inputs)), strict=True):
+            if theirs.dtype == torch.int64:  # indices
+                assert torch.equal(mine, theirs)
+            else:
+                assert_close(mine, theirs, GPU_TOL[torch.bfloat16])
+
+    replay_in_graph(op, args, new_args, check)
 
 
 @pytest.mark.gpu
