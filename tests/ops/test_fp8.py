@@ -1,7 +1,9 @@
 """FP8 block-scaled weights: ``zoo::fp8_block_linear`` and ``zoo::fp8_moe_experts`` against
 dequantise-then-matmul, the per-token-group quantisation of the activations, and the kernels.
 
-On the CPU: the ops are their references; the quantisation's values. Under ``TRITON_INTERPRET=1``:
+On the CPU, where the ops are their references: against float64 products over weights dequantised
+entry by entry (``dequantised_float64``, apart from ``ops_cuda.fp8.dequantise``); the quantisation's
+defining properties (each group's scale, rounding to the nearest e4m3 value). Under ``TRITON_INTERPRET=1``:
 the single-row kernel, the Triton block-FP8 GEMM and the FP8 fused-MoE kernel on tiny shapes (float32
 and float16 activations; the interpreter's own cast to float8 is wrong, so the activations are
 quantised by the PyTorch reference there). On the GPU (``gpu``): the quantisation kernel, the
@@ -89,48 +91,99 @@ def quantised_moe(hidden, topk_weights, topk_ids, gate_up, gate_up_scale, down, 
 # ---------------------------------------------------------------------------------------------
 
 
+def dequantised_float64(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """The FP8 weight [..., N, K] as float64, element by element: entry (n, k) times the scale of its
+    block (n // block[0], k // block[1]). Written apart from ``ops_cuda.fp8.dequantise``, as its oracle."""
+    rows, cols = weight.shape[-2:]
+    row_blocks = torch.arange(rows) // block[0]
+    col_blocks = torch.arange(cols) // block[1]
+    return weight.double() * scale_inv.double()[..., row_blocks[:, None], col_blocks[None, :]]
+
+
+def moe_float64(hidden, topk_weights, topk_ids, gate_up, down):
+    """Each token's sum over its slots of weight * down_e(silu(gate_e(x)) * up_e(x)) in float64, pair by
+    pair, over float64 experts gate_up [E, 2I, H] (gate rows, then up) and down [E, H, I]."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for token in range(hidden.shape[0]):
+        for slot in range(topk_ids.shape[1]):
+            expert = topk_ids[token, slot]
+            gate, up = (gate_up[expert] @ hidden[token].double()).chunk(2)
+            out[token] += topk_weights[token, slot].double() * (down[expert] @ (F.silu(gate) * up))
+    return out
+
+
+def test_dequantise_is_each_entry_times_its_blocks_scale():
+    """Bit for bit ``dequantised_float64`` rounded to float32. Partial edge blocks in both dimensions,
+    blocks that are not square over a square grid of 3 x 3 scales: swapped block sizes, a transposed
+    grid or a block boundary one row or column off show."""
+    weight, scale_inv = fp8_weight(72, 112, (32, 48), leading=(3,))
+    expected = dequantised_float64(weight, scale_inv, (32, 48))
+    # An FP8 entry (4 significant bits) times a float32 scale is exact in float64: float32's product is
+    # that value rounded once.
+    assert torch.equal(dequantise(weight, scale_inv, (32, 48)), expected.float())
+
+
 def test_fp8_block_linear_is_the_dequantised_product():
-    weight, scale_inv = fp8_weight(72, 112, (32, 48))  # partial edge blocks in both dimensions
+    """The op and its reference against x W^T + b in float64 over the weight dequantised entry by
+    entry (``dequantised_float64``): only float32's rounding apart."""
+    torch.manual_seed(0)
+    block = (32, 48)  # 72 x 112: partial edge blocks in both dimensions
+    weight, scale_inv = fp8_weight(72, 112, block)
     x, bias = torch.randn(2, 3, 112), torch.randn(72)
-    expected = F.linear(x, dequantise(weight, scale_inv, (32, 48)), bias)
-    assert torch.equal(fp8_block_linear(x, weight, scale_inv, (32, 48), bias), expected)
-    assert torch.equal(torch.ops.zoo.fp8_block_linear(x, weight, scale_inv, [32, 48], bias), expected)
-    # In bfloat16 the weight is dequantised to bfloat16 first, as a checkpoint dequantised on load is.
-    expected = F.linear(x.bfloat16(), dequantise(weight, scale_inv, (32, 48)).bfloat16())
-    assert torch.equal(fp8_block_linear(x.bfloat16(), weight, scale_inv, (32, 48), None), expected)
+    expected = x.double() @ dequantised_float64(weight, scale_inv, block).t() + bias.double()
+    for ours in (fp8_block_linear(x, weight, scale_inv, block, bias),
+                 torch.ops.zoo.fp8_block_linear(x, weight, scale_inv, list(block), bias)):
+        assert ours.dtype == torch.float32 and ours.shape == (2, 3, 72)
+        assert relative_error(ours, expected) <= 1e-5  # float32's sums
+    # In bfloat16 the weight is dequantised (exactly, in float32) then rounded to bfloat16, as a
+    # checkpoint dequantised on load is, and multiplied in bfloat16.
+    weight_bf16 = dequantised_float64(weight, scale_inv, block).float().bfloat16()
+    expected = F.linear(x.bfloat16(), weight_bf16)
+    assert torch.equal(fp8_block_linear(x.bfloat16(), weight, scale_inv, block, None), expected)
 
 
-def test_fp8_moe_experts_is_moe_experts_on_the_dequantised_weights():
-    from ops_cuda import moe_experts
-
-    block = (16, 32)
-    gate_up, gate_up_scale = fp8_weight(2 * 24, 40, block, leading=(4,))
-    down, down_scale = fp8_weight(40, 24, block, leading=(4,), seed=1)
+def test_fp8_moe_experts_is_the_experts_on_the_dequantised_weights():
+    """Against the routed sum in float64, pair by pair, over experts dequantised entry by entry."""
+    torch.manual_seed(0)
+    block = (16, 32)  # I = 20, H = 40: partial blocks in both dimensions of both weights
+    gate_up, gate_up_scale = fp8_weight(2 * 20, 40, block, leading=(4,))
+    down, down_scale = fp8_weight(40, 20, block, leading=(4,), seed=1)
     hidden = torch.randn(5, 40)
     weights, ids = routed(5, 2, [0, 1, 3])
-    expected = moe_experts(hidden, weights, ids, dequantise(gate_up, gate_up_scale, block),
-                           dequantise(down, down_scale, block), "silu")
+    expected = moe_float64(hidden, weights, ids, dequantised_float64(gate_up, gate_up_scale, block),
+                           dequantised_float64(down, down_scale, block))
     ours = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu")
-    assert torch.equal(ours, expected)
+    assert ours.dtype == torch.float32 and ours.shape == hidden.shape
+    assert relative_error(ours, expected) <= 1e-5  # float32's sums
 
 
 def test_fp8_moe_experts_adds_the_shared_expert():
+    """The routed sum plus the shared expert's output on every token: against float64 over weights
+    dequantised entry by entry, within bfloat16's roundings; and, bit for bit, the two added in
+    bfloat16 as the model adds them, the shared expert's weights dequantised to bfloat16."""
+    torch.manual_seed(0)
     block = (16, 32)
-    gate_up, gate_up_scale = fp8_weight(2 * 24, 40, block, leading=(4,))
-    down, down_scale = fp8_weight(40, 24, block, leading=(4,), seed=1)
-    shared = (*fp8_weight(2 * 24, 40, block, seed=2), *fp8_weight(40, 24, block, seed=3))
+    gate_up, gate_up_scale = fp8_weight(2 * 20, 40, block, leading=(4,))
+    down, down_scale = fp8_weight(40, 20, block, leading=(4,), seed=1)
+    shared = (*fp8_weight(2 * 20, 40, block, seed=2), *fp8_weight(40, 20, block, seed=3))
     hidden = torch.randn(5, 40).bfloat16()
     weights, ids = routed(5, 2, [0, 1, 3])
-    routed_sum = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu")
-    h = act_and_mul_reference(F.linear(hidden, dequantise(*shared[:2], block).bfloat16()), "silu")
-    expected = routed_sum + F.linear(h, dequantise(*shared[2:], block).bfloat16())  # bf16 + bf16, as the model adds them
     ours = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu", *shared)
-    assert torch.equal(ours, expected)
+    assert ours.dtype == torch.bfloat16 and ours.shape == hidden.shape
+    shared_gate_up, shared_down = dequantised_float64(*shared[:2], block), dequantised_float64(*shared[2:], block)
+    every_token = torch.ones(5, 1), torch.zeros(5, 1, dtype=torch.int64)  # the shared expert as expert 0 of one
+    expected = (moe_float64(hidden, weights, ids, dequantised_float64(gate_up, gate_up_scale, block),
+                            dequantised_float64(down, down_scale, block))
+                + moe_float64(hidden, *every_token, shared_gate_up[None], shared_down[None]))
+    assert relative_error(ours, expected) <= 3e-2  # bf16 weights, h and both sums: a few units of 2^-8
+    routed_sum = fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu")
+    h = act_and_mul_reference(F.linear(hidden, shared_gate_up.float().bfloat16()), "silu")
+    assert torch.equal(ours, routed_sum + F.linear(h, shared_down.float().bfloat16()))
     with pytest.raises(ValueError, match="a shared expert takes all four of shared_gate_up"):
         fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu", *shared[:3], None)
     other, other_scale = fp8_weight(2 * 16, 40, block, seed=2)
     with pytest.raises(ValueError, match=r"a shared expert weight of shape \(32, 40\) for experts of shape "
-                                         r"\(4, 48, 40\): it must be one expert's \(48, 40\)"):
+                                         r"\(4, 40, 40\): it must be one expert's \(40, 40\)"):
         fp8_moe_experts(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu",
                         other, other_scale, *shared[2:])
 
@@ -165,19 +218,46 @@ def test_weights_of_another_dtype_or_block_and_rows_of_another_width_are_named()
         fp8_block_linear(torch.randn(1, 95), weight, scale_inv, (32, 32), None)
 
 
+def assert_rounded_to_nearest(x: torch.Tensor, quantised: torch.Tensor, scales: torch.Tensor, group: int):
+    """Each FP8 value is the e4m3 value nearest its quotient x / scale (in float64, with its column's
+    group's scale): within half the spacing of e4m3's values at the quotient's magnitude (3 mantissa
+    bits: 2^(e - 4) in [2^e, 2^(e + 1)) from 2^-6 on, 2^-10 among the subnormals below it), and a hair
+    more where the float32 quotient that is rounded differs from the exact one (2^-24 of it). The
+    quotients stay within ±FP8_MAX, up to the float32 rounding of the scale."""
+    values = quantised.double()
+    assert values.isfinite().all()
+    quotients = x.double() / scales.double()[:, torch.arange(x.shape[1]) // group]
+    assert (quotients.abs() <= FP8_MAX * (1 + 2**-20)).all()
+    half_spacing = torch.exp2(torch.floor(torch.log2(quotients.abs().clamp(min=2.0**-6))) - 4)
+    assert ((values - quotients).abs() <= half_spacing + quotients.abs() * 2**-22).all()
+
+
 def test_quantise_groups_scales_each_group_by_its_largest_magnitude():
+    """The defining properties, each from the input alone: every group's scale is its largest
+    magnitude over FP8_MAX (a floor for an all-zero group), laid out column-major, and that largest
+    magnitude maps to ±FP8_MAX; each value is its quotient rounded to the nearest e4m3 value, so that
+    x ~ fp8 * scale group by group."""
+    torch.manual_seed(0)
     x = torch.randn(3, 100) * torch.tensor([1.0, 100.0, 0.01])[:, None]
     x[2, 64:96] = 0.0  # an all-zero group
+    x[1, 5] = 0.0055  # a quotient of about 0.01: among e4m3's subnormals
     quantised, scales = quantise_groups_reference(x, 32)  # 4 groups, the last of 4 columns
     assert quantised.dtype == FP8_DTYPE and quantised.shape == (3, 100)
-    assert scales.shape == (3, 4) and scales.stride() == (1, 3)  # column-major, as the kernels read them
-    expected = torch.stack([x[:, g * 32 : (g + 1) * 32].abs().amax(dim=1) for g in range(4)], dim=1) / FP8_MAX
-    assert torch.equal(scales[:, :2], expected[:, :2]) and torch.equal(scales[:2, 3], expected[:2, 3])
-    assert scales[2, 2] == MIN_GROUP_MAX / FP8_MAX and not quantised[2, 64:96].float().any()
-    # Each group's largest element maps to ±FP8_MAX; every element to within 2^-4 of itself (e4m3's rounding).
-    assert quantised.float().abs().amax() == FP8_MAX
-    dequantised = quantised.float() * scales.repeat_interleave(32, dim=1)[:, :100]
-    assert ((dequantised - x).abs() <= x.abs() * 2**-4 + scales.repeat_interleave(32, dim=1)[:, :100] * 2**-9).all()
+    assert scales.dtype == torch.float32 and scales.shape == (3, 4)
+    assert scales.stride() == (1, 3)  # column-major, as the kernels read them
+    for row in range(3):
+        for group, first in enumerate(range(0, 100, 32)):
+            largest = x[row, first : first + 32].abs().max().item()
+            expected = torch.tensor(max(largest, MIN_GROUP_MAX), dtype=torch.float32) / FP8_MAX
+            assert scales[row, group] == expected, (row, group)
+            if largest:
+                assert quantised[row, first : first + 32].float().abs().max() == FP8_MAX, (row, group)
+    assert not quantised[2, 64:96].float().any()
+    assert_rounded_to_nearest(x, quantised, scales, 32)
+    # More values, for the rounding: one in a few hundred lies near enough a tie to show a rounding
+    # that goes the wrong way there.
+    x = torch.randn(64, 1000) * torch.logspace(-3, 3, 64)[:, None]
+    assert_rounded_to_nearest(x, *quantise_groups_reference(x, 128), 128)
 
 
 # ---------------------------------------------------------------------------------------------
