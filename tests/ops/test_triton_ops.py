@@ -276,7 +276,8 @@ def test_fp8_kv_cache_write_rounds_as_torch_interpreted():
 
 def test_importing_ops_does_not_import_triton():
     code = "import sys, ops_cuda; assert 'triton' not in sys.modules, 'triton imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo)
 
 
 @pytest.mark.interpreter
