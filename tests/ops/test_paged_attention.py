@@ -641,6 +641,31 @@ def write_decode_tokens(batch):
     write_kv_cache_reference(k, v, batch.k_cache, batch.v_cache, slots, *batch.scales)
 
 
+def assert_replays_follow(op, args, rewrite, reference):
+    """``op(*args)`` captured in a CUDA graph, replayed twice over the captured inputs, then twice
+    after ``rewrite()`` writes new values into the same buffers: each replay must equal the eager
+    op's output on the values it read and lie close to ``reference()``, and the two sets' outputs
+    must differ, so that a graph that kept its captured values fails."""
+    op(*args)  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*args)
+    outputs = []
+    for step in range(2):
+        if step:
+            rewrite()
+        expected = op(*args)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"step {step}"
+        assert_close(out, reference(), TOL[torch.bfloat16])
+        outputs.append(out.clone())
+    assert not torch.equal(outputs[0], outputs[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
 def test_decode_op_replays_in_cuda_graph(fp8_scales):
@@ -649,29 +674,16 @@ def test_decode_op_replays_in_cuda_graph(fp8_scales):
     keys and values in the cache): each replay is the eager op's output on the values it read,
     close to the reference, and a graph that kept its captured values fails the second."""
     batch = decode_batch([1500] * 4, *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda", fp8_scales=fp8_scales)
-    args = (*batch.decode_args(0), 0.0, *batch.scales)
     batch.seq_lens.copy_(torch.tensor([5, 300, 0, 1025]))
-    paged_decode_attention(*args)  # compiles the kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_decode_attention(*args)
-    outputs = []
-    for step in range(2):
-        if step:  # new data in the captured buffers
-            batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
-            batch.block_tables.copy_(batch.block_tables.roll(1, 0))
-            batch.q.copy_(torch.randn_like(batch.q))
-            write_decode_tokens(batch)
-        expected = paged_decode_attention(*args)
-        for _ in range(2):
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, expected), f"step {step}"
-        assert_close(out, batch.reference_decode(0), TOL[torch.bfloat16])
-        outputs.append(out.clone())
-    assert not torch.equal(outputs[0], outputs[1])
+
+    def rewrite():
+        batch.seq_lens.copy_(torch.tensor([700, 1, 64, 0]))
+        batch.block_tables.copy_(batch.block_tables.roll(1, 0))
+        batch.q.copy_(torch.randn_like(batch.q))
+        write_decode_tokens(batch)
+
+    assert_replays_follow(paged_decode_attention, (*batch.decode_args(0), 0.0, *batch.scales), rewrite,
+                          lambda: batch.reference_decode(0))
 
 
 @pytest.mark.gpu
