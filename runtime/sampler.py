@@ -65,12 +65,15 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     tokens = argmax(logits)
 
     if drawn:
-        def setting(name, dtype):
-            return torch.tensor([getattr(seqs[i].params, name) for i in drawn], dtype=dtype, device=logits.device)
+        def setting(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=logits.device)
 
-        scaled = logits[drawn] / setting("temperature", torch.float32)[:, None]
-        probs = filter_logits(scaled, setting("top_k", torch.long), setting("top_p", torch.float32),
-                              setting("min_p", torch.float32)).softmax(-1)
+        params = [seqs[i].params for i in drawn]
+        # A top_k at or above the vocabulary keeps every token: clamped to it, no top_k overflows a long.
+        top_k = setting([min(p.top_k, logits.shape[-1]) for p in params], torch.long)
+        scaled = logits[drawn] / setting([p.temperature for p in params], torch.float32)[:, None]
+        probs = filter_logits(scaled, top_k, setting([p.top_p for p in params], torch.float32),
+                              setting([p.min_p for p in params], torch.float32)).softmax(-1)
         noise = _exponential_noise([seqs[i] for i in drawn], logits.shape[-1], logits.device)
         tokens[drawn] = argmax(probs / noise)
 

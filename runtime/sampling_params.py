@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Sampling settings of one request.
 
-    ``temperature`` 0 is greedy. ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 are off. Penalties:
-    ``repetition_penalty`` (HF/CTRL style, over prompt and output, 1 is off), ``presence_penalty``
-    and ``frequency_penalty`` (OpenAI style, over the output, 0 is off). ``seed`` makes the
+    ``temperature`` 0 is greedy. ``top_k`` 0 (or at least the vocabulary size), ``top_p`` 1 and
+    ``min_p`` 0 are off. Penalties: ``repetition_penalty`` (HF/CTRL style, over prompt and output,
+    1 is off), ``presence_penalty`` and ``frequency_penalty`` (OpenAI style, over the output, 0 is
+    off). ``seed`` makes the
     request's samples reproducible whatever else is in the batch. Generation stops at
     ``max_tokens``, the model's EOS (unless ``ignore_eos``), any of ``stop_token_ids`` (kept in
     the output) or any ``stop`` string (cut from the text). ``logprobs`` = k returns, per

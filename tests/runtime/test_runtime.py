@@ -396,6 +396,21 @@ def test_seeded_sampling_is_reproducible(checkpoints):
     assert token_ids(engine.generate([prompt], other_seed, use_tqdm=False))[0] != alone
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token(checkpoints):
+    path, _ = checkpoints["llama"]  # vocab_size 97
+    engine = llm(path)
+    prompt = prompts(1, seed=11)[0]
+
+    def seeded(top_k):
+        return SamplingParams(max_tokens=8, temperature=1.0, top_k=top_k, seed=5, ignore_eos=True)
+
+    unfiltered = token_ids(engine.generate([prompt], seeded(0), use_tqdm=False))[0]
+    greedy = token_ids(engine.generate([prompt], GREEDY, use_tqdm=False))[0]
+    for top_k in (97, 2**63, 10**30, np.uint64(2**64 - 1)):
+        outputs = engine.generate([prompt, prompt], [seeded(top_k), GREEDY], use_tqdm=False)
+        assert token_ids(outputs) == [unfiltered, greedy], top_k
+
+
 def test_stop_token_ids_and_max_tokens(checkpoints):
     path, _ = checkpoints["llama"]
     engine = llm(path)
