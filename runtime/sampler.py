@@ -19,7 +19,11 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
         scores = logits[seen]
-        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+        penalised = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+        # Clamped to the dtype's finite range: an extreme penalty (1e-300, 1e300) would overflow to
+        # +-inf, and a row of infinities has no softmax.
+        finite = torch.finfo(logits.dtype)
+        logits[seen] = penalised.clamp(finite.min, finite.max)
     if (params.presence_penalty or params.frequency_penalty) and seq.output_token_ids:
         counts = torch.bincount(torch.tensor(seq.output_token_ids, device=logits.device), minlength=logits.shape[-1])
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
@@ -71,7 +75,12 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [seqs[i].params for i in drawn]
         # A top_k at or above the vocabulary keeps every token: clamped to it, no top_k overflows a long.
         top_k = setting([min(p.top_k, logits.shape[-1]) for p in params], torch.long)
-        scaled = logits[drawn] / setting([p.temperature for p in params], torch.float32)[:, None]
+        # A tiny temperature would overflow a positive logit to inf, whose softmax is NaN. A row less
+        # its maximum is <= 0 with 0 at its top: divided, the others only fall towards -inf
+        # (near-greedy). A temperature below float32's smallest normal is taken as it, not rounded to 0.
+        temperature = setting([max(p.temperature, torch.finfo(torch.float32).tiny) for p in params], torch.float32)
+        rows = logits[drawn]
+        scaled = (rows - rows.amax(-1, keepdim=True)) / temperature[:, None]
         probs = filter_logits(scaled, top_k, setting([p.top_p for p in params], torch.float32),
                               setting([p.min_p for p in params], torch.float32)).softmax(-1)
         noise = _exponential_noise([seqs[i] for i in drawn], logits.shape[-1], logits.device)

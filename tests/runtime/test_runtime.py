@@ -411,6 +411,16 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(checkpoints):
         assert token_ids(outputs) == [unfiltered, greedy], top_k
 
 
+def test_a_tiny_temperature_generates_the_greedy_tokens(checkpoints):
+    path, _ = checkpoints["llama"]
+    engine = llm(path)
+    batch = prompts(3, seed=12)
+    greedy = token_ids(engine.generate(batch, GREEDY, use_tqdm=False))
+    for temperature in (1e-38, 1e-300):
+        params = SamplingParams(max_tokens=12, temperature=temperature, seed=3)
+        assert token_ids(engine.generate(batch, params, use_tqdm=False)) == greedy, temperature
+
+
 def test_stop_token_ids_and_max_tokens(checkpoints):
     path, _ = checkpoints["llama"]
     engine = llm(path)

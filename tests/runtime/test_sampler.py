@@ -135,3 +135,23 @@ def test_sampling_values_are_checked_without_a_vocabulary():
         SamplingParams(top_k=-1).validate()
     with pytest.raises(ValueError, match=r"stop_token_ids must be integers in \[0, 50\)"):
         SamplingParams(stop_token_ids=[50]).validate(50)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300])
+def test_a_tiny_temperature_samples_the_greedy_tokens(temperature):
+    x = torch.stack([logits(seed) for seed in range(20)])
+    x[:, 0] = -10.0  # no row's greedy token is 0, the token a NaN row would give
+    seqs = [seeded(SamplingParams(temperature=temperature, seed=s)) for s in range(20)]
+    assert sample_tokens(x.clone(), seqs).tolist() == x.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e300])
+def test_an_extreme_repetition_penalty_leaves_the_logits_finite(penalty):
+    x = logits(12)
+    top, bottom = int(x.argmax()), int(x.argmin())
+    seq = seeded(SamplingParams(repetition_penalty=penalty, seed=0))
+    generated(seq, [top, bottom])
+    assert torch.isfinite(apply_penalties(x.clone(), seq)).all()
+    draws = [sample_tokens(x[None].clone(), [seq]).item() for _ in range(20)]
+    # 1e-300 lifts the seen token of positive logit far above every other; 1e300 sinks the negative one.
+    assert draws == [top] * 20 if penalty < 1 else bottom not in draws
