@@ -162,6 +162,13 @@ class LLM:
                             f"got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            # Iterated, a dict would give its keys as requests' settings. An element of a list is
+            # checked by the engine, failing its request alone.
+            dict_hint = "; make one of its settings with SamplingParams(**settings)"
+            hint = dict_hint if isinstance(sampling_params, dict) else ""
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}{hint}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         outputs = []
@@ -177,7 +184,8 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts -> finished outputs, in input order. A prompt is a string, a list of token ids, or
         a dict of vLLM's shape: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, with images in
-        ``"multi_modal_data": {"image": img or [img, ...]}`` (``runtime.multimodal``)."""
+        ``"multi_modal_data": {"image": img or [img, ...]}`` (``runtime.multimodal``).
+        ``sampling_params``: one ``SamplingParams`` for every prompt, or a list of them, one per prompt."""
         with self._one_thread():
             outputs = self._add_requests(prompts, sampling_params)
             done = sum(o.finished for o in outputs)

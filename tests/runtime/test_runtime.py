@@ -573,6 +573,16 @@ def test_arguments_of_the_wrong_kind_are_named(checkpoints):
                                 ((p for p in ["a"]), "generator")):
         with pytest.raises(TypeError, match=f"prompts must be a string, .* got {kind}"):
             engine.generate(prompts_given, GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams or a list of them, got dict; "
+                                        r"make one of its settings with SamplingParams\(\*\*settings\)"):
+        engine.generate("Hi", {"temperature": 0}, use_tqdm=False)
+    for params_given, kind in (((p for p in [GREEDY]), "generator"), ("greedy", "str"), (0.0, "float")):
+        with pytest.raises(TypeError, match=f"sampling_params must be a SamplingParams or a list of them, got {kind}$"):
+            engine.stream([[5, 6]], params_given).__next__()
+    # one element of the wrong kind in a list fails its request alone
+    outputs = engine.generate([[5, 6], [5, 7]], [GREEDY, {"temperature": 0}], use_tqdm=False)
+    assert outputs[0].error is None
+    assert outputs[1].error == "request 1: sampling params must be a SamplingParams, got dict"
     assert not engine.engine.has_unfinished()
 
 
