@@ -67,11 +67,13 @@ def model_dtype(dtype) -> torch.dtype:
 
 
 def model_device(device) -> torch.device:
-    """A torch device that this torch can use, given as one or by its name."""
+    """A torch device that this torch can compute on, given as one or by its name."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
+    if device.type == "meta":  # tensors of shapes only: a model there loads, and its first forward fails
+        raise ValueError("device 'meta' holds no values: a model cannot compute on it; give cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but this torch sees no CUDA device")
     return device

@@ -1,10 +1,11 @@
 """``EngineConfig``: every option of the engine, its default and its meaning, checked in one place."""
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from layers.attention import BACKENDS
-from runtime.sampling_params import is_integer, is_number
+from runtime.sampling_params import is_finite_number, is_integer
 
 # The KV cache's dtypes: "auto" is the model's, "fp8" float8_e4m3fn (values over per-tensor scales).
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -36,9 +37,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not (is_integer(value) and value > 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.kv_cache_gib is not None and not (is_number(self.kv_cache_gib) and self.kv_cache_gib > 0):
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib!r}")
-        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
+        # Its bytes, not only the GiB, must be a finite float: the budget is divided into blocks.
+        if self.kv_cache_gib is not None and not (is_finite_number(self.kv_cache_gib) and self.kv_cache_gib > 0
+                                                  and math.isfinite(self.kv_cache_gib * (1 << 30))):
+            raise ValueError(f"kv_cache_gib must be a finite number of GiB > 0, got {self.kv_cache_gib!r}")
+        if not (is_finite_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "compile_decode"):
             if not isinstance(getattr(self, name), bool):
