@@ -7,7 +7,7 @@ from runtime.block_manager import BlockManager
 from runtime.compiled_decode import check_compilable
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.kv_cache import KVCache, blocks_for_budget, cache_dtype
+from runtime.kv_cache import KVCache, blocks_for_budget, cache_dtype, check_sizes
 from runtime.model_runner import ModelRunner
 from runtime.multimodal import ImageInputs, ImagePreprocessor, split_prompt
 from runtime.run_ahead import LaunchedStep, RunAhead
@@ -66,6 +66,7 @@ class Engine:
         num_blocks = config.num_blocks or blocks_for_budget(model, config, kv_dtype)
         if ranks is not None:  # the block tables rank 0 sends index every rank's pools alike
             num_blocks = ranks.fewest(num_blocks)
+        check_sizes(model, config, num_blocks, kv_dtype, config.compile_decode)
         self.kv_cache = KVCache(model, num_blocks, config.block_size, backend, padding_block=config.compile_decode,
                                 dtype=kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
@@ -138,9 +139,6 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if len(ids) + 1 > capacity:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the whole KV cache holds {capacity}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)

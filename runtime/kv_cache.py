@@ -9,6 +9,7 @@ import torch
 from layers import AttentionMetadata
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from ops_cuda.kv_layout import new_kv_cache
+from layers.linear import available_memory
 from runtime.config import EngineConfig
 
 CPU_KV_CACHE_GIB = 1.0
@@ -60,10 +61,35 @@ def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
     else:
         budget = CPU_KV_CACHE_GIB * (1 << 30)
     useful = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
-    num_blocks = min(int(budget // bytes_per_block(model, config.block_size, dtype)), useful)
+    block_bytes = bytes_per_block(model, config.block_size, dtype)
+    num_blocks = min(int(budget // block_bytes), useful)
     if num_blocks < 1:
-        raise ValueError(f"no memory left for the KV cache (budget {budget / (1 << 30):.2f} GiB)")
+        raise ValueError(f"no memory left for the KV cache: a block of block_size={config.block_size} tokens takes "
+                         f"{block_bytes} bytes, the budget is {int(budget)} bytes")
     return num_blocks
+
+
+def check_sizes(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype, padding_block: bool) -> None:
+    """Refuse a cache of ``num_blocks`` that cannot hold one sequence of ``max_model_len`` tokens, or
+    pools and per-sequence buffers larger than the memory left, before any of it is allocated: a
+    request would fail halfway, an allocator would not name the option."""
+    needed = -(-config.max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache: {num_blocks} blocks of "
+                         f"block_size={config.block_size} hold {num_blocks * config.block_size} tokens; give at "
+                         f"least {needed} blocks (num_blocks, kv_cache_gib, gpu_memory_utilization) or "
+                         f"max_model_len <= {num_blocks * config.block_size}")
+    device = next(model.parameters()).device
+    pools = (num_blocks + padding_block) * bytes_per_block(model, config.block_size, dtype)
+    tables = config.max_num_seqs * (needed * 4 + 8)  # a block-table row (int32) and a sampled id (int64) each
+    left = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if left is not None and pools > left:
+        raise ValueError(f"the KV cache's {num_blocks} blocks of block_size={config.block_size} tokens take {pools} "
+                         f"bytes, more than the {left} bytes of memory left: lower num_blocks, kv_cache_gib or block_size")
+    host_left = available_memory()
+    if host_left is not None and tables > host_left:
+        raise ValueError(f"max_num_seqs={config.max_num_seqs} asks for {tables} bytes of per-sequence buffers, "
+                         f"more than the {host_left} bytes of memory left")
 
 
 class KVCache:

@@ -113,6 +113,13 @@ def test_text_or_chat_without_a_tokenizer_is_a_clear_error(no_tokenizer, capsys)
     assert f"zoo chat: error: {no_tokenizer} has no tokenizer: zoo chat needs one" in err
 
 
+def test_serve_with_a_cache_past_the_memory_names_it_and_exits_2(no_tokenizer, capsys):
+    assert main(["serve", str(no_tokenizer), "--device", "cpu", "--num-blocks", str(10**12)]) == 2
+    assert re.fullmatch(r"zoo serve: error: the KV cache's 1000000000000 blocks of block_size=16 tokens take \d+ bytes, "
+                        r"more than the \d+ bytes of memory left: lower num_blocks, kv_cache_gib or block_size\n",
+                        capsys.readouterr().err)
+
+
 def test_chat_with_a_template_that_does_not_compile_names_it_and_exits_2(tmp_path, monkeypatch, capsys):
     from tests.runtime.test_server import break_chat_template, save_chat_checkpoint
 

@@ -221,7 +221,7 @@ def test_preempted_image_requests_are_recomputed_to_the_same_tokens(llava):
     path, model, processor = llava
     images = [image(9), image(10), image(11, 20, 70)]
     requests = [{"prompt": PROMPT, "multi_modal_data": {"image": img}} for img in images]
-    engine = llm(path, num_blocks=16, max_num_batched_tokens=12, enable_prefix_caching=False)
+    engine = llm(path, num_blocks=16, max_model_len=64, max_num_batched_tokens=12, enable_prefix_caching=False)
     outputs = engine.generate(requests, GREEDY)
     assert engine.engine.scheduler.num_preemptions > 0
     assert token_ids(outputs) == [hf_generate(model, processor, PROMPT, [img]) for img in images]

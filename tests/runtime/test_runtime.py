@@ -631,22 +631,32 @@ def test_numpy_integers_and_tuples_are_valid_prompts_and_settings(checkpoints):
     assert len(one_prompt) == 1 and one_prompt[0].prompt_token_ids == prompts(2)[0]
 
 
-def test_prompt_larger_than_the_cache_fails_alone(checkpoints):
-    path, _ = checkpoints["llama"]
-    engine = llm(path, num_blocks=4)  # 16 tokens
-    outputs = engine.generate([[5] * 30, [6, 7]], GREEDY, use_tqdm=False)
-    assert outputs[0].error == "request 0: the prompt has 30 tokens; the whole KV cache holds 16"
-    assert outputs[1].error is None and len(outputs[1].token_ids) == 12
-
-
-def test_sequence_outgrowing_the_cache_fails_alone(checkpoints):
-    path, _ = checkpoints["llama"]
-    engine = llm(path, num_blocks=4)
+def test_a_cache_that_cannot_hold_one_sequence_of_max_model_len_is_refused(checkpoints):
+    path, _ = checkpoints["llama"]  # max_position_embeddings 64
+    with pytest.raises(ValueError, match=r"max_model_len=64 does not fit the KV cache: 4 blocks of block_size=4 hold "
+                                         r"16 tokens; give at least 16 blocks .* or max_model_len <= 16"):
+        llm(path, num_blocks=4)
+    with pytest.raises(ValueError, match=r"max_model_len=64 does not fit the KV cache: 2 blocks of block_size=4"):
+        llm(path, kv_cache_gib=4096 / (1 << 30))  # the budget's blocks, of 2048 bytes
+    engine = llm(path, num_blocks=4, max_model_len=16)
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outputs = engine.generate([[5, 6, 7], [8, 9]], [long, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)],
-                              use_tqdm=False)
-    assert outputs[0].finish_reason == "error" and "do not fit the KV cache" in outputs[0].error
-    assert outputs[1].finish_reason == "length" and len(outputs[1].token_ids) == 3
+    outputs = engine.generate([[5] * 30, [5, 6, 7], [8, 9]], long, use_tqdm=False)
+    assert outputs[0].error == "request 0: the prompt has 30 tokens; max_model_len is 16"
+    assert [(o.finish_reason, len(o.token_ids)) for o in outputs[1:]] == [("length", 13), ("length", 14)]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(num_blocks=10**12), r"the KV cache's 1000000000000 blocks of block_size=4 tokens take \d+ bytes, more than "
+                              r"the \d+ bytes of memory left: lower num_blocks, kv_cache_gib or block_size"),
+    (dict(block_size=10**9, num_blocks=1), "the KV cache's 1 blocks of block_size=1000000000 tokens take"),
+    (dict(block_size=10**9), r"no memory left for the KV cache: a block of block_size=1000000000 tokens takes \d+ "
+                             r"bytes, the budget is 1073741824 bytes"),
+    (dict(max_num_seqs=10**12), r"max_num_seqs=1000000000000 asks for \d+ bytes of per-sequence buffers, more than"),
+], ids=["num_blocks", "block_size", "block_size-budget", "max_num_seqs"])
+def test_sizes_past_the_memory_are_named_before_they_are_allocated(checkpoints, options, message):
+    path, _ = checkpoints["llama"]
+    with pytest.raises(ValueError, match=message):
+        llm(path, **options)
 
 
 def test_streaming_adds_up_to_generate(checkpoints):
