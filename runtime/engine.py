@@ -125,11 +125,19 @@ class Engine:
             if self.images is None:
                 raise ValueError("multi_modal_data is given, but the checkpoint has no image processor")
             return self.images(text, token_ids, images)
-        ids = token_ids if text is None else self.tokenizer(text).input_ids
+        ids = token_ids if text is None else self._tokenize(text)
         if self.image_token_id is not None and self.image_token_id in ids:
             raise ValueError(f"the prompt has {ids.count(self.image_token_id)} image placeholders and no image "
                              f"is given (multi_modal_data)")
         return ids, None
+
+    def _tokenize(self, text: str) -> list[int]:
+        # A lone surrogate is no Unicode text: tokenizers raise a TypeError on it, which would fail the whole call.
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the prompt {text!r:.60} is not valid Unicode: {exc}") from None
+        return self.tokenizer(text).input_ids
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

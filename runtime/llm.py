@@ -298,6 +298,12 @@ class LLM:
                     message = {**message, "content": "".join(part["text"] for part in content)}
             elif not isinstance(content, str):
                 raise ValueError(f"message {i}: its content is a string or a list of parts, got {content!r:.80}")
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
+            for text in texts:
+                try:
+                    text.encode()
+                except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+                    raise ValueError(f"message {i}: its text {text!r:.60} is not valid Unicode: {exc}") from None
             messages.append(message)
         return messages
 

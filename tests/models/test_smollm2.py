@@ -141,6 +141,17 @@ def test_chat_takes_text_parts_and_names_what_it_cannot_take(llm, monkeypatch):
     assert not llm.engine.has_unfinished()
 
 
+def test_text_that_is_not_unicode_fails_alone(llm):
+    # A lone surrogate: the tokenizer would raise a TypeError out of the whole call.
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    good, bad = llm.generate(["The capital of France is", "a\ud800b"], params, use_tqdm=False)
+    assert good.error is None and len(good.token_ids) == 4
+    assert bad.finish_reason == "error" and "is not valid Unicode" in bad.error and "'a\\ud800b'" in bad.error
+    with pytest.raises(ValueError, match="message 0: its text 'a\\\\ud800' is not valid Unicode"):
+        llm.chat([{"role": "user", "content": "a\ud800"}], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
 def test_cli_generate(capsys):
     assert main(["generate", "--max-tokens", "8", "The capital of France is"]) == 0
     captured = capsys.readouterr()
