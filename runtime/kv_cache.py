@@ -7,9 +7,9 @@ import weakref
 import torch
 
 from layers import AttentionMetadata
+from layers.linear import available_memory
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from ops_cuda.kv_layout import new_kv_cache
-from layers.linear import available_memory
 from runtime.config import EngineConfig
 
 CPU_KV_CACHE_GIB = 1.0
