@@ -119,8 +119,8 @@ class EngineLoop:
     async def submit(self, prompts: list, params: list[SamplingParams]) -> RequestGroup:
         """Queue requests (one per prompt, each with its params) as one group. The group's first bad
         request raises RequestRejected naming what is wrong, and none of the group runs."""
-        if not self.alive:
-            raise RuntimeError("the engine loop has stopped")
+        if self.unavailable is not None:
+            raise RuntimeError(self.unavailable)
         submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
                                  time.perf_counter())
         self._num_submitted += len(prompts)
@@ -141,8 +141,11 @@ class EngineLoop:
         self._commands.put(list(request_ids))
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def unavailable(self) -> str | None:
+        """Why no request can be served (the thread has ended, or the LLM's ranks have failed), or None."""
+        if not self._thread.is_alive():
+            return "the engine loop has stopped"
+        return self.llm.failure
 
     def stop(self) -> None:
         """End what still runs (its clients get an error delta) and the thread."""

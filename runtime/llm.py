@@ -132,6 +132,11 @@ class LLM:
         """Where ranks run a part together: a failure takes the group down (``runtime.parallel``)."""
         return contextlib.nullcontext() if self.ranks is None else self.ranks.together()
 
+    @property
+    def failure(self) -> str | None:
+        """Why this LLM cannot generate any more (its tensor-parallel group is down), or None."""
+        return None if self.ranks is None else self.ranks.failure
+
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel LLM; it generates no more. (Interpreter
         exit stops them too.)"""

@@ -98,8 +98,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not app.state.engine_loop.alive:
-            return JSONResponse({"status": "the engine loop has stopped"}, status_code=503)
+        if (reason := app.state.engine_loop.unavailable) is not None:
+            return JSONResponse({"status": reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -451,6 +452,18 @@ def test_the_api_key_guards_every_route_but_health(server):
     assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong-key", max_retries=0).models.list()
+
+
+def test_health_answers_503_with_the_reason_while_the_llms_ranks_are_down(server, client, monkeypatch):
+    base_url, llm = server
+    down = "the tensor-parallel group is down: tensor-parallel rank 1 exited with status 1"
+    monkeypatch.setattr(llm, "ranks", SimpleNamespace(failure=down))  # what Ranks.take_down leaves on rank 0
+    status, body = get(f"{base_url}/health", key=None)
+    assert status == 503 and json.loads(body) == {"status": down}
+    with pytest.raises(openai.InternalServerError, match=down):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    monkeypatch.undo()
+    assert get(f"{base_url}/health", key=None) == (200, '{"status":"ok"}')
 
 
 def test_engine_abort_frees_the_blocks_of_running_and_waiting_requests(reference):
