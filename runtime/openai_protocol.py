@@ -37,6 +37,13 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+# A request's choices are built and queued at once: OpenAI's maximum of n bounds that work.
+MAX_N = 128
+# OpenAI takes 4 stop sequences; zoo takes 16 for requests written for vLLM, which has no cap,
+# while bounding the stop strings matched against every new token's text.
+MAX_STOP = 16
+
+
 class _SamplingRequest(_Strict):
     """The fields chat and completions share; ``None`` is the default, as in the API."""
 
@@ -44,7 +51,7 @@ class _SamplingRequest(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -57,6 +64,10 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+
+    def check(self) -> None:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise APIError(400, f"stop takes at most {MAX_STOP} sequences, got {len(self.stop)}", "stop")
 
     @property
     def num_choices(self) -> int:
@@ -159,6 +170,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
 
     def check(self) -> None:
+        super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
@@ -180,6 +192,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = None
 
     def check(self) -> None:
+        super().check()
         if self.echo:
             raise APIError(400, "echo is not supported: the response carries the generated text only", "echo")
         if isinstance(self.prompt, list) and not self.prompt:
