@@ -78,8 +78,8 @@ class _SamplingRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_model_len: int, vocab_size: int) -> list[SamplingParams]:
-        """One SamplingParams per choice, checked; choice i of a seeded request draws with seed + i.
-        Without max_tokens a request may run to max_model_len."""
+        """One SamplingParams per choice, checked; choice i of a seeded request draws with seed + i
+        (``_choice_seed``). Without max_tokens a request may run to max_model_len."""
         given = {
             "max_tokens": self._max_tokens(), "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
@@ -92,14 +92,24 @@ class _SamplingRequest(_Strict):
             params.max_tokens = max_model_len
         choices = []
         for index in range(self.num_choices):
-            choice = SamplingParams(**{**vars(params), "seed": None if self.seed is None else self.seed + index})
+            choice = SamplingParams(**{**vars(params), "seed": self._choice_seed(index)})
             try:
                 choice.validate(vocab_size)
             except ValueError as exc:
+                # The message names the request's field, not SamplingParams' (a chat's top_logprobs sets logprobs).
                 name = str(exc).split()[0]
-                raise APIError(400, str(exc), self._request_field(name)) from exc
+                param = self._request_field(name)
+                raise APIError(400, param + str(exc)[len(name):], param) from exc
             choices.append(choice)
         return choices
+
+    def _choice_seed(self, index: int) -> int | None:
+        """Choice ``index``'s seed, seed + index, wrapped modulo 2**64 past the largest seed: the
+        choices' seeds stay distinct and in range. Choice 0's is the request's as given, checked
+        before any other (a seed out of range is named, not wrapped)."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index) % 2**64 if self.seed + index >= 2**64 else self.seed + index
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens

@@ -258,6 +258,11 @@ def test_penalties_stop_strings_and_n_choices_equal_llm_generate(client, referen
     # The prompt counts once, the choices' tokens all.
     assert response.usage.prompt_tokens == len(expected[0].prompt_token_ids)
     assert response.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+    # Past the largest seed, choice i's wraps modulo 2**64.
+    response = client.completions.create(model=MODEL, prompt=prompt, n=2, seed=2**64 - 1, max_tokens=8)
+    wrapped = reference.generate([prompt] * 2, [SamplingParams(max_tokens=8, seed=seed) for seed in (2**64 - 1, 0)],
+                                 use_tqdm=False)
+    assert [c.text for c in response.choices] == [o.text for o in wrapped]
 
 
 def test_32_concurrent_streams_share_the_engine_and_all_finish_correctly(server, client, reference):
@@ -384,7 +389,8 @@ BAD_REQUESTS = {
     "max_tokens 0": ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens",
                      "positive"),
     "max_completion_tokens 0": ("chat/completions", {**CHAT, "max_completion_tokens": 0}, 400,
-                                "max_completion_tokens", "positive"),
+                                "max_completion_tokens", "max_completion_tokens must be a positive integer"),
+    "seed past the largest": ("completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed", "2**64"),
     "presence_penalty 3": ("chat/completions", {**CHAT, "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
     "n 0": ("chat/completions", {**CHAT, "n": 0}, 400, "n", "greater than or equal to 1"),
     "n over 128": ("completions", {"model": MODEL, "prompt": "hi", "n": 1_000_000, "max_tokens": 1}, 400, "n",
@@ -392,7 +398,7 @@ BAD_REQUESTS = {
     "17 stop sequences": ("chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop",
                           "at most 16 sequences, got 17"),
     "top_logprobs 30": ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
-                        "30"),
+                        "top_logprobs must be an integer in [0, 20], got 30"),
     "top_logprobs without logprobs": ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs",
                                       "logprobs"),
     "empty stop string": ("completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
