@@ -46,11 +46,12 @@ class Delta:
 
 
 class RequestRejected(ValueError):
-    """The error of a request the engine refuses to add; ``index`` is its place in its group."""
+    """The error of a request the engine refuses to add; ``index`` is its place in its group,
+    ``error`` the ValueError it was refused with (a ConversationError names a chat's message and part)."""
 
-    def __init__(self, index: int, message: str):
-        super().__init__(message)
-        self.index = index
+    def __init__(self, index: int, error: ValueError):
+        super().__init__(str(error))
+        self.index, self.error = index, error
 
 
 @dataclass
@@ -193,7 +194,7 @@ class EngineLoop:
                 added.append(output)
         except Exception as exc:  # a request the engine rejects or chokes on fails alone, never the loop
             if isinstance(exc, ValueError):  # the request at fault is the one after those added
-                exc = RequestRejected(len(added), str(exc))
+                exc = RequestRejected(len(added), exc)
             else:
                 logger.exception("a request failed to enter the engine")
             self.engine.abort([o.request_id for o in added])

@@ -56,6 +56,16 @@ def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     return ids
 
 
+class ConversationError(ValueError):
+    """A conversation's message the chat template cannot take: ``message_index`` is its place,
+    ``part_index`` that of the content part at fault (or None), ``reason`` what is wrong."""
+
+    def __init__(self, reason: str, message_index: int, part_index: int | None = None):
+        where = f"message {message_index}" + ("" if part_index is None else f", part {part_index}")
+        super().__init__(f"{where}: {reason}")
+        self.reason, self.message_index, self.part_index = reason, message_index, part_index
+
+
 class LLM:
     """Load a model and generate with continuous batching over a paged KV cache.
 
@@ -288,27 +298,27 @@ class LLM:
         messages = []
         for i, message in enumerate(conversation):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError(f"message {i}: a message is a dict with a 'role' string, got {message!r:.80}")
+                raise ConversationError(f"a message is a dict with a 'role' string, got {message!r:.80}", i)
             content = message.get("content")
             if isinstance(content, list):
                 for j, part in enumerate(content):
                     kind = part.get("type") if isinstance(part, dict) else None
                     if kind == "image" and not takes_images:
-                        raise ValueError(f"message {i}, part {j}: {type(self.model).__name__} takes no images")
+                        raise ConversationError(f"{type(self.model).__name__} takes no images", i, j)
                     text_part = kind == "text" and isinstance(part.get("text"), str)
                     if not (text_part or kind == "image" and "image" in part):
-                        raise ValueError(f"message {i}, part {j}: a part is {{'type': 'text', 'text': str}} or "
-                                         f"{{'type': 'image', 'image': img}}, got {part!r:.80}")
+                        raise ConversationError(f"a part is {{'type': 'text', 'text': str}} or "
+                                                f"{{'type': 'image', 'image': img}}, got {part!r:.80}", i, j)
                 if all(part["type"] == "text" for part in content):
                     message = {**message, "content": "".join(part["text"] for part in content)}
             elif not isinstance(content, str):
-                raise ValueError(f"message {i}: its content is a string or a list of parts, got {content!r:.80}")
+                raise ConversationError(f"its content is a string or a list of parts, got {content!r:.80}", i)
             texts = [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
             for text in texts:
                 try:
                     text.encode()
                 except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
-                    raise ValueError(f"message {i}: its text {text!r:.60} is not valid Unicode: {exc}") from None
+                    raise ConversationError(f"its text {text!r:.60} is not valid Unicode: {exc}", i) from None
             messages.append(message)
         return messages
 

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from runtime.engine_loop import EngineLoop, RequestGroup, RequestRejected, TokenLogprob
-from runtime.llm import LLM
+from runtime.llm import LLM, ConversationError
 from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
 # On SIGINT/SIGTERM, how long running requests may take to finish before they are aborted.
@@ -67,8 +67,13 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
         try:
             return await app.state.engine_loop.submit(repeated, params * len(prompts))
         except RequestRejected as exc:  # the group repeats each prompt once per choice
-            param = list(prompts)[exc.index // request.num_choices]
-            raise APIError(400, f"{param}: {exc}", param) from exc
+            param, reason = list(prompts)[exc.index // request.num_choices], str(exc)
+            if isinstance(exc.error, ConversationError):  # the chat's message, or its part, at fault
+                reason = exc.error.reason
+                param += f"[{exc.error.message_index}]"
+                if exc.error.part_index is not None:
+                    param += f".content[{exc.error.part_index}]"
+            raise APIError(400, f"{param}: {reason}", param) from exc
         except Exception as exc:  # the engine loop logged it; the client gets the API's shape of it
             raise APIError(500, f"internal error: {exc}", type="server_error") from exc
 

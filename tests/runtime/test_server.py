@@ -337,6 +337,7 @@ def test_metrics_count_tokens_and_latencies(server, client):
 
 
 CHAT = {"model": MODEL, "messages": CONVERSATION}
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg=="  # a 1x1 grey PNG
 BAD_REQUESTS = {
     # name: (route, body, status, param, words the message must contain)
     "malformed JSON": ("chat/completions", b'{"model": "tiny-llama", "messages": [', 400, None, "not valid JSON"),
@@ -356,6 +357,9 @@ BAD_REQUESTS = {
         {"type": "image_url", "image_url": {"url": 5}}]}]}, 400, "messages[0].content[0].image_url.url", "5"),
     "wrong type in a text part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": 3}]}]}, 400, "messages[0].content[0].text", "3"),
+    "image for a text model": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}}]}]}, 400,
+                               "messages[0].content[0]", "messages[0].content[0]: LlamaForCausalLM takes no images"),
     "unknown content part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "audio", "audio": "..."}]}]}, 400, "messages[0].content[0]", "audio"),
     "no messages": ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
