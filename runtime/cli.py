@@ -3,6 +3,7 @@ generated; Ctrl-C stops generation without a traceback (exit status 130) and, in
 only the current reply."""
 
 import argparse
+import socket
 import sys
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -42,6 +43,22 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port: 0 to 65535")
     return value
+
+
+def host(text: str) -> str:
+    """``--host``: an address of this machine, checked before the model loads (uvicorn binds it only
+    after). A name is resolved as uvicorn resolves it; binding port 0 takes no port."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(text, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address or a host name that resolves: "
+                                         f"{exc.strerror}") from None
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address[0], 0, *address[2:]))
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address of this machine: {exc.strerror}") from None
+    return text
 
 
 def api_key(text: str) -> str:
@@ -314,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve a model over the OpenAI API: chat and text completions, "
                                             "models, health and Prometheus metrics.", formatter_class=formatter)
     serve.add_argument("model", nargs="?", help=MODEL_HELP)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", help="the name clients give as `model` (default: MODEL as given)")
     serve.add_argument("--api-key", type=api_key, help="a key every request but GET /health must bear as `Authorization: Bearer "

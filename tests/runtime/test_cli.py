@@ -69,6 +69,9 @@ def test_sampling_flags_are_checked_before_the_model_loads(command, flags, messa
     (["serve", "--port", "99999"], "argument --port: 99999 is not a port: 0 to 65535"),
     (["serve", "--port", "http"], "argument --port: 'http' is not a port number"),
     (["serve", "--api-key", ""], "argument --api-key: the key is empty"),
+    (["serve", "--host", "999.999.999.999"],
+     "argument --host: '999.999.999.999' is not an address or a host name that resolves"),
+    (["serve", "--host", "192.0.2.1"], "argument --host: '192.0.2.1' is not an address of this machine"),
     (["diff", "--atol", "-1"], "argument --atol: '-1': a tolerance is a finite number >= 0"),
     (["diff", "--rtol", "nan"], "argument --rtol: 'nan': a tolerance is a finite number >= 0"),
 ])
