@@ -61,6 +61,14 @@ def host(text: str) -> str:
     return text
 
 
+def count(text: str) -> int:
+    """A count of at least 1 (``--steps``)."""
+    value = _parsed(text, int, "an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a count is at least 1")
+    return value
+
+
 def api_key(text: str) -> str:
     """``--api-key``: a non-empty key (an empty one, as from an unset variable, would turn the check off)."""
     if not text:
@@ -324,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tolerance relative to the reference's max abs value (default by dtype)")
     diff.add_argument("--runtime", action="store_true", help="diff the runtime's path: a prefill through the paged "
                                                              "KV cache, then greedy decode steps, against HF with its cache")
-    diff.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="decode steps of --runtime")
+    diff.add_argument("--steps", type=count, default=DEFAULT_STEPS, help="decode steps of --runtime")
     diff.set_defaults(run=_diff)
 
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP)",

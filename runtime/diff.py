@@ -18,6 +18,7 @@ from torch import nn
 
 from loaders import from_checkpoint, load_config, load_processor, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM
+from models.base import check_batch
 from runtime import LLM, SamplingParams
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Germany is"
@@ -163,9 +164,16 @@ def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor
         raise ValueError(f"the runtime diff takes one prompt, input_ids [1, T]; got shape {tuple(input_ids.shape)}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    text_config = model.config.get_text_config()
+    # The cache-free forward's check: the LLM would only fail the request, HuggingFace's embedding raise an IndexError.
+    check_batch(input_ids, text_config.vocab_size)
     atol, rtol = _tolerances(model, atol, rtol)
     prompt = input_ids[0].tolist()
     max_model_len = len(prompt) + steps + 1
+    if max_model_len > text_config.max_position_embeddings:  # the LLM's limit: it would run no forward at all
+        raise ValueError(f"a prompt of {len(prompt)} tokens, {steps} decode steps and the token the last samples "
+                         f"take {max_model_len} positions; the model's max_position_embeddings is "
+                         f"{text_config.max_position_embeddings}")
     block_size = 16
     llm = LLM(model, enforce_eager=True, max_num_seqs=1, max_model_len=max_model_len, block_size=block_size,
               num_blocks=-(-max_model_len // block_size), enable_chunked_prefill=False, enable_prefix_caching=False)

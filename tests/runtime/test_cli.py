@@ -74,6 +74,8 @@ def test_sampling_flags_are_checked_before_the_model_loads(command, flags, messa
     (["serve", "--host", "192.0.2.1"], "argument --host: '192.0.2.1' is not an address of this machine"),
     (["diff", "--atol", "-1"], "argument --atol: '-1': a tolerance is a finite number >= 0"),
     (["diff", "--rtol", "nan"], "argument --rtol: 'nan': a tolerance is a finite number >= 0"),
+    (["diff", "--runtime", "--steps", "0"], "argument --steps: 0: a count is at least 1"),
+    (["diff", "--runtime", "--steps", "two"], "argument --steps: 'two' is not an integer"),
 ])
 def test_server_and_diff_flags_are_checked_before_the_model_loads(argv, message, no_loading, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -111,3 +111,18 @@ def test_runtime_diff_takes_one_prompt(make_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(path)
     with pytest.raises(ValueError, match=r"one prompt, input_ids \[1, T\]; got shape \(2, 11\)"):
         diff_runtime(model, load_reference(path, torch.float32, "cpu"), TOKENS.repeat(2, 1))
+
+
+@pytest.mark.parametrize("runtime_steps", [None, 2], ids=["cache-free", "runtime"])
+def test_token_ids_outside_the_vocabulary_are_named_on_either_path(make_checkpoint, runtime_steps):
+    path, _ = make_checkpoint(tiny_config("llama"))
+    with pytest.raises(ValueError, match=r"input_ids hold ids outside \[0, 97\): min 5, max 500"):
+        diff_checkpoint(path, input_ids=torch.tensor([[5, 500]]), runtime_steps=runtime_steps)
+
+
+def test_a_runtime_diff_past_max_position_embeddings_names_the_limit(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("llama", max_position_embeddings=16))
+    with pytest.raises(ValueError, match="a prompt of 14 tokens, 2 decode steps and the token the last samples take 17 "
+                                         "positions; the model's max_position_embeddings is 16"):
+        diff_checkpoint(path, input_ids=torch.arange(1, 15)[None], runtime_steps=2)
+    assert all(r.ok for r in diff_checkpoint(path, input_ids=torch.arange(1, 14)[None], runtime_steps=2))
