@@ -262,12 +262,34 @@ def test_greedy_matches_hf_generate(name, checkpoints):
         assert output.finish_reason == ("stop" if expected[-1] == reference.config.eos_token_id else "length")
 
 
+def record_steps(engine):
+    """Each step the engine's scheduler hands out, as (request_id, num_computed_tokens before it,
+    new tokens, prompt length) per sequence, recorded at the moment it is scheduled."""
+    steps = []
+    schedule = engine.engine.scheduler.schedule
+
+    def recorded():
+        scheduled, failed = schedule()
+        steps.append([(seq.request_id, seq.num_computed_tokens, count, seq.num_prompt_tokens)
+                      for seq, count in scheduled])
+        return scheduled, failed
+
+    engine.engine.scheduler.schedule = recorded
+    return steps
+
+
 def test_chunked_prefill_changes_nothing(checkpoints):
     path, _ = checkpoints["mistral-window"]
     batch = prompts(6, seed=1, low=10, high=40)
     plain = token_ids(llm(path, enable_chunked_prefill=False).generate(batch, GREEDY, use_tqdm=False))
     engine = llm(path, max_num_batched_tokens=7)
+    steps = record_steps(engine)
     assert token_ids(engine.generate(batch, GREEDY, use_tqdm=False)) == plain
+    # Every step stays within the token budget, and prompts longer than it are split across steps:
+    # a prefill chunk that ends before its prompt does.
+    assert steps and all(sum(count for _, _, count, _ in step) <= 7 for step in steps)
+    split = {rid for step in steps for rid, computed, count, prompt in step if computed + count < prompt}
+    assert len(split) >= 4, split
 
 
 def test_prefix_cache_hits_change_nothing(checkpoints):
@@ -282,6 +304,22 @@ def test_prefix_cache_hits_change_nothing(checkpoints):
     assert all(o.num_cached_tokens >= 16 for o in again[:4])
     # An entirely cached prompt (16 tokens = 4 full blocks) still computes its last block.
     assert again[4].num_cached_tokens == 12
+    # A block's key chains the blocks before it: a prompt that starts with the tokens of a later
+    # block of a cached prompt (shared[4:8], cached after shared[:4]) gets no hit. A hit saves its
+    # compute: each prompt's prefill computes the tokens the cache did not serve, no more.
+    shifted = shared[4:8] + prompts(1, seed=5, low=6, high=6)[0]
+    steps = record_steps(engine)
+    third = engine.generate(batch + [shifted], GREEDY, use_tqdm=False)
+    assert third[-1].num_cached_tokens == 0
+    assert token_ids(third) == solo + [token_ids(llm(path, enable_prefix_caching=False).generate(
+        [shifted], GREEDY, use_tqdm=False))[0]]
+    computed = {}
+    for step in steps:
+        for rid, done, count, prompt in step:
+            if done < prompt:
+                computed[rid] = computed.get(rid, 0) + count
+    for output in third:
+        assert computed[output.request_id] == len(output.prompt_token_ids) - output.num_cached_tokens
 
 
 def test_torch_backend_derives_the_decode_keys_once_per_step(checkpoints, monkeypatch):
