@@ -521,6 +521,24 @@ def test_tokens_sampled_ahead_of_a_stop_are_dropped(checkpoints):
         assert output == expected[0, len(prompt):].tolist()
 
 
+def test_blocks_full_of_generated_tokens_are_cached(checkpoints):
+    # The blocks a sequence fills with its generated tokens are keyed like its prompt's: a prompt
+    # made of an earlier prompt and its output is served from the cache up to its last full block
+    # before its last token, generated tokens included, and continues like the uncached one.
+    path, _ = checkpoints["llama"]
+    engine = llm(path)
+    batch = prompts(3, seed=12, low=5, high=10)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    first = token_ids(engine.generate(batch, params, use_tqdm=False))
+    continued = [p + ids for p, ids in zip(batch, first)]
+    outputs = engine.generate(continued, params, use_tqdm=False)
+    for prompt, generated, output in zip(batch, first, outputs):
+        assert output.num_cached_tokens == (len(prompt) + len(generated) - 1) // 4 * 4
+        assert output.num_cached_tokens >= (len(prompt) // 4 + 3) * 4  # 3 blocks of generated tokens at least
+    uncached = llm(path, enable_prefix_caching=False).generate(continued, params, use_tqdm=False)
+    assert token_ids(outputs) == token_ids(uncached)
+
+
 def test_max_model_len_ends_generation_at_the_same_token(checkpoints):
     # The last token that fits max_model_len is generated whether or not decodes run ahead.
     path, _ = checkpoints["llama"]
