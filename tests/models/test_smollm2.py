@@ -84,6 +84,10 @@ def test_stop_strings_cut_the_text(llm):
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
     assert " 8" in llm.tokenizer.decode(stopped.token_ids)
+    # Every stop string is looked for, not only the first: listed second, " 8" cuts the same text.
+    second = llm.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=30, temperature=0.0, stop=["zzz", " 8"]),
+                          use_tqdm=False)[0]
+    assert (second.text, second.finish_reason, second.token_ids) == (stopped.text, "stop", stopped.token_ids)
 
 
 def test_a_stop_token_ends_the_text_as_without_stop_strings(llm):
