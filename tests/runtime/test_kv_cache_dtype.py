@@ -13,7 +13,7 @@ from runtime import LLM, EngineConfig, SamplingParams
 from runtime.cli import KV_CACHE_DTYPES as CLI_KV_CACHE_DTYPES
 from runtime.config import KV_CACHE_DTYPES
 from runtime.kv_cache import cache_dtype
-from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 from tests.models.test_deepseek_v3 import VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model
 from tests.runtime.test_runtime import prompts, token_ids
 
@@ -114,6 +114,21 @@ def test_agreement_benchmark_decode_steps_give_one_prefills_logits(checkpoints, 
     assert steps.shape == (2, 24 - agreement.DECODE_PROMPT, 97)
     torch.testing.assert_close(steps, prompt[:, agreement.DECODE_PROMPT:], rtol=1e-4, atol=1e-4)
     assert not torch.equal(agreement.paged_logits(model, input_ids, "fp8", decode=True), steps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_decode_steps_give_logits_an_e4m3_rounding_from_the_model_dtypes(checkpoints, dtype):
+    # Each decode step's logits read over the e4m3 cache's keys and values stay within a few e4m3
+    # roundings (2**-4 relative each) of those over the model's dtype: about 0.08 of the largest
+    # logit on this model, where values read back as zeros put them past 1.
+    agreement = importlib.import_module("benchmarks.bf16_agreement")
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=dtype)
+    input_ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    auto = agreement.paged_logits(model, input_ids, "auto", decode=True).float()
+    fp8 = agreement.paged_logits(model, input_ids, "fp8", decode=True).float()
+    assert auto.shape[1] == 24 - agreement.DECODE_PROMPT == 8
+    for step in range(auto.shape[1]):
+        assert relative_error(fp8[:, step], auto[:, step]) < 4 * 2**-4, step
 
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
