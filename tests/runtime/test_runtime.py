@@ -459,6 +459,21 @@ def test_a_tiny_temperature_generates_the_greedy_tokens(checkpoints):
         assert token_ids(engine.generate(batch, params, use_tqdm=False)) == greedy, temperature
 
 
+def test_repetition_penalty_matches_hf_generate(checkpoints):
+    # A penalised request reads every token it has so far, the one sampled at the step before
+    # included: the host takes each step in before the next is scheduled, and 24 greedy steps
+    # equal HF's generate(repetition_penalty=...) token for token.
+    path, reference = checkpoints["llama"]
+    batch = prompts(4, seed=14, low=3, high=20)
+    for penalty in (1.5, 0.8):
+        params = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=penalty, ignore_eos=True)
+        outputs = token_ids(llm(path).generate(batch, params, use_tqdm=False))
+        for prompt, output in zip(batch, outputs):
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
+                                          do_sample=False, repetition_penalty=penalty)
+            assert output == expected[0, len(prompt):].tolist(), penalty
+
+
 def test_stop_token_ids_and_max_tokens(checkpoints):
     path, _ = checkpoints["llama"]
     engine = llm(path)
@@ -563,6 +578,26 @@ def test_logprobs_are_the_models(checkpoints):
         for alternative, logprob in entry.items():
             assert logprob == pytest.approx(expected[step, alternative].item(), abs=1e-5)
         assert set(entry) == set(expected[step].topk(3).indices.tolist())
+
+
+def test_sampled_tokens_carry_their_own_logprobs(checkpoints):
+    # A drawn token's logprob is that token's under the model (not the most likely token's): each
+    # step's entry holds the sampled token with HF's log_softmax value for it.
+    path, reference = checkpoints["qwen3"]
+    batch = prompts(3, seed=15)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, logprobs=0, ignore_eos=True)
+    outputs = llm(path).generate(batch, params, use_tqdm=False)
+    drawn_below_the_top = 0
+    for prompt, output in zip(batch, outputs):
+        assert output.error is None and len(output.logprobs) == 12
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt + output.token_ids])).logits[0, len(prompt) - 1 : -1]
+        expected = expected.log_softmax(-1)
+        for step, (token, entry) in enumerate(zip(output.token_ids, output.logprobs)):
+            assert list(entry) == [token]
+            assert entry[token] == pytest.approx(expected[step, token].item(), abs=1e-5)
+            drawn_below_the_top += token != int(expected[step].argmax())
+    assert drawn_below_the_top > 3  # the draws are not all the greedy tokens
 
 
 def test_bad_requests_fail_alone(checkpoints):
