@@ -155,3 +155,50 @@ def test_an_extreme_repetition_penalty_leaves_the_logits_finite(penalty):
     draws = [sample_tokens(x[None].clone(), [seq]).item() for _ in range(20)]
     # 1e-300 lifts the seen token of positive logit far above every other; 1e300 sinks the negative one.
     assert draws == [top] * 20 if penalty < 1 else bottom not in draws
+
+
+def draw_frequencies(probs, params, draws=20000):
+    """How often each token is drawn from logits log(``probs``) by ``draws`` seeded rows of ``params``
+    (row i seeded i), the prompt [0] and no output."""
+    x = torch.log(torch.tensor(probs)).expand(draws, -1).clone()
+    seqs = [seeded(SamplingParams(**params, seed=i)) for i in range(draws)]
+    for seq in seqs:
+        seq.token_ids = [0]
+    return torch.bincount(sample_tokens(x, seqs), minlength=len(probs)) / draws
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_draws_follow_the_softmax_of_the_logits_over_the_temperature(temperature):
+    # 20000 draws: each frequency is within 0.015 (over 4 standard deviations) of softmax(x / T);
+    # T = 1 would give [0.6, 0.3, 0.1], far outside it at either temperature.
+    x = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+    frequencies = draw_frequencies([0.6, 0.3, 0.1], dict(temperature=temperature))
+    assert torch.allclose(frequencies, (x / temperature).softmax(-1), rtol=0, atol=0.015)
+
+
+def test_a_drawn_row_is_drawn_from_its_penalised_logits():
+    # A repetition penalty of 2 on the prompt's token 0 doubles its negative logit: probabilities
+    # 0.5, 0.3, 0.2 become 0.25, 0.3, 0.2 renormalised (1/3, 0.4, 4/15). A frequency penalty of
+    # log 2 on an output token 2 seen once halves its probability: 0.5, 0.3, 0.1 renormalised.
+    expected = torch.tensor([0.25, 0.3, 0.2]) / 0.75
+    frequencies = draw_frequencies([0.5, 0.3, 0.2], dict(temperature=1.0, repetition_penalty=2.0))
+    assert torch.allclose(frequencies, expected, rtol=0, atol=0.015)
+    draws = 20000
+    x = torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(draws, -1).clone()
+    seqs = [seeded(SamplingParams(temperature=1.0, frequency_penalty=torch.log(torch.tensor(2.0)).item(), seed=i))
+            for i in range(draws)]
+    for seq in seqs:
+        generated(seq, [2])
+    frequencies = torch.bincount(sample_tokens(x, seqs), minlength=3) / draws
+    assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.1]) / 0.9, rtol=0, atol=0.015)
+
+
+@pytest.mark.parametrize("setting, allowed", [(dict(top_p=0.7), {0, 1}), (dict(min_p=0.25), {0, 1, 2})])
+def test_sample_tokens_draws_only_inside_the_top_p_and_min_p_sets(setting, allowed):
+    # Probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps {0, 1} (0.5 falls short of it, 0.8 crosses
+    # it); min_p 0.25 keeps those of at least 0.125, {0, 1, 2}. 1000 seeded draws at temperature 1
+    # fall inside the set and draw each of its tokens.
+    draws = 1000
+    x = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).expand(draws, -1).clone()
+    seqs = [seeded(SamplingParams(temperature=1.0, seed=i, **setting)) for i in range(draws)]
+    assert set(sample_tokens(x, seqs).tolist()) == allowed
