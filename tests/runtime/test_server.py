@@ -265,6 +265,24 @@ def test_penalties_stop_strings_and_n_choices_equal_llm_generate(client, referen
     assert [c.text for c in response.choices] == [o.text for o in wrapped]
 
 
+def test_top_k_min_p_and_repetition_penalty_reach_the_engine(client, reference):
+    # Fields the OpenAI client sends in its extra body: top_k 1 or a min_p of 0.999 at temperature 1
+    # draws the greedy tokens (the same seed without them does not), a repetition penalty answers
+    # as LLM.generate with it (and not as without it).
+    prompt = "abcabcabc"
+    greedy = reference.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].text
+    drawn = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=3)
+    assert client.completions.create(**drawn).choices[0].text != greedy
+    for extra in ({"top_k": 1}, {"min_p": 0.999}):
+        assert client.completions.create(**drawn, extra_body=extra).choices[0].text == greedy, extra
+    penalised = reference.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.8),
+                                   use_tqdm=False)[0].text
+    assert penalised != greedy
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
+                                    extra_body={"repetition_penalty": 1.8})
+    assert got.choices[0].text == penalised
+
+
 def test_32_concurrent_streams_share_the_engine_and_all_finish_correctly(server, client, reference):
     base_url, llm = server
     prompts = [f"Request {i}: " + "xyz"[i % 3] * (i % 7) for i in range(32)]
