@@ -109,7 +109,7 @@ class _SamplingRequest(_Strict):
         before any other (a seed out of range is named, not wrapped)."""
         if self.seed is None or index == 0:
             return self.seed
-        return (self.seed + index) % 2**64 if self.seed + index >= 2**64 else self.seed + index
+        return (self.seed + index) % 2**64
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
