@@ -60,7 +60,7 @@ def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
         budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated(device)
     else:
         budget = CPU_KV_CACHE_GIB * (1 << 30)
-    useful = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
+    useful = config.max_num_seqs * blocks_per_sequence(config)
     block_bytes = bytes_per_block(model, config.block_size, dtype)
     num_blocks = min(int(budget // block_bytes), useful)
     if num_blocks < 1:
@@ -69,11 +69,16 @@ def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
     return num_blocks
 
 
+def blocks_per_sequence(config: EngineConfig) -> int:
+    """The blocks one sequence of max_model_len tokens takes."""
+    return -(-config.max_model_len // config.block_size)
+
+
 def check_sizes(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype, padding_block: bool) -> None:
     """Refuse a cache of ``num_blocks`` that cannot hold one sequence of ``max_model_len`` tokens, or
     pools and per-sequence buffers larger than the memory left, before any of it is allocated: a
     request would fail halfway, an allocator would not name the option."""
-    needed = -(-config.max_model_len // config.block_size)
+    needed = blocks_per_sequence(config)
     if num_blocks < needed:
         raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache: {num_blocks} blocks of "
                          f"block_size={config.block_size} hold {num_blocks * config.block_size} tokens; give at "
@@ -86,7 +91,7 @@ def check_sizes(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype
     if left is not None and pools > left:
         raise ValueError(f"the KV cache's {num_blocks} blocks of block_size={config.block_size} tokens take {pools} "
                          f"bytes, more than the {left} bytes of memory left: lower num_blocks, kv_cache_gib or block_size")
-    host_left = available_memory()
+    host_left = left if device.type != "cuda" else available_memory()
     if host_left is not None and tables > host_left:
         raise ValueError(f"max_num_seqs={config.max_num_seqs} asks for {tables} bytes of per-sequence buffers, "
                          f"more than the {host_left} bytes of memory left")
