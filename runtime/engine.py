@@ -36,6 +36,15 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass
+class PreparedPrompt:
+    """A request's prompt tokenized and checked (``Engine.prepare_prompt``)."""
+
+    text: str | None  # None where the prompt came as token ids
+    token_ids: list[int]
+    image_inputs: ImageInputs | None
+
+
 class Engine:
     def __init__(self, model, tokenizer, generation_eos: list[int], config: EngineConfig, processor=None,
                  ranks=None):
@@ -86,23 +95,40 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: int, prompt, params: SamplingParams) -> RequestOutput:
-        """Queue one request. A bad one gets a finished output with the error, and nothing else changes."""
-        output = RequestOutput(request_id, None, [])
+        """Queue one request: ``prompt`` as ``prepare_prompt`` takes it, or what it returned. A bad one
+        gets a finished output with the error, and nothing else changes."""
+        output = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, [])
         try:
-            text, token_ids, images = split_prompt(prompt)
-            output.prompt = text
-            output.prompt_token_ids, image_inputs = self._prompt_ids(text, token_ids, images)
-            self._validate(output.prompt_token_ids, params)
+            if not isinstance(prompt, PreparedPrompt):
+                prompt = self.prepare_prompt(prompt)
+            output.prompt, output.prompt_token_ids = prompt.text, prompt.token_ids
+            self._check_params(params)
         except ValueError as exc:
             output.finish_reason, output.error = "error", f"request {request_id}: {exc}"
             return output
-        seq = Sequence(request_id, output.prompt_token_ids, params, image_inputs)
+        seq = Sequence(request_id, prompt.token_ids, params, prompt.image_inputs)
         seq.seed_generator(self.runner.device)
         output.token_ids, output.logprobs = seq.output_token_ids, seq.logprobs
         self.outputs[request_id] = output
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return output
+
+    def prepare_prompt(self, prompt) -> "PreparedPrompt":
+        """A prompt (a text, token ids, or a dict of ``runtime.multimodal``'s shape) tokenized, its
+        images processed, and checked against the model; a ValueError names what is wrong. It reads
+        nothing the steps change, so another thread may prepare prompts while the engine steps (the
+        server's does: a long prompt's tokenizing does not hold up the requests that run)."""
+        text, token_ids, images = split_prompt(prompt)
+        ids, image_inputs = self._prompt_ids(text, token_ids, images)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return PreparedPrompt(text, ids, image_inputs)
 
     def abort(self, request_ids) -> None:
         """Drop these requests where still unfinished: their blocks are freed and no later step
@@ -125,28 +151,13 @@ class Engine:
             if self.images is None:
                 raise ValueError("multi_modal_data is given, but the checkpoint has no image processor")
             return self.images(text, token_ids, images)
-        ids = token_ids if text is None else self._tokenize(text)
+        ids = token_ids if text is None else self.tokenizer(text).input_ids
         if self.image_token_id is not None and self.image_token_id in ids:
             raise ValueError(f"the prompt has {ids.count(self.image_token_id)} image placeholders and no image "
                              f"is given (multi_modal_data)")
         return ids, None
 
-    def _tokenize(self, text: str) -> list[int]:
-        # A lone surrogate is no Unicode text: tokenizers raise a TypeError on it, which would fail the whole call.
-        try:
-            text.encode()
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"the prompt {text!r:.60} is not valid Unicode: {exc}") from None
-        return self.tokenizer(text).input_ids
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")
+    def _check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)

@@ -3,8 +3,10 @@
 A thread of its own owns the engine: it takes in submissions and aborts between steps, steps
 the engine while anything is unfinished, and hands each request's new tokens and text to the
 asyncio queue of the coroutine that submitted it. Requests submitted concurrently share the
-engine's continuous batching. Everything that touches the engine or the tokenizer (chat template,
-tokenizing, detokenizing) runs in that thread.
+engine's continuous batching. Everything that touches the engine's state runs in that thread.
+A second thread prepares each submission's prompts before the engine's takes it in (chat
+template, tokenizing, images: ``Engine.prepare_prompt``), so that a long prompt's tokenizing does
+not stall the requests that run; the tokenizer releases the GIL while it encodes.
 """
 
 import asyncio
@@ -56,12 +58,13 @@ class RequestRejected(ValueError):
 
 @dataclass
 class _Submission:
-    prompts: list  # per request: a text, token ids, or a conversation (a list of messages)
+    prompts: list  # per request: a text, token ids, or a conversation (a list of messages); then prepared
     params: list[SamplingParams]
     loop: asyncio.AbstractEventLoop
     deltas: asyncio.Queue
     accepted: Future  # set to [(request_id, prompt_token_ids)], or to the error adding the requests raised
     arrival: float
+    rejection: Exception | None = None  # why its prompts could not be prepared
 
 
 @dataclass
@@ -105,6 +108,7 @@ class EngineLoop:
         self.llm = llm
         self.engine = llm.engine
         self._commands: queue.Queue = queue.Queue()
+        self._unprepared: queue.Queue = queue.Queue()  # submissions on their way to the prompt thread
         self._tracked: dict[int, _Tracked] = {}
         # The deltas of one pass of the thread, per client event loop: each loop is woken once a pass.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
@@ -113,7 +117,9 @@ class EngineLoop:
         self._num_submitted = self._num_taken_in = 0
         self.metrics = ServingMetrics(self.engine, lambda: self._num_submitted - self._num_taken_in)
         self._thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
+        self._prompt_thread = threading.Thread(target=self._prepare_submissions, name="zoo-prompts", daemon=True)
         self._thread.start()
+        self._prompt_thread.start()
 
     # -- the clients' side (any thread; submit from a coroutine) ------------------------------
 
@@ -125,7 +131,7 @@ class EngineLoop:
         submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
                                  time.perf_counter())
         self._num_submitted += len(prompts)
-        self._commands.put(submission)
+        self._unprepared.put(submission)
         try:
             accepted = await asyncio.wrap_future(submission.accepted)
         except asyncio.CancelledError:
@@ -144,14 +150,45 @@ class EngineLoop:
     @property
     def unavailable(self) -> str | None:
         """Why no request can be served (the thread has ended, or the LLM's ranks have failed), or None."""
-        if not self._thread.is_alive():
+        if not (self._thread.is_alive() and self._prompt_thread.is_alive()):
             return "the engine loop has stopped"
         return self.llm.failure
 
     def stop(self) -> None:
-        """End what still runs (its clients get an error delta) and the thread."""
-        self._commands.put(_STOP)
+        """End what still runs (its clients get an error delta) and the threads."""
+        self._unprepared.put(_STOP)  # passed on to the engine thread after the submissions before it
+        self._prompt_thread.join()
         self._thread.join()
+
+    # -- the prompt thread ------------------------------------------------------------------
+
+    def _prepare_submissions(self) -> None:
+        while True:
+            submission = self._unprepared.get()
+            if submission is not _STOP:
+                self._prepare(submission)
+            self._commands.put(submission)  # a rejected one too: the engine thread answers every submission
+            if submission is _STOP:
+                return
+
+    def _prepare(self, submission: _Submission) -> None:
+        # The server repeats a prompt once per choice: each distinct prompt is prepared once.
+        prepared, by_identity = [], {}
+        try:
+            for prompt in submission.prompts:
+                if id(prompt) not in by_identity:
+                    conversation = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+                    rendered = self.llm.chat_prompt(prompt) if conversation else prompt
+                    by_identity[id(prompt)] = self.engine.prepare_prompt(rendered)
+                prepared.append(by_identity[id(prompt)])
+        except Exception as exc:  # a bad prompt fails its submission alone, never the thread
+            if isinstance(exc, ValueError):  # the request at fault is the one after those prepared
+                exc = RequestRejected(len(prepared), exc)
+            else:
+                logger.exception("a request's prompt could not be prepared")
+            submission.rejection = exc
+            return
+        submission.prompts = prepared
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -183,11 +220,12 @@ class EngineLoop:
             return None
 
     def _admit(self, submission: _Submission) -> None:
+        if submission.rejection is not None:
+            submission.accepted.set_exception(submission.rejection)
+            return
         added = []
         try:
             for prompt, params in zip(submission.prompts, submission.params, strict=True):
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                    prompt = self.llm.chat_prompt(prompt)
                 output = self.engine.add_request(next(self._request_ids), prompt, params)
                 if output.error:
                     raise ValueError(output.error.partition(": ")[2])  # without the engine's request id

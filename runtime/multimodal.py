@@ -24,7 +24,7 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 def split_prompt(prompt) -> tuple[str | None, list[int] | None, list]:
     """A request's prompt as (text, token ids, images): one of the first two is None."""
     if isinstance(prompt, str):
-        return prompt, None, []
+        return _unicode(prompt), None, []
     if isinstance(prompt, (list, tuple)):
         if not is_token_list(prompt):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
@@ -40,6 +40,7 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None, list]:
         text, token_ids = prompt["prompt"], None
         if not isinstance(text, str):
             raise ValueError(f"'prompt' is a string, got {type(text).__name__}")
+        _unicode(text)
     else:
         text, token_ids = None, prompt["prompt_token_ids"]
         if not is_token_list(token_ids):
@@ -50,6 +51,15 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None, list]:
         raise ValueError(f"multi_modal_data is a dict with the one key 'image', got {data!r:.80}")
     images = data.get("image", [])
     return text, token_ids, list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _unicode(text: str) -> str:
+    # A lone surrogate is no Unicode text: tokenizers raise a TypeError on it, not a request's error.
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the prompt {text!r:.60} is not valid Unicode: {exc}") from None
+    return text
 
 
 def is_token_list(prompt) -> bool:

@@ -303,6 +303,8 @@ def test_bad_images_fail_their_own_request_and_the_others_complete(llava):
         r"the prompt has 0 image placeholders \('<image>'\) but multi_modal_data has 1 images":
             {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": good}},
         r"the prompt has 1 image placeholders and no image is given": PROMPT,
+        r"the prompt 'USER: <image>\\ud800' is not valid Unicode":
+            {"prompt": "USER: <image>\ud800", "multi_modal_data": {"image": good}},
     }
     requests += list(others.values())
     outputs = llm(path).generate([{"prompt": PROMPT, "multi_modal_data": {"image": good}}, *requests], GREEDY)

@@ -554,11 +554,16 @@ def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
 def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_on(server, client, monkeypatch):
     base_url, llm = server
     engine = llm.engine
-    add_request, step = engine.add_request, engine.step
+    prepare_prompt, add_request, step = engine.prepare_prompt, engine.add_request, engine.step
 
-    def add_request_failing(request_id, prompt, params):
+    def prepare_prompt_failing(prompt):  # in the prompt thread
         if prompt == "poison":
             raise RuntimeError("the tokenizer broke")
+        return prepare_prompt(prompt)
+
+    def add_request_failing(request_id, prompt, params):  # in the engine thread
+        if prompt.text == "venom":
+            raise RuntimeError("the scheduler broke")
         return add_request(request_id, prompt, params)
 
     failed_steps = []
@@ -569,9 +574,12 @@ def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_
             raise RuntimeError("a simulated device fault")
         return step()
 
+    monkeypatch.setattr(engine, "prepare_prompt", prepare_prompt_failing)
     monkeypatch.setattr(engine, "add_request", add_request_failing)
     with pytest.raises(openai.InternalServerError, match="the tokenizer broke"):
         client.completions.create(model=MODEL, prompt="poison", max_tokens=4)
+    with pytest.raises(openai.InternalServerError, match="the scheduler broke"):
+        client.completions.create(model=MODEL, prompt="venom", max_tokens=4)
     monkeypatch.setattr(engine, "step", step_failing_once)
     with pytest.raises(openai.APIError, match="a simulated device fault"):
         list(client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True))
@@ -580,6 +588,40 @@ def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_
                                      extra_body={"ignore_eos": True}).usage.completion_tokens == 4
     assert metric(base_url, "zoo:kv_cache_usage_perc") == 0
     assert get(f"{base_url}/health", key=None)[0] == 200
+
+
+def test_a_prompt_being_tokenized_holds_up_no_running_request(server, client, monkeypatch):
+    # A long prompt takes seconds to tokenize (a 6 MB text: ~5 s with SmolLM2's tokenizer). Its
+    # prompt is prepared in a thread of its own: here it waits until the running stream has gained
+    # tokens, which it could not do if the engine's thread were the one tokenizing.
+    engine = server[1].engine
+    prepare_prompt, tokenizing, streamed = engine.prepare_prompt, threading.Event(), threading.Event()
+    prepared = []
+
+    def slow_prepare_prompt(prompt):
+        if prompt == "long":
+            tokenizing.set()
+            assert streamed.wait(timeout=60), "the stream gained no tokens while the prompt was tokenized"
+        prepared.append(prompt)
+        return prepare_prompt(prompt)
+
+    monkeypatch.setattr(engine, "prepare_prompt", slow_prepare_prompt)
+    stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=64, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(client.completions.create, model=MODEL, prompt="long", max_tokens=4, n=3,
+                           extra_body={"ignore_eos": True})
+        assert tokenizing.wait(timeout=60)
+        gained = [next(chunks) for _ in range(8)]
+        streamed.set()
+        answer = long.result(timeout=60)
+    assert [chunk.choices[0].finish_reason for chunk in gained] == [None] * 8  # each a step's delta
+    assert [choice.finish_reason for choice in answer.choices] == ["length"] * 3
+    assert answer.usage.completion_tokens == 12
+    assert prepared.count("long") == 1  # once for its three choices
+    stream.close()
 
 
 @pytest.mark.gpu
