@@ -37,8 +37,10 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-# A request's choices are built and queued at once: OpenAI's maximum of n bounds that work.
+# A request's choices are built and queued at once: OpenAI's maximum of n bounds that work, and
+# MAX_CHOICES its prompts times n (a list of 2,048 prompts, one choice each).
 MAX_N = 128
+MAX_CHOICES = 2048
 # OpenAI takes 4 stop sequences; zoo takes 16 for requests written for vLLM, which has no cap,
 # while bounding the stop strings matched against every new token's text.
 MAX_STOP = 16
@@ -207,6 +209,10 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "echo is not supported: the response carries the generated text only", "echo")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError(400, "prompt is an empty list", "prompt")
+        choices = len(self.prompts) * self.num_choices
+        if choices > MAX_CHOICES:
+            raise APIError(400, f"{len(self.prompts)} prompts times n={self.num_choices} make {choices} choices; "
+                                f"a request takes at most {MAX_CHOICES}", "prompt")
 
     @property
     def prompts(self) -> dict[str, str | list[int]]:

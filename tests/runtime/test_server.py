@@ -417,6 +417,9 @@ BAD_REQUESTS = {
     "n 0": ("chat/completions", {**CHAT, "n": 0}, 400, "n", "greater than or equal to 1"),
     "n over 128": ("completions", {"model": MODEL, "prompt": "hi", "n": 1_000_000, "max_tokens": 1}, 400, "n",
                    "less than or equal to 128"),
+    "prompts times n over 2048": ("completions", {"model": MODEL, "prompt": ["hi"] * 17, "n": 128, "max_tokens": 1},
+                                  400, "prompt", "17 prompts times n=128 make 2176 choices; a request takes at "
+                                                 "most 2048"),
     "17 stop sequences": ("chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop",
                           "at most 16 sequences, got 17"),
     "top_logprobs 30": ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
