@@ -6,7 +6,8 @@ asyncio queue of the coroutine that submitted it. Requests submitted concurrentl
 engine's continuous batching. Everything that touches the engine's state runs in that thread.
 A second thread prepares each submission's prompts before the engine's takes it in (chat
 template, tokenizing, images: ``Engine.prepare_prompt``), so that a long prompt's tokenizing does
-not stall the requests that run; the tokenizer releases the GIL while it encodes.
+not stall the requests that run; the tokenizer releases the GIL while it encodes. A submission
+whose caller has left before the engine's thread takes it in is dropped unprepared or unadded.
 """
 
 import asyncio
@@ -79,6 +80,7 @@ class _Tracked:
 
 
 _STOP = object()
+_SHUTTING_DOWN = "the server is shutting down"
 
 
 class RequestGroup:
@@ -115,6 +117,8 @@ class EngineLoop:
         self._request_ids = itertools.count()
         # Requests submitted and taken in, each counted by one thread: the difference waits in the queue.
         self._num_submitted = self._num_taken_in = 0
+        # Once stopping, no submission enters a queue: those not yet in the engine's are refused.
+        self._stopping, self._stopping_lock = False, threading.Lock()
         self.metrics = ServingMetrics(self.engine, lambda: self._num_submitted - self._num_taken_in)
         self._thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
         self._prompt_thread = threading.Thread(target=self._prepare_submissions, name="zoo-prompts", daemon=True)
@@ -130,14 +134,18 @@ class EngineLoop:
             raise RuntimeError(self.unavailable)
         submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
                                  time.perf_counter())
-        self._num_submitted += len(prompts)
-        self._unprepared.put(submission)
+        with self._stopping_lock:
+            if self._stopping:
+                raise RuntimeError(_SHUTTING_DOWN)
+            self._num_submitted += len(prompts)
+            self._unprepared.put(submission)
         try:
             accepted = await asyncio.wrap_future(submission.accepted)
         except asyncio.CancelledError:
-            # The caller left while the requests were being queued: they must not run for no one.
+            # The caller left while the requests were being queued. Unless the engine's thread had
+            # already taken them in, cancelling drops them (``_admit``); else they are aborted.
             def abort_once_accepted(done: Future) -> None:
-                if done.exception() is None:
+                if not done.cancelled() and done.exception() is None:
                     self.abort([request_id for request_id, _ in done.result()])
 
             submission.accepted.add_done_callback(abort_once_accepted)
@@ -155,21 +163,27 @@ class EngineLoop:
         return self.llm.failure
 
     def stop(self) -> None:
-        """End what still runs (its clients get an error delta) and the threads."""
-        self._unprepared.put(_STOP)  # passed on to the engine thread after the submissions before it
-        self._prompt_thread.join()
+        """End what still runs (its clients get an error delta) and the engine's thread; refuse
+        the submissions not yet taken in. A prompt being tokenized is not waited for: its
+        submission is refused once it is."""
+        with self._stopping_lock:
+            self._stopping = True
+            self._commands.put(_STOP)
+            self._unprepared.put(_STOP)
         self._thread.join()
 
     # -- the prompt thread ------------------------------------------------------------------
 
     def _prepare_submissions(self) -> None:
-        while True:
-            submission = self._unprepared.get()
-            if submission is not _STOP:
+        while (submission := self._unprepared.get()) is not _STOP:
+            if not (self._stopping or submission.accepted.cancelled()):
                 self._prepare(submission)
-            self._commands.put(submission)  # a rejected one too: the engine thread answers every submission
-            if submission is _STOP:
-                return
+            with self._stopping_lock:
+                if not self._stopping:
+                    self._commands.put(submission)  # a rejected one too: the engine thread answers every submission
+                    continue
+            if submission.accepted.set_running_or_notify_cancel():
+                submission.accepted.set_exception(RuntimeError(_SHUTTING_DOWN))
 
     def _prepare(self, submission: _Submission) -> None:
         # The server repeats a prompt once per choice: each distinct prompt is prepared once.
@@ -197,7 +211,7 @@ class EngineLoop:
             command = self._next_command(block=not self.engine.has_unfinished())
             while command is not None:
                 if command is _STOP:
-                    self._fail(list(self._tracked), "the server is shutting down")
+                    self._fail(list(self._tracked), _SHUTTING_DOWN)
                     self._deliver()
                     return
                 self._handle(command)
@@ -220,6 +234,8 @@ class EngineLoop:
             return None
 
     def _admit(self, submission: _Submission) -> None:
+        if not submission.accepted.set_running_or_notify_cancel():
+            return  # its caller has left: the requests would run for no one
         if submission.rejection is not None:
             submission.accepted.set_exception(submission.rejection)
             return

@@ -327,5 +327,16 @@ def settled_text(text: str, stops: list[str]) -> str:
     """The part of a running request's text that no later token changes. A trailing U+FFFD is a
     character whose bytes have not all arrived yet; a tail that begins a stop string may be cut."""
     text = text.rstrip("\ufffd")
-    held = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-    return text[: len(text) - held]
+    return text[: len(text) - max((_stop_prefix_ending(text, stop) for stop in stops), default=0)]
+
+
+def _stop_prefix_ending(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of ``stop`` that ``text`` ends with. Only the places
+    of stop's first character in text's last len(stop) - 1 are tried: linear in len(stop) unless
+    that character repeats."""
+    start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while start != -1:
+        if stop.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(stop[0], start + 1)
+    return 0

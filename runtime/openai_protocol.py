@@ -42,8 +42,10 @@ class StreamOptions(_Strict):
 MAX_N = 128
 MAX_CHOICES = 2048
 # OpenAI takes 4 stop sequences; zoo takes 16 for requests written for vLLM, which has no cap,
-# while bounding the stop strings matched against every new token's text.
+# while bounding the stop strings matched against every new token's text: 16 of at most 1,024
+# characters each.
 MAX_STOP = 16
+MAX_STOP_LENGTH = 1024
 
 
 class _SamplingRequest(_Strict):
@@ -68,8 +70,17 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
 
     def check(self) -> None:
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
-            raise APIError(400, f"stop takes at most {MAX_STOP} sequences, got {len(self.stop)}", "stop")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP:
+            raise APIError(400, f"stop takes at most {MAX_STOP} sequences, got {len(stops)}", "stop")
+        for i, stop in enumerate(stops):
+            if len(stop) > MAX_STOP_LENGTH:
+                param = f"stop[{i}]" if isinstance(self.stop, list) else "stop"
+                raise APIError(400, f"{param}: a stop sequence takes at most {MAX_STOP_LENGTH} characters, "
+                                    f"got {len(stop)}", param)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is for streamed requests: set stream to true, or leave it out",
+                           "stream_options")
 
     @property
     def num_choices(self) -> int:
@@ -170,7 +181,7 @@ def decoded_image(url: str, param: str):
     try:
         image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
         image.load()
-    except (binascii.Error, OSError, ValueError) as exc:
+    except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise APIError(400, f"the image in the data URL cannot be read: {exc}", param) from exc
     return image
 
@@ -185,6 +196,19 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+
+    def first_image_part(self) -> str | None:
+        """The parameter naming the first image part of the messages (``messages[i].content[j]``), or None."""
+        for i, message in enumerate(self.messages):
+            if isinstance(message.content, list):
+                for j, part in enumerate(message.content):
+                    if isinstance(part, ImagePart):
+                        return f"messages[{i}].content[{j}]"
+        return None
+
+    def conversation(self) -> list[dict]:
+        """The messages as ``LLM.chat`` takes them, their images decoded."""
+        return [message.for_template(i) for i, message in enumerate(self.messages)]
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

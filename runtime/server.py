@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` and ``GET /metrics`` (Prometheus). Handlers submit their requests to one
-``EngineLoop`` and await the tokens; a stream whose client goes away aborts its requests. Errors
-take the API's shape, ``{"error": {"message", "type", "param", "code"}}``.
+``EngineLoop`` and await the tokens; a client that goes away, streaming or not, aborts its
+requests. Errors take the API's shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -39,6 +40,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="zoo", lifespan=lifespan)
     max_model_len, vocab_size = llm.engine.config.max_model_len, llm.engine.vocab_size
+    takes_images = llm.engine.image_token_id is not None
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -80,21 +82,32 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         request = parse_request(ChatCompletionRequest, await raw.body())
-        conversation = [message.for_template(i) for i, message in enumerate(request.messages)]
-        group = await submit(request, {"messages": conversation})
-        reply = _Reply("chatcmpl", model_name, request.num_choices, group)
-        if request.stream:
-            return _StreamAbortingOnClose(reply.chat_chunks(request.include_usage), group)
-        return await reply.chat_completion()
+        if not takes_images and (param := request.first_image_part()) is not None:
+            raise APIError(400, f"{param}: {type(llm.model).__name__} takes no images", param)
+        # Images are decoded off the event loop, which serves every other client meanwhile.
+        conversation = await asyncio.to_thread(request.conversation)
+
+        async def respond():
+            group = await submit(request, {"messages": conversation})
+            reply = _Reply("chatcmpl", model_name, request.num_choices, group)
+            if request.stream:
+                return _StreamAbortingOnClose(reply.chat_chunks(request.include_usage), group)
+            return await reply.chat_completion()
+
+        return await _unless_client_leaves(raw, respond())
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
         request = parse_request(CompletionRequest, await raw.body())
-        group = await submit(request, request.prompts)
-        reply = _Reply("cmpl", model_name, request.num_choices, group)
-        if request.stream:
-            return _StreamAbortingOnClose(reply.completion_chunks(request.include_usage), group)
-        return await reply.completion()
+
+        async def respond():
+            group = await submit(request, request.prompts)
+            reply = _Reply("cmpl", model_name, request.num_choices, group)
+            if request.stream:
+                return _StreamAbortingOnClose(reply.completion_chunks(request.include_usage), group)
+            return await reply.completion()
+
+        return await _unless_client_leaves(raw, respond())
 
     @app.get("/v1/models")
     async def models():
@@ -114,6 +127,25 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     return app
 
 
+async def _unless_client_leaves(raw: Request, response):
+    """The awaited ``response``; cancelled, its requests aborted, if the client goes away first
+    (uvicorn answers ``receive`` with a disconnect once the connection closes). A stream's
+    response is returned at once: the stream aborts its own requests."""
+    answering = asyncio.ensure_future(response)
+    leaving = asyncio.ensure_future(_disconnected(raw))
+    await asyncio.wait({answering, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    leaving.cancel()
+    if not answering.done():
+        answering.cancel()  # the reply aborts its group as it is cancelled
+        return Response(status_code=499)  # no one reads it
+    return answering.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 class _RequireAPIKey:
     """Every route but /health answers 401 without the key. A plain ASGI middleware: the responses
     that pass it, streams included, go through untouched."""
@@ -123,8 +155,8 @@ class _RequireAPIKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"").removeprefix(b"Bearer ")
-            if not secrets.compare_digest(given, self.api_key):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (scheme.lower() == b"bearer" and secrets.compare_digest(given, self.api_key)):
                 refusal = JSONResponse(APIError(401, "Incorrect API key provided", code="invalid_api_key").body(),
                                        status_code=401)
                 await refusal(scope, receive, send)
@@ -231,11 +263,16 @@ class _Reply:
             return _event({**self._head("text_completion"), "choices": choices,
                            **({"usage": None} if include_usage else {})})
 
-        async for event in self._chunks(chunk, lambda delta: (
-                {"index": delta.index, "text": delta.text, "logprobs": _completion_logprobs(delta.logprobs),
-                 "finish_reason": None}),
-                lambda delta: {"index": delta.index, "text": "", "logprobs": None,
-                               "finish_reason": delta.finish_reason}):
+        text_offsets = [0] * len(self.group.request_ids)  # each choice's tokens' text so far
+
+        def content(delta) -> dict:
+            logprobs = _completion_logprobs(delta.logprobs, text_offsets[delta.index])
+            text_offsets[delta.index] += sum(len(t.token) for t in delta.logprobs or [])
+            return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
+
+        async for event in self._chunks(chunk, content, lambda delta: {"index": delta.index, "text": "",
+                                                                       "logprobs": None,
+                                                                       "finish_reason": delta.finish_reason}):
             yield event
         if include_usage:
             yield _event({**self._head("text_completion"), "choices": [], "usage": self.usage()})
@@ -265,13 +302,15 @@ def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
                         for t in logprobs]}
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+def _completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
+    """The legacy logprobs of tokens whose text starts at ``text_offset`` of the choice's (a
+    stream's chunk carries the tokens after those before it)."""
     if logprobs is None:
         return None
-    offsets, offset = [], 0
+    offsets = []
     for t in logprobs:
-        offsets.append(offset)
-        offset += len(t.token)
+        offsets.append(text_offset)
+        text_offset += len(t.token)
     return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
             "top_logprobs": [dict(t.top) for t in logprobs], "text_offset": offsets}
 
@@ -279,11 +318,17 @@ def _completion_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
 def serve(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM: then stop accepting, let running requests finish (for up to
     SHUTDOWN_GRACE_S, then abort them), and return."""
-    config = uvicorn.Config(build_app(llm, model_name, api_key), host=host, port=port,
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    app = build_app(llm, model_name, api_key)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     if threading.current_thread() is threading.main_thread():
         # uvicorn raises the signal that stopped it again once it has shut down, under the
         # handlers it found: these make that a return, and the process's exit status 0.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: None)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        # A second Ctrl-C makes uvicorn skip the app's shutdown: the engine's thread must not be
+        # stepping on the device while the interpreter exits.
+        if (engine_loop := getattr(app.state, "engine_loop", None)) is not None:
+            engine_loop.stop()

@@ -1,4 +1,5 @@
-"""Streaming text: the incremental detokenizer against decoding every id at once."""
+"""Streaming text: the incremental detokenizer against decoding every id at once, and the part of
+a running text that is settled (no stop string can still cut it)."""
 
 import random
 
@@ -7,6 +8,7 @@ import pytest
 from loaders import load_tokenizer
 from loaders.default_model import default_model_path
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.llm import settled_text
 
 TEXT = "Zoo 🦒 serves: naïve café — 東京の動物園, 42 × 7 = 294.\n  def f(x):\n\treturn x"
 
@@ -58,3 +60,18 @@ def test_each_call_decodes_a_short_window(tokenizer):
         detokenizer.update(ids[:end])
     assert len(ids) > 300 and max(windows) <= 2
     assert detokenizer.text == decode(ids)
+
+
+def test_settled_text_holds_back_exactly_the_longest_tail_that_begins_a_stop_string():
+    def held_by_definition(text: str, stop: str) -> int:
+        return max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab\ufffd") for _ in range(rng.randrange(0, 12)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
+        stripped = text.rstrip("\ufffd")
+        held = max(held_by_definition(stripped, stop) for stop in stops)
+        assert settled_text(text, stops) == stripped[:len(stripped) - held], (text, stops)
+    # A stop string of one character repeated: every place is tried, the longest tail held.
+    assert settled_text("x" + "a" * 5000, ["a" * 1024]) == "x" + "a" * (5000 - 1023)

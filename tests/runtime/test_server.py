@@ -2,6 +2,8 @@
 with a character-level tokenizer, the real ``openai`` client. Each token of the tokenizer is one
 character (special tokens none), so equal texts are equal tokens."""
 
+import asyncio
+import base64
 import contextlib
 import http.client
 import json
@@ -11,12 +13,14 @@ import re
 import signal
 import socket
 import string
+import struct
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +32,7 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from runtime import LLM, SamplingParams
+from runtime.engine_loop import EngineLoop
 from runtime.server import build_app
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 
@@ -226,6 +231,11 @@ def test_logprobs_are_the_models(client, reference):
                                                     abs=1e-5)
     assert all(len(top) <= 3 for top in logprobs.top_logprobs)
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0.0, logprobs=3,
+                                         stream=True)
+    chunks = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices[0].logprobs is not None]
+    assert len(chunks) > 1  # a chunk per step, each offset where the text before it ends
+    assert [offset for chunk in chunks for offset in chunk.text_offset] == logprobs.text_offset
 
 
 def test_penalties_stop_strings_and_n_choices_equal_llm_generate(client, reference):
@@ -339,6 +349,91 @@ def test_a_client_gone_mid_stream_frees_its_blocks_at_once(server, client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_client_gone_before_its_whole_answer_frees_its_blocks_at_once(server, client):
+    base_url, _ = server
+    host, port = base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True})
+    connection.request("POST", "/v1/completions", body, headers(KEY))
+    deadline = time.monotonic() + 30
+    while metric(base_url, "zoo:generation_tokens_total") == 0 or metric(base_url, "zoo:num_requests_running") == 0:
+        assert time.monotonic() < deadline, "the request did not start"
+        time.sleep(0.01)
+    generated = metric(base_url, "zoo:generation_tokens_total")
+    connection.close()
+
+    deadline = time.monotonic() + 5
+    while metric(base_url, "zoo:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "the blocks of a request whose client left were not freed"
+        time.sleep(0.02)
+    assert metric(base_url, "zoo:num_requests_running") == 0
+    assert metric(base_url, "zoo:generation_tokens_total") < generated + 900  # it stopped long before 1000 tokens
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def slowly_prepared(llm: LLM, slow_prompt: str) -> tuple[threading.Event, threading.Event]:
+    """Make ``slow_prompt``'s preparing signal the first event, then wait for the second."""
+    preparing, release = threading.Event(), threading.Event()
+    prepare_prompt = llm.engine.prepare_prompt
+
+    def prepare_slowly(prompt):
+        if prompt == slow_prompt:
+            preparing.set()
+            release.wait(timeout=60)
+        return prepare_prompt(prompt)
+
+    llm.engine.prepare_prompt = prepare_slowly
+    return preparing, release
+
+
+async def generated_tokens(engine_loop: EngineLoop, prompt: str, max_tokens: int) -> list[int]:
+    group = await engine_loop.submit([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
+    return [token for delta in [d async for d in group.deltas()] for token in delta.token_ids]
+
+
+def test_a_caller_gone_while_its_prompt_is_prepared_leaves_the_engine_serving(checkpoint):
+    llm = LLM(str(checkpoint), device="cpu")
+    preparing, release = slowly_prepared(llm, "long")
+    engine_loop = EngineLoop(llm)
+
+    async def leave_while_prepared():
+        submitting = asyncio.ensure_future(engine_loop.submit(["long"], [SamplingParams(max_tokens=4)]))
+        assert await asyncio.to_thread(preparing.wait, 30)
+        submitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submitting
+        release.set()
+        return await asyncio.wait_for(generated_tokens(engine_loop, "hi", 3), timeout=30)
+
+    try:
+        assert len(asyncio.run(leave_while_prepared())) == 3
+        assert engine_loop.unavailable is None
+        assert not llm.engine.has_unfinished()  # the request of the caller that left never entered
+    finally:
+        release.set()
+        engine_loop.stop()
+
+
+def test_stopping_waits_for_no_prompt_being_tokenized_and_refuses_its_request(checkpoint):
+    llm = LLM(str(checkpoint), device="cpu")
+    preparing, release = slowly_prepared(llm, "long")
+    engine_loop = EngineLoop(llm)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            refused = pool.submit(asyncio.run, generated_tokens(engine_loop, "long", 4))
+            assert preparing.wait(timeout=30)
+            started = time.monotonic()
+            engine_loop.stop()
+            assert time.monotonic() - started < 10, "stop waited for a prompt being tokenized"
+            release.set()
+            with pytest.raises(RuntimeError, match="the server is shutting down"):
+                refused.result(timeout=30)
+        assert engine_loop.unavailable == "the engine loop has stopped"
+    finally:
+        release.set()
+        engine_loop.stop()
+
+
 def test_metrics_count_tokens_and_latencies(server, client):
     base_url, _ = server
     before = {name: metric(base_url, name) for name in (
@@ -365,19 +460,17 @@ BAD_REQUESTS = {
                                 "messages[0].content", "5"),
     "unknown role": ("chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400,
                      "messages[0].role", "'robot'"),
-    "unreadable image": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-                         400, "messages[0].content[1].image_url.url", "cannot be read"),
-    "image from the web": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, 400,
-                           "messages[0].content[0].image_url.url", "data URL"),
     "wrong type in an image part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": 5}}]}]}, 400, "messages[0].content[0].image_url.url", "5"),
     "wrong type in a text part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": 3}]}]}, 400, "messages[0].content[0].text", "3"),
     "image for a text model": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}}]}]}, 400,
-                               "messages[0].content[0]", "messages[0].content[0]: LlamaForCausalLM takes no images"),
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}}]}]},
+                               400, "messages[0].content[1]", "messages[0].content[1]: LlamaForCausalLM takes no images"),
+    # Not decoded: a text model refuses any image first.
+    "unreadable image for a text model": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[0]",
+                                          "takes no images"),
     "unknown content part": ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "audio", "audio": "..."}]}]}, 400, "messages[0].content[0]", "audio"),
     "no messages": ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
@@ -420,6 +513,12 @@ BAD_REQUESTS = {
     "prompts times n over 2048": ("completions", {"model": MODEL, "prompt": ["hi"] * 17, "n": 128, "max_tokens": 1},
                                   400, "prompt", "17 prompts times n=128 make 2176 choices; a request takes at "
                                                  "most 2048"),
+    "a stop sequence of 1,025 characters": ("completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b" * 1025]},
+                                            400, "stop[1]", "stop[1]: a stop sequence takes at most 1024 characters, "
+                                                            "got 1025"),
+    "stream_options, not streamed": ("completions", {"model": MODEL, "prompt": "hi",
+                                                     "stream_options": {"include_usage": True}}, 400, "stream_options",
+                                     "set stream to true"),
     "17 stop sequences": ("chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop",
                           "at most 16 sequences, got 17"),
     "top_logprobs 30": ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
@@ -485,6 +584,9 @@ def test_the_api_key_guards_every_route_but_health(server):
             assert error["code"] == "invalid_api_key"
     status, body = get(f"{base_url}/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
+    for authorization, status in ((KEY, 401), (f"Basic {KEY}", 401), (f"bearer {KEY}", 200)):  # the scheme's case is free
+        assert fetch(urllib.request.Request(f"{base_url}/v1/models", headers={"Authorization": authorization}),
+                     parse=False)[0] == status, authorization
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong-key", max_retries=0).models.list()
 
@@ -657,9 +759,25 @@ def test_the_readmes_openai_example_runs_against_the_server(server, capsys):
     assert len(capsys.readouterr().out.splitlines()) >= 2
 
 
-def test_image_content_parts_answer_as_llm_chat_does(tmp_path):
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, header and end, no pixels: what PIL reads to learn an image's size."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+BAD_IMAGE_URLS = {  # name: (url, words the message must contain)
+    "unreadable": ("data:image/png;base64,AAAA", "cannot be read"),
+    "from the web": ("https://example.com/cat.png", "zoo fetches no URLs"),
+    # 20,000 x 10,000 pixels: PIL refuses to decode it (a decompression bomb), a 400 not a 500.
+    "decompression bomb": ("data:image/png;base64," + base64.b64encode(png_header(20_000, 10_000)).decode(),
+                           "exceeds limit"),
+}
+
+
+def test_image_content_parts_answer_as_llm_chat_does_and_bad_images_are_named(tmp_path):
     """A LLaVA checkpoint served: a chat message's image as a data URL gives LLM.chat's greedy answer."""
-    import base64
     import io
 
     from tests.runtime.test_llava_runtime import image, make_llava
@@ -681,5 +799,11 @@ def test_image_content_parts_answer_as_llm_chat_does(tmp_path):
             model=MODEL, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                    {"type": "text", "text": "What is shown?"}]}])
+        for name, (bad_url, words) in BAD_IMAGE_URLS.items():
+            status, body = post(f"{base_url}/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": bad_url}}]}]})
+            assert status == 400, (name, body)
+            assert body["error"]["param"] == "messages[0].content[1].image_url.url", name
+            assert words in body["error"]["message"], (name, body)
     assert answer.choices[0].message.content == expected.text
     assert answer.usage.completion_tokens == 6
