@@ -624,7 +624,9 @@ def test_engine_abort_frees_the_blocks_of_running_and_waiting_requests(reference
     assert engine.block_manager.num_free_blocks == free
 
 
-def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
+@contextlib.contextmanager
+def zoo_serve(checkpoint: Path):
+    """``zoo serve`` in a process of its own, once it answers /health; yields (process, its client)."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", str(checkpoint), "--port", str(port),
                                 "--served-model-name", MODEL, "--device", "cpu"],
@@ -640,7 +642,15 @@ def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
                     break
             except OSError:
                 time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        yield process, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
+    with zoo_serve(checkpoint) as (process, client):
         stream = client.completions.create(model=MODEL, prompt="Before the signal", max_tokens=60, stream=True,
                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         chunks = [next(iter(stream))]
@@ -648,12 +658,21 @@ def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
         chunks += list(stream)
         assert chunks[-1].usage.completion_tokens == 60  # finished, not cut
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     log = process.stdout.read()
     assert "Shutting down" in log and "Traceback" not in log
+
+
+def test_a_second_ctrl_c_ends_zoo_serve_at_once_with_status_0(checkpoint):
+    with zoo_serve(checkpoint) as (process, client):
+        stream = client.completions.create(model=MODEL, prompt="Before the signals", max_tokens=1000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)  # uvicorn forces its exit, skipping the app's shutdown
+        assert process.wait(timeout=30) == 0
+    log = process.stdout.read()
+    assert "Fatal Python error" not in log, log  # uvicorn logs the tasks its forced exit cancels
 
 
 def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_on(server, client, monkeypatch):
