@@ -25,8 +25,10 @@ from runtime.engine_loop import EngineLoop, RequestGroup, RequestRejected, Token
 from runtime.llm import LLM, ConversationError
 from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
-# On SIGINT/SIGTERM, how long running requests may take to finish before they are aborted.
+# On SIGINT/SIGTERM, how long running requests may take to finish before they are failed; the
+# last second of it delivers their errors before uvicorn closes what is still open.
 SHUTDOWN_GRACE_S = 30
+_ERRORS_DELIVERED_S = 1
 
 
 def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -315,9 +317,27 @@ def _completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int =
             "top_logprobs": [dict(t.top) for t in logprobs], "text_offset": offsets}
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server of a ``build_app`` app. Requests still running near the end of its
+    graceful shutdown are failed by the engine loop, each client reading an error that says the
+    server is shutting down, rather than cut off when uvicorn cancels what is left."""
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        if grace is None:  # uvicorn waits for every request
+            return await super().shutdown(sockets)
+        loop = asyncio.get_running_loop()
+        engine_loop = self.config.app.state.engine_loop
+        failing = loop.call_later(max(0, grace - _ERRORS_DELIVERED_S), loop.run_in_executor, None, engine_loop.stop)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            failing.cancel()
+
+
 def serve(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM: then stop accepting, let running requests finish (for up to
-    SHUTDOWN_GRACE_S, then abort them), and return."""
+    SHUTDOWN_GRACE_S, then fail them), and return."""
     app = build_app(llm, model_name, api_key)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     if threading.current_thread() is threading.main_thread():
@@ -326,7 +346,7 @@ def serve(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: None)
     try:
-        uvicorn.Server(config).run()
+        Server(config).run()
     finally:
         # A second Ctrl-C makes uvicorn skip the app's shutdown: the engine's thread must not be
         # stepping on the device while the interpreter exits.

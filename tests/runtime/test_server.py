@@ -33,7 +33,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from runtime import LLM, SamplingParams
 from runtime.engine_loop import EngineLoop
-from runtime.server import build_app
+from runtime.server import Server, build_app
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 
 MODEL = "tiny-llama"
@@ -93,11 +93,11 @@ def reference(checkpoint):
 
 
 @contextlib.contextmanager
-def serving(llm: LLM):
+def serving(llm: LLM, shutdown_grace_s: float | None = None):
     """The server's app for ``llm`` under uvicorn in a thread; yields its base URL."""
     port = free_port()
-    uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(llm, MODEL, api_key=KEY), host="127.0.0.1", port=port,
-                                                   log_level="warning"))
+    uvicorn_server = Server(uvicorn.Config(build_app(llm, MODEL, api_key=KEY), host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_graceful_shutdown=shutdown_grace_s))
     thread = threading.Thread(target=uvicorn_server.run)
     thread.start()
     deadline = time.monotonic() + 30
@@ -660,6 +660,24 @@ def test_zoo_serve_finishes_running_requests_and_exits_0_on_sigterm(checkpoint):
         assert process.wait(timeout=60) == 0
     log = process.stdout.read()
     assert "Shutting down" in log and "Traceback" not in log
+
+
+def test_requests_running_at_the_end_of_the_shutdown_grace_end_with_an_error_not_a_cut(checkpoint):
+    llm = LLM(str(checkpoint), device="cpu")
+    with ThreadPoolExecutor(2) as pool:
+        with serving(llm, shutdown_grace_s=2) as base_url:
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+            stream = client.completions.create(model=MODEL, prompt="A long story:", max_tokens=1000, stream=True,
+                                               extra_body={"ignore_eos": True})
+            next(iter(stream))
+            streamed = pool.submit(list, stream)
+            whole = pool.submit(client.completions.create, model=MODEL, prompt="Another:", max_tokens=1000,
+                                extra_body={"ignore_eos": True})
+            time.sleep(0.5)  # the whole answer's request is running as the shutdown begins
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            streamed.result(timeout=30)
+        with pytest.raises(openai.InternalServerError, match="the server is shutting down"):
+            whole.result(timeout=30)
 
 
 def test_a_second_ctrl_c_ends_zoo_serve_at_once_with_status_0(checkpoint):
