@@ -4,9 +4,10 @@ A thread of its own owns the engine: it takes in submissions and aborts between 
 the engine while anything is unfinished, and hands each request's new tokens and text to the
 asyncio queue of the coroutine that submitted it. Requests submitted concurrently share the
 engine's continuous batching. Everything that touches the engine's state runs in that thread.
-A second thread prepares each submission's prompts before the engine's takes it in (chat
-template, tokenizing, images: ``Engine.prepare_prompt``), so that a long prompt's tokenizing does
-not stall the requests that run; the tokenizer releases the GIL while it encodes. A submission
+Threads of their own (``PROMPT_THREADS``) prepare each submission's prompts before the engine's
+takes it in (chat template, tokenizing, images: ``Engine.prepare_prompt``), so that a long
+prompt's tokenizing stalls neither the requests that run nor the other submissions; the tokenizer
+releases the GIL while it encodes. A submission
 whose caller has left before the engine's thread takes it in is dropped unprepared or unadded.
 """
 
@@ -80,6 +81,9 @@ class _Tracked:
 
 
 _STOP = object()
+# Prompts prepared at once: a submission whose prompt takes seconds to tokenize holds up no other
+# unless this many do.
+PROMPT_THREADS = 4
 _SHUTTING_DOWN = "the server is shutting down"
 
 
@@ -110,7 +114,7 @@ class EngineLoop:
         self.llm = llm
         self.engine = llm.engine
         self._commands: queue.Queue = queue.Queue()
-        self._unprepared: queue.Queue = queue.Queue()  # submissions on their way to the prompt thread
+        self._unprepared: queue.Queue = queue.Queue()  # submissions on their way to the prompt threads
         self._tracked: dict[int, _Tracked] = {}
         # The deltas of one pass of the thread, per client event loop: each loop is woken once a pass.
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
@@ -121,9 +125,13 @@ class EngineLoop:
         self._stopping, self._stopping_lock = False, threading.Lock()
         self.metrics = ServingMetrics(self.engine, lambda: self._num_submitted - self._num_taken_in)
         self._thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
-        self._prompt_thread = threading.Thread(target=self._prepare_submissions, name="zoo-prompts", daemon=True)
+        self._prompt_threads = [
+            threading.Thread(target=self._prepare_submissions, name=f"zoo-prompts-{i}", daemon=True)
+            for i in range(PROMPT_THREADS)
+        ]
         self._thread.start()
-        self._prompt_thread.start()
+        for thread in self._prompt_threads:
+            thread.start()
 
     # -- the clients' side (any thread; submit from a coroutine) ------------------------------
 
@@ -158,7 +166,7 @@ class EngineLoop:
     @property
     def unavailable(self) -> str | None:
         """Why no request can be served (the thread has ended, or the LLM's ranks have failed), or None."""
-        if not (self._thread.is_alive() and self._prompt_thread.is_alive()):
+        if not (self._thread.is_alive() and all(thread.is_alive() for thread in self._prompt_threads)):
             return "the engine loop has stopped"
         return self.llm.failure
 
@@ -169,10 +177,11 @@ class EngineLoop:
         with self._stopping_lock:
             self._stopping = True
             self._commands.put(_STOP)
-            self._unprepared.put(_STOP)
+            for _ in self._prompt_threads:
+                self._unprepared.put(_STOP)
         self._thread.join()
 
-    # -- the prompt thread ------------------------------------------------------------------
+    # -- the prompt threads -----------------------------------------------------------------
 
     def _prepare_submissions(self) -> None:
         while (submission := self._unprepared.get()) is not _STOP:

@@ -414,6 +414,28 @@ def test_a_caller_gone_while_its_prompt_is_prepared_leaves_the_engine_serving(ch
         engine_loop.stop()
 
 
+def test_a_prompt_being_tokenized_holds_up_no_other_submission(checkpoint):
+    llm = LLM(str(checkpoint), device="cpu")
+    preparing, release = slowly_prepared(llm, "long")
+    engine_loop = EngineLoop(llm)
+
+    async def others_while_one_is_prepared():
+        long = asyncio.ensure_future(generated_tokens(engine_loop, "long", 2))
+        assert await asyncio.to_thread(preparing.wait, 30)
+        others = await asyncio.wait_for(asyncio.gather(*(generated_tokens(engine_loop, f"hi {i}", 3)
+                                                         for i in range(8))), timeout=30)
+        assert not long.done()
+        release.set()
+        return others, await long
+
+    try:
+        others, long = asyncio.run(others_while_one_is_prepared())
+        assert [len(tokens) for tokens in others] == [3] * 8 and len(long) == 2
+    finally:
+        release.set()
+        engine_loop.stop()
+
+
 def test_stopping_waits_for_no_prompt_being_tokenized_and_refuses_its_request(checkpoint):
     llm = LLM(str(checkpoint), device="cpu")
     preparing, release = slowly_prepared(llm, "long")
@@ -698,7 +720,7 @@ def test_a_request_or_step_the_engine_fails_on_fails_alone_and_the_loop_carries_
     engine = llm.engine
     prepare_prompt, add_request, step = engine.prepare_prompt, engine.add_request, engine.step
 
-    def prepare_prompt_failing(prompt):  # in the prompt thread
+    def prepare_prompt_failing(prompt):  # in a prompt thread
         if prompt == "poison":
             raise RuntimeError("the tokenizer broke")
         return prepare_prompt(prompt)
