@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from runtime.engine_loop import EngineLoop, RequestGroup, RequestRejected, TokenLogprob
 from runtime.llm import LLM, ConversationError
@@ -53,6 +54,10 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     async def http_error(request: Request, exc: HTTPException):
         return JSONResponse(APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).body(),
                             status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=499)  # the client left while sending its request: no one reads this
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):

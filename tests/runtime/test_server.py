@@ -371,6 +371,18 @@ def test_a_client_gone_before_its_whole_answer_frees_its_blocks_at_once(server, 
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_client_gone_while_sending_its_request_is_no_error(server, client, caplog):
+    host, port = server[0].removeprefix("http://").split(":")
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"model\"".encode())
+            time.sleep(0.2)
+        time.sleep(0.5)
+    assert "Traceback" not in caplog.text and "ClientDisconnect" not in caplog.text, caplog.text
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
 def slowly_prepared(llm: LLM, slow_prompt: str) -> tuple[threading.Event, threading.Event]:
     """Make ``slow_prompt``'s preparing signal the first event, then wait for the second."""
     preparing, release = threading.Event(), threading.Event()
