@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from runtime.detokenizer import token_bytes
 from runtime.engine import RequestOutput
 from runtime.llm import LLM, settled_text
 from runtime.sampling_params import SamplingParams
@@ -30,11 +31,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TokenLogprob:
-    """A generated token's log-probability, and those of the most likely tokens in its place."""
+    """A generated token's text, bytes and log-probability, and those of the most likely tokens in
+    its place. A token's text shows U+FFFD where it holds part of a character; its bytes are its own."""
 
     token: str
+    token_bytes: bytes
     logprob: float
-    top: list[tuple[str, float]]  # most likely first
+    top: list["TokenLogprob"]  # most likely first; none in the top entries themselves
 
 
 @dataclass
@@ -313,11 +316,14 @@ class EngineLoop:
 
     def _token_logprob(self, token: int, entry: dict[int, float], top: int) -> TokenLogprob:
         ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
-        return TokenLogprob(self._token_text(token), entry[token], [(self._token_text(t), v) for t, v in ranked])
+        return TokenLogprob(*self._token_text(token), entry[token],
+                            [TokenLogprob(*self._token_text(t), v, []) for t, v in ranked])
 
-    def _token_text(self, token: int) -> str:
+    def _token_text(self, token: int) -> tuple[str, bytes]:
         tokenizer = self.llm.tokenizer
-        return tokenizer.decode([token]) if tokenizer is not None else ""
+        if tokenizer is None:
+            return "", b""
+        return tokenizer.decode([token]), token_bytes(tokenizer, token)
 
     def _record_timing(self, tracked: _Tracked, output: RequestOutput, new_tokens: int, now: float) -> None:
         if not new_tokens:

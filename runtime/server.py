@@ -302,11 +302,10 @@ def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
     if logprobs is None:
         return None
 
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def entry(t: TokenLogprob) -> dict:
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
 
-    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(*top) for top in t.top]}
-                        for t in logprobs]}
+    return {"content": [{**entry(t), "top_logprobs": [entry(top) for top in t.top]} for t in logprobs]}
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
@@ -319,7 +318,7 @@ def _completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int =
         offsets.append(text_offset)
         text_offset += len(t.token)
     return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
-            "top_logprobs": [dict(t.top) for t in logprobs], "text_offset": offsets}
+            "top_logprobs": [{top.token: top.logprob for top in t.top} for t in logprobs], "text_offset": offsets}
 
 
 class Server(uvicorn.Server):

@@ -7,7 +7,7 @@ import pytest
 
 from loaders import load_tokenizer
 from loaders.default_model import default_model_path
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.detokenizer import IncrementalDetokenizer, token_bytes
 from runtime.llm import settled_text
 
 TEXT = "Zoo 🦒 serves: naïve café — 東京の動物園, 42 × 7 = 294.\n  def f(x):\n\treturn x"
@@ -75,3 +75,10 @@ def test_settled_text_holds_back_exactly_the_longest_tail_that_begins_a_stop_str
         assert settled_text(text, stops) == stripped[:len(stripped) - held], (text, stops)
     # A stop string of one character repeated: every place is tried, the longest tail held.
     assert settled_text("x" + "a" * 5000, ["a" * 1024]) == "x" + "a" * (5000 - 1023)
+
+
+def test_the_bytes_of_tokens_that_split_a_character_join_into_its_utf8(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    split = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert len(split) >= 4  # the giraffe and the CJK characters are split over byte-level tokens
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == tokenizer.decode(ids).encode()
