@@ -69,7 +69,7 @@ def main():
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(10_000 + i, prompt, params)
-    while any(seq.num_computed_tokens < len(seq.prompt_token_ids) for seq in engine.sequences.values()):
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.sequences.values()):
         engine.step()  # the prompts, and one step more for the first decodes to be launched
     engine.step()
     spent.clear()

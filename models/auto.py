@@ -82,8 +82,7 @@ def model_device(device) -> torch.device:
 def checkpoint_dtype(config) -> torch.dtype:
     """What ``dtype="auto"`` means (as in HuggingFace): the floating dtype the config records for
     its checkpoint, else float32 (GGUF files record none)."""
-    # transformers 5 spells it ``dtype`` (and warns on ``torch_dtype``); earlier ones ``torch_dtype``.
-    recorded = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    recorded = config.dtype
     if isinstance(recorded, str):
         recorded = getattr(torch, recorded, None)
     return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
@@ -199,12 +198,10 @@ class AutoModelForCausalLM:
         return load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap)
 
     @staticmethod
-    def from_hf(reference: nn.Module, dtype: torch.dtype | str | None = None, device=None):
-        """zoo's model of a HuggingFace model in memory, holding a copy of its weights (by default
-        in its dtype and on its device)."""
+    def from_hf(reference: nn.Module):
+        """zoo's model of a HuggingFace model in memory, holding a copy of its weights in their
+        dtype and on their device."""
         first = next(reference.parameters())
-        dtype = first.dtype if dtype is None else model_dtype(dtype)
-        device = first.device if device is None else model_device(device)
         name = type(reference).__name__
         model = _build_on_meta(reference.config, name)
-        return copy_weights(model, reference.state_dict(), dtype, device, origin=f"<{name} in memory>")
+        return copy_weights(model, reference.state_dict(), first.dtype, first.device, origin=f"<{name} in memory>")

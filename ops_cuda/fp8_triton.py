@@ -355,7 +355,7 @@ def scaled_mm_available(device: torch.device) -> bool:
     """Whether this torch's ``torch._scaled_mm`` multiplies with 1x128 and 128x128 block scales on
     ``device`` (torch 2.9 onward, sm90, cuBLASLt 12.9 onward): tried once on a small product with
     random scales, and checked against ``quantised_product``."""
-    if not hasattr(torch, "_scaled_mm") or _compute_capability(device)[0] != 9:
+    if _compute_capability(device)[0] != 9:
         return False
     generator = torch.Generator(device).manual_seed(0)
     x = torch.randn(32, 512, generator=generator, device=device).to(torch.bfloat16)

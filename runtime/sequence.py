@@ -72,10 +72,6 @@ class Sequence:
         so it is not scheduled again."""
         return self.num_pending > 0 and self.reaches_length_limit(max_model_len, count_pending=True)
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.num_pending:  # sampled ahead, after the token that ended it
             del self.token_ids[-self.num_pending :]

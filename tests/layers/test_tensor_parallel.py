@@ -18,6 +18,7 @@ from layers import ColumnParallelLinear, tensor_parallel
 from loaders import CheckpointError, copy_weights
 from models import AutoModelForCausalLM
 from models.auto import model_class_for
+from runtime.parallel import rank_device
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 
 RANKS = 2
@@ -60,10 +61,6 @@ def counting_reads(checkpoint, counts):
 
         ref.load, ref.load_part = load, load_part
     return checkpoint
-
-
-def rank_device(device_type: str, rank: int) -> torch.device:
-    return torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
 
 
 def run_rank(rank, device_type, port, paths, input_ids, out_dir):

@@ -650,8 +650,6 @@ def test_a_call_that_fails_while_adding_its_requests_leaves_none_of_them(checkpo
 
 
 def test_arguments_of_the_wrong_kind_are_named(checkpoints):
-    from transformers import AutoTokenizer  # noqa: F401  (the tokenizer class the message names)
-
     path, reference = checkpoints["llama"]
     with pytest.raises(TypeError, match="mmap must be True or False, got 'no'"):
         llm(path, mmap="no")
