@@ -322,18 +322,23 @@ def test_32_concurrent_streams_share_the_engine_and_all_finish_correctly(server,
     assert metric(base_url, "zoo:num_requests_running") == 0
 
 
-def test_a_client_gone_mid_stream_frees_its_blocks_at_once(server, client):
+@pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "before-its-whole-answer"])
+def test_a_client_gone_frees_its_blocks_at_once(stream, server, client):
     base_url, _ = server
     host, port = base_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "stream": True,
+    body = json.dumps({"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "stream": stream,
                        "ignore_eos": True})
     connection.request("POST", "/v1/completions", body, headers(KEY))
-    response = connection.getresponse()
-    assert response.status == 200
-    events = [response.readline() for _ in range(6)]  # three events, each a line and a blank one
-    assert all(e.startswith(b"data: ") for e in events[::2])
-    assert metric(base_url, "zoo:num_requests_running") == 1
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200
+        events = [response.readline() for _ in range(6)]  # three events, each a line and a blank one
+        assert all(e.startswith(b"data: ") for e in events[::2])
+    deadline = time.monotonic() + 30
+    while metric(base_url, "zoo:num_requests_running") == 0:
+        assert time.monotonic() < deadline, "the request did not start"
+        time.sleep(0.01)
     assert metric(base_url, "zoo:kv_cache_usage_perc") > 0
     generated = metric(base_url, "zoo:generation_tokens_total")
     connection.close()
@@ -349,28 +354,6 @@ def test_a_client_gone_mid_stream_frees_its_blocks_at_once(server, client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_a_client_gone_before_its_whole_answer_frees_its_blocks_at_once(server, client):
-    base_url, _ = server
-    host, port = base_url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps({"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True})
-    connection.request("POST", "/v1/completions", body, headers(KEY))
-    deadline = time.monotonic() + 30
-    while metric(base_url, "zoo:generation_tokens_total") == 0 or metric(base_url, "zoo:num_requests_running") == 0:
-        assert time.monotonic() < deadline, "the request did not start"
-        time.sleep(0.01)
-    generated = metric(base_url, "zoo:generation_tokens_total")
-    connection.close()
-
-    deadline = time.monotonic() + 5
-    while metric(base_url, "zoo:kv_cache_usage_perc") > 0:
-        assert time.monotonic() < deadline, "the blocks of a request whose client left were not freed"
-        time.sleep(0.02)
-    assert metric(base_url, "zoo:num_requests_running") == 0
-    assert metric(base_url, "zoo:generation_tokens_total") < generated + 900  # it stopped long before 1000 tokens
-    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
-
-
 def test_a_client_gone_while_sending_its_request_is_no_error(server, client, caplog):
     host, port = server[0].removeprefix("http://").split(":")
     with caplog.at_level(logging.INFO):
@@ -383,8 +366,11 @@ def test_a_client_gone_while_sending_its_request_is_no_error(server, client, cap
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def slowly_prepared(llm: LLM, slow_prompt: str) -> tuple[threading.Event, threading.Event]:
-    """Make ``slow_prompt``'s preparing signal the first event, then wait for the second."""
+@contextlib.contextmanager
+def slowly_preparing_engine_loop(checkpoint: Path, slow_prompt: str = "long"):
+    """An EngineLoop over an LLM of its own, whose prompt threads, on ``slow_prompt``, set the
+    first event and wait for the second; yields (the engine loop, its LLM, the two events)."""
+    llm = LLM(str(checkpoint), device="cpu")
     preparing, release = threading.Event(), threading.Event()
     prepare_prompt = llm.engine.prepare_prompt
 
@@ -395,7 +381,12 @@ def slowly_prepared(llm: LLM, slow_prompt: str) -> tuple[threading.Event, thread
         return prepare_prompt(prompt)
 
     llm.engine.prepare_prompt = prepare_slowly
-    return preparing, release
+    engine_loop = EngineLoop(llm)
+    try:
+        yield engine_loop, llm, preparing, release
+    finally:
+        release.set()
+        engine_loop.stop()
 
 
 async def generated_tokens(engine_loop: EngineLoop, prompt: str, max_tokens: int) -> list[int]:
@@ -404,10 +395,6 @@ async def generated_tokens(engine_loop: EngineLoop, prompt: str, max_tokens: int
 
 
 def test_a_caller_gone_while_its_prompt_is_prepared_leaves_the_engine_serving(checkpoint):
-    llm = LLM(str(checkpoint), device="cpu")
-    preparing, release = slowly_prepared(llm, "long")
-    engine_loop = EngineLoop(llm)
-
     async def leave_while_prepared():
         submitting = asyncio.ensure_future(engine_loop.submit(["long"], [SamplingParams(max_tokens=4)]))
         assert await asyncio.to_thread(preparing.wait, 30)
@@ -417,20 +404,13 @@ def test_a_caller_gone_while_its_prompt_is_prepared_leaves_the_engine_serving(ch
         release.set()
         return await asyncio.wait_for(generated_tokens(engine_loop, "hi", 3), timeout=30)
 
-    try:
+    with slowly_preparing_engine_loop(checkpoint) as (engine_loop, llm, preparing, release):
         assert len(asyncio.run(leave_while_prepared())) == 3
         assert engine_loop.unavailable is None
         assert not llm.engine.has_unfinished()  # the request of the caller that left never entered
-    finally:
-        release.set()
-        engine_loop.stop()
 
 
 def test_a_prompt_being_tokenized_holds_up_no_other_submission(checkpoint):
-    llm = LLM(str(checkpoint), device="cpu")
-    preparing, release = slowly_prepared(llm, "long")
-    engine_loop = EngineLoop(llm)
-
     async def others_while_one_is_prepared():
         long = asyncio.ensure_future(generated_tokens(engine_loop, "long", 2))
         assert await asyncio.to_thread(preparing.wait, 30)
@@ -440,19 +420,13 @@ def test_a_prompt_being_tokenized_holds_up_no_other_submission(checkpoint):
         release.set()
         return others, await long
 
-    try:
+    with slowly_preparing_engine_loop(checkpoint) as (engine_loop, _, preparing, release):
         others, long = asyncio.run(others_while_one_is_prepared())
         assert [len(tokens) for tokens in others] == [3] * 8 and len(long) == 2
-    finally:
-        release.set()
-        engine_loop.stop()
 
 
 def test_stopping_waits_for_no_prompt_being_tokenized_and_refuses_its_request(checkpoint):
-    llm = LLM(str(checkpoint), device="cpu")
-    preparing, release = slowly_prepared(llm, "long")
-    engine_loop = EngineLoop(llm)
-    try:
+    with slowly_preparing_engine_loop(checkpoint) as (engine_loop, _, preparing, release):
         with ThreadPoolExecutor(1) as pool:
             refused = pool.submit(asyncio.run, generated_tokens(engine_loop, "long", 4))
             assert preparing.wait(timeout=30)
@@ -463,9 +437,6 @@ def test_stopping_waits_for_no_prompt_being_tokenized_and_refuses_its_request(ch
             with pytest.raises(RuntimeError, match="the server is shutting down"):
                 refused.result(timeout=30)
         assert engine_loop.unavailable == "the engine loop has stopped"
-    finally:
-        release.set()
-        engine_loop.stop()
 
 
 def test_metrics_count_tokens_and_latencies(server, client):
