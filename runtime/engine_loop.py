@@ -7,8 +7,8 @@ engine's continuous batching. Everything that touches the engine's state runs in
 Threads of their own (``PROMPT_THREADS``) prepare each submission's prompts before the engine's
 takes it in (chat template, tokenizing, images: ``Engine.prepare_prompt``), so that a long
 prompt's tokenizing stalls neither the requests that run nor the other submissions; the tokenizer
-releases the GIL while it encodes. A submission
-whose caller has left before the engine's thread takes it in is dropped unprepared or unadded.
+releases the GIL while it encodes. A submission whose caller has left before the engine's thread
+takes it in is dropped, unprepared or unadded.
 """
 
 import asyncio
