@@ -26,6 +26,9 @@ from runtime.engine_loop import EngineLoop, RequestGroup, RequestRejected, Token
 from runtime.llm import LLM, ConversationError
 from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
+# The largest request body read: room for an image or two as data URLs, or a long context's prompt
+# as token ids; a larger one is a 413 before it is read into memory.
+MAX_BODY_BYTES = 32 * 2**20
 # On SIGINT/SIGTERM, how long running requests may take to finish before they are failed; the
 # last second of it delivers their errors before uvicorn closes what is still open.
 SHUTDOWN_GRACE_S = 30
@@ -88,7 +91,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        request = parse_request(ChatCompletionRequest, await raw.body())
+        request = parse_request(ChatCompletionRequest, await _body(raw))
         if not takes_images and (param := request.first_image_part()) is not None:
             raise APIError(400, f"{param}: {type(llm.model).__name__} takes no images", param)
         # Images are decoded off the event loop, which serves every other client meanwhile.
@@ -105,7 +108,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        request = parse_request(CompletionRequest, await raw.body())
+        request = parse_request(CompletionRequest, await _body(raw))
 
         async def respond():
             group = await submit(request, request.prompts)
@@ -132,6 +135,20 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
         return Response(app.state.engine_loop.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _body(raw: Request) -> bytes:
+    """The request's body; a 413 once it is known to pass MAX_BODY_BYTES, from its Content-Length
+    or as it arrives, before the rest is read."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    if int(raw.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in raw.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(body)
 
 
 async def _unless_client_leaves(raw: Request, response):

@@ -567,6 +567,20 @@ def test_a_chat_template_that_does_not_compile_is_named_at_load_and_fails_chats_
         assert status == 200 and body["usage"]["completion_tokens"] == 3
 
 
+def test_a_body_past_32_mib_is_refused_before_it_is_read(server, client):
+    host, port = server[0].removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("POST", "/v1/completions")
+    for name, value in {**headers(KEY), "Content-Length": str(32 * 2**20 + 1)}.items():
+        connection.putheader(name, value)
+    connection.endheaders(b'{"model": "tiny-llama", "prompt": "')  # the rest is never sent
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    connection.close()
+    assert response.status == 413 and set(error) == {"message", "type", "param", "code"}, error
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_bad_requests_leave_the_server_serving_the_others(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=CONVERSATION, temperature=-1)
