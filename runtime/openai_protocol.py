@@ -12,7 +12,7 @@ import binascii
 import io
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from runtime.sampling_params import SamplingParams
 
@@ -222,8 +222,26 @@ class ChatCompletionRequest(_SamplingRequest):
         return {"logprobs": "top_logprobs"}.get(sampling_field, sampling_field)
 
 
+def _prompt_form(prompt) -> str:
+    """A prompt's form, read off its first element: only that form is validated (a list of millions
+    of token ids also validated as a list of texts took seconds, an error per id)."""
+    if not isinstance(prompt, list):
+        return "one text"
+    first = prompt[0] if prompt else None
+    if isinstance(first, list):
+        return "token id lists"
+    return "token ids" if isinstance(first, int) and not isinstance(first, bool) else "texts"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("one text")] | Annotated[list[str], Tag("texts")] | Annotated[list[int], Tag("token ids")]
+    | Annotated[list[list[int]], Tag("token id lists")],
+    Discriminator(_prompt_form),
+]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool | None = None
 
