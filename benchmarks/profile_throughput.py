@@ -28,7 +28,8 @@ from bench_gpu import LLAMA_8B, clocks_text, gpu_clocks, workload, zoo_8b  # noq
 from runtime import LLM, SamplingParams  # noqa: E402
 
 
-def kernel_table(prof, steps: int, rows: int = 14) -> None:
+def kernel_table(prof, steps: int) -> None:
+    """The 14 kernels of ``prof`` that took the GPU longest, per step of the ``steps`` profiled."""
     kernels = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -37,7 +38,7 @@ def kernel_table(prof, steps: int, rows: int = 14) -> None:
     print(f"GPU busy {total / steps / 1e3:.2f} ms per step")
     print("| kernel | ms per step | share |")
     print("|---|---:|---:|")
-    for name, us in sorted(kernels.items(), key=lambda item: -item[1])[:rows]:
+    for name, us in sorted(kernels.items(), key=lambda item: -item[1])[:14]:
         print(f"| {name} | {us / steps / 1e3:.2f} | {us / total:.1%} |")
 
 

@@ -82,9 +82,9 @@ def model_device(device) -> torch.device:
 def checkpoint_dtype(config) -> torch.dtype:
     """What ``dtype="auto"`` means (as in HuggingFace): the floating dtype the config records for
     its checkpoint, else float32 (GGUF files record none)."""
+    # transformers reads a config.json's ``torch_dtype`` (transformers 4's name) into ``dtype`` too,
+    # as a torch dtype where it names one.
     recorded = config.dtype
-    if isinstance(recorded, str):
-        recorded = getattr(torch, recorded, None)
     return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
 
 

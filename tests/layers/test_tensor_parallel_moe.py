@@ -14,8 +14,9 @@ from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from ops_cuda.fp8 import FP8_DTYPE
 from ops_cuda.paged_attention import attention_mask
+from runtime.parallel import rank_device
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
-from tests.layers.test_tensor_parallel import RANKS, TOLERANCE, counting_reads, rank_device, run_ranks
+from tests.layers.test_tensor_parallel import RANKS, TOLERANCE, counting_reads, run_ranks
 from tests.loaders.test_fp8 import QUANTIZATION, write_pair
 from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
 from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, tiny_tokenizer
