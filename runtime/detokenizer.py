@@ -1,4 +1,4 @@
-"""A growing sequence's text, decoded a few tokens at a time; one token's bytes."""
+"""A growing sequence's text, decoded a few tokens at a time; one token's text and bytes."""
 
 import functools
 import re
@@ -34,20 +34,20 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def token_bytes(tokenizer, token_id: int) -> bytes:
-    """The bytes of one token's text, which may be part of a character's UTF-8 (its decoded text
-    then shows U+FFFD). Such a token's bytes are read off its piece: a byte-level BPE piece has one
+def token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """One token's text and its bytes, which may be part of a character's UTF-8 (the text then
+    shows U+FFFD). Such a token's bytes are read off its piece: a byte-level BPE piece has one
     character per byte, a byte-fallback piece is ``<0xNN>``."""
     text = tokenizer.decode([token_id])
     if "\ufffd" not in text:
-        return text.encode()
+        return text, text.encode()
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
-        return bytes([int(piece[3:5], 16)])
+        return text, bytes([int(piece[3:5], 16)])
     byte_of = _byte_level_bytes()
     if all(char in byte_of for char in piece):
-        return bytes(byte_of[char] for char in piece)
-    return text.encode()
+        return text, bytes(byte_of[char] for char in piece)
+    return text, text.encode()
 
 
 @functools.cache

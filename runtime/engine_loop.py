@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from runtime.detokenizer import token_bytes
+from runtime.detokenizer import token_text
 from runtime.engine import RequestOutput
 from runtime.llm import LLM, settled_text
 from runtime.sampling_params import SamplingParams
@@ -321,9 +321,7 @@ class EngineLoop:
 
     def _token_text(self, token: int) -> tuple[str, bytes]:
         tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            return "", b""
-        return tokenizer.decode([token]), token_bytes(tokenizer, token)
+        return token_text(tokenizer, token) if tokenizer is not None else ("", b"")
 
     def _record_timing(self, tracked: _Tracked, output: RequestOutput, new_tokens: int, now: float) -> None:
         if not new_tokens:

@@ -92,10 +92,11 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         request = parse_request(ChatCompletionRequest, await _body(raw))
-        if not takes_images and (param := request.first_image_part()) is not None:
-            raise APIError(400, f"{param}: {type(llm.model).__name__} takes no images", param)
+        image_part = request.first_image_part()
+        if image_part is not None and not takes_images:
+            raise APIError(400, f"{image_part}: {type(llm.model).__name__} takes no images", image_part)
         # Images are decoded off the event loop, which serves every other client meanwhile.
-        conversation = await asyncio.to_thread(request.conversation)
+        conversation = request.conversation() if image_part is None else await asyncio.to_thread(request.conversation)
 
         async def respond():
             group = await submit(request, {"messages": conversation})

@@ -7,7 +7,7 @@ import pytest
 
 from loaders import load_tokenizer
 from loaders.default_model import default_model_path
-from runtime.detokenizer import IncrementalDetokenizer, token_bytes
+from runtime.detokenizer import IncrementalDetokenizer, token_text
 from runtime.llm import settled_text
 
 TEXT = "Zoo 🦒 serves: naïve café — 東京の動物園, 42 × 7 = 294.\n  def f(x):\n\treturn x"
@@ -81,4 +81,4 @@ def test_the_bytes_of_tokens_that_split_a_character_join_into_its_utf8(tokenizer
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     split = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
     assert len(split) >= 4  # the giraffe and the CJK characters are split over byte-level tokens
-    assert b"".join(token_bytes(tokenizer, i) for i in ids) == tokenizer.decode(ids).encode()
+    assert b"".join(token_text(tokenizer, i)[1] for i in ids) == tokenizer.decode(ids).encode()
