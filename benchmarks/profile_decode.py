@@ -10,12 +10,20 @@ decode step reads (the picked experts only). On Hopper the decode chain's Triton
 programmatic dependent launch: each starts while the previous one still runs and waits inside, so
 their times here include those waits and overlap.
 
+Beside the wall time it times the captured one-row graph replayed back to back on its last step's
+inputs: the step's GPU time with no host in the loop. A wall time at that figure means the host's
+work per step is hidden (run-ahead); above it, the host holds the GPU up.
+
+--without-pdl turns programmatic dependent launch off: each kernel's time is then its own and the
+table adds up to the GPU's busy time, at the cost of the starts PDL hides.
+
 --baseline profiles the same model twice, first with the MoE decode paths off (zoo::moe_experts's
 decode kernel, DECODE_MAX_PAIRS = 0, and zoo::route_topk's Triton kernel: the PyTorch router), then on:
 the before and after of one run.
 
     python3 benchmarks/profile_decode.py                 # 64 decode steps, Llama-3.1-8B shape
     python3 benchmarks/profile_decode.py --steps 128
+    python3 benchmarks/profile_decode.py --without-pdl
     python3 benchmarks/profile_decode.py --shape qwen3-30b-a3b --baseline
     python3 benchmarks/profile_decode.py --shape deepseek-v3-3layer --baseline
     python3 benchmarks/profile_decode.py --shape deepseek-v3-3layer-fp8
@@ -37,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ops_cuda.moe  # noqa: E402
 import ops_cuda.router  # noqa: E402
+import ops_cuda.triton_helpers  # noqa: E402
 from bench_gpu import LLAMA_8B, hbm_bandwidth, random_hf  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.triton_helpers import pdl  # noqa: E402
@@ -90,6 +99,21 @@ def use_moe_decode_paths(enabled: bool) -> None:
 
 
 HOST_GAP_US = 10
+GRAPH_REPLAYS = 200
+
+
+def graph_replay_ms(llm) -> float:
+    """The one-row decode graph replayed back to back, on the inputs its last step left, in ms per replay."""
+    graph = llm.engine.runner.graphs.graphs[1]
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(GRAPH_REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / GRAPH_REPLAYS
 
 
 def profile_decode(model, weight_bytes: int, bandwidth: float, steps: int, label: str) -> None:
@@ -99,11 +123,17 @@ def profile_decode(model, weight_bytes: int, bandwidth: float, steps: int, label
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)  # warm-up
 
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate([prompt], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) * 1e3
+    def wall_ms(max_tokens: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    # The decode steps' wall time: a generation of one token (the prefill) taken off.
+    step_ms = (wall_ms(steps + 1) - wall_ms(1)) / steps
+    replay_ms = graph_replay_ms(llm)
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate([prompt], params, use_tqdm=False)
@@ -134,12 +164,14 @@ def profile_decode(model, weight_bytes: int, bandwidth: float, steps: int, label
           f"{sum(long) / tokens:.1f} µs in {len(long)} longer gaps (waiting on the host)")
     gpu_us = sum(total for total, _ in kernels.values())
     roofline_ms = weight_bytes / bandwidth * 1e3
-    wall_per_token = wall_ms / tokens
-    print(f"{tokens} tokens (one prefill): {wall_per_token:.3f} ms/token wall; "
-          f"GPU busy {gpu_us / 1e3 / tokens:.3f} ms/token; roofline {roofline_ms:.3f} ms "
-          f"({weight_bytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s), {roofline_ms / wall_per_token:.0%} of it")
+    print(f"unprofiled: {step_ms:.3f} ms per decode step (wall); {replay_ms:.3f} ms replaying the one-row graph "
+          f"back to back (no host in the loop); roofline {roofline_ms:.3f} ms ({weight_bytes / 1e9:.2f} GB at "
+          f"{bandwidth / 1e12:.2f} TB/s), {roofline_ms / step_ms:.0%} of the wall time")
+    print(f"profiled, {tokens} tokens (one prefill): GPU busy {gpu_us / 1e3 / tokens:.3f} ms/token")
     if pdl(next(model.parameters())):
         print("programmatic dependent launch is on: Triton kernels' times include their wait for the kernel before")
+    else:
+        print("programmatic dependent launch is off: each kernel's time is its own")
     print("| kernel | µs per token | calls per token | share |")
     print("|---|---:|---:|---:|")
     for name, (total, calls) in sorted(kernels.items(), key=lambda item: -item[1][0])[:25]:
@@ -153,7 +185,10 @@ def main():
     parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
     parser.add_argument("--baseline", action="store_true",
                         help="profile with the MoE decode kernel and the router kernel off first, then on")
+    parser.add_argument("--without-pdl", action="store_true",
+                        help="programmatic dependent launch off, so that the kernels' times add up")
     args = parser.parse_args()
+    ops_cuda.triton_helpers.PDL_ENABLED = not args.without_pdl
 
     model, weight_bytes = SHAPES[args.shape]()
     gc.collect()

@@ -24,11 +24,17 @@ def check_dtypes(op: str, *tensors: torch.Tensor) -> None:
         )
 
 
+# Whether kernels use programmatic dependent launch where the GPU has it. `profile_decode.py
+# --without-pdl` turns it off: under it the profiler's kernel times include each kernel's wait for the
+# one before, and do not add up.
+PDL_ENABLED = True
+
+
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device use programmatic dependent launch (Hopper and later): a
     kernel is started while the ones before it still run, and waits for their results inside
     (``begin_after_previous``). A decode step is a chain of short kernels: this hides their starts."""
-    return t.is_cuda and _compute_capability(t.device)[0] >= 9
+    return PDL_ENABLED and t.is_cuda and _compute_capability(t.device)[0] >= 9
 
 
 def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
