@@ -35,9 +35,9 @@ import triton.language as tl
 from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
-    apply_activation,
     begin_after_previous,
     begin_after_previous_holding_next,
+    gated_activation,
     gated_rows_times_vector,
     gated_weight_rows,
     pdl_launch,
@@ -159,7 +159,7 @@ def _decode_gate_up_kernel(
         gate_ptrs += BLOCK_K * w_stride_k
         up_ptrs += BLOCK_K * w_stride_k
     dtype = h_ptr.dtype.element_ty
-    h = round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)
+    h = gated_activation(gate, up, dtype, ACTIVATION)
     tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=picked[:, None] & col_ok[None, :])
 
 

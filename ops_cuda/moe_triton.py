@@ -27,7 +27,7 @@ under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed
 
 Numerics follow the reference: both GEMMs accumulate in float32 and round to the activation dtype, as
 ``F.linear`` does; the activation-and-mul epilogue is the ``act_and_mul`` kernel's formula and rounding
-(``triton_helpers.apply_activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
+(``triton_helpers.gated_activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
 
 FP8 block-scaled experts (``zoo::fp8_moe_experts``, ``Fp8Scales``): the same kernels read float8_e4m3fn
 weights and activations quantised per token and group of ``block[1]`` columns (the hidden rows before
@@ -45,7 +45,7 @@ from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
-from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, apply_activation, round_to
+from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, gated_activation
 
 
 class Tiles(NamedTuple):
@@ -293,7 +293,7 @@ def _moe_gate_up_kernel(
         gate_ptrs += BLOCK_K * w_stride_k
         up_ptrs += BLOCK_K * w_stride_k
     dtype = h_ptr.dtype.element_ty
-    h = round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)
+    h = gated_activation(gate, up, dtype, ACTIVATION)
     tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 

@@ -178,4 +178,12 @@ def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtyp
     # reference's rounding: the product rounded to `dtype`, the activation of it rounded, times up.
     products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) + bias
     gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
+    return gated_activation(gate, up, dtype, ACTIVATION)
+
+
+@triton.jit
+def gated_activation(gate, up, dtype: tl.constexpr, ACTIVATION: tl.constexpr):
+    # act(gate) * up in float32 from float32 gate and up values, rounded where the reference rounds:
+    # gate and up to `dtype` (a product the reference writes in it; values read from it are already
+    # exact), and the activation of gate.
     return round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)

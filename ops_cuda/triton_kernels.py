@@ -21,10 +21,10 @@ from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
 from ops_cuda.kv_layout import check_cache_layout
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
-    apply_activation,
     begin_after_previous,
     check_dtypes,
     fullest_tile,
+    gated_activation,
     gated_rows_times_vector,
     gated_weight_rows,
     pdl_launch,
@@ -151,7 +151,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride,
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
-    out = round_to(apply_activation(gate, ACTIVATION), dtype) * up  # the reference rounds act(gate) first
+    out = gated_activation(gate, up, dtype, ACTIVATION)
     tl.store(out_ptr + row * out_stride + cols, out.to(dtype), mask=mask)
 
 
