@@ -194,8 +194,9 @@ def main():
     gc.collect()
     torch.cuda.empty_cache()
     bandwidth = hbm_bandwidth()
-    runs = [("baseline: MoE decode kernel and router kernel off", False)] if args.baseline else []
-    for label, enabled in [*runs, ("MoE decode kernel and router kernel on (the defaults)", True)]:
+    runs = [("baseline: MoE decode kernel and router kernel off", False),
+            ("MoE decode kernel and router kernel on (the defaults)", True)] if args.baseline else [("the defaults", True)]
+    for label, enabled in runs:
         use_moe_decode_paths(enabled)
         profile_decode(model, weight_bytes, bandwidth, args.steps, f"{args.shape}, {label}")
     use_moe_decode_paths(True)
