@@ -33,7 +33,6 @@ import argparse
 import gc
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ops_cuda.moe  # noqa: E402
 import ops_cuda.router  # noqa: E402
 import ops_cuda.triton_helpers  # noqa: E402
-from bench_gpu import LLAMA_8B, hbm_bandwidth, random_hf  # noqa: E402
+from bench_gpu import LLAMA_8B, decode_ms_per_token, hbm_bandwidth, random_hf  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.triton_helpers import pdl  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
@@ -120,23 +119,12 @@ def profile_decode(model, weight_bytes: int, bandwidth: float, steps: int, label
     llm = LLM(model, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False)
     vocab_size = model.config.vocab_size
     prompt = torch.randint(0, vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)  # warm-up
-
-    def wall_ms(max_tokens: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                     use_tqdm=False)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
-
-    # The decode steps' wall time: a generation of one token (the prefill) taken off.
-    step_ms = (wall_ms(steps + 1) - wall_ms(1)) / steps
+    # The decode steps' wall time, the prefill taken off (its first, untimed generation warms up).
+    step_ms = decode_ms_per_token(llm, prompt, steps + 1)
     replay_ms = graph_replay_ms(llm)
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate([prompt], SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True), use_tqdm=False)
         torch.cuda.synchronize()
     del llm
     gc.collect()
