@@ -10,9 +10,12 @@ decode step reads (the picked experts only). On Hopper the decode chain's Triton
 programmatic dependent launch: each starts while the previous one still runs and waits inside, so
 their times here include those waits and overlap.
 
-Beside the wall time it times the captured one-row graph replayed back to back on its last step's
-inputs: the step's GPU time with no host in the loop. A wall time at that figure means the host's
-work per step is hidden (run-ahead); above it, the host holds the GPU up.
+The wall time per step is taken as ``bench_gpu.py --task decode`` takes it, over 256 new tokens with
+the time of a one-token generation taken off, whatever --steps is: that one-token time varies by
+several ms from call to call, more than a few steps take. Beside it the captured one-row graph is
+replayed back to back on the inputs that generation left: the step's GPU time with no host in the
+loop. A wall time at that figure means the host's work per step is hidden (run-ahead); above it, the
+host holds the GPU up.
 
 --without-pdl turns programmatic dependent launch off: each kernel's time is then its own and the
 table adds up to the GPU's busy time, at the cost of the starts PDL hides.
@@ -98,6 +101,7 @@ def use_moe_decode_paths(enabled: bool) -> None:
 
 
 HOST_GAP_US = 10
+WALL_TOKENS = 256
 GRAPH_REPLAYS = 200
 
 
@@ -120,7 +124,7 @@ def profile_decode(model, weight_bytes: int, bandwidth: float, steps: int, label
     vocab_size = model.config.vocab_size
     prompt = torch.randint(0, vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     # The decode steps' wall time, the prefill taken off (its first, untimed generation warms up).
-    step_ms = decode_ms_per_token(llm, prompt, steps + 1)
+    step_ms = decode_ms_per_token(llm, prompt, WALL_TOKENS)
     replay_ms = graph_replay_ms(llm)
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
