@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -44,11 +44,11 @@ def _(x, activation):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@act_and_mul_op.register_kernel("cuda")
+@cuda_implementation(act_and_mul_op)
 def _(x, activation):
     from ops_cuda.triton_kernels import act_and_mul_triton  # triton is imported only where a kernel runs
 
     return act_and_mul_triton(x, activation)
 
 
-act_and_mul = reference_on_cpu(act_and_mul_op, act_and_mul_reference)
+act_and_mul = public_op(act_and_mul_op, act_and_mul_reference)

@@ -2,9 +2,9 @@
 
 Each op file defines the op's PyTorch reference (``<name>_reference``, which carries the op's
 docstring), its ``torch.library`` custom op (``<name>_op``, registered as ``torch.ops.zoo.<name>``),
-whose default kernel is that reference and whose ``cuda`` kernel is Triton (or a torch built-in
-where one does better: flash attention, the grouped GEMM, ``torch._scaled_mm``), and the op under its own
-name: ``<name> = reference_on_cpu(<name>_op, <name>_reference)``.
+whose default kernel is that reference and whose CUDA kernel (``cuda_implementation``) is Triton (or a torch
+built-in where one does better: flash attention, the grouped GEMM, ``torch._scaled_mm``), and the op
+under its own name: ``<name> = public_op(<name>_op, <name>_reference)``.
 """
 
 import functools
@@ -14,14 +14,29 @@ import torch
 # The dtypes every Triton kernel of the package computes in (one dtype for all of a call's inputs).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# Each op's CUDA kernel, as ``cuda_implementation`` registered it.
+_CUDA_KERNELS = {}
 
-def reference_on_cpu(op, reference, *, reads_host: bool = False):
-    """The op as layers call it: ``reference`` on CPU tensors, ``op`` on any other device (CUDA, and
-    the fake tensors of tracing).
 
-    The op's default kernel is that same reference, so CPU results are unchanged: what the CPU skips
-    is the custom op's Python dispatch, tens of µs a call, which made SmolLM2's CPU decode step (16
-    sequences) 6% slower, measured by alternating the two ways within one process.
+def cuda_implementation(op):
+    """Decorator: registers the function as ``op``'s CUDA kernel, which ``public_op`` also calls directly."""
+
+    def register(kernel):
+        op.register_kernel("cuda")(kernel)
+        _CUDA_KERNELS[op] = kernel
+        return kernel
+
+    return register
+
+
+def public_op(op, reference, *, reads_host: bool = False):
+    """The op as layers call it: on CPU tensors ``reference``, on CUDA tensors the op's CUDA kernel,
+    each called directly; the registered op itself while torch.compile traces, and on any other
+    device (the meta tensors of fake kernels).
+
+    What a direct call skips is the custom op's Python dispatch, tens of µs a call: it made SmolLM2's
+    CPU decode step (16 sequences) 6% slower, measured by alternating the two ways within one
+    process, and a CUDA prefill runs a few hundred ops eagerly (a decode step replays a CUDA graph).
 
     When torch.compile traces a CPU model (``LLM(..., compile_decode=True)``), the reference is traced
     too, so that inductor fuses its ops, unless it ``reads_host`` (a value read on the host, as MoE's
@@ -29,8 +44,12 @@ def reference_on_cpu(op, reference, *, reads_host: bool = False):
     """
 
     def call(*args, **kwargs):
-        direct = args[0].device.type == "cpu" and not (reads_host and torch.compiler.is_compiling())
-        return (reference if direct else op)(*args, **kwargs)
+        device, compiling = args[0].device.type, torch.compiler.is_compiling()
+        if device == "cpu" and not (reads_host and compiling):
+            return reference(*args, **kwargs)
+        if device == "cuda" and not compiling and op in _CUDA_KERNELS:
+            return _CUDA_KERNELS[op](*args, **kwargs)
+        return op(*args, **kwargs)
 
     functools.update_wrapper(call, reference)  # the reference's docstring and signature
     call.__name__ = call.__qualname__ = reference.__name__.removesuffix("_reference")

@@ -9,7 +9,7 @@ group and multiply FP8 operands (``ops_cuda/fp8_triton.py``).
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.fp8 import check_block_weight, dequantise
 
 
@@ -42,7 +42,7 @@ def _(x, weight, scale_inv, block, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@fp8_block_linear_op.register_kernel("cuda")
+@cuda_implementation(fp8_block_linear_op)
 def _(x, weight, scale_inv, block, bias):
     # triton is imported only where a kernel runs
     from ops_cuda.fp8_triton import (
@@ -66,4 +66,4 @@ def _(x, weight, scale_inv, block, bias):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-fp8_block_linear = reference_on_cpu(fp8_block_linear_op, fp8_block_linear_reference)
+fp8_block_linear = public_op(fp8_block_linear_op, fp8_block_linear_reference)

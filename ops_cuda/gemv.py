@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.activation import act_and_mul_reference
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -39,14 +39,14 @@ def _(x, weight, bias, out_dtype=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype or x.dtype)
 
 
-@gemv_op.register_kernel("cuda")
+@cuda_implementation(gemv_op)
 def _(x, weight, bias, out_dtype=None):
     from ops_cuda.triton_kernels import gemv_triton  # triton is imported only where a kernel runs
 
     return gemv_triton(x, weight, bias, out_dtype)
 
 
-gemv = reference_on_cpu(gemv_op, gemv_reference)
+gemv = public_op(gemv_op, gemv_reference)
 
 
 def gated_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -66,11 +66,11 @@ def _(x, weight, bias, activation):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
-@gated_gemv_op.register_kernel("cuda")
+@cuda_implementation(gated_gemv_op)
 def _(x, weight, bias, activation):
     from ops_cuda.triton_kernels import gated_gemv_triton  # triton is imported only where a kernel runs
 
     return gated_gemv_triton(x, weight, bias, activation)
 
 
-gated_gemv = reference_on_cpu(gated_gemv_op, gated_gemv_reference)
+gated_gemv = public_op(gated_gemv_op, gated_gemv_reference)

@@ -10,7 +10,7 @@ caches' layout is ``ops_cuda/kv_layout.py``'s.
 
 import torch
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -54,11 +54,11 @@ def write_kv_cache_op(
     write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-@write_kv_cache_op.register_kernel("cuda")
+@cuda_implementation(write_kv_cache_op)
 def _(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     from ops_cuda.triton_kernels import write_kv_cache_triton  # triton is imported only where a kernel runs
 
     write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-write_kv_cache = reference_on_cpu(write_kv_cache_op, write_kv_cache_reference)
+write_kv_cache = public_op(write_kv_cache_op, write_kv_cache_reference)

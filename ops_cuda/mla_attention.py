@@ -26,7 +26,7 @@ that the ops run on CUDA.
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.kv_cache import dequantize
 from ops_cuda.paged_attention import attention_mask, decode_key_slots, sdpa
 
@@ -121,7 +121,7 @@ def _(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale=1.0):
     return torch.empty_like(q_latent)
 
 
-@mla_decode_attention_op.register_kernel("cuda")
+@cuda_implementation(mla_decode_attention_op)
 def _(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale=1.0):
     from ops_cuda.mla_attention_triton import mla_decode_attention_triton  # triton only where a kernel runs
 
@@ -130,7 +130,7 @@ def _(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale=1.0):
     return out
 
 
-mla_decode_attention = reference_on_cpu(mla_decode_attention_op, mla_decode_attention_reference)
+mla_decode_attention = public_op(mla_decode_attention_op, mla_decode_attention_reference)
 
 
 @torch.library.custom_op("zoo::mla_prefill_attention", mutates_args=())
@@ -147,7 +147,7 @@ def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_que
     return q_nope.new_empty(*q_nope.shape[:2], v.shape[-1])
 
 
-@mla_prefill_attention_op.register_kernel("cuda")
+@cuda_implementation(mla_prefill_attention_op)
 def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, scale):
     from ops_cuda.mla_attention_triton import mla_prefill_attention_triton  # triton only where a kernel runs
 
@@ -158,4 +158,4 @@ def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_que
 
 
 # The reference reads the sequences' query and key counts on the host.
-mla_prefill_attention = reference_on_cpu(mla_prefill_attention_op, mla_prefill_attention_reference, reads_host=True)
+mla_prefill_attention = public_op(mla_prefill_attention_op, mla_prefill_attention_reference, reads_host=True)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.activation import act_and_mul, act_and_mul_reference
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.fp8 import check_block_weight, dequantise
 from ops_cuda.fp8_linear import fp8_block_linear
 
@@ -129,7 +129,7 @@ def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
     return "reference"
 
 
-@moe_experts_op.register_kernel("cuda")
+@cuda_implementation(moe_experts_op)
 def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
     from ops_cuda.moe_decode import moe_experts_decode
     from ops_cuda.moe_grouped_mm import moe_experts_grouped_mm
@@ -146,7 +146,7 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
     return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
 
 
-moe_experts = reference_on_cpu(moe_experts_op, moe_experts_reference, reads_host=True)
+moe_experts = public_op(moe_experts_op, moe_experts_reference, reads_host=True)
 
 
 def fp8_moe_experts_reference(
@@ -232,7 +232,7 @@ def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_sca
     return torch.empty_like(hidden)
 
 
-@fp8_moe_experts_op.register_kernel("cuda")
+@cuda_implementation(fp8_moe_experts_op)
 def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv, block, activation,
       shared_gate_up=None, shared_gate_up_scale_inv=None, shared_down=None, shared_down_scale_inv=None):
     from ops_cuda.moe_triton import Fp8Scales, SharedExpert, moe_experts_triton, shared_supported, triton_supported
@@ -256,4 +256,4 @@ def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_sca
     return out + fp8_block_linear(h, shared.down, shared.down_scale, block, None)
 
 
-fp8_moe_experts = reference_on_cpu(fp8_moe_experts_op, fp8_moe_experts_reference, reads_host=True)
+fp8_moe_experts = public_op(fp8_moe_experts_op, fp8_moe_experts_reference, reads_host=True)

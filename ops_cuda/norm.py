@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 
 
 def rms_norm_reference(
@@ -36,14 +36,14 @@ def _(x, weight, eps, weight_offset=0.0, multiply_in_float32=False):
     return x.new_empty(x.shape, dtype=_normed_dtype(x.dtype, weight, multiply_in_float32))
 
 
-@rms_norm_op.register_kernel("cuda")
+@cuda_implementation(rms_norm_op)
 def _(x, weight, eps, weight_offset=0.0, multiply_in_float32=False):
     from ops_cuda.triton_kernels import rms_norm_triton  # triton is imported only where a kernel runs
 
     return rms_norm_triton(x, weight, eps, weight_offset, multiply_in_float32)
 
 
-rms_norm = reference_on_cpu(rms_norm_op, rms_norm_reference)
+rms_norm = public_op(rms_norm_op, rms_norm_reference)
 
 
 def fused_add_rms_norm_reference(
@@ -70,11 +70,11 @@ def _(x, residual, weight, eps, weight_offset=0.0, multiply_in_float32=False):
     return x.new_empty(x.shape, dtype=normed_dtype), x.new_empty(x.shape, dtype=summed_dtype)
 
 
-@fused_add_rms_norm_op.register_kernel("cuda")
+@cuda_implementation(fused_add_rms_norm_op)
 def _(x, residual, weight, eps, weight_offset=0.0, multiply_in_float32=False):
     from ops_cuda.triton_kernels import fused_add_rms_norm_triton  # triton is imported only where a kernel runs
 
     return fused_add_rms_norm_triton(x, residual, weight, eps, weight_offset, multiply_in_float32)
 
 
-fused_add_rms_norm = reference_on_cpu(fused_add_rms_norm_op, fused_add_rms_norm_reference)
+fused_add_rms_norm = public_op(fused_add_rms_norm_op, fused_add_rms_norm_reference)

@@ -20,7 +20,7 @@ by ``v_scale`` (``ops_cuda/kv_cache.py``); the ops read them back as q's dtype t
 import torch
 import torch.nn.functional as F
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.kv_cache import dequantize
 from ops_cuda.kv_layout import read_slots
 
@@ -176,7 +176,7 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softca
     return torch.empty_like(q)
 
 
-@paged_decode_attention_op.register_kernel("cuda")
+@cuda_implementation(paged_decode_attention_op)
 def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0, k_scale=1.0, v_scale=1.0):
     from ops_cuda.paged_attention_triton import paged_decode_attention_triton  # triton only where a kernel runs
 
@@ -186,7 +186,7 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softca
     return out
 
 
-paged_decode_attention = reference_on_cpu(paged_decode_attention_op, paged_decode_attention_reference)
+paged_decode_attention = public_op(paged_decode_attention_op, paged_decode_attention_reference)
 
 
 @torch.library.custom_op("zoo::paged_prefill_attention", mutates_args=())
@@ -207,7 +207,7 @@ def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_qu
     return torch.empty_like(q)
 
 
-@paged_prefill_attention_op.register_kernel("cuda")
+@cuda_implementation(paged_prefill_attention_op)
 def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
       softcap=0.0, k_scale=1.0, v_scale=1.0):
     from ops_cuda.paged_attention_triton import paged_prefill_attention_triton  # triton only where a kernel runs
@@ -222,6 +222,6 @@ def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_qu
 
 
 # The reference reads the query lengths on the host.
-paged_prefill_attention = reference_on_cpu(
+paged_prefill_attention = public_op(
     paged_prefill_attention_op, paged_prefill_attention_reference, reads_host=True
 )

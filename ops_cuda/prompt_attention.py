@@ -18,7 +18,7 @@ each, which a server meeting a new length with most requests would pay again and
 
 import torch
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.paged_attention import attention_mask, sdpa
 
 
@@ -62,7 +62,7 @@ def takes_flash(q: torch.Tensor, softcap: float) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] >= 8 and torch.backends.cuda.flash_sdp_enabled())
 
 
-@prompt_attention_op.register_kernel("cuda")
+@cuda_implementation(prompt_attention_op)
 def _(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap=0.0):
     if not takes_flash(q, softcap):
         return prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap)
@@ -76,4 +76,4 @@ def _(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap=0.
 
 
 # The reference reads the sequences' lengths on the host.
-prompt_attention = reference_on_cpu(prompt_attention_op, prompt_attention_reference, reads_host=True)
+prompt_attention = public_op(prompt_attention_op, prompt_attention_reference, reads_host=True)

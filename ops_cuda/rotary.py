@@ -3,7 +3,7 @@ layout, over all of head_dim or its first rotary_dim channels (partial rotary)."
 
 import torch
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 
 
 def check_rotary_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -71,7 +71,7 @@ def _(q, k, cos, sin, interleaved=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@apply_rotary_op.register_kernel("cuda")
+@cuda_implementation(apply_rotary_op)
 def _(q, k, cos, sin, interleaved=False):
     from ops_cuda.triton_kernels import apply_rotary_triton  # triton is imported only where a kernel runs
 
@@ -79,4 +79,4 @@ def _(q, k, cos, sin, interleaved=False):
     return apply_rotary_triton(q, k, cos, sin, interleaved)
 
 
-apply_rotary = reference_on_cpu(apply_rotary_op, apply_rotary_reference)
+apply_rotary = public_op(apply_rotary_op, apply_rotary_reference)

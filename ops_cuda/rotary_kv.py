@@ -6,7 +6,7 @@ three or four."""
 
 import torch
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.kv_cache import write_kv_cache_reference
 from ops_cuda.norm import rms_norm_reference
 from ops_cuda.rotary import apply_rotary_reference, check_rotary_shapes
@@ -90,7 +90,7 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.
     return torch.empty_like(q), torch.empty_like(k)
 
 
-@rotary_write_kv_op.register_kernel("cuda")
+@cuda_implementation(rotary_write_kv_op)
 def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, interleaved=False,
       q_norm_weight=None, k_norm_weight=None, norm_eps=0.0, weight_offset=0.0, multiply_in_float32=False,
       v_norm_weight=None):
@@ -103,4 +103,4 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.
                                   v_norm_weight)
 
 
-rotary_write_kv = reference_on_cpu(rotary_write_kv_op, rotary_write_kv_reference)
+rotary_write_kv = public_op(rotary_write_kv_op, rotary_write_kv_reference)

@@ -17,7 +17,7 @@ token; the order of a token's k ids may differ from the reference's where it doe
 
 import torch
 
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 
 # The CUDA kernel takes up to this many experts (one program holds a token's scores); more run the reference.
 ROUTER_KERNEL_MAX_EXPERTS = 1024
@@ -90,7 +90,7 @@ def _(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_gro
     return (logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64))
 
 
-@route_topk_op.register_kernel("cuda")
+@cuda_implementation(route_topk_op)
 def _(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups, group_score, scaling_factor):
     if ROUTER_KERNEL and logits.dim() == 2 and logits.shape[1] <= ROUTER_KERNEL_MAX_EXPERTS:
         from ops_cuda.router_triton import route_topk_triton  # triton is imported only where a kernel runs
@@ -101,4 +101,4 @@ def _(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_gro
                                 group_score, scaling_factor)
 
 
-route_topk = reference_on_cpu(route_topk_op, route_topk_reference)
+route_topk = public_op(route_topk_op, route_topk_reference)

@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+import types
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from transformers.models.llama import modeling_llama as hf_llama
 
 from layers import RotaryEmbedding
 from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm
-from ops_cuda.dispatch import reference_on_cpu
+from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.linear import PackedWeight, linear
 from tests.models.test_parity import VARIANTS
 
@@ -158,29 +159,45 @@ def test_unsupported_rope_type_is_named():
         RotaryEmbedding(config, 128)
 
 
-def test_public_names_run_the_reference_on_cpu_and_the_registered_op_elsewhere(monkeypatch):
+def test_public_names_call_the_reference_on_cpu_the_cuda_kernel_on_cuda_and_the_op_while_tracing(monkeypatch):
     ran = []
 
-    def add_one_op(x):
-        ran.append("op")
-        return x + 1
+    class AddOneOp:  # as much of a torch.library custom op as public_op and cuda_implementation use
+        def __call__(self, x):
+            ran.append("op")
+            return x + 1
+
+        def register_kernel(self, device_type):
+            assert device_type == "cuda"
+            return lambda kernel: kernel
+
+    add_one_op = AddOneOp()
+
+    @cuda_implementation(add_one_op)
+    def _(x):
+        ran.append("cuda kernel")
+        return x
 
     def add_one_reference(x):
         """x + 1"""
         ran.append("reference")
         return x + 1
 
-    add_one = reference_on_cpu(add_one_op, add_one_reference)
-    reads_host = reference_on_cpu(add_one_op, add_one_reference, reads_host=True)
+    add_one = public_op(add_one_op, add_one_reference)
+    reads_host = public_op(add_one_op, add_one_reference, reads_host=True)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"))  # all the wrapper reads of a CUDA tensor
     assert add_one.__name__ == "add_one" and add_one.__doc__ == "x + 1"
     assert add_one(torch.zeros(2)).tolist() == [1.0, 1.0]
     assert add_one(torch.zeros(2, device="meta")).device.type == "meta"
-    assert ran == ["reference", "op"]
+    assert add_one(on_cuda) is on_cuda
+    assert ran == ["reference", "op", "cuda kernel"]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as in a graph torch.compile traces
     ran.clear()
     add_one(torch.zeros(2))
     reads_host(torch.zeros(2))
-    assert ran == ["reference", "op"]  # an op that reads the host stays opaque to the compiler
+    with pytest.raises(TypeError):  # the op itself, which adds one to what is no tensor
+        add_one(on_cuda)
+    assert ran == ["reference", "op", "op"]  # an op that reads the host stays opaque to the compiler
     # The package's names: the registered op on meta tensors (its fake kernel).
     x, weight = torch.randn(3, 8), torch.randn(8)
     assert rms_norm(x.to("meta"), weight.to("meta"), 1e-6).shape == (3, 8)
