@@ -4,8 +4,8 @@ Each op is a ``torch.library`` custom op in the ``zoo`` namespace (``torch.ops.z
 file, ``<name>_op``). Its default kernel is a pure-PyTorch reference (``<name>_reference``, used on
 CPU and as the test oracle); GPU kernels register for the ``cuda`` dispatch key on top of it
 (Triton's, or PyTorch's flash attention for ``prompt_attention``). The
-name exported here calls the reference directly on CPU tensors and the custom op elsewhere
-(``ops_cuda.dispatch``). The Triton kernels live in ``triton_kernels`` (norms, rotary, gated
+name exported here calls the reference on CPU tensors and the CUDA kernel on CUDA tensors directly,
+and the custom op while torch.compile traces and on meta tensors (``ops_cuda.dispatch``). The Triton kernels live in ``triton_kernels`` (norms, rotary, gated
 activations, KV-cache write, q/k-norm with rotary and the KV-cache write in one kernel, single-row
 matmuls, plain and with the gated activation, argmax), ``paged_attention_triton``,
 ``mla_attention_triton``, ``moe_triton``, ``moe_decode``, ``moe_grouped_mm``, ``router_triton`` and
