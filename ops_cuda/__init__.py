@@ -3,15 +3,15 @@
 Each op is a ``torch.library`` custom op in the ``zoo`` namespace (``torch.ops.zoo.<name>``; in its
 file, ``<name>_op``). Its default kernel is a pure-PyTorch reference (``<name>_reference``, used on
 CPU and as the test oracle); GPU kernels register for the ``cuda`` dispatch key on top of it
-(Triton's, or PyTorch's flash attention for ``prompt_attention``). The
-name exported here calls the reference on CPU tensors and the CUDA kernel on CUDA tensors directly,
-and the custom op while torch.compile traces and on meta tensors (``ops_cuda.dispatch``). The Triton kernels live in ``triton_kernels`` (norms, rotary, gated
-activations, KV-cache write, q/k-norm with rotary and the KV-cache write in one kernel, single-row
-matmuls, plain and with the gated activation, argmax), ``paged_attention_triton``,
-``mla_attention_triton``, ``moe_triton``, ``moe_decode``, ``moe_grouped_mm``, ``router_triton`` and
-``fp8_triton`` (block-scaled FP8 GEMM), imported only when a CUDA kernel first runs: ``import ops_cuda``
-never imports triton. ``ops_cuda.linear`` routes linear layers' products (packed CPU weights, zoo::gemv,
-zoo::gated_gemv).
+(Triton's, or PyTorch's flash attention for ``prompt_attention``). The name exported here calls
+the reference on CPU tensors and the CUDA kernel on CUDA tensors directly, and the custom op while
+torch.compile traces and on meta tensors (``ops_cuda.dispatch``). The Triton kernels live in
+``triton_kernels`` (norms, rotary, gated activations, KV-cache write, q/k-norm with rotary and the
+KV-cache write in one kernel, single-row matmuls, plain and with the gated activation, argmax),
+``paged_attention_triton``, ``mla_attention_triton``, ``moe_triton``, ``moe_decode``,
+``moe_grouped_mm``, ``router_triton`` and ``fp8_triton`` (block-scaled FP8 GEMM), imported only when
+a CUDA kernel first runs: ``import ops_cuda`` never imports triton. ``ops_cuda.linear`` routes
+linear layers' products (packed CPU weights, zoo::gemv, zoo::gated_gemv).
 """
 
 from ops_cuda.activation import ACTIVATIONS, act_and_mul

@@ -2,9 +2,9 @@
 
 Each op file defines the op's PyTorch reference (``<name>_reference``, which carries the op's
 docstring), its ``torch.library`` custom op (``<name>_op``, registered as ``torch.ops.zoo.<name>``),
-whose default kernel is that reference and whose CUDA kernel (``cuda_implementation``) is Triton (or a torch
-built-in where one does better: flash attention, the grouped GEMM, ``torch._scaled_mm``), and the op
-under its own name: ``<name> = public_op(<name>_op, <name>_reference)``.
+whose default kernel is that reference and whose CUDA kernel (``cuda_implementation``) is Triton
+(or a torch built-in where one does better: flash attention, the grouped GEMM, ``torch._scaled_mm``),
+and the op under its own name: ``<name> = public_op(<name>_op, <name>_reference)``.
 """
 
 import functools
@@ -47,9 +47,8 @@ def public_op(op, reference, *, reads_host: bool = False):
         device, compiling = args[0].device.type, torch.compiler.is_compiling()
         if device == "cpu" and not (reads_host and compiling):
             return reference(*args, **kwargs)
-        if device == "cuda" and not compiling and op in _CUDA_KERNELS:
-            return _CUDA_KERNELS[op](*args, **kwargs)
-        return op(*args, **kwargs)
+        kernel = _CUDA_KERNELS.get(op) if device == "cuda" and not compiling else None
+        return (op if kernel is None else kernel)(*args, **kwargs)
 
     functools.update_wrapper(call, reference)  # the reference's docstring and signature
     call.__name__ = call.__qualname__ = reference.__name__.removesuffix("_reference")
