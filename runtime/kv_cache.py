@@ -111,6 +111,7 @@ class KVCache:
                  dtype: torch.dtype | None = None):
         parameter = next(model.parameters())
         self.model = model
+        self.backend = backend
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = dtype or parameter.dtype
         self.padding_slot = num_blocks * block_size if padding_block else None

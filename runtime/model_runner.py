@@ -1,4 +1,4 @@
-"""Runs the model on a scheduled step: eagerly, as a replayed CUDA graph, or compiled on the CPU.
+"""Runs the model on a scheduled step: eagerly, as replayed CUDA graphs, or compiled on the CPU.
 A step that holds image tokens runs eagerly, with their rows of the images' features."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import torch
 
 from layers import pack_for_cpu_decode
 from runtime.compiled_decode import CompiledDecode
-from runtime.cuda_graphs import DecodeGraphs, Staging
+from runtime.cuda_graphs import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, Staging
 from runtime.kv_cache import KVCache
 from runtime.run_ahead import RunAhead
 from runtime.sequence import Sequence
@@ -15,12 +15,14 @@ from runtime.step_inputs import StepInputs
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, block_tables: np.ndarray, run_ahead: RunAhead,
-                 use_cuda_graphs: bool, compile_decode: bool = False, ranks=None):
+                 use_cuda_graphs: bool, compile_decode: bool = False, ranks=None, max_num_batched_tokens: int = 0):
         """``block_tables``: the block manager's, a row per sequence that holds blocks; as many rows as
         sequences can run at once. ``run_ahead`` holds the previous step's sampled ids, which pending
         input ids are read from. ``compile_decode``: CPU decode steps run compiled (``CompiledDecode``).
         ``ranks``: the tensor-parallel group (``runtime.parallel.Ranks``) whose other ranks run each
-        step ``run`` sends them."""
+        step ``run`` sends them. With ``use_cuda_graphs``, decode steps replay whole graphs and steps of
+        up to ``PIECEWISE_MAX_TOKENS`` tokens (and ``max_num_batched_tokens``) that carry prompt tokens
+        replay graphs in pieces between attention calls."""
         self.model = model
         self.ranks = ranks
         self.kv_cache = kv_cache
@@ -34,6 +36,9 @@ class ModelRunner:
         self.staging = (Staging(torch.long), Staging(torch.int32)) if self.device.type == "cuda" else None
         self.graphs = (DecodeGraphs(model, max_num_seqs, table_width, run_ahead, self.device)
                        if use_cuda_graphs else None)
+        self.piecewise = (PiecewiseGraphs(model, kv_cache, min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens),
+                                          max_num_seqs, table_width, run_ahead, self.device)
+                          if use_cuda_graphs and max_num_batched_tokens else None)
         self.compiled = CompiledDecode(model, max_num_seqs, kv_cache, run_ahead) if compile_decode else None
 
     @torch.inference_mode()
@@ -55,6 +60,8 @@ class ModelRunner:
             return self.graphs.run(step)
         if self.compiled is not None and plain_decode and self.compiled.fits(len(step.input_ids)):
             return self.compiled.run(step)
+        if self.piecewise is not None and not images and self.piecewise.fits(len(step.input_ids)):
+            return self.piecewise.run(step)
         input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device, self.staging)
         input_ids = self.run_ahead.fill_pending(input_ids, sources)
         return self.model(input_ids, positions, metadata, logits_indices=logits_rows, **images)

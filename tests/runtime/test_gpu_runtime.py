@@ -87,6 +87,8 @@ def assert_graphs_give_the_eager_tokens(model):
 
 GRAPHED = {
     "qwen3": tiny_config("qwen3", **SMALL, head_dim=64),
+    "qwen3_moe": tiny_config("qwen3_moe", **SMALL, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=256),
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
 }
 
@@ -94,6 +96,36 @@ GRAPHED = {
 @pytest.mark.parametrize("name", GRAPHED)
 def test_cuda_graphs_give_the_eager_tokens(name):
     assert_graphs_give_the_eager_tokens(AutoModelForCausalLM.from_hf(random_hf(GRAPHED[name])))
+
+
+def test_piecewise_graphs_give_the_eager_tokens_in_chunked_and_mixed_steps():
+    """Prompts chunked at 64 tokens: the chunks after a prompt's first read their context from the
+    cache (the paged prefill kernel), and decodes share steps with prompt chunks. Each run twice,
+    the second through prefix-cache hits. Attention runs eagerly between the pieces, on the step's
+    own metadata; every other kernel is replayed over the padded rows."""
+    model = AutoModelForCausalLM.from_hf(random_hf(tiny_config("llama", **SMALL)))
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (300, 40, 150, 5, 77)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64)
+    eager_llm = LLM(model, enforce_eager=True, **options)
+    assert eager_llm.engine.runner.piecewise is None
+    eager = [eager_llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+    del eager_llm
+    llm = LLM(model, **options)
+    piecewise = llm.engine.runner.piecewise
+    assert piecewise.sizes == [16, 32, 64]
+    assert [len(piecewise.pieces[size]) for size in piecewise.sizes] == [5, 5, 5]  # 4 attention calls between
+    replayed = []
+    run = piecewise.run
+    piecewise.run = lambda step: replayed.append((len(step.input_ids), step.num_decodes)) or run(step)
+    graphed = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+    assert any(decodes and tokens > decodes for tokens, decodes in replayed)  # a prompt chunk beside decodes
+    assert max(tokens for tokens, _ in replayed) == 64
+    assert sum(o.num_cached_tokens for o in graphed[1]) > 0
+    for ours, theirs in zip(graphed, eager):
+        assert all(o.error is None and len(o.token_ids) == 24 for o in ours)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
 
 
 def test_graph_replayed_twice_gives_the_same_logits():

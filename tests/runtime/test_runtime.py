@@ -792,3 +792,14 @@ def test_every_batch_has_a_graph_padding_it_by_less_than_8_rows(max_batch):
         assert padded - batch < 8
         if batch in (1, 2, 4) or batch % 8 == 0 or batch == max_batch:
             assert padded == batch
+
+
+@pytest.mark.parametrize("max_tokens", [8, 16, 100, 512, 1024])
+def test_every_step_has_a_piecewise_size_padding_it_by_less_than_half(max_tokens):
+    from runtime.cuda_graphs import piece_sizes
+
+    sizes = piece_sizes(max_tokens)
+    assert sizes[-1] == max_tokens and sizes == sorted(set(sizes))
+    for tokens in range(1, max_tokens + 1):
+        padded = next(size for size in sizes if size >= tokens)
+        assert padded < 2 * tokens or padded == sizes[0]
