@@ -83,12 +83,15 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
         self.run_ahead = RunAhead(config.max_num_seqs, device)
-        # Graphs capture the decode step on the triton backend, whose ops never sync with the host;
-        # the reference backend and a model that is not capturable run eagerly.
+        # CUDA graphs (decode steps whole, steps with prompt tokens in pieces) on the triton backend,
+        # whose ops never sync with the host; the reference backend and a model that is not capturable
+        # run eagerly.
         use_cuda_graphs = (device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
                            and model.capturable)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, self.run_ahead,
                                   use_cuda_graphs, config.compile_decode, ranks, config.max_num_batched_tokens)
+        if device.type == "cuda":
+            self.runner.compile_kernels()
         self.outputs: dict[int, RequestOutput] = {}
         self.sequences: dict[int, Sequence] = {}
 

@@ -4,7 +4,8 @@ A step that holds image tokens runs eagerly, with their rows of the images' feat
 import numpy as np
 import torch
 
-from layers import pack_for_cpu_decode
+from layers import AttentionMetadata, pack_for_cpu_decode
+from ops_cuda import argmax
 from runtime.compiled_decode import CompiledDecode
 from runtime.cuda_graphs import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, Staging
 from runtime.kv_cache import KVCache
@@ -65,6 +66,27 @@ class ModelRunner:
         input_ids, sources, positions, metadata, logits_rows = step.to_device(self.device, self.staging)
         input_ids = self.run_ahead.fill_pending(input_ids, sources)
         return self.model(input_ids, positions, metadata, logits_indices=logits_rows, **images)
+
+    @torch.inference_mode()
+    def compile_kernels(self) -> None:
+        """Runs once what only some steps launch, so that its Triton kernels compile at start and not
+        in the first request that needs them (seconds each on a cold Triton cache): a prompt begun in
+        an earlier step beside a decode (the paged prefill kernel), and argmax over logits in the
+        model's dtype (greedy sampling) and in float32 (draws). It writes nothing into the cache, and
+        what it reads there is thrown away."""
+        device = self.device
+        metadata = AttentionMetadata(
+            query_lens=[2, 1], context_lens=[1, 1], num_decodes=1,
+            slot_mapping=torch.full((3,), -1, dtype=torch.long, device=device),
+            block_tables=torch.zeros(2, self.block_tables.shape[1], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([3, 2], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32, device=device),
+        )
+        positions = torch.tensor([1, 2, 1], device=device)
+        logits = self.model(torch.zeros_like(positions), positions, metadata,
+                            logits_indices=torch.tensor([1, 2], device=device))
+        argmax(logits)
+        argmax(logits.float())
 
     def image_embeds(self, scheduled: list[tuple[Sequence, int]]) -> dict:
         """The model's image arguments for the step: the features of the prompt image tokens it

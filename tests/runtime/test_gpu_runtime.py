@@ -128,6 +128,32 @@ def test_piecewise_graphs_give_the_eager_tokens_in_chunked_and_mixed_steps():
         assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
 
 
+def test_no_request_waits_for_a_kernel_to_compile():
+    """``LLM()`` compiles what only some steps launch (``ModelRunner.compile_kernels``): after it, a
+    prompt chunked over steps beside decodes, greedy and drawn, compiles no variant of the paged
+    prefill or argmax kernels. The model's float16 weights, head_dim 80 and vocabulary of 3,000 (not
+    a multiple of 16) give those kernels variants no other test compiles first."""
+    from ops_cuda.paged_attention_triton import _prefill_kernel
+    from ops_cuda.triton_kernels import _argmax_chunks_kernel, _argmax_rows_kernel
+
+    config = tiny_config("llama", **{**SMALL, "vocab_size": 3000}, head_dim=80)
+    llm = LLM(AutoModelForCausalLM.from_hf(random_hf(config, dtype=torch.float16)), max_num_seqs=8,
+              max_model_len=512, max_num_batched_tokens=64)
+    kernels = (_prefill_kernel, _argmax_chunks_kernel, _argmax_rows_kernel)
+
+    def variants():  # each kernel's compiled variants (Triton's in-memory cache per device)
+        return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
+
+    compiled = variants()
+    assert all(compiled)
+    torch.manual_seed(5)
+    prompts = [torch.randint(0, 3000, (n,)).tolist() for n in (150, 20)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8, temperature=0.8, seed=1)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None and len(o.token_ids) == 8 for o in outputs)
+    assert variants() == compiled
+
+
 def test_graph_replayed_twice_gives_the_same_logits():
     reference = random_hf(tiny_config("llama", **SMALL))
     llm = LLM(AutoModelForCausalLM.from_hf(reference), max_num_seqs=4, max_model_len=256)
