@@ -62,6 +62,16 @@ def fill_leading_columns(out: np.ndarray, array: np.ndarray) -> None:
     out[:, array.shape[1] :] = 0
 
 
+def stage_tokens(host_longs: np.ndarray, step: StepInputs, size: int) -> None:
+    """The step's input ids, their sources, positions and slots into the first four rows of a graph's
+    staged int64 buffer, padded to ``size`` tokens: id 0, position 0, slot -1 (nothing is written)."""
+    n = len(step.input_ids)
+    arrays = (step.input_ids, step.sources, step.positions, step.slots)
+    for staged, values, padding in zip(host_longs, arrays, (0, 0, 0, -1)):
+        staged[:n] = values
+        staged[n:size] = padding
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """The batch sizes decode graphs are captured for: 1, 2, 4, then every 8 rows up to ``max_batch``
     (always included). A batch pads by at most 7 rows, whose products cost as much as real ones."""
@@ -135,10 +145,7 @@ class DecodeGraphs:
         n = len(step.input_ids)
         size = next(s for s in self.sizes if s >= n)
         host_longs = self.staged_longs.host(self.longs.numel()).reshape(self.longs.shape)
-        arrays = (step.input_ids, step.sources, step.positions, step.slots)
-        for staged, values, padding in zip(host_longs, arrays, (0, 0, 0, -1)):
-            staged[:n] = values
-            staged[n:size] = padding
+        stage_tokens(host_longs, step, size)
         table_width = self.block_tables.shape[1]
         ints_used = self.table_start + n * table_width  # every length, the first n table rows
         host_ints = self.staged_ints.host(ints_used)
@@ -226,10 +233,7 @@ class PiecewiseGraphs:
         n, seqs, rows = len(step.input_ids), len(step.query_lens), len(step.logits_rows)
         size = next(s for s in self.sizes if s >= n)
         host_longs = self.staged_longs.host(self.longs.numel()).reshape(self.longs.shape)
-        arrays = (step.input_ids, step.sources, step.positions, step.slots)
-        for staged, values, padding in zip(host_longs, arrays, (0, 0, 0, -1)):
-            staged[:n] = values
-            staged[n:size] = padding
+        stage_tokens(host_longs, step, size)
         host_longs[4, :rows] = step.logits_rows
         host_longs[4, rows : self._logits_rows(size)] = 0
         table_width = self.block_tables.shape[1]

@@ -89,7 +89,7 @@ class Engine:
         use_cuda_graphs = (device.type == "cuda" and not config.enforce_eager and backend.name == "triton"
                            and model.capturable)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager.block_tables, self.run_ahead,
-                                  use_cuda_graphs, config.compile_decode, ranks, config.max_num_batched_tokens)
+                                  use_cuda_graphs, config.max_num_batched_tokens, config.compile_decode, ranks)
         if device.type == "cuda":
             self.runner.compile_kernels()
         self.outputs: dict[int, RequestOutput] = {}

@@ -16,7 +16,7 @@ from runtime.step_inputs import StepInputs
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, block_tables: np.ndarray, run_ahead: RunAhead,
-                 use_cuda_graphs: bool, compile_decode: bool = False, ranks=None, max_num_batched_tokens: int = 0):
+                 use_cuda_graphs: bool, max_num_batched_tokens: int, compile_decode: bool = False, ranks=None):
         """``block_tables``: the block manager's, a row per sequence that holds blocks; as many rows as
         sequences can run at once. ``run_ahead`` holds the previous step's sampled ids, which pending
         input ids are read from. ``compile_decode``: CPU decode steps run compiled (``CompiledDecode``).
@@ -39,7 +39,7 @@ class ModelRunner:
                        if use_cuda_graphs else None)
         self.piecewise = (PiecewiseGraphs(model, kv_cache, min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens),
                                           max_num_seqs, table_width, run_ahead, self.device)
-                          if use_cuda_graphs and max_num_batched_tokens else None)
+                          if use_cuda_graphs else None)
         self.compiled = CompiledDecode(model, max_num_seqs, kv_cache, run_ahead) if compile_decode else None
 
     @torch.inference_mode()

@@ -803,3 +803,16 @@ def test_every_step_has_a_piecewise_size_padding_it_by_less_than_half(max_tokens
     for tokens in range(1, max_tokens + 1):
         padded = next(size for size in sizes if size >= tokens)
         assert padded < 2 * tokens or padded == sizes[0]
+
+
+def test_a_graphed_step_stages_its_tokens_padded_with_rows_that_write_nothing():
+    from types import SimpleNamespace
+
+    from runtime.cuda_graphs import stage_tokens
+
+    step = SimpleNamespace(input_ids=np.array([5, 6, 7]), sources=np.array([0, 2, 0]), positions=np.array([3, 4, 9]),
+                           slots=np.array([35, 36, 80]))
+    host = np.full((5, 8), 99, dtype=np.int64)
+    stage_tokens(host, step, 4)
+    assert host[:4, :4].tolist() == [[5, 6, 7, 0], [0, 2, 0, 0], [3, 4, 9, 0], [35, 36, 80, -1]]
+    assert (host[:4, 4:] == 99).all() and (host[4] == 99).all()  # past the size and the fifth row: untouched
