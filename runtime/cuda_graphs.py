@@ -160,13 +160,13 @@ class DecodeGraphs:
 
 # Steps of up to this many tokens replay piecewise graphs. On the Llama-3.1-8B shape the host takes
 # ~22 ms to launch an eager forward of any length; its GPU work is 5.3 ms at 128 tokens, 11.5 ms at
-# 512 and about the host's time at 1,024: past it the host's launches hide behind the GPU's work.
+# 512 and near the host's time at 1,024: past it the host's launches hide behind the GPU's work.
 PIECEWISE_MAX_TOKENS = 1024
 
 
 def piece_sizes(max_tokens: int) -> list[int]:
     """The token counts piecewise graphs are captured for: 16, 32, 64, ... up to ``max_tokens``
-    (always included). A step pads by less than half its tokens."""
+    (always included). Of the rows a step of more than 16 tokens replays, fewer than half are padding."""
     sizes = [16]
     while sizes[-1] < max_tokens:
         sizes.append(2 * sizes[-1])
@@ -188,7 +188,7 @@ class PiecewiseGraphs:
 
     The step's inputs live in buffers allocated once, as ``DecodeGraphs``'s do; padding rows have
     id 0, position 0 and slot -1 (nothing is written), and attention sees only the real rows. The
-    logits are computed for as many rows as the size has sequences at most. Each piece ends by
+    LM head computes as many rows as a step of the size can sample (one a sequence). Each piece ends by
     copying the attention call's inputs into buffers every layer shares, and the attention call
     writes its output into one the next piece reads: no tensor lives from one piece to the next
     in the graphs' memory pool, which every size shares.
