@@ -816,3 +816,27 @@ def test_a_graphed_step_stages_its_tokens_padded_with_rows_that_write_nothing():
     stage_tokens(host, step, 4)
     assert host[:4, :4].tolist() == [[5, 6, 7, 0], [0, 2, 0, 0], [3, 4, 9, 0], [35, 36, 80, -1]]
     assert (host[:4, 4:] == 99).all() and (host[4] == 99).all()  # past the size and the fifth row: untouched
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen3_moe", "deepseek_v3", "gemma2"])
+def test_compiling_the_kernels_at_start_runs_on_every_architecture_and_writes_nothing(name, backend):
+    """``ModelRunner.compile_kernels`` (run by ``LLM()`` on CUDA, where it compiles the paged prefill
+    and argmax kernels): a prompt begun in an earlier step beside a decode goes through each
+    architecture's attention (MLA's latent path among them) on either backend, and the KV cache
+    keeps every byte it had."""
+    from models import AutoModelForCausalLM
+    from tests.models.test_deepseek_v3 import VARIANTS, deepseek_hf_model
+
+    configs = {"qwen3_moe": tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+               "gemma2": tiny_config("gemma2", head_dim=16, sliding_window=6)}
+    hf = deepseek_hf_model(VARIANTS["q_lora-interleaved-groups"]) if name == "deepseek_v3" else hf_model(
+        configs.get(name) or ARCHITECTURES[name])
+    llm = LLM(AutoModelForCausalLM.from_hf(hf), device="cpu", block_size=4, attention_backend=backend)
+    pools = llm.engine.kv_cache.pools
+    for pool in pools:
+        for part in pool:
+            part.normal_()
+    before = [[part.clone() for part in pool] for pool in pools]
+    llm.engine.runner.compile_kernels()
+    assert all(torch.equal(part, kept) for pool, kept_pool in zip(pools, before) for part, kept in zip(pool, kept_pool))
