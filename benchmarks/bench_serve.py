@@ -104,11 +104,16 @@ async def run_rate(base_url: str, model: str, requests: list[Request], extra_bod
     itl = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     tokens = sum(len(r.chunk_times) for r in done)  # both servers stream a chunk per token
     errors = [r.error for r in results if r.error is not None]
+    # Each request's send time (s after the rate's start), TTFT and longest gap between chunks (ms):
+    # whether the slow ones come together (a stall of the server) or alone (their own prompt).
+    per_request = [dict(sent_s=r.sent - start, ttft_ms=1e3 * (r.chunk_times[0] - r.sent),
+                        longest_gap_ms=1e3 * max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])), default=0.0),
+                        chunks=len(r.chunk_times)) for r in done]
     return dict(requests=len(requests), completed=len(done), errors=len(errors), first_error=errors[0] if errors else None,
                 seconds=end - start, output_tokens=tokens, output_tokens_per_s=tokens / (end - start),
                 requests_per_s=len(done) / (end - start), ttft_p50_ms=1e3 * percentile(ttft, 50),
                 ttft_p99_ms=1e3 * percentile(ttft, 99), itl_p50_ms=1e3 * percentile(itl, 50),
-                itl_p99_ms=1e3 * percentile(itl, 99))
+                itl_p99_ms=1e3 * percentile(itl, 99), per_request=per_request)
 
 
 def free_port() -> int:
@@ -211,6 +216,9 @@ def main():
                       f"ITL p50 {row['itl_p50_ms']:7.1f} ms p99 {row['itl_p99_ms']:7.1f} ms"
                       + (f"; {row['errors']} errors, first: {row['first_error']}" if row["errors"] else ""),
                       flush=True)
+                slowest = sorted(row["per_request"], key=lambda r: r["ttft_ms"], reverse=True)[:3]
+                print("     slowest TTFTs: " + ", ".join(f"{r['ttft_ms']:.0f} ms (sent at {r['sent_s']:.2f} s)"
+                                                      for r in slowest), flush=True)
                 if args.json:  # written after every rate, so an interrupted run keeps what it measured
                     Path(args.json).write_text(json.dumps(dict(model=model, args=vars(args), results=results), indent=2))
         finally:
