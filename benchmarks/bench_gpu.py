@@ -6,7 +6,8 @@ decode         batch-1 decode latency, Llama-3.1-8B shape (random bf16 weights),
                256 new tokens: zoo (CUDA graphs) vs HF generate with a static cache (auto-compiled),
                and zoo as a fraction of the weight-read roofline (weight bytes / HBM bandwidth
                measured here with a device-to-device copy); beside it each side's time to the first
-               token of that prompt (a generation of one token: the prefill runs eagerly on both).
+               token of that prompt (a generation of one token: zoo replays its prefill as piecewise CUDA
+               graphs, HF runs it eagerly).
 throughput     nano-vllm's workload: Qwen3-0.6B shape, 256 requests of random tokens, input and
                output lengths U[100, 1024], EOS ignored: output tokens/s, zoo vs HF's continuous
                batching.
