@@ -43,7 +43,7 @@ class Staging:
         columns of each row, zeros after them."""
         shapes = [a.shape if s is None else s for a, s in zip(arrays, shapes or [None] * len(arrays))]
         sizes = [int(np.prod(shape)) for shape in shapes]
-        starts = np.cumsum([0] + [-(-size // self.ALIGN) * self.ALIGN for size in sizes])
+        starts = np.cumsum([0] + [aligned(size) for size in sizes])
         host = self.host(int(starts[-1]))
         for start, size, shape, array in zip(starts, sizes, shapes, arrays):
             if shape == array.shape:
@@ -53,6 +53,11 @@ class Staging:
         packed = torch.empty(int(starts[-1]), dtype=self.buffer.dtype, device=device)
         self.send(packed)
         return [packed[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+
+
+def aligned(count: int) -> int:
+    """``count`` rounded up to a multiple of ``Staging.ALIGN``: where the next part of a packed buffer starts."""
+    return -(-count // Staging.ALIGN) * Staging.ALIGN
 
 
 def fill_leading_columns(out: np.ndarray, array: np.ndarray) -> None:
@@ -96,7 +101,7 @@ class DecodeGraphs:
 
         # Two buffers, each sent in one copy a step: int64 ids, their sources, positions and slots;
         # int32 lengths, then table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
-        self.table_start = -(-largest // 16) * 16
+        self.table_start = aligned(largest)
         self.longs = torch.zeros(4, self.table_start, dtype=torch.long, device=device)
         self.input_ids, self.sources, self.positions, self.slots = self.longs[:, :largest]
         self.ints = torch.zeros(self.table_start + largest * table_width, dtype=torch.int32, device=device)
@@ -206,11 +211,11 @@ class PiecewiseGraphs:
 
         # int64: ids, their sources, positions, slots, then the rows that give logits; int32: lengths,
         # query starts, then table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
-        self.longs = torch.zeros(5, -(-max(largest, max_seqs) // 16) * 16, dtype=torch.long, device=device)
+        self.longs = torch.zeros(5, aligned(max(largest, max_seqs)), dtype=torch.long, device=device)
         self.input_ids, self.sources, self.positions, self.slots = self.longs[:4, :largest]
         self.logits_rows = self.longs[4, :max_seqs]
-        self.starts_at = -(-max_seqs // 16) * 16
-        self.table_start = -(-(self.starts_at + max_seqs + 1) // 16) * 16
+        self.starts_at = aligned(max_seqs)
+        self.table_start = aligned(self.starts_at + max_seqs + 1)
         self.ints = torch.zeros(self.table_start + max_seqs * table_width, dtype=torch.int32, device=device)
         self.seq_lens = self.ints[:max_seqs]
         self.query_start_loc = self.ints[self.starts_at : self.starts_at + max_seqs + 1]
