@@ -40,7 +40,7 @@ def _mla_decode_split_kernel(
     score_scale, kv_scale, num_heads,
     ql_stride_b, ql_stride_h, qr_stride_b, qr_stride_h, out_stride_b, out_stride_h, table_stride,
     cache_stride_block, cache_stride_slot,
-    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -48,12 +48,13 @@ def _mla_decode_split_kernel(
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
     begin_after_previous(PDL)
-    _, chunk, _ = split_chunks(seq_len, 0, NUM_SPLITS, BLOCK_N)  # every key is visible
+    _, chunk, _ = split_chunks(seq_len, 0, num_splits, BLOCK_N)  # every key is visible
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if (NUM_SPLITS > 1) & (start >= end):
+    if (num_splits > 1) & (start >= end):
         return  # an empty split: the reduce reads only the splits that hold keys
 
     head_ok = heads < num_heads
@@ -92,20 +93,20 @@ def _mla_decode_split_kernel(
 
     # A length-0 padding row under one split (no keys) writes zeros.
     out = acc / tl.where(total > 0, total, 1.0)[:, None] * kv_scale
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
     else:
         lse = running_max + tl.log2(total)  # a split that gets here holds keys
-        parts = ((seq * num_heads + heads) * NUM_SPLITS + split).to(tl.int64)  # [B, H, NUM_SPLITS]
+        parts = ((seq * num_heads + heads) * num_splits + split).to(tl.int64)  # [B, H, num_splits]
         tl.store(part_out_ptr + parts[:, None] * RANK + dims[None, :], out, mask=head_ok[:, None] & dim_ok[None, :])
         tl.store(part_lse_ptr + parts, lse, mask=head_ok)
 
 
-@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr"])
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _mla_decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, out_stride_b, out_stride_h,
-    RANK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, out_stride_b, out_stride_h, num_splits,
+    RANK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     # Stage 2. Program (sequence, head): the partial outputs of the splits that hold keys (the others
@@ -113,9 +114,9 @@ def _mla_decode_reduce_kernel(
     # whole [splits, rank] tile would not fit in registers).
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _, _, splits_with_keys = split_chunks(tl.load(seq_lens_ptr + seq), 0, NUM_SPLITS, BLOCK_N)
+    _, _, splits_with_keys = split_chunks(tl.load(seq_lens_ptr + seq), 0, num_splits, BLOCK_N)
     begin_after_previous(PDL)
-    parts = ((seq * tl.num_programs(1) + head) * NUM_SPLITS).to(tl.int64)
+    parts = ((seq * tl.num_programs(1) + head) * num_splits).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     lse = tl.load(part_lse_ptr + parts + splits, mask=splits < splits_with_keys, other=float("-inf"))
     top = tl.max(lse, 0)
@@ -261,7 +262,7 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
         scale * kv_scale * LOG2_E, float(kv_scale), num_heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), cache.stride(0), cache.stride(1),
-        RANK=rank, ROPE=rope, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        RANK=rank, ROPE=rope, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_ROPE=_block(rope), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_DTYPE, num_warps=num_warps,
         num_stages=2, **launch,
@@ -269,8 +270,8 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     if num_splits == 1:
         return
     _mla_decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1),
-        RANK=rank, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+        part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
+        RANK=rank, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_R=block_r, num_warps=4, **launch,
     )
 

@@ -181,21 +181,24 @@ def _attend_key_tile_keys_as_rows(q_t, running_max, total, acc, visible, k_cache
 
 
 @triton.jit
-def split_chunks(seq_len, first, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_chunks(seq_len, first, num_splits, BLOCK_N: tl.constexpr):
     # How a decode kernel splits the keys first..seq_len-1 of a sequence: the key tile holding the
     # first, the keys of each split from there (whole key tiles, following this sequence's own
     # length) and how many splits hold keys. A short sequence leaves the later splits empty; they
     # write nothing, and the reduce reads the splits that hold keys only.
     first_tile = first // BLOCK_N * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(seq_len - first_tile, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - first_tile, num_splits), BLOCK_N) * BLOCK_N
     splits_with_keys = tl.cdiv(seq_len - first_tile, tl.maximum(chunk, 1))  # 0 for a sequence with no keys
     return first_tile, chunk, splits_with_keys
 
 
 # A mixed step's decodes read the step's block tables and lengths from the row after its prefills,
-# at any offset. Not specialising on those pointers' alignment keeps one compiled kernel for every
-# offset, the one the decode graphs compile at start-up; else each split count compiles again
-# (about a second each) in the first mixed steps.
+# at any offset, and their count sets the split count. The kernels specialise on neither: the
+# pointers' alignment is left out of the specialisation, and the split count is the grid's third
+# dimension (the reduce takes it as an argument). The split kernel the decode graphs compile at
+# start-up serves every mixed step, which would otherwise wait about a second for each new
+# combination. The reduce compiles for each power of two of the splits (its tile); the graphs'
+# batch sizes (each at most twice the one before) meet every one a mixed step can ask for.
 UNALIGNED_METADATA = ["block_tables_ptr", "seq_lens_ptr"]
 
 
@@ -205,7 +208,7 @@ def _decode_split_kernel(
     score_scale, cap_log2, window, v_scale,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, V_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
@@ -218,13 +221,14 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
     begin_after_previous(PDL)
     first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys first..seq_len-1
-    first_tile, chunk, _ = split_chunks(seq_len, first, NUM_SPLITS, BLOCK_N)
+    first_tile, chunk, _ = split_chunks(seq_len, first, num_splits, BLOCK_N)
     start = first_tile + split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if (NUM_SPLITS > 1) & (start >= end):
+    if (num_splits > 1) & (start >= end):
         return  # an empty split: the reduce reads only the splits that hold keys
 
     rows = tl.arange(0, BLOCK_H)
@@ -285,21 +289,21 @@ def _decode_split_kernel(
 
     # A length-0 padding row under one split (no keys) writes zeros.
     out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
         lse = running_max + tl.log2(total)  # a split that gets here holds keys
-        parts = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
+        parts = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, Hq, num_splits]
         tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], out,
                  mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(part_lse_ptr + parts, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr"])
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, window, out_stride_b, out_stride_h,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, window, out_stride_b, out_stride_h, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     # Stage 2. Program (sequence, query head): the partial outputs of the splits that hold keys
@@ -307,13 +311,13 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
-    _, _, splits_with_keys = split_chunks(seq_len, tl.maximum(seq_len - window, 0), NUM_SPLITS, BLOCK_N)
+    _, _, splits_with_keys = split_chunks(seq_len, tl.maximum(seq_len - window, 0), num_splits, BLOCK_N)
     begin_after_previous(PDL)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_ok = splits < splits_with_keys
     dim_ok = dims < HEAD_DIM
-    parts = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    parts = (seq * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + parts, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
@@ -545,7 +549,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride(),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
         V_BLOCKS=_v_blocks(v_cache, block_n),
@@ -554,8 +558,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if num_splits == 1:
         return
     _decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_lse, seq_lens, out, sliding_window or NO_WINDOW, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+        part_out, part_lse, seq_lens, out, sliding_window or NO_WINDOW, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=block_d, num_warps=4, **launch,
     )
 

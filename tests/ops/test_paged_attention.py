@@ -603,28 +603,35 @@ def test_prompt_attention_cuda(dtype, shape, sliding_window, query_lens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
-def test_decode_kernel_compiles_once_for_metadata_at_any_offset(fp8_scales):
-    # A mixed step's decodes read the lengths and block tables from the row after its prefills:
-    # rows 1..4 of these (4-byte and odd-width offsets) run the kernel compiled for rows 0..3.
+def test_decode_kernels_compile_once_for_any_metadata_offset_and_split_count(fp8_scales):
+    # A mixed step's decodes read the lengths and block tables from the row after its prefills, and
+    # their count sets the split count: rows 1..4 of these (4-byte and odd-width offsets) and 5 to 7
+    # splits run the split kernel compiled for rows 0..3, and the reduce compiled for 5 splits (a
+    # tile of 8) serves 6 and 7.
     batch = decode_batch([1500, 700, 31, 1025, 2000], *SHAPES["32q-8kv-d128"], 16, torch.bfloat16, "cuda",
                          fp8_scales=fp8_scales)
     assert batch.block_tables.shape[1] % 4 != 0
     q, k_cache, v_cache, block_tables, seq_lens, scale, window = batch.decode_args(0)
     expected = batch.reference_decode(0)
 
-    def decode(rows):
+    def decode(rows, num_splits=None):
         out = torch.full_like(q[rows], float("nan"))
         paged_decode_attention_triton(q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale, window,
-                                      out, k_scale=batch.scales[0], v_scale=batch.scales[1])
+                                      out, num_splits=num_splits, k_scale=batch.scales[0], v_scale=batch.scales[1])
         assert_close(out, expected[rows], 2**-7)
 
-    def compiled():
-        return len(paged_attention_triton._decode_split_kernel.device_caches[q.device.index][0])
+    def compiled(kernel):
+        return len(kernel.device_caches[q.device.index][0])
 
     decode(slice(0, 4))
-    count = compiled()
+    split_variants = compiled(paged_attention_triton._decode_split_kernel)
     decode(slice(1, 5))
-    assert compiled() == count
+    decode(slice(0, 4), num_splits=5)
+    reduce_variants = compiled(paged_attention_triton._decode_reduce_kernel)
+    for num_splits in (6, 7):
+        decode(slice(1, 5), num_splits)
+    assert compiled(paged_attention_triton._decode_split_kernel) == split_variants
+    assert compiled(paged_attention_triton._decode_reduce_kernel) == reduce_variants
 
 
 def write_decode_tokens(batch):

@@ -129,28 +129,43 @@ def test_piecewise_graphs_give_the_eager_tokens_in_chunked_and_mixed_steps():
 
 
 def test_no_request_waits_for_a_kernel_to_compile():
-    """``LLM()`` compiles what only some steps launch (``ModelRunner.compile_kernels``): after it, a
-    prompt chunked over steps beside decodes, greedy and drawn, compiles no variant of the paged
-    prefill or argmax kernels. The model's float16 weights, head_dim 80 and vocabulary of 3,000 (not
-    a multiple of 16) give those kernels variants no other test compiles first."""
-    from ops_cuda.paged_attention_triton import _prefill_kernel
+    """``LLM()`` compiles what only some steps launch (``ModelRunner.compile_kernels``, the graphs'
+    capture): after it, prompts chunked over steps beside 1 to 7 decodes, greedy and drawn, compile
+    no variant of the paged prefill, decode attention or argmax kernels. The model's float16
+    weights, head_dim 80 and vocabulary of 3,000 (not a multiple of 16) give those kernels variants
+    no other test compiles first; at 2,048 tokens a decode batch of 5, 6 or 7 splits each sequence's
+    keys into as many chunks as no captured batch size does (on the H200's 132 SMs)."""
+    from ops_cuda.paged_attention_triton import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
     from ops_cuda.triton_kernels import _argmax_chunks_kernel, _argmax_rows_kernel
 
     config = tiny_config("llama", **{**SMALL, "vocab_size": 3000}, head_dim=80)
     llm = LLM(AutoModelForCausalLM.from_hf(random_hf(config, dtype=torch.float16)), max_num_seqs=8,
-              max_model_len=512, max_num_batched_tokens=64)
-    kernels = (_prefill_kernel, _argmax_chunks_kernel, _argmax_rows_kernel)
+              max_model_len=2048, max_num_batched_tokens=64)
+    kernels = (_prefill_kernel, _decode_split_kernel, _decode_reduce_kernel, _argmax_chunks_kernel,
+               _argmax_rows_kernel)
 
     def variants():  # each kernel's compiled variants (Triton's in-memory cache per device)
         return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
 
     compiled = variants()
     assert all(compiled)
+    decodes_beside_prompts = []
+    run = llm.engine.runner.run
+
+    def recording_run(scheduled):
+        logits, sampled = run(scheduled)
+        if any(count > 1 for _, count in scheduled):
+            decodes_beside_prompts.append(sum(count == 1 and seq.num_computed_tokens > 0 for seq, count in scheduled))
+        return logits, sampled
+
+    llm.engine.runner.run = recording_run
     torch.manual_seed(5)
-    prompts = [torch.randint(0, 3000, (n,)).tolist() for n in (150, 20)]
-    params = [SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8, temperature=0.8, seed=1)]
+    prompts = [torch.randint(0, 3000, (60,)).tolist() for _ in range(8)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)] * 4
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert all(o.error is None and len(o.token_ids) == 8 for o in outputs)
+    assert all(o.error is None and len(o.token_ids) == 12 for o in outputs)
+    assert decodes_beside_prompts == list(range(8))
     assert variants() == compiled
 
 
