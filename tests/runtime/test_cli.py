@@ -1,6 +1,7 @@
 """The zoo command line as a user meets it: flags checked before loading, streamed output, Ctrl-C,
 checkpoints without a tokenizer, and help that shows every flag."""
 
+import gc
 import io
 import os
 import re
@@ -123,6 +124,17 @@ def test_serve_with_a_cache_past_the_memory_names_it_and_exits_2(no_tokenizer, c
     assert re.fullmatch(r"zoo serve: error: the KV cache's 1000000000000 blocks of block_size=16 tokens take \d+ bytes, "
                         r"more than the \d+ bytes of memory left: lower num_blocks, kv_cache_gib or block_size\n",
                         capsys.readouterr().err)
+
+
+def test_serve_takes_what_start_up_made_out_of_the_collectors_sight(no_tokenizer, monkeypatch):
+    frozen = []
+    monkeypatch.setattr("runtime.server.serve", lambda llm, *args: frozen.append(gc.get_freeze_count()))
+    assert gc.get_freeze_count() == 0
+    try:
+        assert main(["serve", str(no_tokenizer), "--device", "cpu"]) == 0
+    finally:
+        gc.unfreeze()
+    assert frozen[0] > 100_000  # torch's, the model's and the LLM's objects
 
 
 def test_chat_with_a_template_that_does_not_compile_names_it_and_exits_2(tmp_path, monkeypatch, capsys):
