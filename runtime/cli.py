@@ -3,7 +3,6 @@ generated; Ctrl-C stops generation without a traceback (exit status 130) and, in
 only the current reply."""
 
 import argparse
-import gc
 import socket
 import sys
 
@@ -270,6 +269,7 @@ def _add_kv_cache_dtype_flag(command) -> None:
 def _serve(args) -> int:
     from loaders import default_model_path
     from runtime import LLM
+    from runtime.engine import freeze_start_up_objects
     from runtime.server import serve
 
     model = args.model or str(default_model_path())
@@ -279,11 +279,7 @@ def _serve(args) -> int:
               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp, **options)
     # The embedded model's file is SmolLM2-135M-Instruct.Q4_1.gguf: it is served as SmolLM2-135M-Instruct.
     name = args.served_model_name or args.model or default_model_path().name.split(".")[0]
-    # What start-up made lives as long as the server. Frozen out of the collector's sight, it leaves a
-    # full collection while serving only what requests made to walk, not the ~400,000 objects of
-    # torch, transformers and the model: up to a third of a second, every thread stopped.
-    gc.collect()
-    gc.freeze()
+    freeze_start_up_objects()
     try:
         serve(llm, name, args.host, args.port, args.api_key)
     finally:
