@@ -10,6 +10,11 @@ latency (ITL, the gaps between streamed chunks that carry text) at p50 and p99. 
 ignore EOS so each request produces its drawn length; the peer is not (it takes no such field).
 Output tokens are counted as the streamed chunks that carry text (a chunk per token on both).
 
+Each rate's requests are shared among client processes (--clients, by default one per two cores
+up to 8), all on one schedule: one Python process streaming tens of responses at once spends more
+CPU per chunk than the server (openai's parsing and models), falls behind, and would read chunks
+in bursts that the ITL charges to the server.
+
 The script starts each server on a free loopback port, runs every rate against it and stops it.
 Models: the embedded SmolLM2-135M-Instruct (default), any checkpoint (--model), or --shape 8b: a
 random bf16 Llama-3.1-8B-shaped checkpoint (SmolLM2's tokenizer and vocabulary) written to
@@ -23,6 +28,8 @@ text, so their lengths in tokens are close to the drawn ones (plus the chat temp
 import argparse
 import asyncio
 import json
+import multiprocessing
+import multiprocessing.pool
 import os
 import random
 import shutil
@@ -43,6 +50,10 @@ sys.path.insert(0, str(ROOT))
 
 from loaders import load_tokenizer  # noqa: E402
 from loaders.default_model import default_model_path  # noqa: E402
+
+
+# A rate's first request goes out this long after the rate begins: every client process has its share by then.
+CLIENTS_READY_S = 0.5
 
 
 @dataclass
@@ -93,11 +104,23 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-async def run_rate(base_url: str, model: str, requests: list[Request], extra_body: dict) -> dict:
+async def send_share(base_url: str, model: str, requests: list[Request], start: float, extra_body: dict) -> list[Result]:
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=3600)
-    start = time.perf_counter()
     results = await asyncio.gather(*(send(client, model, r, start, extra_body) for r in requests))
     await client.close()
+    return results
+
+
+def client_process(base_url: str, model: str, requests: list[Request], start: float, extra_body: dict) -> list[Result]:
+    return asyncio.run(send_share(base_url, model, requests, start, extra_body))
+
+
+def run_rate(clients, base_url: str, model: str, requests: list[Request], extra_body: dict) -> dict:
+    """``clients``: a pool of client processes, each sending every len(pool)-th request on the
+    shared schedule (time.perf_counter is the system's monotonic clock, the same in every process)."""
+    start = time.perf_counter() + CLIENTS_READY_S
+    shares = [(base_url, model, requests[i :: clients.size], start, extra_body) for i in range(clients.size)]
+    results = [result for share in clients.pool.starmap(client_process, shares) for result in share]
     done = [r for r in results if r.error is None and r.chunk_times]
     end = max((r.chunk_times[-1] for r in done), default=start)
     ttft = [r.chunk_times[0] - r.sent for r in done]
@@ -114,6 +137,19 @@ async def run_rate(base_url: str, model: str, requests: list[Request], extra_bod
                 requests_per_s=len(done) / (end - start), ttft_p50_ms=1e3 * percentile(ttft, 50),
                 ttft_p99_ms=1e3 * percentile(ttft, 99), itl_p50_ms=1e3 * percentile(itl, 50),
                 itl_p99_ms=1e3 * percentile(itl, 99), per_request=per_request)
+
+
+@dataclass
+class Clients:
+    pool: multiprocessing.pool.Pool
+    size: int
+
+
+def default_clients() -> int:
+    # One client process streaming tens of responses spends more CPU per chunk than the server does
+    # (openai's parsing and models): it falls behind and reads chunks in bursts, which the ITL would
+    # charge to the server. A process per two cores, up to 8; one on a small machine.
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 def free_port() -> int:
@@ -176,6 +212,8 @@ def main():
     parser.add_argument("--dtype", default="auto", help="zoo's --dtype (the peer takes the checkpoint's)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="zoo's --max-num-seqs")
     parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds a server may take to start")
+    parser.add_argument("--clients", type=int, default=default_clients(),
+                        help="client processes sharing each rate's requests (default: one per two cores, up to 8)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -195,35 +233,46 @@ def main():
           f"tokens, outputs ~{args.output_len} tokens (U[0.5, 1.5] x mean), seed {args.seed}", flush=True)
 
     results = {}
-    for name, command in servers.items():
-        port = free_port()
-        base_url = f"http://127.0.0.1:{port}"
-        command = [*command, "--host", "127.0.0.1", "--port", str(port)]
-        process = start_server(command, base_url, workdir / f"{name}_server.log", args.startup_timeout)
-        try:
-            served = "bench" if name == "zoo" else model
-            extra_body = {"ignore_eos": True} if name == "zoo" else {}
-            # One request first, untimed: the first call of each path (allocation, compile, graphs) is not load.
-            asyncio.run(run_rate(base_url, served, workload(tokenizer, 1.0, 1, 8, 4, args.seed + 1), extra_body))
-            for rate in rates:
-                requests = workload(tokenizer, rate, args.requests, args.input_len, args.output_len, args.seed)
-                row = asyncio.run(run_rate(base_url, served, requests, extra_body))
-                results[f"{name}@{rate}"] = row
-                print(f"{name:>4} {rate:6.2f} req/s: {row['completed']}/{row['requests']} done, "
-                      f"{row['output_tokens']} tokens, "
-                      f"{row['output_tokens_per_s']:8.1f} output tok/s, {row['requests_per_s']:6.2f} req/s, "
-                      f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, "
-                      f"ITL p50 {row['itl_p50_ms']:7.1f} ms p99 {row['itl_p99_ms']:7.1f} ms"
-                      + (f"; {row['errors']} errors, first: {row['first_error']}" if row["errors"] else ""),
-                      flush=True)
-                slowest = sorted(row["per_request"], key=lambda r: r["ttft_ms"], reverse=True)[:3]
-                print("     slowest TTFTs: " + ", ".join(f"{r['ttft_ms']:.0f} ms (sent at {r['sent_s']:.2f} s)"
-                                                      for r in slowest), flush=True)
-                if args.json:  # written after every rate, so an interrupted run keeps what it measured
-                    Path(args.json).write_text(json.dumps(dict(model=model, args=vars(args), results=results), indent=2))
-        finally:
-            process.terminate()
-            print(f"{name} server exited with status {process.wait(timeout=120)}", flush=True)
+    # Spawned before the servers start, so that each has imported this script (openai, the loaders)
+    # by the first request.
+    with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+        clients = Clients(pool, args.clients)
+        for name, command in servers.items():
+            run_server(name, command, clients, model, tokenizer, rates, args, workdir, results)
+
+
+def run_server(name: str, command: list[str], clients: Clients, model: str, tokenizer, rates: list[float], args,
+               workdir: Path, results: dict) -> None:
+    """Starts the server ``name``, runs the untimed request and every rate against it, adds its rows
+    to ``results`` and stops it."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = [*command, "--host", "127.0.0.1", "--port", str(port)]
+    process = start_server(command, base_url, workdir / f"{name}_server.log", args.startup_timeout)
+    try:
+        served = "bench" if name == "zoo" else model
+        extra_body = {"ignore_eos": True} if name == "zoo" else {}
+        # One request first, untimed: the first call of each path (allocation, compile, graphs) is not load.
+        run_rate(clients, base_url, served, workload(tokenizer, 1.0, 1, 8, 4, args.seed + 1), extra_body)
+        for rate in rates:
+            requests = workload(tokenizer, rate, args.requests, args.input_len, args.output_len, args.seed)
+            row = run_rate(clients, base_url, served, requests, extra_body)
+            results[f"{name}@{rate}"] = row
+            print(f"{name:>4} {rate:6.2f} req/s: {row['completed']}/{row['requests']} done, "
+                  f"{row['output_tokens']} tokens, "
+                  f"{row['output_tokens_per_s']:8.1f} output tok/s, {row['requests_per_s']:6.2f} req/s, "
+                  f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, "
+                  f"ITL p50 {row['itl_p50_ms']:7.1f} ms p99 {row['itl_p99_ms']:7.1f} ms"
+                  + (f"; {row['errors']} errors, first: {row['first_error']}" if row["errors"] else ""),
+                  flush=True)
+            slowest = sorted(row["per_request"], key=lambda r: r["ttft_ms"], reverse=True)[:3]
+            print("     slowest TTFTs: " + ", ".join(f"{r['ttft_ms']:.0f} ms (sent at {r['sent_s']:.2f} s)"
+                                                  for r in slowest), flush=True)
+            if args.json:  # written after every rate, so an interrupted run keeps what it measured
+                Path(args.json).write_text(json.dumps(dict(model=model, args=vars(args), results=results), indent=2))
+    finally:
+        process.terminate()
+        print(f"{name} server exited with status {process.wait(timeout=120)}", flush=True)
 
 
 if __name__ == "__main__":
