@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import multiprocessing.pool
 import os
 import random
 import shutil
@@ -52,7 +51,7 @@ from loaders import load_tokenizer  # noqa: E402
 from loaders.default_model import default_model_path  # noqa: E402
 
 
-# A rate's first request goes out this long after the rate begins: every client process has its share by then.
+# A rate's schedule begins this long after its shares are handed to the client processes.
 CLIENTS_READY_S = 0.5
 
 
@@ -111,16 +110,44 @@ async def send_share(base_url: str, model: str, requests: list[Request], start: 
     return results
 
 
-def client_process(base_url: str, model: str, requests: list[Request], start: float, extra_body: dict) -> list[Result]:
+def share_in_process(base_url: str, model: str, requests: list[Request], start: float, extra_body: dict) -> list[Result]:
     return asyncio.run(send_share(base_url, model, requests, start, extra_body))
 
 
-def run_rate(clients, base_url: str, model: str, requests: list[Request], extra_body: dict) -> dict:
-    """``clients``: a pool of client processes, each sending every len(pool)-th request on the
-    shared schedule (time.perf_counter is the system's monotonic clock, the same in every process)."""
-    start = time.perf_counter() + CLIENTS_READY_S
-    shares = [(base_url, model, requests[i :: clients.size], start, extra_body) for i in range(clients.size)]
-    results = [result for share in clients.pool.starmap(client_process, shares) for result in share]
+def client_started(started) -> None:
+    with started.get_lock():
+        started.value += 1
+
+
+class Clients:
+    """Client processes, spawned with this script imported (openai, the loaders), that share each
+    rate's requests: each sends every ``count``-th request, all on one schedule (time.perf_counter
+    is the system's monotonic clock, the same in every process). A share holds its process at least
+    until the schedule begins, by when every process has taken one."""
+
+    def __init__(self, count: int):
+        context = multiprocessing.get_context("spawn")
+        self.count = count
+        self.started = context.Value("i", 0)
+        self.pool = context.Pool(count, initializer=client_started, initargs=(self.started,))
+
+    def send(self, base_url: str, model: str, requests: list[Request], extra_body: dict) -> tuple[float, list[Result]]:
+        """The schedule's start and each request's result."""
+        while self.started.value < self.count:
+            time.sleep(0.05)
+        start = time.perf_counter() + CLIENTS_READY_S
+        shares = [(base_url, model, requests[i :: self.count], start, extra_body) for i in range(self.count)]
+        return start, [result for share in self.pool.starmap(share_in_process, shares) for result in share]
+
+    def __enter__(self) -> "Clients":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.terminate()
+
+
+def run_rate(clients: Clients, base_url: str, model: str, requests: list[Request], extra_body: dict) -> dict:
+    start, results = clients.send(base_url, model, requests, extra_body)
     done = [r for r in results if r.error is None and r.chunk_times]
     end = max((r.chunk_times[-1] for r in done), default=start)
     ttft = [r.chunk_times[0] - r.sent for r in done]
@@ -137,12 +164,6 @@ def run_rate(clients, base_url: str, model: str, requests: list[Request], extra_
                 requests_per_s=len(done) / (end - start), ttft_p50_ms=1e3 * percentile(ttft, 50),
                 ttft_p99_ms=1e3 * percentile(ttft, 99), itl_p50_ms=1e3 * percentile(itl, 50),
                 itl_p99_ms=1e3 * percentile(itl, 99), per_request=per_request)
-
-
-@dataclass
-class Clients:
-    pool: multiprocessing.pool.Pool
-    size: int
 
 
 def default_clients() -> int:
@@ -233,10 +254,7 @@ def main():
           f"tokens, outputs ~{args.output_len} tokens (U[0.5, 1.5] x mean), seed {args.seed}", flush=True)
 
     results = {}
-    # Spawned before the servers start, so that each has imported this script (openai, the loaders)
-    # by the first request.
-    with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
-        clients = Clients(pool, args.clients)
+    with Clients(args.clients) as clients:  # started while the servers start
         for name, command in servers.items():
             run_server(name, command, clients, model, tokenizer, rates, args, workdir, results)
 

@@ -84,3 +84,19 @@ def test_bench_decode_ab_names_what_it_cannot_swap(tmp_path):
         bench_decode_ab.base_kernels(tmp_path, ["ops_cuda/gemv.py:gemv"])
     with pytest.raises(AttributeError, match="has no rms_norm"):
         bench_decode_ab.base_kernels(tmp_path, ["ops_cuda/norm.py:rms_norm"])
+
+
+def test_bench_serve_shares_a_rate_among_client_processes_on_one_schedule(tmp_path):
+    from runtime import LLM
+    from tests.runtime.test_server import MODEL, save_chat_checkpoint, serving
+
+    bench_serve = importlib.import_module("benchmarks.bench_serve")
+    path = save_chat_checkpoint(tmp_path / "ckpt")
+    requests = [bench_serve.Request(0.05 * i, f"request {i}", 4) for i in range(6)]
+    with serving(LLM(str(path), device="cpu"), api_key=None) as base_url, bench_serve.Clients(2) as clients:
+        row = bench_serve.run_rate(clients, base_url, MODEL, requests, {"ignore_eos": True})
+    assert (row["completed"], row["errors"]) == (6, 0)
+    # Each request sent once, none before its arrival on the schedule the two processes share.
+    sent = sorted(r["sent_s"] for r in row["per_request"])
+    assert all(s >= arrival for s, arrival in zip(sent, sorted(r.arrival for r in requests)))
+    assert sent[-1] < requests[-1].arrival + 1.0

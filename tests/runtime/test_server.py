@@ -93,10 +93,10 @@ def reference(checkpoint):
 
 
 @contextlib.contextmanager
-def serving(llm: LLM, shutdown_grace_s: float | None = None):
+def serving(llm: LLM, shutdown_grace_s: float | None = None, api_key: str | None = KEY):
     """The server's app for ``llm`` under uvicorn in a thread; yields its base URL."""
     port = free_port()
-    uvicorn_server = Server(uvicorn.Config(build_app(llm, MODEL, api_key=KEY), host="127.0.0.1", port=port,
+    uvicorn_server = Server(uvicorn.Config(build_app(llm, MODEL, api_key=api_key), host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=shutdown_grace_s))
     thread = threading.Thread(target=uvicorn_server.run)
     thread.start()
