@@ -103,14 +103,16 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-async def send_share(base_url: str, model: str, requests: list[Request], start: float, extra_body: dict) -> list[Result]:
+async def send_share(base_url: str, model: str, requests: list[Request], start: float,
+                     extra_body: dict) -> list[Result]:
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=3600)
     results = await asyncio.gather(*(send(client, model, r, start, extra_body) for r in requests))
     await client.close()
     return results
 
 
-def share_in_process(base_url: str, model: str, requests: list[Request], start: float, extra_body: dict) -> list[Result]:
+def share_in_process(base_url: str, model: str, requests: list[Request], start: float,
+                     extra_body: dict) -> list[Result]:
     return asyncio.run(send_share(base_url, model, requests, start, extra_body))
 
 
@@ -151,14 +153,15 @@ def run_rate(clients: Clients, base_url: str, model: str, requests: list[Request
     done = [r for r in results if r.error is None and r.chunk_times]
     end = max((r.chunk_times[-1] for r in done), default=start)
     ttft = [r.chunk_times[0] - r.sent for r in done]
-    itl = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    gaps = [[b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])] for r in done]  # each request's
+    itl = [gap for request_gaps in gaps for gap in request_gaps]
     tokens = sum(len(r.chunk_times) for r in done)  # both servers stream a chunk per token
     errors = [r.error for r in results if r.error is not None]
     # Each request's send time (s after the rate's start), TTFT and longest gap between chunks (ms):
     # whether the slow ones come together (a stall of the server) or alone (their own prompt).
-    per_request = [dict(sent_s=r.sent - start, ttft_ms=1e3 * (r.chunk_times[0] - r.sent),
-                        longest_gap_ms=1e3 * max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])), default=0.0),
-                        chunks=len(r.chunk_times)) for r in done]
+    per_request = [dict(sent_s=r.sent - start, ttft_ms=1e3 * first,
+                        longest_gap_ms=1e3 * max(request_gaps, default=0.0), chunks=len(r.chunk_times))
+                   for r, first, request_gaps in zip(done, ttft, gaps)]
     return dict(requests=len(requests), completed=len(done), errors=len(errors), first_error=errors[0] if errors else None,
                 seconds=end - start, output_tokens=tokens, output_tokens_per_s=tokens / (end - start),
                 requests_per_s=len(done) / (end - start), ttft_p50_ms=1e3 * percentile(ttft, 50),
@@ -167,9 +170,7 @@ def run_rate(clients: Clients, base_url: str, model: str, requests: list[Request
 
 
 def default_clients() -> int:
-    # One client process streaming tens of responses spends more CPU per chunk than the server does
-    # (openai's parsing and models): it falls behind and reads chunks in bursts, which the ITL would
-    # charge to the server. A process per two cores, up to 8; one on a small machine.
+    """A client process per two cores, up to 8; one on a small machine (the module's docstring says why)."""
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 

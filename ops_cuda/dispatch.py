@@ -36,7 +36,8 @@ def public_op(op, reference, *, reads_host: bool = False):
 
     What a direct call skips is the custom op's Python dispatch, tens of µs a call: it made SmolLM2's
     CPU decode step (16 sequences) 6% slower, measured by alternating the two ways within one
-    process, and a CUDA prefill runs a few hundred ops eagerly (a decode step replays a CUDA graph).
+    process. On CUDA the ops called eagerly are attention between the pieces of a replayed step's
+    graphs, and every op of a step the graphs do not hold (past their tokens, or with images).
 
     When torch.compile traces a CPU model (``LLM(..., compile_decode=True)``), the reference is traced
     too, so that inductor fuses its ops, unless it ``reads_host`` (a value read on the host, as MoE's

@@ -145,7 +145,7 @@ STARTED_MODELS = {
 @pytest.mark.parametrize("name", STARTED_MODELS)
 def test_no_request_waits_for_a_kernel_to_compile(name, monkeypatch):
     """``LLM()`` compiles what only some steps launch (``ModelRunner.compile_kernels``, the graphs'
-    capture): after it, prompts chunked over steps beside 1 to 7 decodes, greedy and drawn, make
+    capture): after it, prompts chunked over steps beside 0 to 7 decodes, greedy and drawn, make
     Triton compile nothing. At 2,048 tokens a decode batch of 5, 6 or 7 splits each sequence's keys
     into as many chunks as no captured batch size does (on the H200's 132 SMs)."""
     from triton import knobs
