@@ -142,19 +142,26 @@ STARTED_MODELS = {
 }
 
 
+def triton_compiles(monkeypatch) -> list[str]:
+    """The names of the Triton kernels compiled from now on, in order: Triton calls this hook before
+    it compiles a variant its in-memory cache lacks."""
+    from triton import knobs
+
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *, repr, **_: compiled.append(repr.split("[")[0]))
+    return compiled
+
+
 @pytest.mark.parametrize("name", STARTED_MODELS)
 def test_no_request_waits_for_a_kernel_to_compile(name, monkeypatch):
     """``LLM()`` compiles what only some steps launch (``ModelRunner.compile_kernels``, the graphs'
     capture): after it, prompts chunked over steps beside 0 to 7 decodes, greedy and drawn, make
     Triton compile nothing. At 2,048 tokens a decode batch of 5, 6 or 7 splits each sequence's keys
     into as many chunks as no captured batch size does (on the H200's 132 SMs)."""
-    from triton import knobs
-
     config, dtype, options = STARTED_MODELS[name]
     llm = LLM(AutoModelForCausalLM.from_hf(random_hf(config, dtype=dtype)), max_num_seqs=8, max_model_len=2048,
               max_num_batched_tokens=64, **options)
-    compiled = []  # Triton calls the hook before it compiles a variant its in-memory cache lacks
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *, repr, **_: compiled.append(repr.split("[")[0]))
+    compiled = triton_compiles(monkeypatch)
     decodes_beside_prompts = []
     run = llm.engine.runner.run
 

@@ -361,6 +361,23 @@ def test_image_requests_on_cuda_generate_what_hf_generates(llava):
         assert token_ids(engine.generate(requests, GREEDY)) == expected, options
 
 
+@pytest.mark.gpu
+def test_no_image_request_waits_for_a_kernel_to_compile(llava, monkeypatch):
+    """After ``LLM()`` has started, image requests (their vision tower and projector run eagerly in the
+    step that reaches their image tokens) chunked over steps beside text requests and decodes, in
+    bfloat16, make Triton compile nothing."""
+    from tests.runtime.test_gpu_runtime import triton_compiles
+
+    path, _, _ = llava
+    engine = LLM(str(path), dtype="bfloat16", device="cuda", block_size=16, max_num_seqs=8, max_num_batched_tokens=24)
+    compiled = triton_compiles(monkeypatch)
+    requests = [{"prompt": PROMPT, "multi_modal_data": {"image": image(30 + i, 40 + 9 * i, 30)}} if i % 2 else
+                f"USER: say {i} ASSISTANT:" for i in range(8)]
+    outputs = engine.generate(requests, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [len(ids) for ids in token_ids(outputs)] == [12] * 8
+    assert compiled == []
+
+
 def test_zoo_diff_takes_images(llava, tmp_path, capsys):
     from runtime.cli import main
 
