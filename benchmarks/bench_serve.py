@@ -249,7 +249,7 @@ def main():
                        "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), *device]}
     if args.peer == "hf":
         transformers_cli = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
-        # The model is named by each request and loaded by the first (the untimed one below).
+        # The model is named by each request and loaded by the first (the first untimed one below).
         servers["hf"] = [transformers_cli, "serve", "--continuous-batching", *device]
     print(f"bench_serve: {model}, rates {rates} req/s, {args.requests} requests each, prompts ~{args.input_len} "
           f"tokens, outputs ~{args.output_len} tokens (U[0.5, 1.5] x mean), seed {args.seed}", flush=True)
@@ -262,7 +262,7 @@ def main():
 
 def run_server(name: str, command: list[str], clients: Clients, model: str, tokenizer, rates: list[float], args,
                workdir: Path, results: dict) -> None:
-    """Starts the server ``name``, runs the untimed request and every rate against it, adds its rows
+    """Starts the server ``name``, runs the untimed requests and every rate against it, adds its rows
     to ``results`` and stops it."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -271,8 +271,12 @@ def run_server(name: str, command: list[str], clients: Clients, model: str, toke
     try:
         served = "bench" if name == "zoo" else model
         extra_body = {"ignore_eos": True} if name == "zoo" else {}
-        # One request first, untimed: the first call of each path (allocation, compile, graphs) is not load.
+        # Untimed first, as not load: one request (the peer loads its model; the first call of each of
+        # the server's paths: allocation, compile, graphs), then one per client process at once (each
+        # process's first call: openai's lazy imports).
         run_rate(clients, base_url, served, workload(tokenizer, 1.0, 1, 8, 4, args.seed + 1), extra_body)
+        one_each = workload(tokenizer, 10.0 * clients.count, clients.count, 8, 4, args.seed + 2)
+        run_rate(clients, base_url, served, one_each, extra_body)
         for rate in rates:
             requests = workload(tokenizer, rate, args.requests, args.input_len, args.output_len, args.seed)
             row = run_rate(clients, base_url, served, requests, extra_body)
