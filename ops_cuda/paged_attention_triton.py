@@ -105,6 +105,23 @@ def _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, ti
 
 
 @triton.jit
+def _softmax_step(q, k, running_max, total, visible, score_scale, cap_log2, SOFTCAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    # The online softmax over one key tile k [keys, dims], `visible` [rows or 1, keys] of it (None:
+    # all): the new running max, the factor rescaling what came before, the tile's unnormalised
+    # probabilities and the new softmax mass.
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
+    if SOFTCAP:
+        scores = cap_log2 * tanh(scores)
+    if visible is not None:
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    return new_max, rescale, p, total * rescale + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
                      table_stride, kv_head, tile, seq_end, dims, dim_ok, score_scale, cap_log2,
                      k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
@@ -123,15 +140,8 @@ def _attend_key_tile(q, running_max, total, acc, visible, k_cache_ptr, v_cache_p
                       k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
     if KV_FP8:
         k = k.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
-    if SOFTCAP:
-        scores = cap_log2 * tanh(scores)
-    if visible is not None:
-        scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    rescale = tl.exp2(running_max - new_max)
-    p = tl.exp2(scores - new_max[:, None])
-    total = total * rescale + tl.sum(p, 1)
+    new_max, rescale, p, total = _softmax_step(q, k, running_max, total, visible, score_scale, cap_log2, SOFTCAP,
+                                               DOT_PRECISION)
     if V_BLOCKS:
         v_blocks = _load_v_blocks(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, tile, seq_end, dims,
                                   dim_ok, v_stride_block, v_stride_head, v_stride_dim, BLOCK_SIZE, BLOCK_N)
@@ -223,18 +233,29 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata, written before its first kernel
-    begin_after_previous(PDL)
     first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys first..seq_len-1
     first_tile, chunk, _ = split_chunks(seq_len, first, num_splits, BLOCK_N)
     start = first_tile + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    # A token-major cache's first key tile of the split is read before the wait, but for the step's
+    # own key (at seq_len - 1, which the kernel before writes): earlier steps wrote the others. At
+    # batch 1 a split holds one tile, so the program waits for q and that one key row alone.
+    EARLY_TILE: tl.constexpr = not (KEYS_AS_ROWS or V_BLOCKS)
+    if EARLY_TILE:
+        early_keys = start + tl.arange(0, BLOCK_N)
+        earlier = (early_keys < seq_len - 1) & (early_keys < end)
+        early_k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, early_keys, earlier, dims,
+                                dim_ok, k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
+        early_v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, early_keys, earlier, dims,
+                                dim_ok, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE)
+    begin_after_previous(PDL)
     if (num_splits > 1) & (start >= end):
         return  # an empty split: the reduce reads only the splits that hold keys
 
     rows = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
     row_ok = rows < GROUP
-    dim_ok = dims < HEAD_DIM
     heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -269,7 +290,21 @@ def _decode_split_kernel(
     else:
         q = _query_for_cache(q, KV_FP8)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for tile in range(start, tl.minimum(end, last), BLOCK_N):
+        rest = start
+        if EARLY_TILE:
+            own = early_keys == seq_len - 1
+            own_k = _load_kv_tile(k_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, early_keys, own, dims,
+                                  dim_ok, k_stride_block, k_stride_slot, k_stride_head, 1, BLOCK_SIZE)
+            own_v = _load_kv_tile(v_cache_ptr, block_tables_ptr, seq, table_stride, kv_head, early_keys, own, dims,
+                                  dim_ok, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim, BLOCK_SIZE)
+            k = tl.where(own[:, None], own_k.to(q.dtype), early_k.to(q.dtype))
+            v = tl.where(own[:, None], own_v.to(q.dtype), early_v.to(q.dtype))
+            visible = (early_keys >= first) & (early_keys < end)
+            running_max, rescale, p, total = _softmax_step(q, k, running_max, total, visible[None, :], score_scale,
+                                                           cap_log2, SOFTCAP, DOT_PRECISION)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            rest = start + BLOCK_N
+        for tile in range(rest, tl.minimum(end, last), BLOCK_N):
             keys = tile + tl.arange(0, BLOCK_N)
             running_max, total, acc = _attend_key_tile(
                 q, running_max, total, acc, (keys >= first)[None, :], k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -277,7 +312,7 @@ def _decode_split_kernel(
                 k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head,
                 v_stride_dim, BLOCK_SIZE, BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
             )
-        if (start <= last) & (last < end):
+        if (rest <= last) & (last < end):
             keys = last + tl.arange(0, BLOCK_N)
             visible = (keys >= first) & (keys < end)
             running_max, total, acc = _attend_key_tile(
@@ -318,12 +353,13 @@ def _decode_reduce_kernel(
     split_ok = splits < splits_with_keys
     dim_ok = dims < HEAD_DIM
     parts = (seq * tl.num_programs(1) + head) * num_splits + splits
+    # Both loads issued before either is used: one wait on the memory, not two.
     lse = tl.load(part_lse_ptr + parts, mask=split_ok, other=float("-inf"))
+    partial = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :],
+                      mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
     weight = tl.exp2(lse - top)
-    partial = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :],
-                      mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
