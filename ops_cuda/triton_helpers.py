@@ -82,9 +82,10 @@ def begin_after_previous(PDL: tl.constexpr):
     # programs take the SMs this one leaves idle and read their first weights while the kernels
     # before still run. Then wait for all of the previous kernel's writes before this kernel reads
     # or writes activations. Before that wait a kernel reads only what no kernel of the step
-    # writes: weights, and the step's attention metadata (lengths, block tables, slots), which the
-    # runtime writes before the step's first kernel. Every program waits, so a finished kernel
-    # implies finished predecessors, however early each was started.
+    # writes: weights, the step's attention metadata (lengths, block tables, slots), which the
+    # runtime writes before the step's first kernel, and the KV cache's entries of earlier steps
+    # (never the step's own key). Every program waits, so a finished kernel implies finished
+    # predecessors, however early each was started.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
