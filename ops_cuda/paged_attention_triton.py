@@ -9,7 +9,9 @@ size works and a key tile may span several blocks. V's head dim is read through 
 cache is key-minor (``ops_cuda.kv_layout.new_kv_cache``), so a V tile's fast axis is its keys, which
 the P.V product pairs. Key tiles start at multiples of their size; those wholly inside the sequence
 load unmasked and the one holding its end loads whole cache blocks, so every mask stays constant
-along a block's keys and a key-minor tile loads in vectors.
+along a block's keys and a key-minor tile loads in vectors. Over a token-major cache a decode
+split's first tile is read before the wait for the kernel before, masked to the keys of earlier
+steps, and the step's own key after it (``_decode_split_kernel``).
 
 Scores and the softmax are float32 and use exp2: the scores carry a log2(e) factor, in the scale, or
 with soft-capping in the cap (``_score_factors``). An FP8 cache's entries are widened as they load
