@@ -5,13 +5,14 @@
 DeepSeek-V3's attention: 128 heads, kv_lora_rank 512, rope 64 (one cache entry of 576 bf16 values
 per token, shared by all heads), qk head dim 192 and v head dim 128 once decompressed; cache blocks
 of 16 tokens (the runtime's default) placed in random order. Batch 1, 64 and 256 sequences of
-4096 tokens. Per case: µs per call, GB/s of latent cache read (batch x tokens x 576 x 2 bytes /
-time), that as a share of the HBM bandwidth measured in the same run (a 4 GiB device-to-device
+4096 tokens; the Triton kernel over a bf16 pool and over an e4m3 one (``kv_cache_dtype="fp8"``).
+Per case: µs per call, GB/s of latent cache read (batch x tokens x 576 x 2 bytes / time, 1 byte
+over e4m3), that as a share of the HBM bandwidth measured in the same run (a 4 GiB device-to-device
 copy, as benchmarks/bench_gpu.py measures it) and of the H200's 4.8 TB/s spec, and the TFLOP/s of
 the scores and the attended latent (each token's 576 + 512 multiply-adds per head): with 128
 heads a step does ~240 FLOP per byte of cache, near the H200's bf16 ridge, so both ceilings count.
-``--sweep`` adds the kernel's time at 16, 32 and 64 heads per program, and at 1 to 64 splits of
-each sequence's keys.
+``--sweep`` adds the kernel's time at 16, 32 and 64 heads per program, with 32- and 64-key tiles,
+and at 1 to 64 splits of each sequence's keys.
 
 Each case is captured in a CUDA graph and replayed (no launch overhead), the L2 cache flushed
 before every replay; the median of --iters replays is reported.
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
+from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
 from ops_cuda.mla_attention import mla_decode_attention, mla_decode_attention_reference  # noqa: E402
 
 NUM_HEADS, KV_LORA_RANK, ROPE, NOPE, V_DIM = 128, 512, 64, 128, 128
@@ -61,10 +63,14 @@ def bench_decode(batch: int, seq_len: int, iters: int, sweep: bool) -> dict:
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     scale = (NOPE + ROPE) ** -0.5
     args = (q_latent, q_rope, cache, block_tables, seq_lens, scale)
+    fp8_cache = cache.to(FP8_DTYPE)
     us = {
         "triton": device_us(lambda: mla_decode_attention(*args), iters),
+        "triton, e4m3 pool": device_us(
+            lambda: mla_decode_attention(q_latent, q_rope, fp8_cache, block_tables, seq_lens, scale), iters),
         "torch": device_us(lambda: mla_decode_attention_reference(*args), iters),
     }
+    del fp8_cache
     if sweep:
         import triton
 
@@ -77,6 +83,9 @@ def bench_decode(batch: int, seq_len: int, iters: int, sweep: bool) -> dict:
                     lambda: mla_decode_attention_triton(*args, out, block_h=block_h), iters)
             except triton.runtime.errors.OutOfResources as exc:  # a tile too large for this GPU's shared memory
                 print(f"batch {batch}, {block_h} heads per program: {exc}", file=sys.stderr)
+        for block_n in (32, 64):
+            us[f"triton n{block_n}"] = device_us(
+                lambda: mla_decode_attention_triton(*args, out, block_n=block_n), iters)
         for num_splits in (1, 2, 4, 8, 16, 32, 64):
             us[f"triton s{num_splits}"] = device_us(
                 lambda: mla_decode_attention_triton(*args, out, num_splits=num_splits), iters)
@@ -89,8 +98,9 @@ def bench_decode(batch: int, seq_len: int, iters: int, sweep: bool) -> dict:
         del q, keys, values
     cache_bytes = batch * seq_len * (KV_LORA_RANK + ROPE) * q_latent.element_size()
     flops = 2 * batch * seq_len * NUM_HEADS * (KV_LORA_RANK + ROPE + KV_LORA_RANK)
+    read = {k: cache_bytes // q_latent.element_size() if "e4m3" in k else cache_bytes for k in us}
     return {"batch": batch, "seq_len": seq_len, "cache_mb": cache_bytes / 1e6, "us": us,
-            "cache_gb_s": {k: cache_bytes / (v * 1e-6) / 1e9 for k, v in us.items()},
+            "cache_gb_s": {k: read[k] / (v * 1e-6) / 1e9 for k, v in us.items()},
             "tflop_s": {k: flops / (v * 1e-6) / 1e12 for k, v in us.items()}}
 
 
@@ -98,7 +108,7 @@ def markdown(rows: list[dict], bandwidth: float, header: str) -> str:
     lines = [header, "",
              f"HBM bandwidth measured here (4 GiB copy): {bandwidth / 1e12:.2f} TB/s; "
              f"spec {SPEC_BANDWIDTH / 1e12:.1f} TB/s",
-             "", "| batch | context | latent cache MB | kernel | µs | cache GB/s | % measured | % spec | TFLOP/s |",
+             "", "| batch | context | bf16 latent cache MB | kernel | µs | cache GB/s | % measured | % spec | TFLOP/s |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         for kernel, us in r["us"].items():
@@ -106,7 +116,8 @@ def markdown(rows: list[dict], bandwidth: float, header: str) -> str:
             lines.append(f"| {r['batch']} | {r['seq_len']} | {r['cache_mb']:.0f} | {kernel} | {us:.1f} | {gb_s:.0f} | "
                          f"{100 * gb_s * 1e9 / bandwidth:.0f}% | {100 * gb_s * 1e9 / SPEC_BANDWIDTH:.0f}% | "
                          f"{r['tflop_s'][kernel]:.0f} |")
-    lines += ["", "torch: the torch backend's path (mla_decode_attention_reference: gather, einsums, softmax); "
+    lines += ["", "triton, e4m3 pool: the same kernel over the cache in float8_e4m3fn (its GB/s counts a byte "
+              "an entry); torch: the torch backend's path (mla_decode_attention_reference: gather, einsums, softmax); "
               "sdpa: F.scaled_dot_product_attention on per-head K [192] / V [128] already decompressed "
               "(reads 128 x 320 x 2 bytes per token instead of 576 x 2; left out where they exceed "
               f"{SDPA_MAX_BYTES >> 30} GiB); its GB/s column still counts the latent bytes."]
@@ -116,7 +127,7 @@ def markdown(rows: list[dict], bandwidth: float, header: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--sweep", action="store_true", help="also time 16, 32 and 64 heads per program and 1-64 splits")
+    parser.add_argument("--sweep", action="store_true", help="also time 16, 32 and 64 heads per program, 32- and 64-key tiles and 1-64 splits")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():

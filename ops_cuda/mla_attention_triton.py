@@ -212,29 +212,31 @@ def _dot_precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"  # the default; only float32 inputs read it
 
 
-def mla_decode_tiles(q_latent: torch.Tensor) -> tuple[int, int, int]:
-    """(heads per program, key tile rows, warps) of the decode kernel. Each program holds its heads'
-    [BLOCK_H, kv_lora_rank] float32 accumulator in registers: for sm_90 (Triton 3.6), 32 heads of rank
-    512 over 8 warps compile to 180 registers a thread and 64 heads to 254 (over an e4m3 pool they
-    spill some), yet on the H200 64 run 1.8x faster than 32 at batch 64 and 256 (each latent row
-    loaded serves twice the heads) and as fast at batch 1 (``benchmarks/bench_mla.py --sweep``); 16
-    warps, which spill nothing, run at half the speed (docs/performance.md). The interpreter (CPU
-    tensors) and float32 take the smallest tiles."""
+def mla_decode_tiles(q_latent: torch.Tensor, cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(heads per program, key tile rows, warps, pipeline stages) of the decode kernel. Each program
+    holds its heads' [BLOCK_H, kv_lora_rank] float32 accumulator in registers: for sm_90 (Triton
+    3.6), 32 heads of rank 512 over 8 warps compile to 180 registers a thread and 64 heads to 254
+    (over an e4m3 pool they spill some), yet on the H200 64 run 1.8x faster than 32 at batch 64 and
+    256 (each latent row loaded serves twice the heads) and as fast at batch 1 (``benchmarks/
+    bench_mla.py --sweep``); 16 warps, which spill nothing, run at half the speed. Key tiles of 64
+    rows run 1.4-1.6x faster than 32 at batch 64 and 256, with three stages over a bf16 pool and two
+    over an e4m3 one (docs/performance.md). The interpreter (CPU tensors) and float32 take the
+    smallest tiles."""
     if not q_latent.is_cuda:
-        return 16, 16, 4
+        return 16, 16, 4, 2
     if q_latent.dtype == torch.float32:
-        return 16, 16, 8
+        return 16, 16, 8, 2
     block_h = min(64, _block(q_latent.shape[1]))
-    return block_h, 32, 4 if block_h == 16 else 8
+    return block_h, 64, 4 if block_h == 16 else 8, 2 if cache.dtype == FP8_DTYPE else 3
 
 
 def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out,
                                 block_h: int | None = None, num_splits: int | None = None,
-                                kv_scale: float = 1.0) -> None:
+                                kv_scale: float = 1.0, block_n: int | None = None) -> None:
     """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank] (the cache
     of q's dtype or float8_e4m3fn, its entries times ``kv_scale``);
-    ``block_h`` (heads per program) defaults to ``mla_decode_tiles``', ``num_splits`` to
-    ``decode_num_splits`` over the head tiles, with MIN_SPLIT_KEYS and PROGRAMS_PER_SM."""
+    ``block_h`` (heads per program) and ``block_n`` (key tile rows) default to ``mla_decode_tiles``',
+    ``num_splits`` to ``decode_num_splits`` over the head tiles, with MIN_SPLIT_KEYS and PROGRAMS_PER_SM."""
     _check("mla_decode_attention", q_latent=q_latent, q_rope=q_rope, cache=cache, out=out, block_tables=block_tables)
     if cache.dtype not in (q_latent.dtype, FP8_DTYPE):
         raise TypeError(f"zoo::mla_decode_attention takes a cache of q's dtype ({q_latent.dtype}) or {FP8_DTYPE}, "
@@ -245,8 +247,8 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
         raise ValueError(f"zoo::mla_decode_attention: cache entries of {cache.shape[-1]} values do not hold a latent "
                          f"of {rank} and a rope key of {rope}")
     block_size = cache.shape[1]
-    default_block_h, block_n, num_warps = mla_decode_tiles(q_latent)
-    block_h = block_h or default_block_h
+    default_block_h, default_block_n, num_warps, num_stages = mla_decode_tiles(q_latent, cache)
+    block_h, block_n = block_h or default_block_h, block_n or default_block_n
     head_tiles = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         num_splits = decode_num_splits(batch, head_tiles, block_tables.shape[1] * block_size, q_latent.device,
@@ -265,7 +267,7 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
         RANK=rank, ROPE=rope, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_ROPE=_block(rope), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_DTYPE, num_warps=num_warps,
-        num_stages=2, **launch,
+        num_stages=num_stages, **launch,
     )
     if num_splits == 1:
         return
