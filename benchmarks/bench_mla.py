@@ -70,7 +70,6 @@ def bench_decode(batch: int, seq_len: int, iters: int, sweep: bool) -> dict:
             lambda: mla_decode_attention(q_latent, q_rope, fp8_cache, block_tables, seq_lens, scale), iters),
         "torch": device_us(lambda: mla_decode_attention_reference(*args), iters),
     }
-    del fp8_cache
     if sweep:
         import triton
 
