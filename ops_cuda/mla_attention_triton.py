@@ -278,13 +278,15 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     )
 
 
-def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int]:
-    """(query tile rows, key tile rows, warps) of the prefill kernel."""
+def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
+    """(query tile rows, key tile rows, warps, pipeline stages) of the prefill kernel."""
     if not q.is_cuda:
-        return 16, 16, 4
+        return 16, 16, 4, 2
     if q.dtype == torch.float32:
-        return 32, 32, 8
-    return 128, 64, 8  # 128 query rows x 64 keys, 8 warps
+        return 32, 32, 8, 2
+    # 128 query rows x 64 keys on 8 warps, three stages: on DeepSeek-V3's heads the fastest of 24
+    # tilings, 1.18x two stages (docs/performance.md).
+    return 128, 64, 8, 3
 
 
 def mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len,
@@ -293,7 +295,7 @@ def mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_
     _check("mla_prefill_attention", q_nope=q_nope, q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, out=out)
     num_heads, nope = q_nope.shape[1], q_nope.shape[2]
     rope, v_dim = q_rope.shape[2], v.shape[2]
-    block_m, block_n, num_warps = _prefill_tiles(q_nope)
+    block_m, block_n, num_warps, num_stages = _prefill_tiles(q_nope)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, query_start_loc.shape[0] - 1)
     _mla_prefill_kernel[grid](
         q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, out, scale * LOG2_E,
@@ -301,5 +303,5 @@ def mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_
         k_rope.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         NOPE=nope, ROPE=rope, V_DIM=v_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_NOPE=_block(nope),
         BLOCK_ROPE=_block(rope), BLOCK_V=_block(v_dim), DOT_PRECISION=_dot_precision(q_nope),
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
