@@ -215,13 +215,13 @@ def _dot_precision(t: torch.Tensor) -> str:
 def mla_decode_tiles(q_latent: torch.Tensor, cache: torch.Tensor) -> tuple[int, int, int, int]:
     """(heads per program, key tile rows, warps, pipeline stages) of the decode kernel. Each program
     holds its heads' [BLOCK_H, kv_lora_rank] float32 accumulator in registers: for sm_90 (Triton
-    3.6), 32 heads of rank 512 over 8 warps compile to 180 registers a thread and 64 heads to 254
-    (over an e4m3 pool they spill some), yet on the H200 64 run 1.8x faster than 32 at batch 64 and
-    256 (each latent row loaded serves twice the heads) and as fast at batch 1 (``benchmarks/
-    bench_mla.py --sweep``); 16 warps, which spill nothing, run at half the speed. Key tiles of 64
-    rows run 1.4-1.6x faster than 32 at batch 64 and 256, with three stages over a bf16 pool and two
-    over an e4m3 one (docs/performance.md). The interpreter (CPU tensors) and float32 take the
-    smallest tiles."""
+    3.6, 32-key tiles), 32 heads of rank 512 over 8 warps compile to 180 registers a thread and 64
+    heads to 254 (over an e4m3 pool they spill some), yet on the H200 64 run 1.8x faster than 32 at
+    batch 64 and 256 (each latent row loaded serves twice the heads) and as fast at batch 1
+    (``benchmarks/bench_mla.py --sweep``); 16 warps, which spill nothing, run at half the speed. Key
+    tiles of 64 rows run 1.4-1.6x faster than 32 at batch 64 and 256, with three stages over a bf16
+    pool and two over an e4m3 one (docs/performance.md). The interpreter (CPU tensors) and float32
+    take the smallest tiles."""
     if not q_latent.is_cuda:
         return 16, 16, 4, 2
     if q_latent.dtype == torch.float32:
