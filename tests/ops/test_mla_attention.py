@@ -158,6 +158,17 @@ def test_decode_kernel_interpreted(dtype, geometry):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fp8_scale", [None, 0.25], ids=["q-dtype-pool", "e4m3-pool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_decode_kernel_interpreted_with_the_gpus_key_tiles(dtype, fp8_scale):
+    # 64-key tiles, as on a GPU: lengths within one tile, filling one, across three; one split and several.
+    batch = decode_batch([1, 64, 0, 150], *GEOMETRIES["5h-r24-block16"], dtype, fp8_scale=fp8_scale)
+    reference = batch.reference_decode()
+    for num_splits in (1, 3):
+        assert_close(run_decode(batch, num_splits=num_splits, block_n=64), reference, TOL[dtype])
+
+
+@pytest.mark.interpreter
 def test_decode_reduce_reads_only_the_splits_that_hold_keys(monkeypatch):
     # 8 splits of whole 16-key tiles over lengths that fill 1, 3, none (a padding row) and 2 of them:
     # the others write nothing.
