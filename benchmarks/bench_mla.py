@@ -1,6 +1,7 @@
-"""MLA decode attention on this GPU: zoo's Triton kernel over the latent paged cache
+"""MLA attention on this GPU. Decode: zoo's Triton kernel over the latent paged cache
 (``zoo::mla_decode_attention``) against the latent cache's read roofline, the torch backend's path
-(its PyTorch reference) and PyTorch's SDPA on K/V decompressed per head.
+(its PyTorch reference) and PyTorch's SDPA on K/V decompressed per head. Prefill: zoo's Triton
+kernel over decompressed keys (``zoo::mla_prefill_attention``) against SDPA on the same q/k/v.
 
 DeepSeek-V3's attention: 128 heads, kv_lora_rank 512, rope 64 (one cache entry of 576 bf16 values
 per token, shared by all heads), qk head dim 192 and v head dim 128 once decompressed; cache blocks
@@ -12,7 +13,9 @@ copy, as benchmarks/bench_gpu.py measures it) and of the H200's 4.8 TB/s spec, a
 the scores and the attended latent (each token's 576 + 512 multiply-adds per head): with 128
 heads a step does ~240 FLOP per byte of cache, near the H200's bf16 ridge, so both ceilings count.
 ``--sweep`` adds the kernel's time at 16, 32 and 64 heads per program, with 32- and 64-key tiles,
-and at 1 to 64 splits of each sequence's keys.
+and at 1 to 64 splits of each sequence's keys. Prefill: 4 new prompts of 4096 tokens (nothing
+cached), causal; the TFLOP/s of the scores (192 multiply-adds per key and head) and the attended
+values (128), over the causal half of each prompt's square.
 
 Each case is captured in a CUDA graph and replayed (no launch overhead), the L2 cache flushed
 before every replay; the median of --iters replays is reported.
@@ -34,10 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
 from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
-from ops_cuda.mla_attention import mla_decode_attention, mla_decode_attention_reference  # noqa: E402
+from ops_cuda.mla_attention import (  # noqa: E402
+    mla_decode_attention, mla_decode_attention_reference, mla_prefill_attention,
+)
 
 NUM_HEADS, KV_LORA_RANK, ROPE, NOPE, V_DIM = 128, 512, 64, 128, 128
 BLOCK_SIZE, DTYPE, SEQ_LEN = 16, torch.bfloat16, 4096
+PREFILL_PROMPTS = 4
 SPEC_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 L2_FLUSH_BYTES = 256 << 20
 # SDPA's decompressed K/V take (192 + 128) x 2 bytes per token and head: past this it is left out.
@@ -103,11 +109,48 @@ def bench_decode(batch: int, seq_len: int, iters: int, sweep: bool) -> dict:
             "tflop_s": {k: flops / (v * 1e-6) / 1e12 for k, v in us.items()}}
 
 
+def bench_prefill(prompts: int, seq_len: int, iters: int) -> dict:
+    """``prompts`` new prompts of ``seq_len`` tokens, ragged as the runtime passes them, against SDPA
+    on the same queries, keys and values as [prompts, heads, seq_len, dim] (the rope key repeated per
+    head), causal."""
+    tokens = prompts * seq_len
+    q_nope, k_nope = (torch.randn(tokens, NUM_HEADS, NOPE, dtype=DTYPE, device="cuda") for _ in range(2))
+    q_rope = torch.randn(tokens, NUM_HEADS, ROPE, dtype=DTYPE, device="cuda")
+    k_rope = torch.randn(tokens, ROPE, dtype=DTYPE, device="cuda")
+    v = torch.randn(tokens, NUM_HEADS, V_DIM, dtype=DTYPE, device="cuda")
+    starts = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32, device="cuda")
+    scale = (NOPE + ROPE) ** -0.5
+    args = (q_nope, q_rope, k_nope, k_rope, v, starts, starts, seq_len, scale)
+    us = {"triton": graph_us(lambda: mla_prefill_attention(*args), iters)}
+
+    def heads_major(t):
+        return t.view(prompts, seq_len, NUM_HEADS, t.shape[-1]).transpose(1, 2)
+
+    q = heads_major(torch.cat([q_nope, q_rope], -1))
+    k = heads_major(torch.cat([k_nope, k_rope[:, None].expand(-1, NUM_HEADS, -1)], -1))
+    values = heads_major(v)
+    us["sdpa"] = graph_us(lambda: F.scaled_dot_product_attention(q, k, values, is_causal=True, scale=scale), iters)
+    flops = 2 * prompts * NUM_HEADS * seq_len * (seq_len + 1) / 2 * (NOPE + ROPE + V_DIM)
+    return {"prompts": prompts, "seq_len": seq_len, "us": us,
+            "tflop_s": {k: flops / (t * 1e-6) / 1e12 for k, t in us.items()}}
+
+
+def prefill_markdown(row: dict) -> str:
+    lines = ["", f"MLA prefill attention: {row['prompts']} new prompts of {row['seq_len']} tokens, causal, "
+             f"qk head dim {NOPE + ROPE}, v head dim {V_DIM}", "",
+             "| kernel | µs | TFLOP/s |", "|---|---:|---:|"]
+    lines += [f"| {kernel} | {us:.1f} | {row['tflop_s'][kernel]:.0f} |" for kernel, us in row["us"].items()]
+    lines += ["", "triton: zoo::mla_prefill_attention on the prompts' tokens as the runtime passes them (ragged); "
+              "sdpa: F.scaled_dot_product_attention on the same q/k/v as [prompts, heads, tokens, dim]."]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict], bandwidth: float, header: str) -> str:
     lines = [header, "",
              f"HBM bandwidth measured here (4 GiB copy): {bandwidth / 1e12:.2f} TB/s; "
              f"spec {SPEC_BANDWIDTH / 1e12:.1f} TB/s",
-             "", "| batch | context | bf16 latent cache MB | kernel | µs | cache GB/s | % measured | % spec | TFLOP/s |",
+             "",
+             "| batch | context | bf16 latent cache MB | kernel | µs | cache GB/s | % measured | % spec | TFLOP/s |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         for kernel, us in r["us"].items():
@@ -126,7 +169,8 @@ def markdown(rows: list[dict], bandwidth: float, header: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--sweep", action="store_true", help="also time 16, 32 and 64 heads per program, 32- and 64-key tiles and 1-64 splits")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time 16, 32 and 64 heads per program, 32- and 64-key tiles and 1-64 splits")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -142,9 +186,13 @@ def main():
               f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "
               f"torch {torch.__version__}, triton {triton.__version__}")
     print(markdown(rows, bandwidth, header))
+    torch.cuda.empty_cache()
+    prefill = bench_prefill(PREFILL_PROMPTS, SEQ_LEN, args.iters)
+    print(prefill_markdown(prefill))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "date": str(datetime.date.today()),
-                                               "hbm_bandwidth": bandwidth, "decode": rows}, indent=2))
+                                               "hbm_bandwidth": bandwidth, "decode": rows, "prefill": prefill},
+                                              indent=2))
 
 
 if __name__ == "__main__":
