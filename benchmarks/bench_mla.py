@@ -17,8 +17,8 @@ and at 1 to 64 splits of each sequence's keys. Prefill: 4 new prompts of 4096 to
 cached), causal; the TFLOP/s of the scores (192 multiply-adds per key and head) and the attended
 values (128), over the causal half of each prompt's square.
 
-Each case is captured in a CUDA graph and replayed (no launch overhead), the L2 cache flushed
-before every replay; the median of --iters replays is reported.
+Each case is captured in a CUDA graph and replayed (no launch overhead), for decode with the L2
+cache flushed before every replay; the median of --iters replays is reported.
 
     python3 benchmarks/bench_mla.py [--sweep] [--iters 50] [--json results.json]
 """
