@@ -20,7 +20,9 @@ from the cache, as decode does) with float8_e4m3fn pools, against the same with 
 agreement and KL, on the random models above, the tiny random fidelity models (those of
 ``benchmarks/fidelity.py``: tests/models/test_parity.py's and DeepSeek-V3's, with MLA's latent cache) and
 SmolLM2's real weights. Beside them, the floor they are read against: the bf16 cache with every
-entry rounded to bf16 once more (``ROUNDING_SCALE``) against the bf16 cache.
+entry rounded to bf16 once more (``ROUNDING_SCALE``) against the bf16 cache. Where the bf16 cache's
+two best logits are equal (bf16 logits of ~20 are multiples of 1/8) argmax breaks the tie by index:
+the columns "ties counted" count a pick that ties the best logit as agreeing.
 
     python3 benchmarks/bf16_agreement.py --kv-cache-dtype fp8 [--decode]
 
@@ -165,13 +167,30 @@ def kv_scales(model, scale: float):
         yield
 
 
+def top_tied(logits: torch.Tensor) -> float:
+    """The share of positions whose two largest ``logits`` are equal: there the top-1 is a tie that
+    argmax breaks by index, and any rounding elsewhere may break it the other way."""
+    best = logits.float().topk(2, dim=-1).values
+    return (best[..., 0] == best[..., 1]).float().mean().item()
+
+
+def agreement_ties_counted(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Top-1 agreement of ``a`` with ``b`` where a pick of ``a`` that ties ``b``'s best logit counts."""
+    b = b.float()
+    picked = b.gather(-1, a.argmax(-1, keepdim=True)).squeeze(-1)
+    return (picked == b.max(-1).values).float().mean().item()
+
+
 def report_kv_cache(name, model, input_ids, kv_cache_dtype, decode):
     bf16 = paged_logits(model, input_ids, "auto", decode)
-    agreement, kl = compare(paged_logits(model, input_ids, kv_cache_dtype, decode), bf16)
+    other = paged_logits(model, input_ids, kv_cache_dtype, decode)
+    agreement, kl = compare(other, bf16)
     with kv_scales(model, ROUNDING_SCALE):
-        floor, floor_kl = compare(paged_logits(model, input_ids, "auto", decode), bf16)
-    print(f"| {name} | {bf16.shape[0] * bf16.shape[1]} | {agreement:.2%} | {kl:.1e} | {floor:.2%} | {floor_kl:.1e} |",
-          flush=True)
+        rounded = paged_logits(model, input_ids, "auto", decode)
+    floor, floor_kl = compare(rounded, bf16)
+    print(f"| {name} | {bf16.shape[0] * bf16.shape[1]} | {top_tied(bf16):.2%} | {agreement:.2%} "
+          f"| {agreement_ties_counted(other, bf16):.2%} | {kl:.1e} | {floor:.2%} "
+          f"| {agreement_ties_counted(rounded, bf16):.2%} | {floor_kl:.1e} |", flush=True)
 
 
 def kv_cache_main(kv_cache_dtype, decode):
@@ -182,9 +201,10 @@ def kv_cache_main(kv_cache_dtype, decode):
     from tests.models.test_parity import VARIANTS
 
     positions = "teacher-forced decode steps" if decode else "teacher-forced positions"
-    print(f"| model (bf16) | {positions} | top-1 agreement, {kv_cache_dtype} cache vs bf16 cache | KL "
-          f"| bf16 cache rounded once more (scales {ROUNDING_SCALE}) vs bf16 cache | KL |")
-    print("|---|---|---|---|---|---|")
+    print(f"| model (bf16) | {positions} | bf16 cache's top two logits tied | top-1 agreement, {kv_cache_dtype} "
+          f"cache vs bf16 cache | the same, ties counted | KL | bf16 cache rounded once more (scales "
+          f"{ROUNDING_SCALE}) vs bf16 cache | the same, ties counted | KL |")
+    print("|---|---|---|---|---|---|---|---|---|")
     random_ids = random_input_ids()
     for name, reference in random_models():
         report_kv_cache(name, AutoModelForCausalLM.from_hf(reference), random_ids, kv_cache_dtype, decode)

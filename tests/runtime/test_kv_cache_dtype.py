@@ -131,6 +131,16 @@ def test_fp8_decode_steps_give_logits_an_e4m3_rounding_from_the_model_dtypes(che
         assert relative_error(fp8[:, step], auto[:, step]) < 4 * 2**-4, step
 
 
+def test_agreement_benchmark_counts_a_pick_that_ties_the_best_logit_when_asked():
+    agreement = importlib.import_module("benchmarks.bf16_agreement")
+    reference = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 1.0, 0.0, 0.0]])  # the first row's best two tie
+    other = torch.tensor([[0.0, 1.0, 2.0, 0.0], [0.0, 5.0, 0.0, 0.0]])  # picks the other tied one, then a loser
+    assert agreement.top_tied(reference) == 0.5
+    assert agreement.compare(other, reference)[0] == 0.0
+    assert agreement.agreement_ties_counted(other, reference) == 0.5
+    assert agreement.agreement_ties_counted(reference, reference) == 1.0
+
+
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
 def test_agreement_benchmark_floor_rounds_the_bf16_caches_entries_once_more(checkpoints, name):
     # bf16_agreement.py --kv-cache-dtype's floor: the bf16 cache with every layer's scales at
