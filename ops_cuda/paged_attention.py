@@ -137,18 +137,19 @@ def paged_prefill_attention_reference(
     """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
     context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
     causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid).
-    Over a cache of another dtype than q's (FP8) the new tokens' k/v are read back from it, as the
-    CUDA kernel reads them, so both round them alike; over one of q's dtype, k/v are taken as given."""
+    Where the cache does not hold the new tokens' k/v exactly (another dtype than q's, FP8, or a
+    scale other than 1) they are read back from it, as the CUDA kernel reads them, so both round
+    them alike; otherwise k/v are taken as given."""
     # q: [N, Hq, D], k/v: [N, Hkv, D] (the new tokens, already in the cache too) -> [N, Hq, D].
     # One SDPA call per sequence over its cached context followed by its new tokens.
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
-    quantized = k_cache.dtype != q.dtype  # the new tokens as their cache entries read back
+    read_back = k_cache.dtype != q.dtype or k_scale != 1.0 or v_scale != 1.0
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         context = seq_len - (end - start)
         table = block_tables[i : i + 1]
-        if quantized:
+        if read_back:
             ks = dequantize(gather_cache(k_cache, table, seq_len)[0], k_scale, q.dtype)
             vs = dequantize(gather_cache(v_cache, table, seq_len)[0], v_scale, q.dtype)
         else:

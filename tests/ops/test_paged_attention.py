@@ -27,7 +27,7 @@ from layers import (  # noqa: E402
     select_backend,
 )
 from ops_cuda import paged_attention_triton  # noqa: E402
-from ops_cuda.kv_cache import write_kv_cache_reference  # noqa: E402
+from ops_cuda.kv_cache import dequantize, quantize, write_kv_cache_reference  # noqa: E402
 from ops_cuda.kv_layout import is_key_minor, new_kv_cache  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
     paged_decode_attention,
@@ -395,6 +395,22 @@ def test_prompt_attention_is_the_paged_prefill_of_new_prompts(query_lens, slidin
     out = prompt_attention(batch.q, batch.k, batch.v, batch.query_start_loc, max(query_lens), batch.scale,
                            sliding_window, softcap)
     torch.testing.assert_close(out, batch.reference_prefill(sliding_window, softcap), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [2.0, 1.37])
+def test_prefill_reference_reads_new_tokens_back_from_a_cache_that_rounds_them(scale):
+    # A bf16 cache holding k/scale and v/scale: the new tokens attend their entries read back, as
+    # the kernel reads them. Divided by a power of two they come back exact; by 1.37, rounded.
+    batch = PagedBatch([0, 5], [7, 3], 4, 2, 16, 4, torch.bfloat16)
+    args = list(batch.prefill_args(0))
+    given = paged_prefill_attention_reference(*args)
+    args[3], args[4] = quantize(batch.k_cache, scale, torch.bfloat16), quantize(batch.v_cache, scale, torch.bfloat16)
+    scaled = paged_prefill_attention_reference(*args, 0.0, scale, scale)
+    args[1], args[2] = (dequantize(quantize(x, scale, torch.bfloat16), scale, torch.bfloat16) for x in args[1:3])
+    args[3], args[4] = (dequantize(cache, scale, torch.bfloat16) for cache in args[3:5])
+    read_back = paged_prefill_attention_reference(*args)
+    assert torch.equal(scaled, read_back)
+    assert torch.equal(scaled, given) == (scale == 2.0)
 
 
 def test_num_splits_fill_the_gpu_from_shapes(monkeypatch):
