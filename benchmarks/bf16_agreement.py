@@ -21,8 +21,8 @@ agreement and KL, on the random models above, the tiny random fidelity models (t
 ``benchmarks/fidelity.py``: tests/models/test_parity.py's and DeepSeek-V3's, with MLA's latent cache) and
 SmolLM2's real weights. Beside them, the floor they are read against: the bf16 cache with every
 entry rounded to bf16 once more (``ROUNDING_SCALE``) against the bf16 cache. Where the bf16 cache's
-two best logits are equal (bf16 logits of ~20 are multiples of 1/8) argmax breaks the tie by index:
-the columns "ties counted" count a pick that ties the best logit as agreeing.
+two best logits are equal (bf16 logits from 16 to 32 are multiples of 1/8) argmax breaks the tie by
+index: the columns "ties counted" count a pick that ties the best logit as agreeing.
 
     python3 benchmarks/bf16_agreement.py --kv-cache-dtype fp8 [--decode]
 
