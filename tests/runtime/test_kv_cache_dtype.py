@@ -141,25 +141,27 @@ def test_agreement_benchmark_counts_a_pick_that_ties_the_best_logit_when_asked()
     assert agreement.agreement_ties_counted(reference, reference) == 1.0
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
-def test_agreement_benchmark_floor_rounds_the_bf16_caches_entries_once_more(checkpoints, name):
+@pytest.mark.parametrize("name, decode", [("llama", False), ("llama", True), ("deepseek_v3", True)],
+                         ids=["llama-prompt", "llama-decode", "deepseek_v3-decode"])
+def test_agreement_benchmark_floor_rounds_the_bf16_caches_entries_once_more(checkpoints, name, decode):
     # bf16_agreement.py --kv-cache-dtype's floor: the bf16 cache with every layer's scales at
     # ROUNDING_SCALE. A power of two divides and multiplies back exactly: the same logits. The
-    # benchmark's scale rounds every entry once more: other logits, a bf16 rounding apart.
+    # benchmark's scale rounds every entry once more: other logits, a bf16 rounding apart (a prompt's
+    # attention too, which then reads its new tokens back from the cache).
     agreement = importlib.import_module("benchmarks.bf16_agreement")
     model = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.bfloat16)
     input_ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
-    bf16 = agreement.paged_logits(model, input_ids, "auto", decode=True)
+    bf16 = agreement.paged_logits(model, input_ids, "auto", decode)
     with agreement.kv_scales(model, 2.0):
-        torch.testing.assert_close(agreement.paged_logits(model, input_ids, "auto", decode=True), bf16,
+        torch.testing.assert_close(agreement.paged_logits(model, input_ids, "auto", decode), bf16,
                                    rtol=0, atol=0)
     with agreement.kv_scales(model, agreement.ROUNDING_SCALE):
-        rounded = agreement.paged_logits(model, input_ids, "auto", decode=True)
+        rounded = agreement.paged_logits(model, input_ids, "auto", decode)
     assert not torch.equal(rounded, bf16)
     torch.testing.assert_close(rounded, bf16, rtol=0, atol=0.1 * bf16.abs().max().item())
     scales = {getattr(m, n) for m in model.modules() for n in ("k_scale", "v_scale", "kv_scale") if hasattr(m, n)}
     assert scales == {1.0}
-    torch.testing.assert_close(agreement.paged_logits(model, input_ids, "auto", decode=True), bf16, rtol=0, atol=0)
+    torch.testing.assert_close(agreement.paged_logits(model, input_ids, "auto", decode), bf16, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
