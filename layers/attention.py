@@ -18,7 +18,7 @@ from torch import nn
 from layers.linear import Linear, MergedLinear
 from layers.norm import RMSNorm
 from ops_cuda import apply_rotary, prompt_attention, rotary_write_kv
-from ops_cuda.kv_cache import dequantize
+from ops_cuda.kv_cache import dequantize, holds_exactly
 from ops_cuda.mla_attention import (
     gather_latents,
     mla_decode_attention_at_slots,
@@ -150,7 +150,7 @@ class TorchAttentionBackend:
             # Prompts with nothing cached yet, over a cache that holds their k/v exactly (q's dtype,
             # scale 1.0), attend the k/v they have rather than read them back from the cache.
             new = metadata.context_lens is not None and not any(metadata.context_lens[:prefills])
-            if new and k_cache.dtype == q.dtype and k_scale == v_scale == 1.0:
+            if new and holds_exactly(k_cache, q.dtype, k_scale, v_scale):
                 out.append(prompt_attention(*args, starts, longest, layer.scale, window, softcap))
             else:
                 out.append(self.prefill(*args, k_cache, v_cache, metadata.block_tables[:prefills],

@@ -21,6 +21,13 @@ def quantize(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.T
     return (x if scale == 1.0 else x / scale).to(cache_dtype)
 
 
+def holds_exactly(cache: torch.Tensor, dtype: torch.dtype, *scales: float) -> bool:
+    """Whether ``cache`` with these per-tensor scales reads back values of ``dtype`` unrounded: a
+    cache of that dtype at scale 1.0. Only then may attention take new keys and values as given
+    rather than as their entries."""
+    return cache.dtype == dtype and all(scale == 1.0 for scale in scales)
+
+
 def dequantize(entries: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Cache ``entries`` as the values of ``dtype`` they stand for."""
     entries = entries.to(dtype)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.dispatch import cuda_implementation, public_op
-from ops_cuda.kv_cache import dequantize
+from ops_cuda.kv_cache import dequantize, holds_exactly
 from ops_cuda.kv_layout import read_slots
 
 
@@ -144,7 +144,7 @@ def paged_prefill_attention_reference(
     # One SDPA call per sequence over its cached context followed by its new tokens.
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
-    read_back = k_cache.dtype != q.dtype or k_scale != 1.0 or v_scale != 1.0
+    read_back = not holds_exactly(k_cache, q.dtype, k_scale, v_scale)
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         context = seq_len - (end - start)
