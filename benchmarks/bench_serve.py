@@ -18,10 +18,11 @@ in bursts that the ITL charges to the server.
 The script starts each server on a free loopback port, runs every rate against it and stops it.
 Models: the embedded SmolLM2-135M-Instruct (default), any checkpoint (--model), or --shape 8b: a
 random bf16 Llama-3.1-8B-shaped checkpoint (SmolLM2's tokenizer and vocabulary) written to
---workdir and served by both servers. Prompts are random words of the tokenizer, decoded to
+--workdir and served by both servers. With --peer hf, a GGUF file is first dequantized into a
+float32 checkpoint in --workdir, which both servers serve (the peer loads no GGUF file). Prompts are random words of the tokenizer, decoded to
 text, so their lengths in tokens are close to the drawn ones (plus the chat template's few).
 
-    .venv/bin/python benchmarks/bench_serve.py --rates 0.5 --requests 16          # CPU, SmolLM2
+    .venv/bin/python benchmarks/bench_serve.py --rates 0.5 --requests 16 --peer hf  # CPU, SmolLM2
     python3 benchmarks/bench_serve.py --shape 8b --rates 1,4,16 --requests 200 --peer hf   # H200
 """
 
@@ -218,12 +219,30 @@ def random_8b_checkpoint(workdir: Path, tokenizer_path: str | None) -> Path:
     return path
 
 
+def dequantized_checkpoint(gguf: Path, workdir: Path) -> Path:
+    """A GGUF file's model dequantized to a float32 safetensors checkpoint with its tokenizer, for
+    ``transformers serve``, which loads no GGUF file (both servers then serve this directory)."""
+    import torch
+    import transformers
+
+    path = workdir / f"{gguf.stem}-float32"
+    if (path / "config.json").exists():
+        return path
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # Its weights are dequantized at load: what marks them quantized only stops save_pretrained.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
+    return path
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory, .gguf file or hub repo id (default: the embedded SmolLM2)")
     parser.add_argument("--shape", choices=["8b"], help="serve a random Llama-3.1-8B-shaped bf16 checkpoint instead")
     parser.add_argument("--tokenizer", help="the tokenizer of --shape 8b's checkpoint (default: SmolLM2's)")
-    parser.add_argument("--workdir", help="where --shape 8b writes its checkpoint (default: a temporary directory)")
+    parser.add_argument("--workdir", help="where the checkpoints of --shape 8b and of --peer hf with a GGUF file are written, and the servers' logs (default: a temporary directory)")
     parser.add_argument("--rates", default="0.5", help="comma-separated request rates (requests/s)")
     parser.add_argument("--requests", type=int, default=16, help="requests per rate")
     parser.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
@@ -242,6 +261,8 @@ def main():
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_serve_"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = str(random_8b_checkpoint(workdir, args.tokenizer)) if args.shape else args.model or str(default_model_path())
+    if args.peer == "hf" and model.endswith(".gguf"):
+        model = str(dequantized_checkpoint(Path(model), workdir))
     tokenizer = load_tokenizer(model)
     rates = [float(rate) for rate in args.rates.split(",")]
     device = ["--device", args.device] if args.device else []

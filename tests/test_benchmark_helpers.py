@@ -100,3 +100,28 @@ def test_bench_serve_shares_a_rate_among_client_processes_on_one_schedule(tmp_pa
     sent = sorted(r["sent_s"] for r in row["per_request"])
     assert all(s >= arrival for s, arrival in zip(sent, sorted(r.arrival for r in requests)))
     assert sent[-1] < requests[-1].arrival + 1.0
+
+
+def test_bench_serve_dequantizes_a_gguf_file_into_a_checkpoint_the_peer_loads(tmp_path):
+    """`transformers serve` loads no GGUF file: bench_serve gives both servers the file's model
+    dequantized, the same weights and tokenizer as transformers reads from the file."""
+    import transformers
+
+    from loaders import load_tokenizer
+    from tests.loaders.gguf_writer import T, write_llama_gguf
+
+    bench_serve = importlib.import_module("benchmarks.bench_serve")
+    gguf = tmp_path / "tiny.gguf"
+    write_llama_gguf(gguf, T.Q4_1, tokenizer="gpt2")
+    path = bench_serve.dequantized_checkpoint(gguf, tmp_path / "work")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                dtype=torch.float32)
+    assert getattr(saved.config, "quantization_config", None) is None and saved.dtype == torch.float32
+    expected = theirs.state_dict()
+    assert saved.state_dict().keys() == expected.keys()
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    text = "a tiny tokenizer's text"
+    assert load_tokenizer(str(path))(text)["input_ids"] == load_tokenizer(str(gguf))(text)["input_ids"]
+    assert bench_serve.dequantized_checkpoint(gguf, tmp_path / "work") == path  # written once
