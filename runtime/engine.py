@@ -174,8 +174,8 @@ class Engine:
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step, and take in the tokens of the one before it; return the
-        outputs that changed. The step before is taken in first where the next one needs its
+        """Schedule and launch one step, and take in the tokens of the one before it (on the CPU, of
+        this one: ``runtime.run_ahead``); return the outputs that changed. The step before is taken in first where the next one needs its
         tokens on the host (``runtime.run_ahead``). In a tensor-parallel group, a rank that died
         (or a step that failed halfway) takes the group down with a RuntimeError that names it."""
         if self.ranks is None:
@@ -192,21 +192,21 @@ class Engine:
             changed += self._take_in(self.run_ahead.take())
         scheduled, failed = self.scheduler.schedule()
         changed += [self._finish_output(seq) for seq in failed]
-        previous = self._launch(scheduled) if scheduled else self.run_ahead.take()  # the step launched before
-        if previous is not None:
-            changed += self._take_in(previous)
+        to_take_in = self._launch(scheduled) if scheduled else self.run_ahead.take()
+        if to_take_in is not None:
+            changed += self._take_in(to_take_in)
         return changed
 
     def _launch(self, scheduled: list[tuple[Sequence, int]]) -> LaunchedStep | None:
-        """Run and sample a step; returns the step that was in flight before it."""
+        """Run and sample a step; returns the step to take in now (``RunAhead.launch``)."""
         logits, sampled = self.runner.run(scheduled)
         tokens = sample_tokens(logits, sampled)
         for seq, count in scheduled:
             seq.num_computed_tokens += count
-        previous = self.run_ahead.launch(scheduled, sampled, tokens)
+        to_take_in = self.run_ahead.launch(scheduled, sampled, tokens)
         if self.ranks is not None:  # the other ranks read the next step's pending ids from theirs
             self.ranks.share_sampled(self.run_ahead.sampled_ids[: len(sampled)])
-        return previous
+        return to_take_in
 
     def _take_in(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Resolve a launched step's pending tokens, key the blocks they fill, end the sequences they stop."""

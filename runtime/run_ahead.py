@@ -20,6 +20,10 @@ overlaps the device's work on the next. ``RunAhead`` holds the whole scheme:
 4. The resolution (``resolve``). Once the next step is launched, the host waits for the copy and
    fills in each pending token. A sequence that an earlier token ended was computed ahead for
    nothing and is left as it is (``Sequence.finish`` dropped its pending tokens).
+
+On the CPU a step has been computed by the time its launch returns: running ahead would overlap
+nothing and only hold each token back a step (a request's first token, a streamed token, a finished
+sequence's blocks). There each step is taken in as soon as it is launched (``runs_ahead`` False).
 """
 
 from collections.abc import Callable
@@ -46,6 +50,7 @@ class LaunchedStep:
 class RunAhead:
     def __init__(self, max_num_seqs: int, device: torch.device):
         self.device = device
+        self.runs_ahead = device.type == "cuda"  # tests set it to run the scheme on the CPU
         self.in_flight: LaunchedStep | None = None  # the last step launched, not yet taken in
         self.num_steps_run_ahead = 0  # steps launched while the one before was in flight
         self.sampled_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
@@ -79,8 +84,8 @@ class RunAhead:
     def launch(self, scheduled: list[tuple[Sequence, int]], sampled: list[Sequence],
                tokens: torch.Tensor) -> LaunchedStep | None:
         """Put a launched step in flight: its sampled ``tokens`` (on the device) pending in their
-        sequences, kept for the next step's inputs, on their way to the host. Returns the step in
-        flight before it, which the caller takes in now."""
+        sequences, kept for the next step's inputs, on their way to the host. Returns the step the
+        caller takes in now: the one in flight before it or, where steps do not run ahead, this one."""
         for seq in sampled:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
@@ -89,7 +94,7 @@ class RunAhead:
         previous = self.take()
         self.num_steps_run_ahead += previous is not None
         self.in_flight = LaunchedStep(scheduled, sampled, self._copy_to_host(tokens))
-        return previous
+        return previous if self.runs_ahead else self.take()
 
     def _copy_to_host(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
         if self.device.type != "cuda":

@@ -36,8 +36,12 @@ def checkpoints(tmp_path_factory):
 
 
 def llm(path, **options):
+    """An LLM on the CPU whose steps run ahead of the host as they do on CUDA, so that these tests
+    cover that scheme (``runtime.run_ahead``); the CPU's own takes each step in at once."""
     options.setdefault("block_size", 4)
-    return LLM(str(path), device="cpu", **options)
+    engine = LLM(str(path), device="cpu", **options)
+    engine.engine.run_ahead.runs_ahead = True
+    return engine
 
 
 def token_ids(outputs):
@@ -260,6 +264,24 @@ def test_greedy_matches_hf_generate(name, checkpoints):
         assert output.token_ids == expected
         assert output.prompt_token_ids == prompt
         assert output.finish_reason == ("stop" if expected[-1] == reference.config.eos_token_id else "length")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_on_the_cpu_each_step_gives_its_own_tokens(name, checkpoints):
+    # A CPU step has been computed by the time it is launched: a request's first token comes back
+    # from its prompt's step, each next one from the step that sampled it, and the same tokens as HF.
+    path, reference = checkpoints[name]
+    engine = LLM(str(path), device="cpu", block_size=4).engine
+    assert not engine.run_ahead.runs_ahead
+    prompt = prompts(1, seed=21, low=9, high=9)[0]
+    engine.add_request(0, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished():
+        steps.append([output.token_ids.copy() for output in engine.step()])
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4,
+                                  do_sample=False)[0, len(prompt):].tolist()
+    assert steps == [[expected[:1]], [expected[:2]], [expected[:3]], [expected]]
+    assert engine.run_ahead.num_steps_run_ahead == 0
 
 
 def record_steps(engine):
