@@ -1,12 +1,12 @@
-"""The products of a SmolLM2 decode step on this CPU: F.linear vs weights packed once (MKL for
-float32, oneDNN for bfloat16).
+"""The products of a SmolLM2 decode step on this CPU: F.linear vs weights laid out once
+(``PackedWeight``: float32 a row-major copy multiplied as W x^T, bfloat16 packed by oneDNN).
 
 SmolLM2-135M's 30 layers have four products each (qkv 576->960, o 576->576, gate-up 576->3072,
 down 1536->576), then the LM head (576->49152, the tied embedding): ~538 MB of float32 weights,
 more than the caches hold. This times one pass over all 121 at several row counts (the sequences
 of a decode step), through ``F.linear`` on the weights as zoo lays them out (the layers'
-column-major, the head's row-major) and through ``ops_cuda.linear.PackedWeight`` (packed for 16
-rows, as the runtime packs them). Medians of --repeats passes; the weights are random.
+column-major, the head's row-major) and through ``ops_cuda.linear.PackedWeight`` (as the
+runtime lays them out, for up to 16 rows; the larger row counts show where it would stop paying). Medians of --repeats passes; the weights are random.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--dtype bfloat16]
 """
@@ -52,7 +52,7 @@ def main():
 
     print(f"{len(weights)} {args.dtype} products of SmolLM2's shapes ({megabytes:.0f} MB of weights), "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; ms per pass, median of {args.repeats}")
-    print("| rows | F.linear | packed for 16 rows | speed-up |")
+    print("| rows | F.linear | PackedWeight | speed-up |")
     print("|---:|---:|---:|---:|")
     for rows in map(int, args.rows.split(",")):
         inputs = {HIDDEN: torch.randn(rows, HIDDEN, dtype=dtype), INTERMEDIATE: torch.randn(rows, INTERMEDIATE, dtype=dtype)}

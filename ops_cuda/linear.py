@@ -1,6 +1,6 @@
 """Linear layers' products: ``F.linear``, except where zoo has a faster way.
 
-On the CPU, the few rows of a decode step multiply by a weight packed once (``PackedWeight``); on
+On the CPU, the few rows of a decode step multiply by a weight laid out once (``PackedWeight``); on
 the GPU a single float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
 zoo::gated_gemv, ``takes_gemv``). ``layers.linear.pack_for_cpu_decode`` packs a model's weights.
 """
@@ -11,23 +11,24 @@ from ops_cuda.gemv import GEMV_DTYPES, gemv, gemv_reference
 
 
 class PackedWeight:
-    """A CPU weight [out, in] packed once for the few rows of a decode step: float32 by MKL,
-    bfloat16 by oneDNN.
+    """A CPU weight [out, in] laid out once for the few rows of a decode step: float32 as a
+    row-major copy, bfloat16 packed by oneDNN.
 
-    ``F.linear`` has the library pack the weight anew on every call; a weight packed once is read
-    as it is. The packed layout suits a number of rows: packed for 16, SmolLM2's float32 products
-    run 1.2-1.7x faster than with ``F.linear`` at 8 to 16 rows, as fast at 1, and slower at 48 and
-    more (``benchmarks/bench_cpu_linear.py``), so steps of more rows (prompt chunks, wide batches)
-    keep ``F.linear``. Up to 16 rows the bfloat16 products equal ``F.linear``'s bit for bit. The
-    pack is a copy: it stands for the weight only while that is unchanged, and it costs the
-    weight's memory again.
+    ``F.linear`` on a few rows has the library pack the whole weight anew on every call. A
+    bfloat16 weight packed once is read as it is. A float32 one is multiplied the other way round,
+    as W x^T: MKL then keeps the few rows and streams the weight once, near the memory's speed (a
+    single row is doubled, since MKL's matrix-vector product reads the weight at half that speed).
+    SmolLM2's float32 products of 1 to 16 rows run 1.3-3x faster so than with ``F.linear``
+    (``benchmarks/bench_cpu_linear.py``). Steps of more rows (prompt chunks, wide batches) keep
+    ``F.linear``. Up to 16 rows the bfloat16 products equal ``F.linear``'s bit for bit. The copy
+    stands for the weight only while that is unchanged, and it costs the weight's memory again.
     """
 
     ROWS = 16
 
     def __init__(self, weight: torch.Tensor):
         if weight.dtype == torch.float32:
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, self.ROWS)
+            self.packed = weight.contiguous()
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.ROWS)
         self.source = self._identity(weight)
@@ -53,14 +54,17 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if weight.dtype == torch.float32:
-            out = torch.ops.mkl._mkl_linear(rows, self.packed, weight, bias, rows.shape[0])
+            columns = rows.expand(2, -1).contiguous() if rows.shape[0] == 1 else rows
+            out = torch.mm(self.packed, columns.t()).t()[: rows.shape[0]]
+            out = out + bias if bias is not None else out.contiguous()
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def __reduce__(self):
-        # A copy or a pickle of the model leaves the pack behind (MKL's layout can be neither
-        # copied nor saved): the copy multiplies by its own weights unpacked.
+        # A copy or a pickle of the model leaves the pack behind (oneDNN's layout can be neither
+        # copied nor saved, and a float32 copy would only double the weights' memory): the copy
+        # multiplies by its own weights unpacked.
         return _no_pack, ()
 
 
