@@ -36,7 +36,7 @@ class CompiledDecode:
     SiLU-and-mul, the attention's gathers, the KV write) one by one, each slowed by the caches the
     products have just flushed; inductor fuses them into a few C++ loops. The graph is compiled
     once, at start, for 16 rows: with a fixed row count inductor multiplies by weights packed for
-    MKL, as ``PackedWeight`` does (for a dynamic one it takes oneDNN's, slower in float32), so a
+    MKL (for a dynamic one it takes oneDNN's, slower in float32), so a
     smaller batch runs padded. Its padding rows attend to nothing (length 0) and write their keys
     into the cache's padding block (a graph cannot skip a slot -1). Larger batches run eagerly.
     The block-table width is dynamic. The table is cut to the blocks the longest sequence uses,

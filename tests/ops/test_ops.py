@@ -50,7 +50,7 @@ def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied(dtype):
         reference = torch.nn.functional.linear(x, weight, bias)
         if dtype == torch.bfloat16:  # oneDNN computes both: the same bits
             assert torch.equal(out, reference)
-        else:  # MKL's packed product sums in another order
+        else:  # multiplied as W x^T, it sums in another order
             torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
     assert calls == [(1, 64), (7, 64), (16, 64), (2, 8, 64)]  # every product above took the pack
     assert linear(torch.randn(0, 64, dtype=dtype), weight, bias, packed).shape == (0, 96)
