@@ -5,8 +5,9 @@ SmolLM2-135M's 30 layers have four products each (qkv 576->960, o 576->576, gate
 down 1536->576), then the LM head (576->49152, the tied embedding): ~538 MB of float32 weights,
 more than the caches hold. This times one pass over all 121 at several row counts (the sequences
 of a decode step), through ``F.linear`` on the weights as zoo lays them out (the layers'
-column-major, the head's row-major) and through ``ops_cuda.linear.PackedWeight`` (as the
-runtime lays them out, for up to 16 rows; the larger row counts show where it would stop paying). Medians of --repeats passes; the weights are random.
+column-major, the head's row-major) and through ``ops_cuda.linear.PackedWeight`` as the runtime
+lays them out (it takes them for up to 16 rows). Medians of --repeats passes; the weights are
+random.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--dtype bfloat16]
 """

@@ -19,8 +19,9 @@ The script starts each server on a free loopback port, runs every rate against i
 Models: the embedded SmolLM2-135M-Instruct (default), any checkpoint (--model), or --shape 8b: a
 random bf16 Llama-3.1-8B-shaped checkpoint (SmolLM2's tokenizer and vocabulary) written to
 --workdir and served by both servers. With --peer hf, a GGUF file is first dequantized into a
-float32 checkpoint in --workdir, which both servers serve (the peer loads no GGUF file). Prompts are random words of the tokenizer, decoded to
-text, so their lengths in tokens are close to the drawn ones (plus the chat template's few).
+float32 checkpoint in --workdir, which both servers serve (the peer loads no GGUF file). Prompts
+are random words of the tokenizer, decoded to text, so their lengths in tokens are close to the
+drawn ones (plus the chat template's few).
 
     .venv/bin/python benchmarks/bench_serve.py --rates 0.5 --requests 16 --peer hf  # CPU, SmolLM2
     python3 benchmarks/bench_serve.py --shape 8b --rates 1,4,16 --requests 200 --peer hf   # H200
@@ -228,7 +229,8 @@ def dequantized_checkpoint(gguf: Path, workdir: Path) -> Path:
     path = workdir / f"{gguf.stem}-float32"
     if (path / "config.json").exists():
         return path
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32)
     # Its weights are dequantized at load: what marks them quantized only stops save_pretrained.
     model.hf_quantizer = None
     del model.config.quantization_config
@@ -242,7 +244,8 @@ def main():
     parser.add_argument("--model", help="checkpoint directory, .gguf file or hub repo id (default: the embedded SmolLM2)")
     parser.add_argument("--shape", choices=["8b"], help="serve a random Llama-3.1-8B-shaped bf16 checkpoint instead")
     parser.add_argument("--tokenizer", help="the tokenizer of --shape 8b's checkpoint (default: SmolLM2's)")
-    parser.add_argument("--workdir", help="where the checkpoints of --shape 8b and of --peer hf with a GGUF file are written, and the servers' logs (default: a temporary directory)")
+    parser.add_argument("--workdir", help="where the checkpoints of --shape 8b and of --peer hf with a GGUF file, "
+                                          "and the servers' logs, are written (default: a temporary directory)")
     parser.add_argument("--rates", default="0.5", help="comma-separated request rates (requests/s)")
     parser.add_argument("--requests", type=int, default=16, help="requests per rate")
     parser.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")

@@ -175,8 +175,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, and take in the tokens of the one before it (on the CPU, of
-        this one: ``runtime.run_ahead``); return the outputs that changed. The step before is taken in first where the next one needs its
-        tokens on the host (``runtime.run_ahead``). In a tensor-parallel group, a rank that died
+        this one); return the outputs that changed. The step before is taken in first where the
+        next one needs its tokens on the host (``runtime.run_ahead``). In a tensor-parallel group, a rank that died
         (or a step that failed halfway) takes the group down with a RuntimeError that names it."""
         if self.ranks is None:
             return self._step()

@@ -91,10 +91,13 @@ class RunAhead:
             seq.num_pending += 1
         self.sampled_ids[: len(sampled)] = tokens
         self.rows = {seq: row for row, seq in enumerate(sampled)}
+        launched = LaunchedStep(scheduled, sampled, self._copy_to_host(tokens))
+        if not self.runs_ahead:
+            return launched
         previous = self.take()
         self.num_steps_run_ahead += previous is not None
-        self.in_flight = LaunchedStep(scheduled, sampled, self._copy_to_host(tokens))
-        return previous if self.runs_ahead else self.take()
+        self.in_flight = launched
+        return previous
 
     def _copy_to_host(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
         if self.device.type != "cuda":
