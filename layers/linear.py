@@ -37,15 +37,6 @@ class Linear(nn.Module):
             return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
-    def empty_parameter(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Storage for a parameter when the loader materialises it. On the CPU the [out, in] weight
-        is laid out column-major (the transpose of a contiguous [in, out] tensor): MKL multiplies the
-        few rows of a decode step by it about twice as fast (benchmarks/bench_generate.py)."""
-        shape = getattr(self, name).shape
-        if name == "weight" and device.type == "cpu":
-            return torch.empty(shape[::-1], dtype=dtype, device=device).t()
-        return torch.empty(shape, dtype=dtype, device=device)
-
     def extra_repr(self) -> str:
         fp8 = f", fp8_block={list(self.fp8_block)}" if self.fp8_block is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{fp8}"
@@ -79,12 +70,11 @@ class MergedLinear(Linear):
 
 
 def pack_for_cpu_decode(model: nn.Module) -> None:
-    """Gives each float32 or bfloat16 CPU linear layer and LM head of ``model`` a packed copy of
-    its weight laid out for steps of few rows (``ops_cuda.linear.PackedWeight``). The runtime does
-    this when it runs a model on the CPU: SmolLM2's products of a decode step of 16 sequences then
-    run ~1.5x faster in float32, ~1.1x in bfloat16. The copies cost the weights' memory once
-    more, so where they would take more than half of the memory still available, nothing is
-    packed and a warning says so."""
+    """Gives each bfloat16 CPU linear layer and LM head of ``model`` a copy of its weight packed by
+    oneDNN for steps of few rows (``ops_cuda.linear.PackedWeight``; float32 weights need none, their
+    few rows multiply as W x^T). The runtime does this when it runs a model on the CPU. The copies
+    cost the weights' memory once more, so where they would take more than half of the memory still
+    available, nothing is packed and a warning says so."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, LMHead)) and PackedWeight.supports(m.weight)]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in modules)
     available = available_memory()

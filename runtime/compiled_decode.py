@@ -6,7 +6,6 @@ import torch._inductor.config as inductor_config
 from torch._inductor.cpp_builder import get_cpp_compiler
 
 from layers import AttentionMetadata
-from ops_cuda.linear import PackedWeight
 from runtime.kv_cache import KVCache
 from runtime.run_ahead import RunAhead
 from runtime.step_inputs import StepInputs
@@ -34,20 +33,22 @@ class CompiledDecode:
 
     Eager PyTorch dispatches the small ops between a layer's matrix products (norms, rotary,
     SiLU-and-mul, the attention's gathers, the KV write) one by one, each slowed by the caches the
-    products have just flushed; inductor fuses them into a few C++ loops. The graph is compiled
-    once, at start, for 16 rows: with a fixed row count inductor multiplies by weights packed for
-    MKL (for a dynamic one it takes oneDNN's, slower in float32), so a
-    smaller batch runs padded. Its padding rows attend to nothing (length 0) and write their keys
-    into the cache's padding block (a graph cannot skip a slot -1). Larger batches run eagerly.
+    products have just flushed; inductor fuses them into a few C++ loops. The float32 products
+    keep the eager steps' W x^T form (``ops_cuda.linear.transposed_linear``: a call into MKL in the
+    graph); bfloat16 ones inductor multiplies by weights it packs for oneDNN. The graph is compiled
+    once, at start, for 16 rows, so a smaller batch runs padded. Its padding rows attend to
+    nothing (length 0) and write their keys into the cache's padding block (a graph cannot skip a
+    slot -1). Larger batches run eagerly.
     The block-table width is dynamic. The table is cut to the blocks the longest sequence uses,
     since in a graph the attention reads keys up to its width, and to two blocks at least (dynamo
     would specialise a width of 1).
     """
 
+    ROWS = 16
     MIN_BLOCKS = 2
 
     def __init__(self, model, max_batch: int, kv_cache: KVCache, run_ahead: RunAhead):
-        self.rows = min(PackedWeight.ROWS, max_batch)
+        self.rows = min(self.ROWS, max_batch)
         self.block_size, self.padding_slot = kv_cache.block_size, kv_cache.padding_slot
         self.run_ahead = run_ahead
         self.forward = torch.compile(model, fullgraph=True)

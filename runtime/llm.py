@@ -76,13 +76,12 @@ class LLM:
     ``dtype``: "auto" (the default) is the checkpoint's dtype on CUDA and float32 on the CPU.
     ``device``: CUDA when there is one, else the CPU. The engine's options (``EngineConfig``) are
     keywords, ``LLM(path, max_num_seqs=8)``, or a ``config``, and are checked before the model
-    loads. On the CPU, weights already in ``dtype`` that a layer takes whole (embeddings, norms; not
-    the linear layers, which lay out their own storage) map their safetensors file: truncating or
-    rewriting it in place while the ``LLM`` lives ends the process (SIGBUS); ``mmap=False`` copies
-    them. On the CPU, ``compile_decode`` runs decode steps of up to 16 sequences through
-    torch.compile: SmolLM2 generates about 1.3x faster in bfloat16, after a compile of about a
-    minute when ``LLM`` starts (inductor keeps what it built on disk); in float32 the eager steps
-    are the faster (their products take ``ops_cuda.linear.PackedWeight``'s form, the graph's not).
+    loads. On the CPU, weights already in ``dtype`` that a layer takes whole (embeddings, norms,
+    linear layers of one HF projection; not fused ones such as q/k/v) map their safetensors file:
+    truncating or rewriting it in place while the ``LLM`` lives ends the process (SIGBUS);
+    ``mmap=False`` copies them. On the CPU, ``compile_decode`` runs decode steps of up to 16
+    sequences through torch.compile: SmolLM2 generates about 1.3x faster, after a compile of about
+    a minute when ``LLM`` starts (inductor keeps what it built on disk).
 
     ``tensor_parallel_size=N`` splits the model over N ranks (``layers.tensor_parallel``): this
     process is rank 0 and starts N-1 worker processes, on N CUDA devices (rank r on cuda:r) or the

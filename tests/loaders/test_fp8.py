@@ -110,7 +110,17 @@ def test_llama_logits_equal_the_dequantised_twin(llama_pair, dtype):
     fp8, twin = llama_pair
     ours, theirs = logits(fp8, dtype), logits(twin, dtype)
     assert ours.dtype == dtype
-    assert torch.equal(ours, theirs)
+    assert_same_logits(ours, theirs)
+
+
+def assert_same_logits(ours, theirs):
+    """The FP8 checkpoint's logits against its twin's. bfloat16 weights are copies on both sides:
+    the same bits. In float32 the twin's unfused weights are mapped from its file, at another
+    alignment than the dequantised copies, which changes how MKL's kernels sum."""
+    if ours.dtype == torch.bfloat16:
+        assert torch.equal(ours, theirs)
+    else:
+        assert relative_error(ours, theirs) < 1e-6
 
 
 def test_weights_are_the_dequantised_blocks(llama_pair):
@@ -149,7 +159,7 @@ def test_diff_against_huggingface_on_the_twin(llama_pair):
 def test_modules_to_not_convert_that_are_not_fp8_load(llama_pair):
     fp8, twin = llama_pair
     edit_config(fp8, lambda fields: fields["quantization_config"].update(modules_to_not_convert=["lm_head", "gate"]))
-    assert torch.equal(logits(fp8, torch.float32), logits(twin, torch.float32))
+    assert_same_logits(logits(fp8, torch.float32), logits(twin, torch.float32))
 
 
 def test_fp8_weight_in_a_module_not_to_convert(llama_pair):
@@ -216,7 +226,7 @@ def test_another_quantization_method_on_an_unquantised_checkpoint(llama_pair):
 
 FP8 = torch.float8_e4m3fn
 # float32 logits of FP8 weights kept against their twin's: the same dequantised values multiplied,
-# by weights laid out row-major on one side and column-major on the other (another summation order).
+# by F.linear on one side and as W x^T (ops_cuda.linear) on the other: another summation order.
 KEPT_TOL = 1e-5
 
 

@@ -202,8 +202,9 @@ def test_flat_stream_of_unequal_sequences_equals_each_alone(make_deepseek):
     positions = torch.cat((torch.arange(9), torch.arange(5)))
     with torch.no_grad():
         logits = model(flat, positions, AttentionMetadata(query_lens=[9, 5]))
-        assert relative_error(logits[:9], model(first)[0]) <= 1e-6
-        assert relative_error(logits[9:], model(second)[0]) <= 1e-6
+        # MKL sums the products of 14, 9 and 5 rows in different orders
+        assert relative_error(logits[:9], model(first)[0]) <= 1e-5
+        assert relative_error(logits[9:], model(second)[0]) <= 1e-5
 
 
 def test_kv_cache_entry_is_one_latent_per_token(make_deepseek):

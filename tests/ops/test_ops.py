@@ -32,38 +32,54 @@ def test_rms_norm_matches_hf():
         assert torch.equal(out, norm(x + residual))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied(dtype):
+def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied():
     torch.manual_seed(0)
-    weight = torch.randn(96, 64).t().contiguous().t().to(dtype)  # column-major, as zoo loads it
-    bias = torch.randn(96, dtype=dtype)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     if not PackedWeight.supports(weight):
-        pytest.skip(f"this CPU's torch packs no {dtype} weights")
+        pytest.skip("this CPU's torch packs no bfloat16 weights")
     packed = PackedWeight(weight)
     calls, packed_linear = [], packed.linear
     packed.linear = lambda *args: calls.append(args[0].shape) or packed_linear(*args)
     for shape in [(1, 64), (7, 64), (16, 64), (2, 8, 64)]:
-        x = torch.randn(shape, dtype=dtype)
+        x = torch.randn(shape, dtype=torch.bfloat16)
         assert packed.serves(x, weight)
         out = linear(x, weight, bias, packed)
-        assert out.shape == (*shape[:-1], 96) and out.dtype == dtype
-        reference = torch.nn.functional.linear(x, weight, bias)
-        if dtype == torch.bfloat16:  # oneDNN computes both: the same bits
-            assert torch.equal(out, reference)
-        else:  # multiplied as W x^T, it sums in another order
-            torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
+        assert out.shape == (*shape[:-1], 96) and out.dtype == torch.bfloat16
+        assert torch.equal(out, torch.nn.functional.linear(x, weight, bias))  # oneDNN computes both: the same bits
     assert calls == [(1, 64), (7, 64), (16, 64), (2, 8, 64)]  # every product above took the pack
-    assert linear(torch.randn(0, 64, dtype=dtype), weight, bias, packed).shape == (0, 96)
+    assert linear(torch.randn(0, 64, dtype=torch.bfloat16), weight, bias, packed).shape == (0, 96)
     calls.clear()
-    more_rows = torch.randn(17, 64, dtype=dtype)
+    more_rows = torch.randn(17, 64, dtype=torch.bfloat16)
     assert not packed.serves(more_rows, weight)
     assert torch.equal(linear(more_rows, weight, bias, packed), torch.nn.functional.linear(more_rows, weight, bias))
     weight.mul_(2)  # changed in place: the pack no longer stands for it
-    x = torch.randn(4, 64, dtype=dtype)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert not packed.serves(x, weight)
     assert torch.equal(linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
     assert calls == []  # neither 17 rows nor the changed weight went through it
     assert copy.deepcopy([packed]) == [None] and pickle.loads(pickle.dumps(packed)) is None  # copies leave it behind
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs MKL")
+def test_float32_cpu_products_of_up_to_16_rows_multiply_as_w_x_transposed(monkeypatch):
+    import ops_cuda.linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    calls, transposed = [], ops_cuda.linear.transposed_linear
+    monkeypatch.setattr(ops_cuda.linear, "transposed_linear", lambda x, *args: calls.append(x.shape) or transposed(x, *args))
+    shapes = [(1, 64), (7, 64), (16, 64), (2, 8, 64), (0, 64)]
+    for shape in shapes:
+        x = torch.randn(shape)
+        for b in (bias, None):
+            out = linear(x, weight, b)
+            assert out.shape == (*shape[:-1], 96) and out.is_contiguous()
+            # (W x^T)^T sums in another order than F.linear
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-6, atol=1e-5)
+    assert calls == [s for s in shapes for _ in range(2)]
+    more_rows = torch.randn(17, 64)
+    assert torch.equal(linear(more_rows, weight, bias), torch.nn.functional.linear(more_rows, weight, bias))
+    assert len(calls) == 2 * len(shapes)  # 17 rows took F.linear
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
