@@ -6,7 +6,7 @@ down 1536->576), then the LM head (576->49152, the tied embedding): ~538 MB of f
 more than the caches hold. This times one pass over all 121 at several row counts (the sequences
 of a decode step), through ``F.linear`` and through zoo's ``linear`` as the runtime calls it (with
 the ``PackedWeight`` it makes for bfloat16 weights), on the weights laid out as zoo loads them
-(row-major). Medians of --repeats passes; the weights are random.
+(row-major). Medians of --repeats passes of each, alternating; the weights are random.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--dtype bfloat16]
 """
@@ -31,7 +31,7 @@ SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,12,16,24,32")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
@@ -55,10 +55,9 @@ def main():
     print("|---:|---:|---:|---:|")
     for rows in map(int, args.rows.split(",")):
         inputs = {HIDDEN: torch.randn(rows, HIDDEN, dtype=dtype), INTERMEDIATE: torch.randn(rows, INTERMEDIATE, dtype=dtype)}
-        times = {}
-        for zoo in (False, True):
-            one_pass(inputs, zoo)  # warm-up
-            times[zoo] = statistics.median(one_pass(inputs, zoo) for _ in range(args.repeats))
+        one_pass(inputs, False), one_pass(inputs, True)  # warm-up
+        passes = [(one_pass(inputs, False), one_pass(inputs, True)) for _ in range(args.repeats)]  # alternating
+        times = {zoo: statistics.median(p[zoo] for p in passes) for zoo in (False, True)}
         print(f"| {rows} | {times[False]:.1f} | {times[True]:.1f} | {times[False] / times[True]:.2f}x |", flush=True)
 
 

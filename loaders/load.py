@@ -1,8 +1,8 @@
 """The one generic loader: given a model built on the meta device, check the checkpoint against the
 model's declarations, materialise every parameter once in the target dtype/device, fill it.
 A checkpoint tensor that already is a whole parameter in the target dtype on the CPU, of a module
-that lays out no storage of its own (embeddings, norms, an untied head: not the linear layers),
-becomes that parameter as read, with no copy (``keepable``).
+that lays out no storage of its own (embeddings, norms, an untied head, a linear layer filled by one
+tensor: not a fused one such as q/k/v), becomes that parameter as read, with no copy (``keepable``).
 
 FP8 block-quantised weights load dequantised to the model's dtype, except where they stay in FP8
 (by default on CUDA devices with FP8 tensor cores): a module that can multiply by FP8 weights names

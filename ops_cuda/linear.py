@@ -8,6 +8,7 @@ zoo::gated_gemv, ``takes_gemv``).
 """
 
 import torch
+import torch.nn.functional as F
 
 from ops_cuda.gemv import GEMV_DTYPES, gemv, gemv_reference
 
@@ -66,14 +67,17 @@ def takes_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b computed as (W x^T)^T. ``F.linear`` on a few float32 rows has MKL pack the whole
     weight on every call; the other way round MKL keeps the few rows and streams the weight once,
-    near the memory's speed. SmolLM2's products of 1 to 8 rows run 1.3-2.5x faster so
-    (``benchmarks/bench_cpu_linear.py``); from 16 rows on the two ways are about as fast. A single
-    row is doubled, since MKL's matrix-vector product reads the weight at half that speed. The
-    sums run in another order than ``F.linear``'s."""
+    near the memory's speed. Some widths MKL streams slower: one column (its matrix-vector product)
+    and 9 to 15 (up to 1.8x the time of 16), so a single row is padded with zeros to two and 9 to
+    15 rows to 16. SmolLM2's products of 1 to 16 rows run 1.2-4x faster so
+    (``benchmarks/bench_cpu_linear.py``); past 16 rows the two ways are about as fast. The sums run
+    in another order than ``F.linear``'s."""
     rows = x.reshape(-1, x.shape[-1])
-    columns = rows.expand(2, -1).contiguous() if rows.shape[0] == 1 else rows
-    product = torch.mm(weight, columns.t()) if bias is None else torch.addmm(bias[:, None], weight, columns.t())
-    return product.t()[: rows.shape[0]].contiguous().view(*x.shape[:-1], weight.shape[0])
+    n = rows.shape[0]
+    width = 2 if n == 1 else FEW_ROWS if n > 8 else n
+    columns = F.pad(rows, (0, 0, 0, width - n)).t()
+    product = torch.mm(weight, columns) if bias is None else torch.addmm(bias[:, None], weight, columns)
+    return product.t()[:n].contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: torch.dtype | None = None):
