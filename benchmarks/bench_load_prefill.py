@@ -55,6 +55,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workdir import written_once  # noqa: E402
+
 PREFILL_TOKENS = 512
 CHECKPOINT_NAME = "llama-258m-f32"
 # A Llama-architecture config of ~258M parameters: 2 x 32000 x 1024 (embedding + untied head)
@@ -163,28 +167,17 @@ def run_worker(spec: dict) -> dict:
 
 def ensure_safetensors_checkpoint(workdir: Path) -> Path:
     """The random float32 Llama checkpoint, created once with HF ``save_pretrained``."""
-    target = workdir / CHECKPOINT_NAME
-    done = target / ".complete"
-    if done.is_file():
-        return target
-    print(f"creating the float32 Llama checkpoint in {target} (once) ...", file=sys.stderr, flush=True)
-    import torch
-    import transformers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**LLAMA_CONFIG)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    workdir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=CHECKPOINT_NAME + ".", dir=workdir))
-    model.save_pretrained(tmp)
-    del model
-    if target.exists():  # an interrupted earlier attempt
-        import shutil
+    def write(folder: Path) -> None:
+        print(f"creating the float32 Llama checkpoint in {workdir / CHECKPOINT_NAME} (once) ...", file=sys.stderr,
+              flush=True)
+        import torch
+        import transformers
 
-        shutil.rmtree(target)
-    tmp.rename(target)
-    done.write_text("")
-    return target
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_CONFIG)).to(torch.float32).save_pretrained(folder)
+
+    return written_once(workdir / CHECKPOINT_NAME, write)
 
 
 def bench_load(path: Path, repeats: int, threads: int | None) -> dict:

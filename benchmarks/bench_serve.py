@@ -49,6 +49,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.workdir import written_once  # noqa: E402
 from loaders import load_tokenizer  # noqa: E402
 from loaders.default_model import default_model_path  # noqa: E402
 
@@ -207,17 +208,16 @@ def random_8b_checkpoint(workdir: Path, tokenizer_path: str | None) -> Path:
 
     from bench_gpu import LLAMA_8B, random_hf
 
-    path = workdir / "llama-8b-shape-random"
-    if (path / "config.json").exists():
-        return path
-    tokenizer = load_tokenizer(tokenizer_path or str(default_model_path()))
-    model = random_hf({**LLAMA_8B, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id})
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    def write(folder: Path) -> None:
+        tokenizer = load_tokenizer(tokenizer_path or str(default_model_path()))
+        model = random_hf({**LLAMA_8B, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id})
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        del model
+        torch.cuda.empty_cache()
+
+    return written_once(workdir / "llama-8b-shape-random", write)
 
 
 def dequantized_checkpoint(gguf: Path, workdir: Path) -> Path:
@@ -226,17 +226,16 @@ def dequantized_checkpoint(gguf: Path, workdir: Path) -> Path:
     import torch
     import transformers
 
-    path = workdir / f"{gguf.stem}-float32"
-    if (path / "config.json").exists():
-        return path
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                              dtype=torch.float32)
-    # Its weights are dequantized at load: what marks them quantized only stops save_pretrained.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    model.save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
-    return path
+    def write(folder: Path) -> None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
+        # Its weights are dequantized at load: what marks them quantized only stops save_pretrained.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(folder)
+        transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
+
+    return written_once(workdir / f"{gguf.stem}-float32", write)
 
 
 def main():

@@ -125,3 +125,27 @@ def test_bench_serve_dequantizes_a_gguf_file_into_a_checkpoint_the_peer_loads(tm
     text = "a tiny tokenizer's text"
     assert load_tokenizer(str(path))(text)["input_ids"] == load_tokenizer(str(gguf))(text)["input_ids"]
     assert bench_serve.dequantized_checkpoint(gguf, tmp_path / "work") == path  # written once
+
+
+def test_a_work_directory_written_once_is_reused_and_a_cut_off_write_is_not(tmp_path):
+    written_once = importlib.import_module("benchmarks.workdir").written_once
+    target = tmp_path / "work" / "checkpoint"
+
+    def cut_off(folder: Path) -> None:
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # as a killed write
+
+    with pytest.raises(KeyboardInterrupt):
+        written_once(target, cut_off)
+    assert list((tmp_path / "work").iterdir()) == []
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # renamed into place but never marked complete
+    writes = []
+
+    def write(folder: Path) -> None:
+        writes.append(folder)
+        (folder / "model.safetensors").write_text("every weight")
+
+    assert written_once(target, write) == target
+    assert sorted(p.name for p in target.iterdir()) == [".complete", "model.safetensors"]
+    assert written_once(target, write) == target and len(writes) == 1  # reused
