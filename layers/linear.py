@@ -70,11 +70,11 @@ class MergedLinear(Linear):
 
 
 def pack_for_cpu_decode(model: nn.Module) -> None:
-    """Gives each bfloat16 CPU linear layer and LM head of ``model`` a copy of its weight packed by
-    oneDNN for steps of few rows (``ops_cuda.linear.PackedWeight``; float32 weights need none, their
-    few rows multiply as W x^T). The runtime does this when it runs a model on the CPU. The copies
-    cost the weights' memory once more, so where they would take more than half of the memory still
-    available, nothing is packed and a warning says so."""
+    """Gives each float32 or bfloat16 CPU linear layer and LM head of ``model`` a copy of its weight
+    packed by oneDNN for steps of few rows (``ops_cuda.linear.PackedWeight``). The runtime does
+    this when it runs a model on the CPU. The copies cost the weights' memory once more, so where
+    they would take more than half of the memory still available, nothing is packed and a warning
+    says so."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, LMHead)) and PackedWeight.supports(m.weight)]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in modules)
     available = available_memory()

@@ -1,8 +1,9 @@
 """Linear layers' products: ``F.linear``, except where zoo has a faster way.
 
-On the CPU, the few rows of a float32 step multiply the other way round, as W x^T
-(``transposed_linear``), and those of a bfloat16 decode step by a weight packed once by oneDNN
-(``PackedWeight``, which ``layers.linear.pack_for_cpu_decode`` makes). On the GPU a single
+On the CPU, the few rows of a decode step multiply by a weight packed once by oneDNN
+(``PackedWeight``, which ``layers.linear.pack_for_cpu_decode`` makes), but for one or two float32
+rows, and float32 rows without a pack, which multiply the other way round, as W x^T
+(``transposed_linear``). On the GPU a single
 float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
 zoo::gated_gemv, ``takes_gemv``).
 """
@@ -13,14 +14,19 @@ import torch.nn.functional as F
 from ops_cuda.gemv import GEMV_DTYPES, gemv, gemv_reference
 
 FEW_ROWS = 16  # the most rows the faster CPU forms below serve
+TRANSPOSED_ROWS = 2  # float32 rows W x^T multiplies faster than a pack
 MKL = torch.backends.mkl.is_available()  # read once: a graph torch.compile traces cannot ask
 
 
 class PackedWeight:
-    """A bfloat16 CPU weight [out, in] packed once by oneDNN for the few rows of a decode step.
+    """A float32 or bfloat16 CPU weight [out, in] packed once by oneDNN for the few rows of a
+    decode step.
 
     ``F.linear`` on a few rows has the library pack the whole weight anew on every call; a weight
-    packed once is read as it is. Up to 16 rows the products equal ``F.linear``'s bit for bit.
+    packed once is read as it is. SmolLM2's products of 3 to 16 float32 rows run 1.5-2x faster so
+    than as W x^T, 1 to 16 bfloat16 rows 1.2-1.6x faster than with ``F.linear``
+    (``benchmarks/bench_cpu_linear.py``); one or two float32 rows are faster as W x^T, which the
+    pack leaves to ``transposed_linear``. The bfloat16 products equal ``F.linear``'s bit for bit.
     The pack stands for the weight only while that is unchanged, and it costs the weight's memory
     again.
     """
@@ -37,11 +43,14 @@ class PackedWeight:
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
-        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return x.numel() <= FEW_ROWS * x.shape[-1] and self._identity(weight) == self.source
+        fewest = TRANSPOSED_ROWS + 1 if x.dtype == torch.float32 else 0
+        return fewest * x.shape[-1] <= x.numel() <= FEW_ROWS * x.shape[-1] and self._identity(weight) == self.source
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, bias, "none", [], "")
@@ -58,8 +67,8 @@ def _no_pack() -> None:
 
 
 def takes_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear`` multiplies x by weight as W x^T (``transposed_linear``): float32 on the
-    CPU with MKL, up to 16 rows."""
+    """Whether ``linear`` multiplies x by weight as W x^T (``transposed_linear``), where no pack
+    serves x: float32 on the CPU with MKL, up to 16 rows."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and x.numel() <= FEW_ROWS * x.shape[-1] and MKL)
 
@@ -69,9 +78,10 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     weight on every call; the other way round MKL keeps the few rows and streams the weight once,
     near the memory's speed. Some widths MKL streams slower: one column (its matrix-vector product)
     and 9 to 15 (up to 1.8x the time of 16), so a single row is padded with zeros to two and 9 to
-    15 rows to 16. SmolLM2's products of 1 to 16 rows run 1.2-4x faster so
-    (``benchmarks/bench_cpu_linear.py``); past 16 rows the two ways are about as fast. The sums run
-    in another order than ``F.linear``'s."""
+    15 rows to 16. SmolLM2's products of 1 to 16 rows run 1.2-4x faster so than with
+    ``F.linear``, 2.5x and more at one or two rows, where this is faster than a ``PackedWeight``
+    too; past 16 rows the two ways are about as fast. The sums run in another order than
+    ``F.linear``'s."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     width = 2 if n == 1 else FEW_ROWS if n > 8 else n
@@ -81,10 +91,10 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: torch.dtype | None = None):
-    """``F.linear``, faster where zoo knows how. On the CPU: float32 up to 16 rows as W x^T
-    (``transposed_linear``); bfloat16 by ``packed`` (the weight's ``PackedWeight``, if the runtime
-    made one) for few rows, except in a graph torch.compile traces, where inductor packs the
-    weights itself. On the GPU: a single float16/bfloat16 row by zoo::gemv, when the weight's rows
+    """``F.linear``, faster where zoo knows how. On the CPU, up to 16 rows: by ``packed`` (the
+    weight's ``PackedWeight``, if the runtime made one) where it serves them, except in a graph
+    torch.compile traces; else float32 as W x^T (``transposed_linear``). In a graph inductor packs
+    bfloat16 weights itself. On the GPU: a single float16/bfloat16 row by zoo::gemv, when the weight's rows
     are contiguous. ``out_dtype`` float32: the product of the operands widened to float32 (zoo::gemv
     widens them as it reads)."""
     if out_dtype in (None, x.dtype) and x.device.type == "cpu":

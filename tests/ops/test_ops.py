@@ -32,31 +32,38 @@ def test_rms_norm_matches_hf():
         assert torch.equal(out, norm(x + residual))
 
 
-def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_weight_serves_few_rows_and_only_the_weight_it_copied(dtype):
     torch.manual_seed(0)
-    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     if not PackedWeight.supports(weight):
-        pytest.skip("this CPU's torch packs no bfloat16 weights")
+        pytest.skip(f"this CPU's torch packs no {dtype} weights")
     packed = PackedWeight(weight)
     calls, packed_linear = [], packed.linear
     packed.linear = lambda *args: calls.append(args[0].shape) or packed_linear(*args)
-    for shape in [(1, 64), (7, 64), (16, 64), (2, 8, 64)]:
-        x = torch.randn(shape, dtype=torch.bfloat16)
+    served = [(3, 64), (7, 64), (16, 64), (2, 8, 64)] + ([(1, 64), (0, 64)] if dtype == torch.bfloat16 else [])
+    for shape in served:
+        x = torch.randn(shape, dtype=dtype)
         assert packed.serves(x, weight)
         out = linear(x, weight, bias, packed)
-        assert out.shape == (*shape[:-1], 96) and out.dtype == torch.bfloat16
-        assert torch.equal(out, torch.nn.functional.linear(x, weight, bias))  # oneDNN computes both: the same bits
-    assert calls == [(1, 64), (7, 64), (16, 64), (2, 8, 64)]  # every product above took the pack
-    assert linear(torch.randn(0, 64, dtype=torch.bfloat16), weight, bias, packed).shape == (0, 96)
+        assert out.shape == (*shape[:-1], 96) and out.dtype == dtype
+        reference = torch.nn.functional.linear(x, weight, bias)
+        if dtype == torch.bfloat16:  # oneDNN computes both: the same bits
+            assert torch.equal(out, reference)
+        else:
+            torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
+    assert calls == served  # every product above took the pack
     calls.clear()
-    more_rows = torch.randn(17, 64, dtype=torch.bfloat16)
-    assert not packed.serves(more_rows, weight)
-    assert torch.equal(linear(more_rows, weight, bias, packed), torch.nn.functional.linear(more_rows, weight, bias))
+    # Past 16 rows, one or two float32 rows (W x^T is faster), a changed weight: not through the pack.
+    others = [torch.randn(17, 64, dtype=dtype)] + ([torch.randn(2, 64), torch.randn(1, 64)] if dtype == torch.float32 else [])
+    for x in others:
+        assert not packed.serves(x, weight)
+        linear(x, weight, bias, packed)
     weight.mul_(2)  # changed in place: the pack no longer stands for it
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x = torch.randn(4, 64, dtype=dtype)
     assert not packed.serves(x, weight)
-    assert torch.equal(linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
-    assert calls == []  # neither 17 rows nor the changed weight went through it
+    torch.testing.assert_close(linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
+    assert calls == []
     assert copy.deepcopy([packed]) == [None] and pickle.loads(pickle.dumps(packed)) is None  # copies leave it behind
 
 

@@ -238,6 +238,9 @@ def test_greedy_matches_hf_generate(name, checkpoints):
     path, reference = checkpoints[name]
     batch = prompts()
     engine = llm(path)
+    model = engine.engine.runner.model
+    if PackedWeight.supports(model.lm_head.weight):  # decode steps of 3-16 rows multiply by packed weights
+        assert model.lm_head.packed is not None and model.model.layers[0].mlp.down_proj.packed is not None
     outputs = engine.generate(batch, GREEDY, use_tqdm=False)
     for prompt, output in zip(batch, outputs):
         ids = torch.tensor([prompt])
