@@ -33,9 +33,11 @@ class CompiledDecode:
 
     Eager PyTorch dispatches the small ops between a layer's matrix products (norms, rotary,
     SiLU-and-mul, the attention's gathers, the KV write) one by one, each slowed by the caches the
-    products have just flushed; inductor fuses them into a few C++ loops. The float32 products
-    keep the eager steps' W x^T form (``ops_cuda.linear.transposed_linear``: a call into MKL in the
-    graph); bfloat16 ones inductor multiplies by weights it packs for oneDNN. The graph is compiled
+    products have just flushed; inductor fuses them into a few C++ loops. bfloat16 products
+    inductor multiplies by weights it packs for oneDNN. Float32 ones multiply as W x^T
+    (``ops_cuda.linear.transposed_linear``, a call into MKL in the graph): the eager steps' oneDNN
+    packs cannot enter a graph, and inductor's own packs for a fixed row count are MKL's, slower
+    than W x^T at 16 rows. So in float32 the eager steps are the faster. The graph is compiled
     once, at start, for 16 rows, so a smaller batch runs padded. Its padding rows attend to
     nothing (length 0) and write their keys into the cache's padding block (a graph cannot skip a
     slot -1). Larger batches run eagerly.
