@@ -23,8 +23,8 @@ class PackedWeight:
     decode step.
 
     ``F.linear`` on a few rows has the library pack the whole weight anew on every call; a weight
-    packed once is read as it is. SmolLM2's products of 3 to 16 float32 rows run 1.5-2x faster so
-    than as W x^T, 1 to 16 bfloat16 rows 1.2-1.6x faster than with ``F.linear``
+    packed once is read as it is. SmolLM2's products of 4 to 16 float32 rows run 1.2-2.1x faster so
+    than as W x^T, 1 to 16 bfloat16 rows 1.2-1.5x faster than with ``F.linear``
     (``benchmarks/bench_cpu_linear.py``); one or two float32 rows are faster as W x^T, which the
     pack leaves to ``transposed_linear``. The bfloat16 products equal ``F.linear``'s bit for bit.
     The pack stands for the weight only while that is unchanged, and it costs the weight's memory
