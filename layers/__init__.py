@@ -10,7 +10,7 @@ from layers.attention import (
     select_backend,
 )
 from layers.embedding import LMHead, VocabEmbedding
-from layers.linear import Linear, MergedLinear, pack_for_cpu_decode
+from layers.linear import Linear, MergedLinear, pack_cpu_weights
 from layers.mla import MLAttention
 from layers.mlp import GatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
@@ -31,6 +31,6 @@ __all__ = [
     "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
     "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
     "TensorParallelExperts", "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
-    "pack_for_cpu_decode", "rope_parameters", "score_modifiers_used",
+    "pack_cpu_weights", "rope_parameters", "score_modifiers_used",
     "select_backend", "tensor_parallel",
 ]

@@ -39,7 +39,7 @@ class LMHead(nn.Module):
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.packed: PackedWeight | None = None  # see layers.linear.pack_for_cpu_decode
+        self.packed: PackedWeight | None = None  # see layers.linear.pack_cpu_weights
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return linear(hidden_states, self.weight, packed=self.packed)

@@ -27,7 +27,7 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: PackedWeight | None = None  # see pack_for_cpu_decode
+        self.packed: PackedWeight | None = None  # see pack_cpu_weights
         self.fp8_parameters = ("weight",) if fp8 else ()  # the loader's declaration: see loaders.load
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("weight_scale_inv", None)
@@ -69,10 +69,10 @@ class MergedLinear(Linear):
         return y.split(self.output_sizes, dim=-1)
 
 
-def pack_for_cpu_decode(model: nn.Module) -> None:
+def pack_cpu_weights(model: nn.Module) -> None:
     """Gives each float32 or bfloat16 CPU linear layer and LM head of ``model`` a copy of its weight
-    packed by oneDNN for steps of few rows (``ops_cuda.linear.PackedWeight``). The runtime does
-    this when it runs a model on the CPU. The copies cost the weights' memory once more, so where
+    packed by oneDNN (``ops_cuda.linear.PackedWeight``), which its products then read. The runtime
+    does this when it runs a model on the CPU. The copies cost the weights' memory once more, so where
     they would take more than half of the memory still available, nothing is packed and a warning
     says so."""
     modules = [m for m in model.modules() if isinstance(m, (Linear, LMHead)) and PackedWeight.supports(m.weight)]
@@ -80,9 +80,9 @@ def pack_for_cpu_decode(model: nn.Module) -> None:
     available = available_memory()
     if modules and available is not None and needed > available // 2:
         warnings.warn(
-            f"zoo: not packing the weights for the CPU's decode steps: the packed copies ({needed / 2**30:.1f} GiB) would "
-            f"take more than half of the available memory ({available / 2**30:.1f} GiB); CPU decode steps "
-            "run on the unpacked weights, slower", stacklevel=2,
+            f"zoo: not packing the weights for the CPU: the packed copies ({needed / 2**30:.1f} GiB) would take more "
+            f"than half of the available memory ({available / 2**30:.1f} GiB); the products run on the unpacked "
+            "weights, slower", stacklevel=2,
         )
         return
     for module in modules:

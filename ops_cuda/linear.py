@@ -1,9 +1,9 @@
 """Linear layers' products: ``F.linear``, except where zoo has a faster way.
 
-On the CPU, the few rows of a decode step multiply by a weight packed once by oneDNN
-(``PackedWeight``, which ``layers.linear.pack_for_cpu_decode`` makes), but for one or two float32
-rows, and float32 rows without a pack, which multiply the other way round, as W x^T
-(``transposed_linear``). On the GPU a single
+On the CPU, rows multiply by a weight packed once by oneDNN (``PackedWeight``, which
+``layers.linear.pack_cpu_weights`` makes), but for one or two float32 rows, and up to 16 float32
+rows without a pack, which multiply the other way round, as W x^T (``transposed_linear``). On the
+GPU a single
 float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
 zoo::gated_gemv, ``takes_gemv``).
 """
@@ -19,16 +19,13 @@ MKL = torch.backends.mkl.is_available()  # read once: a graph torch.compile trac
 
 
 class PackedWeight:
-    """A float32 or bfloat16 CPU weight [out, in] packed once by oneDNN for the few rows of a
-    decode step.
+    """A float32 or bfloat16 CPU weight [out, in] packed once by oneDNN (for batches of 16 rows).
 
-    ``F.linear`` on a few rows has the library pack the whole weight anew on every call; a weight
-    packed once is read as it is. SmolLM2's products of 4 to 16 float32 rows run 1.2-2.1x faster so
-    than as W x^T, 1 to 16 bfloat16 rows 1.2-1.5x faster than with ``F.linear``
-    (``benchmarks/bench_cpu_linear.py``); one or two float32 rows are faster as W x^T, which the
-    pack leaves to ``transposed_linear``. The bfloat16 products equal ``F.linear``'s bit for bit.
-    The pack stands for the weight only while that is unchanged, and it costs the weight's memory
-    again.
+    ``F.linear`` has the library lay out the weight anew on every call; a weight packed once is read
+    as it is. SmolLM2's products run 1.2-4x faster so than with ``F.linear`` from 1 to 64 rows and
+    1.1-1.3x at 512 (``benchmarks/bench_cpu_linear.py``); one or two float32 rows are faster still
+    as W x^T, which the pack leaves to ``transposed_linear``. The pack stands for the weight only
+    while that is unchanged, and it costs the weight's memory again.
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -50,7 +47,7 @@ class PackedWeight:
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         fewest = TRANSPOSED_ROWS + 1 if x.dtype == torch.float32 else 0
-        return fewest * x.shape[-1] <= x.numel() <= FEW_ROWS * x.shape[-1] and self._identity(weight) == self.source
+        return x.numel() >= fewest * x.shape[-1] and self._identity(weight) == self.source
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, bias, "none", [], "")
@@ -91,9 +88,9 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: torch.dtype | None = None):
-    """``F.linear``, faster where zoo knows how. On the CPU, up to 16 rows: by ``packed`` (the
-    weight's ``PackedWeight``, if the runtime made one) where it serves them, except in a graph
-    torch.compile traces; else float32 as W x^T (``transposed_linear``). In a graph inductor packs
+    """``F.linear``, faster where zoo knows how. On the CPU: by ``packed`` (the weight's
+    ``PackedWeight``, if the runtime made one) where it serves x, except in a graph torch.compile
+    traces; else float32 up to 16 rows as W x^T (``transposed_linear``). In a graph inductor packs
     bfloat16 weights itself. On the GPU: a single float16/bfloat16 row by zoo::gemv, when the weight's rows
     are contiguous. ``out_dtype`` float32: the product of the operands widened to float32 (zoo::gemv
     widens them as it reads)."""

@@ -4,7 +4,7 @@ A step that holds image tokens runs eagerly, with their rows of the images' feat
 import numpy as np
 import torch
 
-from layers import AttentionMetadata, pack_for_cpu_decode
+from layers import AttentionMetadata, pack_cpu_weights
 from ops_cuda import argmax
 from runtime.compiled_decode import CompiledDecode
 from runtime.cuda_graphs import PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, Staging
@@ -32,7 +32,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         if self.device.type == "cpu" and not compile_decode:  # a compiled graph packs its own weights
-            pack_for_cpu_decode(model)
+            pack_cpu_weights(model)
         max_num_seqs, table_width = block_tables.shape
         self.staging = (Staging(torch.long), Staging(torch.int32)) if self.device.type == "cuda" else None
         self.graphs = (DecodeGraphs(model, max_num_seqs, table_width, run_ahead, self.device)
