@@ -31,7 +31,7 @@ SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,2,4,8,12,16,24,32")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,256")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
