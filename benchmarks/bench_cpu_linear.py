@@ -1,13 +1,13 @@
-"""The products of a SmolLM2 decode step on this CPU: F.linear vs zoo's ``ops_cuda.linear.linear``
-(up to 16 rows by weights packed once by oneDNN; one or two float32 rows as W x^T).
+"""The products of SmolLM2 steps on this CPU: F.linear vs zoo's ``ops_cuda.linear.linear``
+(by weights packed once by oneDNN; one or two float32 rows as W x^T).
 
 SmolLM2-135M's 30 layers have four products each (qkv 576->960, o 576->576, gate-up 576->3072,
 down 1536->576), then the LM head (576->49152, the tied embedding): ~538 MB of float32 weights,
 more than the caches hold. This times one pass over all 121 at several row counts (the sequences
-of a decode step), through ``F.linear`` and through zoo's ``linear`` as the runtime calls it (with
-the ``PackedWeight`` it makes for each weight), on the weights laid out as zoo loads them
-(row-major), and in float32 up to 16 rows also as W x^T alone (``transposed_linear``, what runs
-where no pack serves). Medians of --repeats passes of each, alternating; the weights are random.
+of a decode step, the tokens of a prompt chunk), through ``F.linear`` and through zoo's ``linear``
+as the runtime calls it (with the ``PackedWeight`` it makes for each weight), on the weights laid
+out as zoo loads them (row-major), and in float32 up to 16 rows also as W x^T alone
+(``transposed_linear``, what runs where no pack serves). Medians of --repeats passes of each, alternating; the weights are random.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--dtype bfloat16]
 """

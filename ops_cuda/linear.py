@@ -22,9 +22,9 @@ class PackedWeight:
     """A float32 or bfloat16 CPU weight [out, in] packed once by oneDNN (for batches of 16 rows).
 
     ``F.linear`` has the library lay out the weight anew on every call; a weight packed once is read
-    as it is. SmolLM2's products run 1.2-4x faster so than with ``F.linear`` from 1 to 64 rows and
-    1.1-1.3x at 512 (``benchmarks/bench_cpu_linear.py``); one or two float32 rows are faster still
-    as W x^T, which the pack leaves to ``transposed_linear``. The pack stands for the weight only
+    as it is. SmolLM2's float32 products run 1.3-4x faster so than with ``F.linear`` from 1 to 256
+    rows, bfloat16 ones 1.2-1.5x up to 64 rows (``benchmarks/bench_cpu_linear.py``); one or two
+    float32 rows are faster still as W x^T, which the pack leaves to ``transposed_linear``. The pack stands for the weight only
     while that is unchanged, and it costs the weight's memory again.
     """
 
