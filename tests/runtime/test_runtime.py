@@ -93,7 +93,7 @@ def test_bfloat16_decode_steps_multiply_by_packed_weights_to_the_same_tokens(che
     products = []
     packed_linear = PackedWeight.linear
     monkeypatch.setattr(PackedWeight, "linear", lambda *args: products.append(1) or packed_linear(*args))
-    # Up to 16 rows oneDNN's packed products are F.linear's bit for bit: the same tokens.
+    # oneDNN computes both the packed bfloat16 products and F.linear's, bit for bit: the same tokens.
     packed_tokens = token_ids(packed_llm.generate(batch, GREEDY, use_tqdm=False))
     assert products, "the decode steps multiplied by no packed weight"
     products.clear()
@@ -239,7 +239,7 @@ def test_greedy_matches_hf_generate(name, checkpoints):
     batch = prompts()
     engine = llm(path)
     model = engine.engine.runner.model
-    if PackedWeight.supports(model.lm_head.weight):  # decode steps of 3-16 rows multiply by packed weights
+    if PackedWeight.supports(model.lm_head.weight):  # products of 3 rows or more read packed weights
         assert model.lm_head.packed is not None and model.model.layers[0].mlp.down_proj.packed is not None
     outputs = engine.generate(batch, GREEDY, use_tqdm=False)
     for prompt, output in zip(batch, outputs):
