@@ -27,11 +27,8 @@ from ops_cuda.paged_attention_triton import (
 )
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
-# How decode splits the keys: a chunk's partial output is [heads, kv_lora_rank] float32 (256 KiB at
-# 128 x 512), what about 228 keys of the cache weigh, written and read again: chunks of at least 128
-# keys, and programs enough for one per SM, not two (a program streams a whole head tile's work).
-MIN_SPLIT_KEYS = 128
-PROGRAMS_PER_SM = 1
+# Decode programs an SM holds at once: 8 warps of up to 255 registers a thread fill its register file.
+RESIDENT_PROGRAMS = 1
 
 
 @triton.jit(do_not_specialize_on_alignment=UNALIGNED_METADATA)
@@ -236,7 +233,7 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank] (the cache
     of q's dtype or float8_e4m3fn, its entries times ``kv_scale``);
     ``block_h`` (heads per program) and ``block_n`` (key tile rows) default to ``mla_decode_tiles``',
-    ``num_splits`` to ``decode_num_splits`` over the head tiles, with MIN_SPLIT_KEYS and PROGRAMS_PER_SM."""
+    ``num_splits`` to ``decode_num_splits`` over the head tiles."""
     _check("mla_decode_attention", q_latent=q_latent, q_rope=q_rope, cache=cache, out=out, block_tables=block_tables)
     if cache.dtype not in (q_latent.dtype, FP8_DTYPE):
         raise TypeError(f"zoo::mla_decode_attention takes a cache of q's dtype ({q_latent.dtype}) or {FP8_DTYPE}, "
@@ -251,8 +248,10 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     block_h, block_n = block_h or default_block_h, block_n or default_block_n
     head_tiles = triton.cdiv(num_heads, block_h)
     if num_splits is None:
-        num_splits = decode_num_splits(batch, head_tiles, block_tables.shape[1] * block_size, q_latent.device,
-                                       MIN_SPLIT_KEYS, PROGRAMS_PER_SM)
+        num_splits = decode_num_splits(
+            batch * head_tiles, block_tables.shape[1] * block_size, q_latent.device,
+            key_bytes=cache.shape[-1] * cache.element_size(), partial_bytes=block_h * (rank + 1) * 4,
+            block_n=block_n, resident=RESIDENT_PROGRAMS)
     launch = pdl_launch(q_latent)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)

@@ -38,9 +38,14 @@ NO_WINDOW = 1 << 30
 # The running max starts here, not at -inf: a row that has seen no visible key yet then rescales
 # by exp2(0) rather than exp2(-inf - -inf) = NaN.
 SCORE_FLOOR = tl.constexpr(-1.0e30)
-# A decode split below this many keys costs more (its q load and partial write) than it saves.
-MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
+# Decode programs an SM holds at once, by warps a program (their registers bound it): two warps at
+# 160-164 registers a thread, six; four at head dim 128, three. Split counts fill waves of them.
+RESIDENT_PROGRAMS = {2: 6, 4: 3}
+# More splits are taken for a gain over this share only: the split-count model leaves out sequences
+# shorter than the block table and of differing lengths, where each split's start and partial
+# output are sure costs.
+SPLIT_COST_SLACK = 0.03
 LOG2_E = math.log2(math.e)
 
 
@@ -460,14 +465,29 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device,
-                      min_split_keys: int = MIN_SPLIT_KEYS, programs_per_sm: int = 2) -> int:
+def decode_num_splits(programs: int, max_len: int, device: torch.device, *, key_bytes: int, partial_bytes: int,
+                      block_n: int, resident: int) -> int:
     """How many chunks the decode kernel splits each sequence's keys into, from shapes only (so a
-    captured graph keeps it): enough (sequence, kv head, split) programs for ``programs_per_sm`` per
-    SM, but no more splits than chunks of ``min_split_keys`` in the longest sequence the block table
-    can hold."""
-    wanted = triton.cdiv(programs_per_sm * _num_sms(device), batch * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_len, min_split_keys), MAX_SPLITS))
+    captured graph keeps it). ``programs`` (sequence, head group) programs each stream ``key_bytes``
+    a key of a sequence up to ``max_len``. Split s ways, its keys make chunks of whole key tiles
+    (``block_n`` keys), and programs x chunks run in waves of ``resident`` programs an SM: a
+    part-empty last wave takes a whole wave's time. Each program costs its chunk and one key tile
+    more (its start: the query's load, the first tile's latency), and writes ``partial_bytes`` that
+    the reduce reads back. The fewest splits within SPLIT_COST_SLACK of the cheapest count win
+    (docs/performance.md: on the H200 the fastest measured, or one of the same chunks, for the GQA
+    and MLA kernels at every batch of 1-128 sequences of 4,096 tokens)."""
+    slots = resident * _num_sms(device)
+
+    def cost(splits: int) -> int:
+        chunk = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+        chunks = triton.cdiv(max_len, chunk)
+        waves = triton.cdiv(programs * chunks, slots)
+        partials = 2 * programs * chunks * partial_bytes if chunks > 1 else 0
+        return waves * slots * (chunk + block_n) * key_bytes + partials
+
+    costs = {splits: cost(splits) for splits in range(1, min(triton.cdiv(max_len, block_n), MAX_SPLITS) + 1)}
+    cheapest = min(costs.values())
+    return min(splits for splits, c in costs.items() if c <= cheapest * (1 + SPLIT_COST_SLACK))
 
 
 def _score_factors(scale: float, softcap: float) -> tuple[float, float]:
@@ -568,8 +588,6 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
     group = num_heads // num_kv_heads
     block_n, block_d = _decode_tiles(q)
     keys_as_rows = _keys_as_rows(q, k_cache, v_cache)
@@ -577,6 +595,11 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     block_h = max(8 if keys_as_rows else 16, triton.next_power_of_2(group))
     # Two warps a program where the tiles fit them (the tile-shape notes above).
     num_warps = 2 if keys_as_rows and block_d <= 128 and block_h <= 8 else 4
+    if num_splits is None:
+        num_splits = decode_num_splits(
+            batch * num_kv_heads, block_tables.shape[1] * block_size, q.device,
+            key_bytes=2 * head_dim * k_cache.element_size(), partial_bytes=group * (head_dim + 1) * 4,
+            block_n=block_n, resident=RESIDENT_PROGRAMS[num_warps])
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.
     part_shape = (batch, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)

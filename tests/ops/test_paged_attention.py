@@ -413,13 +413,27 @@ def test_prefill_reference_reads_new_tokens_back_from_a_cache_that_rounds_them(s
     assert torch.equal(scaled, given) == (scale == 2.0)
 
 
-def test_num_splits_fill_the_gpu_from_shapes(monkeypatch):
-    monkeypatch.setattr(paged_attention_triton, "_num_sms", lambda device: 132)  # an H100/H200
+def test_num_splits_fill_the_last_wave(monkeypatch):
+    # The H200's (132 SMs) fastest counts in the split sweep of docs/performance.md.
+    monkeypatch.setattr(paged_attention_triton, "_num_sms", lambda device: 132)
     cuda = torch.device("cuda")
-    assert decode_num_splits(1, 8, 4096, cuda) == 33  # two programs per SM
-    assert decode_num_splits(1, 8, 512, cuda) == 8  # capped by 64-key chunks of the longest sequence
-    assert decode_num_splits(16, 8, 1024, cuda) == 3
-    assert decode_num_splits(64, 8, 4096, cuda) == 1  # the batch alone fills the GPU
+    # GQA on the 8B shape: 8 KV heads a sequence, 64-key tiles, three programs an SM.
+    gqa = dict(key_bytes=2 * 128 * 2, partial_bytes=4 * 129 * 4, block_n=64, resident=3)
+    assert decode_num_splits(8, 1024, cuda, **gqa) == 16  # one sequence: a key tile a split
+    assert decode_num_splits(8, 512, cuda, **gqa) == 8
+    assert decode_num_splits(16 * 8, 4096, cuda, **gqa) == 3  # 384 programs of 396
+    assert decode_num_splits(32 * 8, 4096, cuda, **gqa) == 3  # not 1 (256) nor 2 (512: a second wave, 30% full)
+    assert decode_num_splits(64 * 8, 4096, cuda, **gqa) == 3
+    # A wide table (131,072 tokens) with gains under SPLIT_COST_SLACK: 3, not 34 splits of ~3,900 keys.
+    assert decode_num_splits(16 * 8, 131072, cuda, **gqa) == 3
+    assert decode_num_splits(450 * 8, 2048, cuda, **gqa) == 1  # the 8B throughput run's batch
+    # MLA on DeepSeek-V3's heads: two 64-head tiles a sequence, one program an SM, 256 KiB partials.
+    mla = dict(key_bytes=576 * 2, partial_bytes=64 * 513 * 4, block_n=64, resident=1)
+    assert decode_num_splits(2, 4096, cuda, **mla) == 32  # 64 without the partials' traffic
+    assert decode_num_splits(16 * 2, 4096, cuda, **mla) == 4  # 128 programs; 5 splits would make 160
+    assert decode_num_splits(48 * 2, 4096, cuda, **mla) == 4  # 384 programs in 3 waves against 96 in one
+    assert decode_num_splits(64 * 2, 4096, cuda, **mla) == 1
+    assert decode_num_splits(96 * 2, 4096, cuda, **mla) == 2
 
 
 def test_select_backend():
