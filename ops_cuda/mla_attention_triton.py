@@ -229,9 +229,9 @@ def mla_decode_tiles(q_latent: torch.Tensor, cache: torch.Tensor) -> tuple[int, 
 
 def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale, out,
                                 block_h: int | None = None, num_splits: int | None = None,
-                                kv_scale: float = 1.0, block_n: int | None = None) -> None:
+                                kv_scale: float = 1.0, block_n: int | None = None) -> int:
     """Writes zoo::mla_decode_attention(q_latent, ...) into ``out`` [B, H, kv_lora_rank] (the cache
-    of q's dtype or float8_e4m3fn, its entries times ``kv_scale``);
+    of q's dtype or float8_e4m3fn, its entries times ``kv_scale``) and returns the split count it ran;
     ``block_h`` (heads per program) and ``block_n`` (key tile rows) default to ``mla_decode_tiles``',
     ``num_splits`` to ``decode_num_splits`` over the head tiles."""
     _check("mla_decode_attention", q_latent=q_latent, q_rope=q_rope, cache=cache, out=out, block_tables=block_tables)
@@ -268,13 +268,13 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
         DOT_PRECISION=_dot_precision(q_latent), KV_FP8=cache.dtype == FP8_DTYPE, num_warps=num_warps,
         num_stages=num_stages, **launch,
     )
-    if num_splits == 1:
-        return
-    _mla_decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
-        RANK=rank, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_R=block_r, num_warps=4, **launch,
-    )
+    if num_splits > 1:
+        _mla_decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
+            RANK=rank, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_R=block_r, num_warps=4, **launch,
+        )
+    return num_splits
 
 
 def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:

@@ -582,9 +582,9 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
                                   softcap: float = 0.0, num_splits: int | None = None, k_scale: float = 1.0,
-                                  v_scale: float = 1.0) -> None:
-    """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D]; ``num_splits`` defaults to
-    ``decode_num_splits``."""
+                                  v_scale: float = 1.0) -> int:
+    """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D] and returns the split count
+    it ran; ``num_splits`` defaults to ``decode_num_splits``'."""
     _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -616,13 +616,13 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         V_BLOCKS=_v_blocks(v_cache, block_n),
         num_warps=num_warps, num_stages=3, **launch,
     )
-    if num_splits == 1:
-        return
-    _decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_lse, seq_lens, out, sliding_window or NO_WINDOW, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d, num_warps=4, **launch,
-    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, seq_lens, out, sliding_window or NO_WINDOW, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d, num_warps=4, **launch,
+        )
+    return num_splits
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
