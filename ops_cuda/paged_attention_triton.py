@@ -584,7 +584,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
                                   softcap: float = 0.0, num_splits: int | None = None, k_scale: float = 1.0,
                                   v_scale: float = 1.0) -> int:
     """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D] and returns the split count
-    it ran; ``num_splits`` defaults to ``decode_num_splits``'."""
+    it ran; ``num_splits`` defaults to ``decode_num_splits``'s pick."""
     _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
