@@ -98,20 +98,20 @@ def measure(kernel: str, cache: str, lengths: list[int], width: int, iters: int)
             "fastest": fastest, "us": us}
 
 
-def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "",
-             "| kernel | cache | batch | tokens | table | pick | µs | fastest | µs | pick / fastest | every count (µs) |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        us = r["us"]
-        lines.append(f"| {r['kernel']} | {r['cache']} | {r['batch']} | {r['lengths']} | {r['table']} | {r['pick']} | "
-                     f"{us[r['pick']]:.1f} | {r['fastest']} | {us[r['fastest']]:.1f} | "
-                     f"{us[r['pick']] / us[r['fastest']]:.3f} | "
-                     + ", ".join(f"{s}: {t:.1f}" for s, t in us.items()) + " |")
-    ratios = [r["us"][r["pick"]] / r["us"][r["fastest"]] for r in rows]
-    lines += ["", f"pick / fastest over {len(rows)} cases: median {sorted(ratios)[len(ratios) // 2]:.3f}, "
-              f"largest {max(ratios):.3f}"]
-    return "\n".join(lines)
+TABLE_HEADER = ("| kernel | cache | batch | tokens | table | pick | µs | fastest | µs | pick / fastest "
+                "| every count (µs) |\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+
+
+def table_row(r: dict) -> str:
+    us = r["us"]
+    return (f"| {r['kernel']} | {r['cache']} | {r['batch']} | {r['lengths']} | {r['table']} | {r['pick']} | "
+            f"{us[r['pick']]:.1f} | {r['fastest']} | {us[r['fastest']]:.1f} | {us[r['pick']] / us[r['fastest']]:.3f} | "
+            + ", ".join(f"{s}: {t:.1f}" for s, t in us.items()) + " |")
+
+
+def summary(rows: list[dict]) -> str:
+    ratios = sorted(r["us"][r["pick"]] / r["us"][r["fastest"]] for r in rows)
+    return f"pick / fastest over {len(rows)} cases: median {ratios[len(ratios) // 2]:.3f}, largest {ratios[-1]:.3f}"
 
 
 def main():
@@ -124,16 +124,17 @@ def main():
     import triton
 
     torch.manual_seed(0)
+    print(f"Decode attention's split count — {datetime.date.today()}, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}, triton {triton.__version__}\n\n{TABLE_HEADER}", flush=True)
     rows = []
-    for case in cases():
+    for case in cases():  # a row as each case is measured, so that a run cut short keeps its rows
         rows.append(measure(*case, args.iters))
+        print(table_row(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name()
-    print(markdown(rows, f"Decode attention's split count — {datetime.date.today()}, {device}, "
-                         f"torch {torch.__version__}, triton {triton.__version__}"))
+    print(f"\n{summary(rows)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "date": str(datetime.date.today()), "cases": rows},
-                                              indent=2))
+        record = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()), "cases": rows}
+        Path(args.json).write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
