@@ -250,7 +250,7 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     if num_splits is None:
         num_splits = decode_num_splits(
             batch * head_tiles, block_tables.shape[1] * block_size, q_latent.device,
-            key_bytes=cache.shape[-1] * cache.element_size(), partial_bytes=block_h * (rank + 1) * 4,
+            key_bytes=cache.shape[-1] * q_latent.element_size(), partial_bytes=block_h * (rank + 1) * 4,
             block_n=block_n, resident=RESIDENT_PROGRAMS)
     launch = pdl_launch(q_latent)
     # One split (a batch that fills the GPU by itself) writes the output directly.

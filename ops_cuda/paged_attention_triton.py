@@ -39,9 +39,10 @@ NO_WINDOW = 1 << 30
 # by exp2(0) rather than exp2(-inf - -inf) = NaN.
 SCORE_FLOOR = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
-# Decode programs an SM holds at once, by warps a program (their registers bound it): two warps at
-# 160-164 registers a thread, six; four at head dim 128, three. Split counts fill waves of them.
-RESIDENT_PROGRAMS = {2: 6, 4: 3}
+# Decode programs an SM runs at once, by warps a program: four at head dim 128, three (their
+# registers bound it); two, over an FP8 cache, four (six fit by registers, but the H200's fastest
+# counts follow four). Split counts fill waves of them.
+RESIDENT_PROGRAMS = {2: 4, 4: 3}
 # More splits are taken for a gain over this share only: the split-count model leaves out sequences
 # shorter than the block table and of differing lengths, where each split's start and partial
 # output are sure costs.
@@ -469,7 +470,8 @@ def decode_num_splits(programs: int, max_len: int, device: torch.device, *, key_
                       block_n: int, resident: int) -> int:
     """How many chunks the decode kernel splits each sequence's keys into, from shapes only (so a
     captured graph keeps it). ``programs`` (sequence, head group) programs each stream ``key_bytes``
-    a key of a sequence up to ``max_len``. Split s ways, its keys make chunks of whole key tiles
+    a key of a sequence up to ``max_len`` (the launchers count a key at the query's dtype over an
+    FP8 cache too: dequantising it, a kernel spends about a 16-bit key's time on it). Split s ways, its keys make chunks of whole key tiles
     (``block_n`` keys), and programs x chunks run in waves of ``resident`` programs an SM: a
     part-empty last wave takes a whole wave's time. Each program costs its chunk and one key tile
     more (its start: the query's load, the first tile's latency), and writes ``partial_bytes`` that
@@ -598,7 +600,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if num_splits is None:
         num_splits = decode_num_splits(
             batch * num_kv_heads, block_tables.shape[1] * block_size, q.device,
-            key_bytes=2 * head_dim * k_cache.element_size(), partial_bytes=group * (head_dim + 1) * 4,
+            key_bytes=2 * head_dim * q.element_size(), partial_bytes=group * (head_dim + 1) * 4,
             block_n=block_n, resident=RESIDENT_PROGRAMS[num_warps])
     launch = pdl_launch(q)
     # One split (a batch that fills the GPU by itself) writes the output directly.

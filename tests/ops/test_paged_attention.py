@@ -427,6 +427,9 @@ def test_num_splits_fill_the_last_wave(monkeypatch):
     # A wide table (131,072 tokens) with gains under SPLIT_COST_SLACK: 3, not 34 splits of ~3,900 keys.
     assert decode_num_splits(16 * 8, 131072, cuda, **gqa) == 3
     assert decode_num_splits(450 * 8, 2048, cuda, **gqa) == 1  # the 8B throughput run's batch
+    # Over an FP8 cache the two-warp kernel: four programs an SM.
+    fp8 = dict(gqa, resident=4)
+    assert [decode_num_splits(b * 8, 4096, cuda, **fp8) for b in (4, 8, 16, 32, 64)] == [16, 8, 4, 2, 1]
     # MLA on DeepSeek-V3's heads: two 64-head tiles a sequence, one program an SM, 256 KiB partials.
     mla = dict(key_bytes=576 * 2, partial_bytes=64 * 513 * 4, block_n=64, resident=1)
     assert decode_num_splits(2, 4096, cuda, **mla) == 32  # 64 without the partials' traffic
