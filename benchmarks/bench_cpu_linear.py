@@ -7,7 +7,8 @@ more than the caches hold. This times one pass over all 121 at several row count
 of a decode step, the tokens of a prompt chunk), through ``F.linear`` and through zoo's ``linear``
 as the runtime calls it (with the ``PackedWeight`` it makes for each weight), on the weights laid
 out as zoo loads them (row-major), and in float32 up to 16 rows also as W x^T alone
-(``transposed_linear``, what runs where no pack serves). Medians of --repeats passes of each, alternating; the weights are random.
+(``transposed_linear``, what runs where no pack serves). Medians of --repeats passes of each,
+alternating; the weights are random.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--dtype bfloat16]
 """

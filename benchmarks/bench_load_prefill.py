@@ -175,7 +175,8 @@ def ensure_safetensors_checkpoint(workdir: Path) -> Path:
         import transformers
 
         torch.manual_seed(0)
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_CONFIG)).to(torch.float32).save_pretrained(folder)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_CONFIG)).to(torch.float32)
+        model.save_pretrained(folder)
 
     return written_once(workdir / CHECKPOINT_NAME, write)
 

@@ -3,8 +3,7 @@
 On the CPU, rows multiply by a weight packed once by oneDNN (``PackedWeight``, which
 ``layers.linear.pack_cpu_weights`` makes), but for one or two float32 rows, and up to 16 float32
 rows without a pack, which multiply the other way round, as W x^T (``transposed_linear``). On the
-GPU a single
-float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
+GPU a single float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
 zoo::gated_gemv, ``takes_gemv``).
 """
 
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 from ops_cuda.gemv import GEMV_DTYPES, gemv, gemv_reference
 
-FEW_ROWS = 16  # the most rows the faster CPU forms below serve
+FEW_ROWS = 16  # the rows a pack is laid out for, and the most W x^T takes
 TRANSPOSED_ROWS = 2  # float32 rows W x^T multiplies faster than a pack
 MKL = torch.backends.mkl.is_available()  # read once: a graph torch.compile traces cannot ask
 
@@ -24,8 +23,8 @@ class PackedWeight:
     ``F.linear`` has the library lay out the weight anew on every call; a weight packed once is read
     as it is. SmolLM2's float32 products run 1.3-4x faster so than with ``F.linear`` from 1 to 256
     rows, bfloat16 ones 1.2-1.5x up to 64 rows (``benchmarks/bench_cpu_linear.py``); one or two
-    float32 rows are faster still as W x^T, which the pack leaves to ``transposed_linear``. The pack stands for the weight only
-    while that is unchanged, and it costs the weight's memory again.
+    float32 rows are faster still as W x^T, which the pack leaves to ``transposed_linear``. The pack
+    stands for the weight only while that is unchanged, and it costs the weight's memory again.
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -91,9 +90,9 @@ def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: 
     """``F.linear``, faster where zoo knows how. On the CPU: by ``packed`` (the weight's
     ``PackedWeight``, if the runtime made one) where it serves x, except in a graph torch.compile
     traces; else float32 up to 16 rows as W x^T (``transposed_linear``). In a graph inductor packs
-    bfloat16 weights itself. On the GPU: a single float16/bfloat16 row by zoo::gemv, when the weight's rows
-    are contiguous. ``out_dtype`` float32: the product of the operands widened to float32 (zoo::gemv
-    widens them as it reads)."""
+    bfloat16 weights itself. On the GPU: a single float16/bfloat16 row by zoo::gemv, when the
+    weight's rows are contiguous. ``out_dtype`` float32: the product of the operands widened to
+    float32 (zoo::gemv widens them as it reads)."""
     if out_dtype in (None, x.dtype) and x.device.type == "cpu":
         if packed is not None and not torch.compiler.is_compiling() and packed.serves(x, weight):
             return packed.linear(x, weight, bias)

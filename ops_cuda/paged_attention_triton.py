@@ -39,9 +39,9 @@ NO_WINDOW = 1 << 30
 # by exp2(0) rather than exp2(-inf - -inf) = NaN.
 SCORE_FLOOR = tl.constexpr(-1.0e30)
 MAX_SPLITS = 64
-# Decode programs an SM runs at once, by warps a program: four at head dim 128, three (their
-# registers bound it); two, over an FP8 cache, four (six fit by registers, but the H200's fastest
-# counts follow four). Split counts fill waves of them.
+# Decode programs an SM runs at once, by the program's warps: of four-warp programs (head dim 128)
+# three, as their registers allow; of two-warp ones (over an FP8 cache) four, though six fit by
+# registers, since the H200's fastest counts follow four. Split counts fill waves of them.
 RESIDENT_PROGRAMS = {2: 4, 4: 3}
 # More splits are taken for a gain over this share only: the split-count model leaves out sequences
 # shorter than the block table and of differing lengths, where each split's start and partial
@@ -471,13 +471,13 @@ def decode_num_splits(programs: int, max_len: int, device: torch.device, *, key_
     """How many chunks the decode kernel splits each sequence's keys into, from shapes only (so a
     captured graph keeps it). ``programs`` (sequence, head group) programs each stream ``key_bytes``
     a key of a sequence up to ``max_len`` (the launchers count a key at the query's dtype over an
-    FP8 cache too: dequantising it, a kernel spends about a 16-bit key's time on it). Split s ways, its keys make chunks of whole key tiles
-    (``block_n`` keys), and programs x chunks run in waves of ``resident`` programs an SM: a
-    part-empty last wave takes a whole wave's time. Each program costs its chunk and one key tile
-    more (its start: the query's load, the first tile's latency), and writes ``partial_bytes`` that
-    the reduce reads back. The fewest splits within SPLIT_COST_SLACK of the cheapest count win
-    (``benchmarks/bench_decode_splits.py``: on the H200 the fastest count in 39 of 51 cases, within
-    10.3% of it in all)."""
+    FP8 cache too: dequantising it, a kernel spends about a 16-bit key's time on it). Split s ways,
+    its keys make chunks of whole key tiles (``block_n`` keys), and programs x chunks run in waves
+    of ``resident`` programs an SM: a part-empty last wave takes a whole wave's time. Each program
+    costs its chunk and one key tile more (its start: the query's load, the first tile's latency),
+    and writes ``partial_bytes`` that the reduce reads back. The fewest splits within
+    SPLIT_COST_SLACK of the cheapest count win (``benchmarks/bench_decode_splits.py``: on the H200
+    the fastest count in 39 of 51 cases, within 10.3% of it in all)."""
     slots = resident * _num_sms(device)
 
     def cost(splits: int) -> int:

@@ -40,10 +40,9 @@ class CompiledDecode:
     than W x^T at 16 rows. So in float32 the eager steps are the faster. The graph is compiled
     once, at start, for 16 rows, so a smaller batch runs padded. Its padding rows attend to
     nothing (length 0) and write their keys into the cache's padding block (a graph cannot skip a
-    slot -1). Larger batches run eagerly.
-    The block-table width is dynamic. The table is cut to the blocks the longest sequence uses,
-    since in a graph the attention reads keys up to its width, and to two blocks at least (dynamo
-    would specialise a width of 1).
+    slot -1). Larger batches run eagerly. The block-table width is dynamic. The table is cut to the
+    blocks the longest sequence uses, since in a graph the attention reads keys up to its width, and
+    to two blocks at least (dynamo would specialise a width of 1).
     """
 
     ROWS = 16
