@@ -1,11 +1,15 @@
 """Linear layers' products: ``F.linear``, except where zoo has a faster way.
 
 On the CPU, rows multiply by a weight packed once by oneDNN (``PackedWeight``, which
-``layers.linear.pack_cpu_weights`` makes), but for one or two float32 rows, and up to 16 float32
-rows without a pack, which multiply the other way round, as W x^T (``transposed_linear``). On the
-GPU a single float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
+``layers.linear.pack_cpu_weights`` makes; in a graph torch.compile traces, through
+zoo::packed_linear), but for one or two float32 rows, and up to 16 float32 rows without a pack,
+which multiply the other way round, as W x^T (``transposed_linear``). On the GPU a single
+float16/bfloat16 row goes to zoo::gemv (and a gated MLP's gate_up product on it to
 zoo::gated_gemv, ``takes_gemv``).
 """
+
+import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +31,16 @@ class PackedWeight:
     stands for the weight only while that is unchanged, and it costs the weight's memory again.
     """
 
+    by_number: "weakref.WeakValueDictionary[int, PackedWeight]" = weakref.WeakValueDictionary()
+    _numbers = itertools.count()
+
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, FEW_ROWS)
         self.source = self._identity(weight)
+        # A graph torch.compile traces cannot hold oneDNN's opaque pack: it holds this number, which
+        # zoo::packed_linear looks the pack up by.
+        self.number = next(self._numbers)
+        PackedWeight.by_number[self.number] = self
 
     @staticmethod
     def _identity(weight: torch.Tensor) -> tuple:
@@ -44,11 +55,14 @@ class PackedWeight:
         return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
                                                  and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
-    def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def serves(self, x: torch.Tensor) -> bool:
         fewest = TRANSPOSED_ROWS + 1 if x.dtype == torch.float32 else 0
-        return x.numel() >= fewest * x.shape[-1] and self._identity(weight) == self.source
+        return x.numel() >= fewest * x.shape[-1]
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def stands_for(self, weight: torch.Tensor) -> bool:
+        return self._identity(weight) == self.source
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -60,6 +74,17 @@ class PackedWeight:
 
 def _no_pack() -> None:
     return None
+
+
+@torch.library.custom_op("zoo::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, pack: int, out_features: int) -> torch.Tensor:
+    """x W^T + b by the ``PackedWeight`` numbered ``pack``: the form a compiled graph calls it in."""
+    return PackedWeight.by_number[pack].linear(x, bias)
+
+
+@packed_linear_op.register_fake
+def _(x, bias, pack, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def takes_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -88,14 +113,17 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: torch.dtype | None = None):
     """``F.linear``, faster where zoo knows how. On the CPU: by ``packed`` (the weight's
-    ``PackedWeight``, if the runtime made one) where it serves x, except in a graph torch.compile
-    traces; else float32 up to 16 rows as W x^T (``transposed_linear``). In a graph inductor packs
-    bfloat16 weights itself. On the GPU: a single float16/bfloat16 row by zoo::gemv, when the
-    weight's rows are contiguous. ``out_dtype`` float32: the product of the operands widened to
-    float32 (zoo::gemv widens them as it reads)."""
+    ``PackedWeight``, if the runtime made one) where it serves x, in a graph torch.compile traces
+    through zoo::packed_linear (the graph's weights are frozen, so the pack is not checked against
+    the weight there); else float32 up to 16 rows as W x^T (``transposed_linear``). On the GPU: a
+    single float16/bfloat16 row by zoo::gemv, when the weight's rows are contiguous. ``out_dtype``
+    float32: the product of the operands widened to float32 (zoo::gemv widens them as it reads)."""
     if out_dtype in (None, x.dtype) and x.device.type == "cpu":
-        if packed is not None and not torch.compiler.is_compiling() and packed.serves(x, weight):
-            return packed.linear(x, weight, bias)
+        if packed is not None and packed.serves(x):
+            if torch.compiler.is_compiling():
+                return packed_linear_op(x, bias, packed.number, weight.shape[0])
+            if packed.stands_for(weight):
+                return packed.linear(x, bias)
         if takes_transposed(x, weight):
             return transposed_linear(x, weight, bias)
     if takes_gemv(x, weight):

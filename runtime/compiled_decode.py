@@ -33,16 +33,17 @@ class CompiledDecode:
 
     Eager PyTorch dispatches the small ops between a layer's matrix products (norms, rotary,
     SiLU-and-mul, the attention's gathers, the KV write) one by one, each slowed by the caches the
-    products have just flushed; inductor fuses them into a few C++ loops. bfloat16 products
-    inductor multiplies by weights it packs for oneDNN. Float32 ones multiply as W x^T
-    (``ops_cuda.linear.transposed_linear``, a call into MKL in the graph): the eager steps' oneDNN
-    packs cannot enter a graph, and inductor's own packs for a fixed row count are MKL's, slower
-    than W x^T at 16 rows. So in float32 the eager steps are the faster. The graph is compiled
-    once, at start, for 16 rows, so a smaller batch runs padded. Its padding rows attend to
-    nothing (length 0) and write their keys into the cache's padding block (a graph cannot skip a
-    slot -1). Larger batches run eagerly. The block-table width is dynamic. The table is cut to the
-    blocks the longest sequence uses, since in a graph the attention reads keys up to its width, and
-    to two blocks at least (dynamo would specialise a width of 1).
+    products have just flushed; inductor fuses them into a few C++ loops. The products read the
+    runtime's oneDNN packs, as eager steps do, through zoo::packed_linear, an op the graph calls
+    with the pack's number (``ops_cuda.linear.PackedWeight``): oneDNN's opaque packs cannot enter a
+    graph, and the packs inductor makes itself for float32 are MKL's, 2.6x slower at 16 rows.
+    (Where the runtime packs nothing, for want of memory, float32 products multiply as W x^T and
+    bfloat16 ones by inductor's packs.) The graph is compiled once, at start, for 16 rows, so a
+    smaller batch runs padded. Its padding rows attend to nothing (length 0) and write their keys
+    into the cache's padding block (a graph cannot skip a slot -1). Larger batches run eagerly.
+    The block-table width is dynamic. The table is cut to the blocks the longest sequence uses,
+    since in a graph the attention reads keys up to its width, and to two blocks at least (dynamo
+    would specialise a width of 1).
     """
 
     ROWS = 16

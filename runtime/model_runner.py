@@ -31,7 +31,7 @@ class ModelRunner:
         self.run_ahead = run_ahead
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        if self.device.type == "cpu" and not compile_decode:  # a compiled graph takes no packs (see CompiledDecode)
+        if self.device.type == "cpu":
             pack_cpu_weights(model)
         max_num_seqs, table_width = block_tables.shape
         self.staging = (Staging(torch.long), Staging(torch.int32)) if self.device.type == "cuda" else None

@@ -44,7 +44,7 @@ def test_packed_weight_serves_the_rows_and_only_the_weight_it_copied(dtype):
     served = [(3, 64), (7, 64), (16, 64), (2, 8, 64), (40, 64)] + ([(1, 64), (0, 64)] if dtype == torch.bfloat16 else [])
     for shape in served:
         x = torch.randn(shape, dtype=dtype)
-        assert packed.serves(x, weight)
+        assert packed.serves(x) and packed.stands_for(weight)
         out = linear(x, weight, bias, packed)
         assert out.shape == (*shape[:-1], 96) and out.dtype == dtype
         reference = torch.nn.functional.linear(x, weight, bias)
@@ -56,14 +56,35 @@ def test_packed_weight_serves_the_rows_and_only_the_weight_it_copied(dtype):
     calls.clear()
     # One or two float32 rows (W x^T is faster), a changed weight: not through the pack.
     for x in [torch.randn(2, 64), torch.randn(1, 64)] if dtype == torch.float32 else []:
-        assert not packed.serves(x, weight)
+        assert not packed.serves(x)
         linear(x, weight, bias, packed)
     weight.mul_(2)  # changed in place: the pack no longer stands for it
     x = torch.randn(4, 64, dtype=dtype)
-    assert not packed.serves(x, weight)
+    assert packed.serves(x) and not packed.stands_for(weight)
     torch.testing.assert_close(linear(x, weight, bias, packed), torch.nn.functional.linear(x, weight, bias))
     assert calls == []
     assert copy.deepcopy([packed]) == [None] and pickle.loads(pickle.dumps(packed)) is None  # copies leave it behind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_compiled_graph_multiplies_by_the_pack_through_zoo_packed_linear(dtype, monkeypatch):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
+    if not PackedWeight.supports(weight):
+        pytest.skip(f"this CPU's torch packs no {dtype} weights")
+    packed = PackedWeight(weight)
+    calls, packed_linear = [], PackedWeight.linear
+    monkeypatch.setattr(PackedWeight, "linear", lambda self, x, b: calls.append(x.shape) or packed_linear(self, x, b))
+    compiled = torch.compile(lambda x: linear(x, weight, bias, packed), fullgraph=True, backend="aot_eager")
+    x = torch.randn(16, 64, dtype=dtype)
+    assert torch.equal(compiled(x), packed_linear(packed, x, bias))
+    assert calls == [(16, 64)]  # the graph's product, run by the op
+    # The op finds a pack by its number while the pack lives.
+    assert PackedWeight.by_number[packed.number] is packed
+    other = PackedWeight(weight)
+    number = other.number
+    del other
+    assert number not in PackedWeight.by_number
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs MKL")

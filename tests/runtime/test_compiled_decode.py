@@ -6,6 +6,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import runtime.compiled_decode
+from layers import LMHead, Linear
+from ops_cuda.linear import PackedWeight
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 from tests.models.test_moe import MIXTRAL
@@ -28,6 +30,10 @@ def compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def products_per_step(model) -> int:
+    return sum(isinstance(m, (Linear, LMHead)) and m.packed is not None for m in model.modules())
+
+
 def has_cpp_compiler() -> bool:
     from torch._inductor.cpp_builder import get_cpp_compiler
 
@@ -47,12 +53,21 @@ def test_compiled_decode_steps_give_hf_tokens_from_one_compile(name, tmp_path, m
     llm = LLM(str(path), device="cpu", block_size=4, max_num_seqs=20, compile_decode=True)
     assert compiles() == before + 1  # at start, not at the first step
 
-    steps = {"compiled": 0, "eager": 0}
+    steps = {"compiled": 0, "eager": 0, "compiled packed products": 0, "in compiled": False}
     compiled_run, eager_model = runtime.compiled_decode.CompiledDecode.run, llm.engine.runner.model
+    packed_linear = PackedWeight.linear
 
     def count_compiled(self, step):
         steps["compiled"] += 1
-        return compiled_run(self, step)
+        steps["in compiled"] = True
+        try:
+            return compiled_run(self, step)
+        finally:
+            steps["in compiled"] = False
+
+    def count_packed(self, x, bias):
+        steps["compiled packed products"] += steps["in compiled"]
+        return packed_linear(self, x, bias)
 
     def count_eager(*args, **kwargs):
         steps["eager"] += 1
@@ -60,11 +75,14 @@ def test_compiled_decode_steps_give_hf_tokens_from_one_compile(name, tmp_path, m
 
     monkeypatch.setattr(runtime.compiled_decode.CompiledDecode, "run", count_compiled)
     monkeypatch.setattr(llm.engine.runner, "model", count_eager)
+    monkeypatch.setattr(PackedWeight, "linear", count_packed)
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in MAX_TOKENS]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
 
     assert compiles() == before + 1  # no batch size or table width compiled again
     assert steps["compiled"] >= 15 and steps["eager"] >= 2  # prefills and the widest decode steps
+    # Each compiled step's products read the runtime's oneDNN packs (zoo::packed_linear in the graph).
+    assert steps["compiled packed products"] == steps["compiled"] * products_per_step(eager_model)
     for prompt, max_tokens, output in zip(PROMPTS, MAX_TOKENS, outputs):
         assert output.error is None
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
