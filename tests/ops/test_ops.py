@@ -32,13 +32,19 @@ def test_rms_norm_matches_hf():
         assert torch.equal(out, norm(x + residual))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_packed_weight_serves_the_rows_and_only_the_weight_it_copied(dtype):
+def packed_weight(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, PackedWeight]:
+    """A [96, 64] weight of ``dtype``, a bias, and the weight's pack (the test skipped where this CPU's
+    torch packs none)."""
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     if not PackedWeight.supports(weight):
         pytest.skip(f"this CPU's torch packs no {dtype} weights")
-    packed = PackedWeight(weight)
+    return weight, bias, PackedWeight(weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_weight_serves_the_rows_and_only_the_weight_it_copied(dtype):
+    weight, bias, packed = packed_weight(dtype)
     calls, packed_linear = [], packed.linear
     packed.linear = lambda *args: calls.append(args[0].shape) or packed_linear(*args)
     served = [(3, 64), (7, 64), (16, 64), (2, 8, 64), (40, 64)] + ([(1, 64), (0, 64)] if dtype == torch.bfloat16 else [])
@@ -68,11 +74,7 @@ def test_packed_weight_serves_the_rows_and_only_the_weight_it_copied(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_compiled_graph_multiplies_by_the_pack_through_zoo_packed_linear(dtype, monkeypatch):
-    torch.manual_seed(0)
-    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
-    if not PackedWeight.supports(weight):
-        pytest.skip(f"this CPU's torch packs no {dtype} weights")
-    packed = PackedWeight(weight)
+    weight, bias, packed = packed_weight(dtype)
     calls, packed_linear = [], PackedWeight.linear
     monkeypatch.setattr(PackedWeight, "linear", lambda self, x, b: calls.append(x.shape) or packed_linear(self, x, b))
     compiled = torch.compile(lambda x: linear(x, weight, bias, packed), fullgraph=True, backend="aot_eager")
