@@ -77,14 +77,18 @@ def _no_pack() -> None:
 
 
 @torch.library.custom_op("zoo::packed_linear", mutates_args=())
-def packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, pack: int, out_features: int) -> torch.Tensor:
-    """x W^T + b by the ``PackedWeight`` numbered ``pack``: the form a compiled graph calls it in."""
-    return PackedWeight.by_number[pack].linear(x, bias)
+def packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: int) -> torch.Tensor:
+    """x W^T + b by the ``PackedWeight`` numbered ``pack``, the form a compiled graph calls it in;
+    by ``F.linear`` where that pack is gone or no longer stands for ``weight``."""
+    packed = PackedWeight.by_number.get(pack)
+    if packed is not None and packed.stands_for(weight):
+        return packed.linear(x, bias)
+    return F.linear(x, weight, bias)
 
 
 @packed_linear_op.register_fake
-def _(x, bias, pack, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
+def _(x, weight, bias, pack):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def takes_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -113,15 +117,15 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: torch.dtype | None = None):
     """``F.linear``, faster where zoo knows how. On the CPU: by ``packed`` (the weight's
-    ``PackedWeight``, if the runtime made one) where it serves x, in a graph torch.compile traces
-    through zoo::packed_linear (the graph's weights are frozen, so the pack is not checked against
-    the weight there); else float32 up to 16 rows as W x^T (``transposed_linear``). On the GPU: a
-    single float16/bfloat16 row by zoo::gemv, when the weight's rows are contiguous. ``out_dtype``
-    float32: the product of the operands widened to float32 (zoo::gemv widens them as it reads)."""
+    ``PackedWeight``, if the runtime made one) where it serves x and stands for the weight, in a
+    graph torch.compile traces through zoo::packed_linear; else float32 up to 16 rows as W x^T
+    (``transposed_linear``). On the GPU: a single float16/bfloat16 row by zoo::gemv, when the
+    weight's rows are contiguous. ``out_dtype`` float32: the product of the operands widened to
+    float32 (zoo::gemv widens them as it reads)."""
     if out_dtype in (None, x.dtype) and x.device.type == "cpu":
         if packed is not None and packed.serves(x):
             if torch.compiler.is_compiling():
-                return packed_linear_op(x, bias, packed.number, weight.shape[0])
+                return packed_linear_op(x, weight, bias, packed.number)
             if packed.stands_for(weight):
                 return packed.linear(x, bias)
         if takes_transposed(x, weight):

@@ -81,6 +81,9 @@ def test_a_compiled_graph_multiplies_by_the_pack_through_zoo_packed_linear(dtype
     x = torch.randn(16, 64, dtype=dtype)
     assert torch.equal(compiled(x), packed_linear(packed, x, bias))
     assert calls == [(16, 64)]  # the graph's product, run by the op
+    weight.mul_(2)  # changed in place: the op multiplies by the weight itself, as eager steps do
+    torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, weight, bias))
+    assert calls == [(16, 64)]
     # The op finds a pack by its number while the pack lives.
     assert PackedWeight.by_number[packed.number] is packed
     other = PackedWeight(weight)
