@@ -478,8 +478,13 @@ def decode_num_splits(programs: int, max_len: int, device: torch.device, *, key_
     and writes ``partial_bytes`` that the reduce reads back. The fewest splits within
     SPLIT_COST_SLACK of the cheapest count win (``benchmarks/bench_decode_splits.py``: on the H200
     the fastest count in 39 of 51 cases, within 10.3% of it in all)."""
-    slots = resident * _num_sms(device)
+    return _cheapest_splits(programs, max_len, resident * _num_sms(device), key_bytes, partial_bytes, block_n)
 
+
+# Kept per shape: eager decode attention asks for every layer of every step (a pass over the
+# counts takes ~0.5 ms of host time), a captured graph once.
+@functools.lru_cache(maxsize=4096)
+def _cheapest_splits(programs: int, max_len: int, slots: int, key_bytes: int, partial_bytes: int, block_n: int) -> int:
     def cost(splits: int) -> int:
         chunk = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
         chunks = triton.cdiv(max_len, chunk)
