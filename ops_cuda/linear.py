@@ -93,9 +93,10 @@ def _(x, weight, bias, pack):
 
 def takes_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` multiplies x by weight as W x^T (``transposed_linear``), where no pack
-    serves x: float32 on the CPU with MKL, up to 16 rows."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and x.numel() <= FEW_ROWS * x.shape[-1] and MKL)
+    serves x: float32 on the CPU with MKL, up to 16 rows, outside a graph torch.compile traces (whose
+    row count is dynamic: the bound would tie it to 16 rows)."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and MKL
+            and not torch.compiler.is_compiling() and x.numel() <= FEW_ROWS * x.shape[-1])
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

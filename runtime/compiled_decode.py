@@ -6,6 +6,7 @@ import torch._inductor.config as inductor_config
 from torch._inductor.cpp_builder import get_cpp_compiler
 
 from layers import AttentionMetadata
+from ops_cuda.linear import TRANSPOSED_ROWS
 from runtime.kv_cache import KVCache
 from runtime.run_ahead import RunAhead
 from runtime.step_inputs import StepInputs
@@ -28,8 +29,8 @@ def check_compilable(model, device: torch.device) -> None:
 
 
 class CompiledDecode:
-    """CPU decode steps of 8 to 16 sequences (with a ``max_batch`` under 16, of half of it to all of
-    it), run through ``torch.compile`` (inductor, the weights frozen into the graph).
+    """CPU decode steps run through ``torch.compile`` (inductor, the weights frozen into the graph),
+    every decode step of the runtime from one graph compiled at start.
 
     Eager PyTorch dispatches the small ops between a layer's matrix products (norms, rotary,
     SiLU-and-mul, the attention's gathers, the KV write) one by one, each slowed by the caches the
@@ -37,52 +38,53 @@ class CompiledDecode:
     runtime's oneDNN packs, as eager steps do, through zoo::packed_linear, an op the graph calls
     with the pack's number (``ops_cuda.linear.PackedWeight``): oneDNN's opaque packs cannot enter a
     graph, and the packs inductor makes itself for float32 are MKL's, 2.6x slower at 16 rows.
-    (Where the runtime packs nothing, for want of memory, float32 products multiply as W x^T and
-    bfloat16 ones by inductor's packs.) The graph is compiled once, at start, for 16 rows, so a
-    smaller batch runs padded. Its padding rows attend to nothing (length 0) and write their keys
-    into the cache's padding block (a graph cannot skip a slot -1). Batches under half its rows run
-    eagerly, their products cheaper unpadded than what the graph saves (SmolLM2 on 2 cores, float32
-    and bfloat16: steps of 1 to 4 sequences up to 1.2x faster eagerly, of 8 about as fast, of 16
-    1.2x slower), and so do larger batches. The block-table width is dynamic. The table is cut to
-    the blocks the longest sequence uses, since in a graph the attention reads keys up to its width,
-    and to two blocks at least (dynamo would specialise a width of 1).
+    (Where the runtime packs nothing, for want of memory, the graph leaves the products to inductor.)
+
+    The graph's row count is dynamic, as is the block-table width, so one compile serves every batch
+    size. A step of fewer than ``MIN_ROWS`` sequences runs padded to it: from three float32 rows
+    the products read the packs and under three multiply as W x^T (``ops_cuda.linear``), and a graph
+    holds one of the two. Padding rows attend to nothing (length 0) and write their keys into the
+    cache's padding block (a graph cannot skip a slot -1). The table is cut to the blocks the longest
+    sequence uses, since in a graph the attention reads keys up to its width, and to two blocks at
+    least (dynamo would specialise a width of 1).
     """
 
-    ROWS = 16
+    MIN_ROWS = TRANSPOSED_ROWS + 1
     MIN_BLOCKS = 2
 
-    def __init__(self, model, max_batch: int, kv_cache: KVCache, run_ahead: RunAhead):
-        self.rows = min(self.ROWS, max_batch)
+    def __init__(self, model, kv_cache: KVCache, run_ahead: RunAhead):
         self.block_size, self.padding_slot = kv_cache.block_size, kv_cache.padding_slot
         self.run_ahead = run_ahead
         self.forward = torch.compile(model, fullgraph=True)
-        zeros, padding = np.zeros(self.rows, dtype=np.int64), np.full(self.rows, self.padding_slot)
+        rows = self.MIN_ROWS
+        zeros, padding = np.zeros(rows, dtype=np.int64), np.full(rows, self.padding_slot)
         # Compiled here, by a step of padding rows only. (With freezing set through torch.compile's
         # options instead, the graph multiplied by unpacked weights, aten::mm.)
         with torch.inference_mode(), inductor_config.patch(freezing=True):
             self.forward(*self._arguments(zeros, zeros, zeros, padding, zeros.astype(np.int32),
-                                          np.zeros((self.rows, self.MIN_BLOCKS), dtype=np.int32)))
+                                          np.zeros((rows, self.MIN_BLOCKS), dtype=np.int32)))
 
     def _arguments(self, input_ids, sources, positions, slots, seq_lens, block_tables):
         arrays = (input_ids, sources, positions, slots, seq_lens, block_tables)
         input_ids, sources, positions, slots, seq_lens, block_tables = map(torch.from_numpy, arrays)
+        input_ids = self.run_ahead.fill_pending(input_ids, sources)
+        for rows in (input_ids, positions, slots, seq_lens, block_tables):
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
         torch._dynamo.mark_dynamic(block_tables, 1)
-        metadata = AttentionMetadata(query_lens=[1] * self.rows, slot_mapping=slots, block_tables=block_tables,
-                                     num_decodes=self.rows, seq_lens=seq_lens)
-        return self.run_ahead.fill_pending(input_ids, sources), positions, metadata
-
-    def fits(self, batch: int) -> bool:
-        return self.rows // 2 <= batch <= self.rows
+        metadata = AttentionMetadata(query_lens=[1] * len(input_ids), slot_mapping=slots, block_tables=block_tables,
+                                     num_decodes=len(input_ids), seq_lens=seq_lens)
+        return input_ids, positions, metadata
 
     def run(self, step: StepInputs) -> torch.Tensor:
         n = len(step.input_ids)
+        rows = max(n, self.MIN_ROWS)
         blocks = max(-(-int(step.seq_lens.max()) // self.block_size), self.MIN_BLOCKS)
-        tables = np.zeros((self.rows, blocks), dtype=np.int32)
+        tables = np.zeros((rows, blocks), dtype=np.int32)
         used = step.block_tables[:, :blocks]
         tables[:n, : used.shape[1]] = used
 
         def padded(values, padding):
-            return np.concatenate([values, np.full(self.rows - n, padding, dtype=values.dtype)])
+            return np.concatenate([values, np.full(rows - n, padding, dtype=values.dtype)])
 
         logits = self.forward(*self._arguments(
             padded(step.input_ids, 0), padded(step.sources, 0), padded(step.positions, 0),

@@ -40,7 +40,7 @@ class ModelRunner:
         self.piecewise = (PiecewiseGraphs(model, kv_cache, min(PIECEWISE_MAX_TOKENS, max_num_batched_tokens),
                                           max_num_seqs, table_width, run_ahead, self.device)
                           if use_cuda_graphs else None)
-        self.compiled = CompiledDecode(model, max_num_seqs, kv_cache, run_ahead) if compile_decode else None
+        self.compiled = CompiledDecode(model, kv_cache, run_ahead) if compile_decode else None
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
@@ -59,7 +59,7 @@ class ModelRunner:
         plain_decode = step.decode_only and not images
         if self.graphs is not None and plain_decode and self.graphs.fits(len(step.input_ids)):
             return self.graphs.run(step)
-        if self.compiled is not None and plain_decode and self.compiled.fits(len(step.input_ids)):
+        if self.compiled is not None and plain_decode:
             return self.compiled.run(step)
         if self.piecewise is not None and not images and self.piecewise.fits(len(step.input_ids)):
             return self.piecewise.run(step)

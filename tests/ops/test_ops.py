@@ -114,6 +114,25 @@ def test_float32_cpu_products_of_up_to_16_rows_multiply_as_w_x_transposed(monkey
     assert len(calls) == 2 * len(shapes)  # 17 rows took F.linear
 
 
+def test_a_compiled_graph_leaves_unpacked_products_to_inductor_for_any_row_count(monkeypatch):
+    # W x^T takes up to 16 rows: in a graph with a dynamic row count its bound would tie the graph
+    # to 16 rows, and a larger batch would compile it again.
+    import ops_cuda.linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    calls, transposed = [], ops_cuda.linear.transposed_linear
+    monkeypatch.setattr(ops_cuda.linear, "transposed_linear", lambda x, *args: calls.append(x.shape) or transposed(x, *args))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = torch.compile(lambda x: linear(x, weight, bias), fullgraph=True, backend="aot_eager")
+    for rows in (4, 32, 9):
+        x = torch.randn(rows, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, weight, bias))
+    assert calls == []
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 def test_act_and_mul_matches_hf(activation):
     torch.manual_seed(0)
