@@ -68,8 +68,10 @@ class CompiledDecode:
         arrays = (input_ids, sources, positions, slots, seq_lens, block_tables)
         input_ids, sources, positions, slots, seq_lens, block_tables = map(torch.from_numpy, arrays)
         input_ids = self.run_ahead.fill_pending(input_ids, sources)
-        for rows in (input_ids, positions, slots, seq_lens, block_tables):
-            torch._dynamo.maybe_mark_dynamic(rows, 0)
+        # The rows are marked "maybe" dynamic: the products narrow them to MIN_ROWS and more, which a
+        # strict mark refuses (it asks the graph to take any row count from 2).
+        for tensor in (input_ids, positions, slots, seq_lens, block_tables):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(block_tables, 1)
         metadata = AttentionMetadata(query_lens=[1] * len(input_ids), slot_mapping=slots, block_tables=block_tables,
                                      num_decodes=len(input_ids), seq_lens=seq_lens)

@@ -26,7 +26,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts over several steps, next to running decodes
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt's leading tokens that an earlier one computed
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly instead of replaying CUDA graphs
-    compile_decode: bool = False  # on the CPU, run decode steps of 8 to 16 sequences through torch.compile
+    compile_decode: bool = False  # on the CPU, run decode steps through one graph torch.compile builds at start
     attention_backend: str | None = None  # "torch" (the reference) or "triton" (None: triton on CUDA, else torch)
     tensor_parallel_size: int = 1  # ranks (processes, one device each) the model is split over (runtime.parallel)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3: a byte per value, about twice the blocks)
