@@ -16,6 +16,8 @@ CPU per chunk than the server (openai's parsing and models), falls behind, and w
 in bursts that the ITL charges to the server.
 
 The script starts each server on a free loopback port, runs every rate against it and stops it.
+With --compile-decode zoo serves twice: eagerly, then with ``zoo serve --compile-decode`` (CPU
+decode steps through one graph torch.compile builds at start).
 Models: the embedded SmolLM2-135M-Instruct (default), any checkpoint (--model), or --shape 8b: a
 random bf16 Llama-3.1-8B-shaped checkpoint (SmolLM2's tokenizer and vocabulary) written to
 --workdir and served by both servers. With --peer hf, a GGUF file is first dequantized into a
@@ -254,6 +256,8 @@ def main():
     parser.add_argument("--device", help="both servers' device (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", help="zoo's --dtype (the peer takes the checkpoint's)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="zoo's --max-num-seqs")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also run zoo serve --compile-decode (CPU decode steps through one compiled graph)")
     parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds a server may take to start")
     parser.add_argument("--clients", type=int, default=default_clients(),
                         help="client processes sharing each rate's requests (default: one per two cores, up to 8)")
@@ -270,6 +274,8 @@ def main():
     device = ["--device", args.device] if args.device else []
     servers = {"zoo": [sys.executable, "-m", "runtime.cli", "serve", model, "--served-model-name", "bench",
                        "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), *device]}
+    if args.compile_decode:
+        servers["zoo --compile-decode"] = [*servers["zoo"], "--compile-decode"]
     if args.peer == "hf":
         transformers_cli = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
         # The model is named by each request and loaded by the first (the first untimed one below).
@@ -292,8 +298,9 @@ def run_server(name: str, command: list[str], clients: Clients, model: str, toke
     command = [*command, "--host", "127.0.0.1", "--port", str(port)]
     process = start_server(command, base_url, workdir / f"{name}_server.log", args.startup_timeout)
     try:
-        served = "bench" if name == "zoo" else model
-        extra_body = {"ignore_eos": True} if name == "zoo" else {}
+        zoo = name.startswith("zoo")
+        served = "bench" if zoo else model
+        extra_body = {"ignore_eos": True} if zoo else {}
         # Untimed first, as not load: one request (the peer loads its model; the first call of each of
         # the server's paths: allocation, compile, graphs), then one per client process at once (each
         # process's first call: openai's lazy imports).

@@ -276,7 +276,8 @@ def _serve(args) -> int:
     options = {name: getattr(args, name) for name in ("max_model_len", "max_num_seqs", "num_blocks", "kv_cache_gib")
                if getattr(args, name) is not None}
     llm = LLM(model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp, **options)
+              compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp,
+              **options)
     # The embedded model's file is SmolLM2-135M-Instruct.Q4_1.gguf: it is served as SmolLM2-135M-Instruct.
     name = args.served_model_name or args.model or default_model_path().name.split(".")[0]
     freeze_start_up_objects()
@@ -358,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_cache_dtype_flag(serve)
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA, run decode steps without CUDA graphs (default: graphs where the model allows)")
+    serve.add_argument("--compile-decode", action="store_true",
+                       help="on the CPU, run decode steps through one graph torch.compile builds at start (tens of "
+                            "seconds; needs a C++ compiler; default: eager steps)")
     _add_tp_flag(serve)
     serve.set_defaults(run=_serve)
     return parser

@@ -18,8 +18,10 @@ from gguf import GGUFReader
 import runtime
 from runtime import LLM, SamplingParams
 from runtime.cli import main
+from runtime.compiled_decode import CompiledDecode
 from tests.conftest import hf_model, save_checkpoint, tiny_config
 from tests.loaders.gguf_writer import T, write_llama_gguf
+from tests.runtime.test_compiled_decode import has_cpp_compiler
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_IDS = [5, 9, 13, 2]
@@ -135,6 +137,17 @@ def test_serve_takes_what_start_up_made_out_of_the_collectors_sight(no_tokenizer
     finally:
         gc.unfreeze()
     assert frozen[0] > 100_000  # torch's, the model's and the LLM's objects
+
+
+@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
+def test_serve_compiles_decode_steps_with_compile_decode(no_tokenizer, monkeypatch):
+    served = []
+    monkeypatch.setattr("runtime.server.serve", lambda llm, *args: served.append(llm.engine.runner.compiled))
+    try:
+        assert main(["serve", str(no_tokenizer), "--device", "cpu", "--compile-decode"]) == 0
+    finally:
+        gc.unfreeze()
+    assert isinstance(served[0], CompiledDecode)
 
 
 def test_chat_with_a_template_that_does_not_compile_names_it_and_exits_2(tmp_path, monkeypatch, capsys):
