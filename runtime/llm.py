@@ -81,7 +81,7 @@ class LLM:
     truncating or rewriting it in place while the ``LLM`` lives ends the process (SIGBUS);
     ``mmap=False`` copies them. On the CPU, ``compile_decode`` runs every decode step through one
     graph torch.compile builds when ``LLM`` starts (30-60 s; inductor keeps what it built on disk):
-    SmolLM2's steps of 1 to 64 sequences run 1.05-1.35x faster than eager ones in float32 and
+    SmolLM2's steps of 1 to 64 sequences run 1.03-1.35x faster than eager ones in float32 and
     1.3-1.5x in bfloat16.
 
     ``tensor_parallel_size=N`` splits the model over N ranks (``layers.tensor_parallel``): this
