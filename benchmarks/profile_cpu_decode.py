@@ -8,7 +8,12 @@ the ~1,500 small ops of a step; timers add almost nothing. "The rest" is the ste
 less the timed ops: the engine, the embedding, Python. The milliseconds are per step, averaged
 over --steps decode steps.
 
-    .venv/bin/python benchmarks/profile_cpu_decode.py [--dtype bfloat16]
+With --compile-decode the steps run through the compiled graph (``compile_decode=True``), whose
+ops no timer can reach: one step runs under torch's profiler instead, its ten costliest ops listed
+by their own time. The profiler adds its own cost to each op, so its total is above an unprofiled
+step's.
+
+    .venv/bin/python benchmarks/profile_cpu_decode.py [--dtype bfloat16] [--compile-decode]
 """
 
 import argparse
@@ -16,6 +21,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,7 +53,10 @@ def main():
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compile-decode", action="store_true", help="profile one compiled step instead")
     args = parser.parse_args()
+    if args.compile_decode:
+        return profile_compiled_step(args)
 
     # The names each layer module calls the ops by.
     for module, name, label in (
@@ -61,17 +71,7 @@ def main():
     backend = layers.attention.TorchAttentionBackend
     backend.attend_decodes = timed(backend.attend_decodes, "decode attention")
 
-    llm = LLM(str(default_model_path()), dtype=args.dtype, device="cpu", max_model_len=512)
-    prompts = [llm.chat_prompt([{"role": "user", "content": f"Write a short poem about topic {i}."}])
-               for i in range(args.sequences)]
-    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(10_000 + i, prompt, params)
-    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.sequences.values()):
-        engine.step()  # the prompts, and one step more for the first decodes to be launched
-    engine.step()
+    engine = decoding_engine(args)
     spent.clear()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -83,6 +83,37 @@ def main():
     for label, seconds in sorted(spent.items(), key=lambda item: -item[1]):
         print(f"| {label} | {seconds / args.steps * 1e3:.2f} |")
     print(f"| the rest (engine, embedding, Python) | {step_ms - sum(spent.values()) / args.steps * 1e3:.2f} |")
+
+
+def decoding_engine(args, compile_decode: bool = False):
+    """An engine past its warm-up run, its --sequences prompts prefilled and decoding."""
+    llm = LLM(str(default_model_path()), dtype=args.dtype, device="cpu", max_model_len=512,
+              compile_decode=compile_decode)
+    prompts = [llm.chat_prompt([{"role": "user", "content": f"Write a short poem about topic {i}."}])
+               for i in range(args.sequences)]
+    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(10_000 + i, prompt, params)
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.sequences.values()):
+        engine.step()  # the prompts, and one step more for the first decodes to be launched
+    engine.step()
+    return engine
+
+
+def profile_compiled_step(args):
+    engine = decoding_engine(args, compile_decode=True)
+    with profile() as profiled:
+        start = time.perf_counter()
+        engine.step()
+        step = time.perf_counter() - start
+    print(f"SmolLM2 {args.dtype} compiled decode step under the profiler, {args.sequences} sequences: "
+          f"{step * 1e3:.1f} ms")
+    print("| op | calls | ms, its own time |")
+    print("|---|---:|---:|")
+    for event in sorted(profiled.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"| {event.key[:60]} | {event.count} | {event.self_cpu_time_total / 1e3:.2f} |")
 
 
 if __name__ == "__main__":
