@@ -4,6 +4,7 @@ import numpy as np
 import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.cpp_builder import get_cpp_compiler
+from tqdm import tqdm
 
 from layers import AttentionMetadata
 from ops_cuda.linear import TRANSPOSED_ROWS
@@ -58,11 +59,14 @@ class CompiledDecode:
         self.forward = torch.compile(model, fullgraph=True)
         rows = self.MIN_ROWS
         zeros, padding = np.zeros(rows, dtype=np.int64), np.full(rows, self.padding_slot)
-        # Compiled here, by a step of padding rows only. (With freezing set through torch.compile's
-        # options instead, the graph multiplied by unpacked weights, aten::mm.)
-        with torch.inference_mode(), inductor_config.patch(freezing=True):
+        # Compiled here, by a step of padding rows only, tens of seconds: the bar tells what the start
+        # waits on. (With freezing set through torch.compile's options instead, the graph multiplied
+        # by unpacked weights, aten::mm.)
+        with tqdm(total=1, desc="Compiling decode steps") as bar, torch.inference_mode(), \
+                inductor_config.patch(freezing=True):
             self.forward(*self._arguments(zeros, zeros, zeros, padding, zeros.astype(np.int32),
                                           np.zeros((rows, self.MIN_BLOCKS), dtype=np.int32)))
+            bar.update()
 
     def _arguments(self, input_ids, sources, positions, slots, seq_lens, block_tables):
         arrays = (input_ids, sources, positions, slots, seq_lens, block_tables)
