@@ -51,7 +51,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import decode_ms_per_token, hbm_bandwidth, stage, startup_text, sync_time  # noqa: E402
+from bench_gpu import decode_ms_per_token, hbm_bandwidth, sync_time  # noqa: E402
+from benchmarks.startup import stage, startup_text  # noqa: E402
 from layers import AttentionMetadata  # noqa: E402
 from layers.attention import select_backend  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402

@@ -48,6 +48,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.startup import stage, startup_text  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 from runtime.kv_cache import bytes_per_block  # noqa: E402
@@ -87,19 +88,6 @@ def sync_time(fn, repeats=3):
 
 
 @contextlib.contextmanager
-def stage(startup: dict, name: str):
-    """Puts the seconds the block takes, the GPU's work included, in ``startup[name]``: the start-up
-    a benchmark reports beside its timed figure and leaves out of it."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    startup[name] = time.perf_counter() - start
-
-
-@contextlib.contextmanager
 def gpu_clocks(readings: dict):
     """Samples this GPU's SM clock and power draw with nvidia-smi every 500 ms while the block runs,
     and puts their medians into ``readings``, with the highest clock it reports, its power limit and
@@ -134,10 +122,6 @@ def clocks_text(readings: dict) -> str:
     return (f"SM clock median {readings['sm_clock_mhz']:.0f} MHz (highest {readings['max_sm_clock_mhz']:.0f}), "
             f"power median {readings['power_w']:.0f} W (limit {readings['power_limit_w']:.0f} W), "
             f"held back by the power cap in {readings['power_capped']:.0%} of {readings['samples']} samples")
-
-
-def startup_text(startup: dict) -> str:
-    return "start-up, untimed: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items())
 
 
 def hf_continuous_batching(model, prompts: list[list[int]], lengths: list[int], startup: dict) -> tuple[int, float]:

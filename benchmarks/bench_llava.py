@@ -36,7 +36,8 @@ from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import stage, startup_text, timed  # noqa: E402
+from bench_gpu import timed  # noqa: E402
+from benchmarks.startup import stage, startup_text  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
 
 VOCAB = 32064

@@ -60,7 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import (decode_ms_per_token, first_call_prompts, graph_us, hbm_bandwidth,  # noqa: E402
-                       hf_continuous_batching, stage, startup_text, timed, workload)
+                       hf_continuous_batching, timed, workload)
+from benchmarks.startup import stage, startup_text  # noqa: E402
 from layers.moe import Experts  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402

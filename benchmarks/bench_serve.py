@@ -6,9 +6,13 @@ every version of ``transformers serve`` has) through the openai client, greedy, 
 an output length drawn uniformly from [0.5, 1.5] x the given means (seeded: every server and rate
 gets the same requests). Reported per rate: output tokens/s over the span from
 the first arrival to the last token, requests/s, time to first token (TTFT) and inter-token
-latency (ITL, the gaps between streamed chunks that carry text) at p50 and p99. zoo is asked to
-ignore EOS so each request produces its drawn length; the peer is not (it takes no such field).
-Output tokens are counted as the streamed chunks that carry text (a chunk per token on both).
+latency (ITL, the gaps between streamed chunks that carry text) at p50 and p99. Both servers are
+asked to ignore EOS, so that each request produces its drawn length on both: zoo by its
+``ignore_eos`` field, the peer by a ``generation_config`` field (the JSON of a GenerationConfig,
+which transformers serve builds its own from) with ``eos_token_id`` -1. Output tokens are each
+response's usage (``stream_options.include_usage``), and each row says how many requests produced
+their drawn length. Beside each server's rows, its start-up: from its launch to its first answer on
+``/health``, and its first request (untimed; the peer loads its model in it).
 
 Each rate's requests are shared among client processes (--clients, by default one per two cores
 up to 8), all on one schedule: one Python process streaming tens of responses at once spends more
@@ -51,6 +55,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.startup import stage, startup_text  # noqa: E402
 from benchmarks.workdir import written_once  # noqa: E402
 from loaders import load_tokenizer  # noqa: E402
 from loaders.default_model import default_model_path  # noqa: E402
@@ -70,7 +75,9 @@ class Request:
 @dataclass
 class Result:
     sent: float
+    asked: int  # the request's drawn output length
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carries text
+    tokens: int | None = None  # output tokens, as the response's usage gives them
     error: str | None = None
 
 
@@ -89,14 +96,16 @@ def workload(tokenizer, rate: float, count: int, input_len: int, output_len: int
 
 async def send(client, model: str, request: Request, start: float, extra_body: dict) -> Result:
     await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
-    result = Result(time.perf_counter())
+    result = Result(time.perf_counter(), request.output_len)
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": request.prompt}], max_tokens=request.output_len,
-            temperature=0.0, stream=True, extra_body=extra_body)
+            temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 result.chunk_times.append(time.perf_counter())
+            if chunk.usage is not None:
+                result.tokens = chunk.usage.completion_tokens
     except openai.APIError as exc:
         result.error = str(exc)
     return result
@@ -160,14 +169,18 @@ def run_rate(clients: Clients, base_url: str, model: str, requests: list[Request
     ttft = [r.chunk_times[0] - r.sent for r in done]
     gaps = [[b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])] for r in done]  # each request's
     itl = [gap for request_gaps in gaps for gap in request_gaps]
-    tokens = sum(len(r.chunk_times) for r in done)  # both servers stream a chunk per token
+    if any(r.tokens is None for r in done):
+        raise RuntimeError(f"the server at {base_url} gave no usage at the end of a streamed response")
+    tokens = sum(r.tokens for r in done)
     errors = [r.error for r in results if r.error is not None]
     # Each request's send time (s after the rate's start), TTFT and longest gap between chunks (ms):
     # whether the slow ones come together (a stall of the server) or alone (their own prompt).
-    per_request = [dict(sent_s=r.sent - start, ttft_ms=1e3 * first,
-                        longest_gap_ms=1e3 * max(request_gaps, default=0.0), chunks=len(r.chunk_times))
+    per_request = [dict(sent_s=r.sent - start, ttft_ms=1e3 * first, total_ms=1e3 * (r.chunk_times[-1] - r.sent),
+                        longest_gap_ms=1e3 * max(request_gaps, default=0.0), chunks=len(r.chunk_times),
+                        tokens=r.tokens, asked=r.asked)
                    for r, first, request_gaps in zip(done, ttft, gaps)]
     return dict(requests=len(requests), completed=len(done), errors=len(errors), first_error=errors[0] if errors else None,
+                drawn_lengths=sum(r.tokens == r.asked for r in done),
                 seconds=end - start, output_tokens=tokens, output_tokens_per_s=tokens / (end - start),
                 requests_per_s=len(done) / (end - start), ttft_p50_ms=1e3 * percentile(ttft, 50),
                 ttft_p99_ms=1e3 * percentile(ttft, 99), itl_p50_ms=1e3 * percentile(itl, 50),
@@ -186,6 +199,7 @@ def free_port() -> int:
 
 
 def start_server(command: list[str], base_url: str, log_path: Path, timeout_s: float) -> subprocess.Popen:
+    """The server process, once ``/health`` answers."""
     print(f"$ {' '.join(command)}  (log: {log_path})", flush=True)
     process = subprocess.Popen(command, cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
@@ -280,39 +294,49 @@ def main():
         transformers_cli = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
         # The model is named by each request and loaded by the first (the first untimed one below).
         servers["hf"] = [transformers_cli, "serve", "--continuous-batching", *device]
+    # EOS off on both sides: zoo's own field; the peer's generation config, which its CB manager
+    # takes each request's EOS from (-1: none).
+    ignore_eos = {"zoo": {"ignore_eos": True},
+                  "hf": {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}}
     print(f"bench_serve: {model}, rates {rates} req/s, {args.requests} requests each, prompts ~{args.input_len} "
           f"tokens, outputs ~{args.output_len} tokens (U[0.5, 1.5] x mean), seed {args.seed}", flush=True)
 
     results = {}
     with Clients(args.clients) as clients:  # started while the servers start
         for name, command in servers.items():
-            run_server(name, command, clients, model, tokenizer, rates, args, workdir, results)
+            run_server(name, command, clients, model, tokenizer, rates, args, workdir, results,
+                       ignore_eos[name.split()[0]])
 
 
 def run_server(name: str, command: list[str], clients: Clients, model: str, tokenizer, rates: list[float], args,
-               workdir: Path, results: dict) -> None:
+               workdir: Path, results: dict, extra_body: dict) -> None:
     """Starts the server ``name``, runs the untimed requests and every rate against it, adds its rows
-    to ``results`` and stops it."""
+    and its start-up to ``results`` and stops it."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = [*command, "--host", "127.0.0.1", "--port", str(port)]
-    process = start_server(command, base_url, workdir / f"{name}_server.log", args.startup_timeout)
+    startup = {}
+    with stage(startup, "launch to /health"):
+        process = start_server(command, base_url, workdir / f"{name}_server.log", args.startup_timeout)
     try:
-        zoo = name.startswith("zoo")
-        served = "bench" if zoo else model
-        extra_body = {"ignore_eos": True} if zoo else {}
+        served = "bench" if name.startswith("zoo") else model
         # Untimed first, as not load: one request (the peer loads its model; the first call of each of
         # the server's paths: allocation, compile, graphs), then one per client process at once (each
         # process's first call: openai's lazy imports).
-        run_rate(clients, base_url, served, workload(tokenizer, 1.0, 1, 8, 4, args.seed + 1), extra_body)
+        first = run_rate(clients, base_url, served, workload(tokenizer, 1.0, 1, 8, 4, args.seed + 1), extra_body)
+        if first["completed"] != 1:
+            raise RuntimeError(f"{name}: the first request failed: {first['first_error']}")
+        startup["first request"] = first["per_request"][0]["total_ms"] / 1e3
+        results[f"{name} start-up"] = startup
+        print(f"{name} {startup_text(startup)}", flush=True)
         one_each = workload(tokenizer, 10.0 * clients.count, clients.count, 8, 4, args.seed + 2)
         run_rate(clients, base_url, served, one_each, extra_body)
         for rate in rates:
             requests = workload(tokenizer, rate, args.requests, args.input_len, args.output_len, args.seed)
             row = run_rate(clients, base_url, served, requests, extra_body)
             results[f"{name}@{rate}"] = row
-            print(f"{name:>4} {rate:6.2f} req/s: {row['completed']}/{row['requests']} done, "
-                  f"{row['output_tokens']} tokens, "
+            print(f"{name:>4} {rate:6.2f} req/s: {row['completed']}/{row['requests']} done "
+                  f"({row['drawn_lengths']} of their drawn length), {row['output_tokens']} tokens, "
                   f"{row['output_tokens_per_s']:8.1f} output tok/s, {row['requests_per_s']:6.2f} req/s, "
                   f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, "
                   f"ITL p50 {row['itl_p50_ms']:7.1f} ms p99 {row['itl_p99_ms']:7.1f} ms"

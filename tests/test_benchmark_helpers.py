@@ -1,5 +1,6 @@
 """The benchmarks' helpers that run without a GPU: bench_gpu.py's clock sampler (gpu_clocks), read
-from a stand-in nvidia-smi, its first-call prompts, and bench_decode_ab.py's kernel swap."""
+from a stand-in nvidia-smi, its first-call prompts, bench_serve.py's counts of one rate, and
+bench_decode_ab.py's kernel swap."""
 
 import importlib
 import os
@@ -56,6 +57,26 @@ def test_first_call_prompts_span_two_steps_when_given_the_step_size():
     assert len(bench_gpu.first_call_prompts(prompts, 4, 8192)) == 9  # 9,000 tokens: the ninth spills over
     assert len(bench_gpu.first_call_prompts(prompts, 12, 8192)) == 12
     assert len(bench_gpu.first_call_prompts(prompts[:3], 2, 8192)) == 3  # all there are
+
+
+def test_bench_serve_counts_the_usage_tokens_and_the_requests_that_made_their_drawn_length():
+    bench_serve = importlib.import_module("benchmarks.bench_serve")
+    Result = bench_serve.Result
+    # Chunks at these times (s); the second request's usage says 3 tokens over 2 chunks (a special
+    # token streams no text), one short of its drawn 4.
+    results = [Result(0.1, 3, [0.3, 0.4, 0.6], tokens=3), Result(0.2, 4, [0.5, 0.9], tokens=3),
+               Result(0.3, 2, error="boom")]
+    clients = types.SimpleNamespace(send=lambda *args: (0.0, results))
+    row = bench_serve.run_rate(clients, "http://server", "m", [None] * 3, {})
+    assert (row["completed"], row["errors"], row["first_error"], row["drawn_lengths"]) == (2, 1, "boom", 1)
+    assert row["output_tokens"] == 6 and row["seconds"] == pytest.approx(0.9)
+    assert row["output_tokens_per_s"] == pytest.approx(6 / 0.9)
+    assert row["ttft_p50_ms"] == pytest.approx(250.0) and row["itl_p50_ms"] == pytest.approx(200.0)
+    assert [r["total_ms"] for r in row["per_request"]] == pytest.approx([500.0, 700.0])
+
+    results.append(Result(0.4, 1, [0.5]))  # a response that ended with no usage
+    with pytest.raises(RuntimeError, match="no usage"):
+        bench_serve.run_rate(clients, "http://server", "m", [None] * 4, {})
 
 
 def test_bench_decode_ab_swaps_in_the_other_trees_kernel_and_puts_this_trees_back(tmp_path):
