@@ -59,10 +59,34 @@ def hf_name(gguf_name: str) -> str | None:
     return gguf_name
 
 
-def unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation: per head, rows (pairs, half) -> (half, pairs)."""
     rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+# llama.cpp's first block types: a float16 scale d (and for Q4_1 a float16 minimum m) before each
+# block's 32 values, 4-bit ones as 16 bytes whose low nibbles are the first half. Dequantised here
+# with torch ops on all cores, the values gguf's numpy gives bit for bit, several times faster
+# (SmolLM2's 210 Q4_1 tensors: 0.22 s against 0.85). Other types go through gguf.
+_TORCH_BLOCK_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def dequantize_tensor(data: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """The float32 values of ``data``, a GGUF tensor's stored rows (``GGUFTensor.data``), flat."""
+    if ggml_type not in _TORCH_BLOCK_TYPES:
+        values = dequantize(data, ggml_type).reshape(-1)  # F32's is a view of the read-only file
+        return torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+    blocks = torch.from_numpy(np.array(data)).view(-1, GGML_QUANT_SIZES[ggml_type][1])  # a copy: data is read-only
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        return (blocks[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1)
+    packed = blocks[:, 4:] if ggml_type == GGMLQuantizationType.Q4_1 else blocks[:, 2:]
+    nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=1)
+    if ggml_type == GGMLQuantizationType.Q4_0:
+        return (d * (nibbles.float() - 8)).reshape(-1)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return (d * nibbles.float() + m).reshape(-1)
 
 
 # The header is read here rather than with gguf-py's GGUFReader, which builds a numpy view for
@@ -308,13 +332,11 @@ def gguf_tensors(path: Path, config) -> dict[str, TensorRef]:
 def _reader(tensor: GGUFTensor, heads, path):
     def load() -> torch.Tensor:
         try:
-            weight = dequantize(tensor.data, tensor.ggml_type).reshape(tensor.shape)
+            weight = dequantize_tensor(tensor.data, tensor.ggml_type).reshape(tensor.shape)
         except NotImplementedError as exc:
             raise CheckpointError(
                 f"{path}: tensor {tensor.name!r} has GGML type {tensor.ggml_type.name}, which cannot be dequantised"
             ) from exc
-        if heads is not None:
-            weight = unpermute(weight, heads)
-        return torch.from_numpy(np.require(weight, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        return weight if heads is None else unpermute(weight, heads)
 
     return load

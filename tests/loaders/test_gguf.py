@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
 
 from loaders import CheckpointError, load_config, load_tokenizer, resolve_source
 from loaders.config import _gguf_tokenizer_class
-from loaders.gguf_file import gguf_tensors, read_gguf
+from loaders.gguf_file import dequantize_tensor, gguf_tensors, read_gguf
 from loaders.load import choose_layouts, declared_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import relative_error, tiny_config
@@ -97,6 +97,22 @@ def test_qk_dequantised_and_unpermuted(case, proj, tensor):
         assert actual.dtype == torch.float32 and torch.isfinite(actual).all()
         assert torch.equal(actual, torch.from_numpy(expected))
         assert torch.equal(actual, hf.get_parameter(hf_name))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_torch_dequantisation_gives_gguf_py_values_bit_for_bit(qtype):
+    """Random blocks (every nibble and int8 value, float16 scales and minimums of both signs and
+    many magnitudes, subnormal ones among them), 40 rows of 3 blocks."""
+    rng = np.random.default_rng(0)
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (40 * 3, type_size), dtype=np.uint8)
+    halves = 2 if qtype == T.Q4_1 else 1  # d, and Q4_1's m
+    scales = rng.normal(size=(40 * 3, halves)) * 10.0 ** rng.integers(-7, 2, (40 * 3, halves))
+    blocks[:, : 2 * halves] = scales.astype(np.float16).view(np.uint8)
+    rows = blocks.reshape(40, 3 * type_size)
+    ours = dequantize_tensor(rows, qtype)
+    assert ours.dtype == torch.float32 and ours.shape == (40 * 3 * 32,)
+    assert torch.equal(ours, torch.from_numpy(dequantize(rows, qtype).reshape(-1)))
 
 
 def test_reader_matches_gguf_py(case):
