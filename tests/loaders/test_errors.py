@@ -375,3 +375,16 @@ def test_nan_or_inf_in_a_weight_is_named_in_a_warning(checkpoint, slice_elements
         warnings.simplefilter("error", NonFiniteWeightWarning)
         with pytest.raises(NonFiniteWeightWarning, match="down_proj"):
             AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", [(0, 0), (3, 17), (-1, -1)], ids=["first", "inside", "last"])
+def test_a_single_nan_or_inf_anywhere_in_a_weight_is_found(checkpoint, value, where):
+    from loaders import NonFiniteWeightWarning
+
+    def poison(tensors):
+        tensors["model.layers.0.self_attn.o_proj.weight"][where] = value
+
+    rewrite_tensors(checkpoint, poison)
+    with pytest.warns(NonFiniteWeightWarning, match=r"o_proj\.weight' in .*: 1 of \d+ values are NaN or Inf"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
