@@ -286,30 +286,30 @@ def main():
     tokenizer = load_tokenizer(model)
     rates = [float(rate) for rate in args.rates.split(",")]
     device = ["--device", args.device] if args.device else []
-    servers = {"zoo": [sys.executable, "-m", "runtime.cli", "serve", model, "--served-model-name", "bench",
-                       "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), *device]}
+    # Each server: its command, the model name its requests give, and their extra body, which turns
+    # EOS off: zoo's own field; for the peer a generation config, whose EOS its CB manager takes per
+    # request (-1: none).
+    zoo = [sys.executable, "-m", "runtime.cli", "serve", model, "--served-model-name", "bench",
+           "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), *device]
+    servers = {"zoo": (zoo, "bench", {"ignore_eos": True})}
     if args.compile_decode:
-        servers["zoo --compile-decode"] = [*servers["zoo"], "--compile-decode"]
+        servers["zoo --compile-decode"] = ([*zoo, "--compile-decode"], "bench", {"ignore_eos": True})
     if args.peer == "hf":
         transformers_cli = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
         # The model is named by each request and loaded by the first (the first untimed one below).
-        servers["hf"] = [transformers_cli, "serve", "--continuous-batching", *device]
-    # EOS off on both sides: zoo's own field; the peer's generation config, which its CB manager
-    # takes each request's EOS from (-1: none).
-    ignore_eos = {"zoo": {"ignore_eos": True},
-                  "hf": {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}}
+        servers["hf"] = ([transformers_cli, "serve", "--continuous-batching", *device], model,
+                         {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})})
     print(f"bench_serve: {model}, rates {rates} req/s, {args.requests} requests each, prompts ~{args.input_len} "
           f"tokens, outputs ~{args.output_len} tokens (U[0.5, 1.5] x mean), seed {args.seed}", flush=True)
 
     results = {}
     with Clients(args.clients) as clients:  # started while the servers start
-        for name, command in servers.items():
-            run_server(name, command, clients, model, tokenizer, rates, args, workdir, results,
-                       ignore_eos[name.split()[0]])
+        for name, (command, served, extra_body) in servers.items():
+            run_server(name, command, served, extra_body, clients, model, tokenizer, rates, args, workdir, results)
 
 
-def run_server(name: str, command: list[str], clients: Clients, model: str, tokenizer, rates: list[float], args,
-               workdir: Path, results: dict, extra_body: dict) -> None:
+def run_server(name: str, command: list[str], served: str, extra_body: dict, clients: Clients, model: str,
+               tokenizer, rates: list[float], args, workdir: Path, results: dict) -> None:
     """Starts the server ``name``, runs the untimed requests and every rate against it, adds its rows
     and its start-up to ``results`` and stops it."""
     port = free_port()
@@ -319,7 +319,6 @@ def run_server(name: str, command: list[str], clients: Clients, model: str, toke
     with stage(startup, "launch to /health"):
         process = start_server(command, base_url, workdir / f"{name}_server.log", args.startup_timeout)
     try:
-        served = "bench" if name.startswith("zoo") else model
         # Untimed first, as not load: one request (the peer loads its model; the first call of each of
         # the server's paths: allocation, compile, graphs), then one per client process at once (each
         # process's first call: openai's lazy imports).
