@@ -115,6 +115,8 @@ class RotaryEmbedding(nn.Module):
                 if self.rope_type == "linear":
                     inv_freq = inv_freq / params["factor"]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # The rate of each of the head's channels: inv_freq over both halves, as HF's cat((freqs, freqs)).
+        self.register_buffer("channel_inv_freq", torch.cat((inv_freq, inv_freq)), persistent=False)
 
     def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
         # Dynamic NTK stretches the base once the sequence outgrows the trained context.
@@ -127,7 +129,15 @@ class RotaryEmbedding(nn.Module):
         return 1.0 / (base**exponents)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._dynamic_inv_freq(positions) if self.rope_type == "dynamic" else self.inv_freq
-        freqs = positions[:, None].float() * inv_freq[None, :].to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        if self.rope_type == "dynamic":
+            inv_freq = self._dynamic_inv_freq(positions)
+            channel_inv_freq = torch.cat((inv_freq, inv_freq))
+        else:
+            channel_inv_freq = self.channel_inv_freq
+        # HF's float(position) * inv_freq, concatenated with itself, as one product: the integer
+        # positions are cast to float32 inside it (three kernels a step with cos and sin).
+        emb = positions[:, None] * channel_inv_freq.float().to(positions.device)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos, sin
