@@ -19,6 +19,10 @@ input_norm        each layer's input RMSNorm (with the residual add): the attent
 post_norm         each layer's post-attention RMSNorm: the MLP or MoE block reads a fixed row
 rotary_write_kv   the per-head q/k-norm, rotary and KV-cache write (the cache stays zero)
 decode_attention  both decode-attention kernels (split and reduce): o_proj reads the queries
+rotary_emb        the step's cos and sin from its positions (a product, cos and sin): every layer reads
+                  fixed rows
+fill_pending      the input ids' pending entries read from the sampled ids (a comparison, a gather, a
+                  select): the embedding reads the sampled ids as they are
 
 Random bf16 weights (bench_moe.random_hf, bench_gpu.zoo_8b), one model for every configuration; per
 configuration a fresh LLM (max_model_len 1024 unless --max-model-len says otherwise; CUDA graphs
@@ -38,12 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import layers.attention  # noqa: E402
 import layers.moe  # noqa: E402
+import runtime.run_ahead  # noqa: E402
 from bench_gpu import LLAMA_8B, decode_ms_per_token, zoo_8b  # noqa: E402
 from bench_moe import DECODE_TOKENS, PROMPT_LEN, QWEN3_30B_A3B, free_memory, random_hf  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from runtime import LLM  # noqa: E402
 
-KERNELS = ("route_topk", "input_norm", "post_norm", "rotary_write_kv", "decode_attention")
+KERNELS = ("route_topk", "input_norm", "post_norm", "rotary_write_kv", "decode_attention", "rotary_emb", "fill_pending")
 DEFAULT = ("none", "route_topk", "post_norm", "input_norm", "rotary_write_kv",
            "route_topk+post_norm", "route_topk+post_norm+input_norm+rotary_write_kv", "none")
 DEFAULT_DENSE = ("none", "input_norm", "post_norm", "input_norm+post_norm", "rotary_write_kv", "decode_attention",
@@ -67,6 +72,9 @@ class Removed:
                             torch.arange(0, 8 * top_k, 8, device="cuda").view(1, top_k))
         self.route_topk, self.rotary_write_kv = layers.moe.route_topk, layers.attention.rotary_write_kv
         self.attend_decodes = layers.attention.TritonAttentionBackend.attend_decodes
+        self.fill_pending = runtime.run_ahead.RunAhead.fill_pending
+        rotary_emb = model.model.rotary_emb
+        self.angles = rotary_emb(torch.zeros(1, dtype=torch.long, device="cuda"))
 
     def fixed_norm(self, hidden_states, residual=None):
         normed = self.row if hidden_states.shape[0] == 1 else hidden_states
@@ -78,6 +86,10 @@ class Removed:
     def unrotated(self, q, k, *args, **kwargs):
         return (q, k) if q.shape[0] == 1 else self.rotary_write_kv(q, k, *args, **kwargs)
 
+    def fixed_angles(self, positions):
+        return self.angles if positions.shape[0] == 1 else type(self.model.model.rotary_emb).forward(
+            self.model.model.rotary_emb, positions)
+
     def __enter__(self):
         if "route_topk" in self.kernels:
             layers.moe.route_topk = self.fixed_routing
@@ -87,6 +99,12 @@ class Removed:
             attend_decodes = self.attend_decodes
             layers.attention.TritonAttentionBackend.attend_decodes = \
                 lambda backend, q, *args: q if q.shape[0] == 1 else attend_decodes(backend, q, *args)
+        if "fill_pending" in self.kernels:
+            fill_pending = self.fill_pending
+            runtime.run_ahead.RunAhead.fill_pending = lambda run_ahead, input_ids, sources: (
+                run_ahead.sampled_ids[:1] if input_ids.shape[0] == 1 else fill_pending(run_ahead, input_ids, sources))
+        if "rotary_emb" in self.kernels:
+            self.model.model.rotary_emb.forward = self.fixed_angles
         for layer in self.model.model.layers:
             if "input_norm" in self.kernels:
                 layer.input_layernorm.forward = self.fixed_norm
@@ -97,6 +115,8 @@ class Removed:
     def __exit__(self, *exc):
         layers.moe.route_topk, layers.attention.rotary_write_kv = self.route_topk, self.rotary_write_kv
         layers.attention.TritonAttentionBackend.attend_decodes = self.attend_decodes
+        runtime.run_ahead.RunAhead.fill_pending = self.fill_pending
+        self.model.model.rotary_emb.__dict__.pop("forward", None)
         for layer in self.model.model.layers:
             layer.input_layernorm.__dict__.pop("forward", None)
             layer.post_attention_layernorm.__dict__.pop("forward", None)
