@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from layers import AttentionMetadata
+from ops_cuda import argmax
 from runtime.kv_cache import KVCache
 from runtime.run_ahead import RunAhead
 from runtime.step_inputs import StepInputs
@@ -60,6 +61,28 @@ def aligned(count: int) -> int:
     return -(-count // Staging.ALIGN) * Staging.ALIGN
 
 
+class GraphInputs:
+    """A graph's inputs on the device: rows of int64s, then int32s, in one byte buffer sent from its
+    pinned host copy in one asynchronous copy a step (each copy is an operation of its own on the
+    stream, between one step's graph and the next)."""
+
+    def __init__(self, long_rows: int, long_width: int, num_ints: int, device: torch.device):
+        self.long_bytes = long_rows * long_width * 8
+        self.device_bytes = torch.zeros(self.long_bytes + 4 * num_ints, dtype=torch.uint8, device=device)
+        self.longs = self.device_bytes[: self.long_bytes].view(torch.long).view(long_rows, long_width)
+        self.ints = self.device_bytes[self.long_bytes :].view(torch.int32)
+        self.staging = Staging(torch.uint8, self.device_bytes.numel())
+
+    def host(self, ints_used: int) -> tuple[np.ndarray, np.ndarray]:
+        """The host copies of ``longs`` and of the first ``ints_used`` int32s, free to be written."""
+        host = self.staging.host(self.long_bytes + 4 * ints_used)
+        return host[: self.long_bytes].view(np.int64).reshape(self.longs.shape), host[self.long_bytes :].view(np.int32)
+
+    def send(self, ints_used: int) -> None:
+        """Sends what ``host`` gave, without waiting for the device."""
+        self.staging.send(self.device_bytes[: self.long_bytes + 4 * ints_used])
+
+
 def fill_leading_columns(out: np.ndarray, array: np.ndarray) -> None:
     """``out`` [rows, width] holds ``array`` [rows, <= width] in its leading columns, zeros after:
     block tables cut to the step's blocks, as wide again as the kernels were compiled for."""
@@ -88,9 +111,11 @@ class DecodeGraphs:
 
     A step of n decodes replays the smallest graph of at least n rows; the inputs and metadata
     live in buffers allocated once and rewritten in place, padding rows write nothing and read
-    nothing (slot -1, length 0). A step writes its inputs into pinned host copies of those
-    buffers and sends them over in two asynchronous copies, one of int64s and one of int32s.
-    Pending input ids are read inside the graph from the run-ahead's sampled ids.
+    nothing (slot -1, length 0). A step writes its inputs into a pinned host copy of those
+    buffers and sends them over in one asynchronous copy (``GraphInputs``). Pending input ids are
+    read inside the graph from the run-ahead's sampled ids, and the graph ends with greedy sampling:
+    each row's argmax written into those sampled ids, where a step that samples otherwise overwrites
+    it. Outside a graph, argmax and the write would be three more launches between two steps.
     """
 
     def __init__(self, model, max_batch: int, table_width: int, run_ahead: RunAhead, device: torch.device):
@@ -99,16 +124,13 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         largest = self.sizes[-1]
 
-        # Two buffers, each sent in one copy a step: int64 ids, their sources, positions and slots;
-        # int32 lengths, then table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
+        # Sent in one copy a step: int64 ids, their sources, positions and slots; int32 lengths, then
+        # table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
         self.table_start = aligned(largest)
-        self.longs = torch.zeros(4, self.table_start, dtype=torch.long, device=device)
-        self.input_ids, self.sources, self.positions, self.slots = self.longs[:, :largest]
-        self.ints = torch.zeros(self.table_start + largest * table_width, dtype=torch.int32, device=device)
-        self.seq_lens = self.ints[:largest]
-        self.block_tables = self.ints[self.table_start :].view(largest, table_width)
-        self.staged_longs = Staging(torch.long, self.longs.numel())
-        self.staged_ints = Staging(torch.int32, self.ints.numel())
+        self.inputs = GraphInputs(4, self.table_start, self.table_start + largest * table_width, device)
+        self.input_ids, self.sources, self.positions, self.slots = self.inputs.longs[:, :largest]
+        self.seq_lens = self.inputs.ints[:largest]
+        self.block_tables = self.inputs.ints[self.table_start :].view(largest, table_width)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # the largest graph's logits; each smaller graph copies its rows in
@@ -127,8 +149,9 @@ class DecodeGraphs:
     def _capture(self) -> None:
         self.slots.fill_(-1)  # capture and warm-up runs must not touch the cache
         pool = None
+        sampled_ids = self.run_ahead.sampled_ids
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            self.model(*self._arguments(size))  # warm-up: compiles kernels outside the capture
+            argmax(self.model(*self._arguments(size)))  # warm-up: compiles kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model(*self._arguments(size))
@@ -138,6 +161,8 @@ class DecodeGraphs:
                     # One logits buffer for every graph: a graph's own output stays allocated for good,
                     # and over 1024 batch sizes of a 128k vocabulary they would hold ~17 GB.
                     self.logits[:size].copy_(logits)
+                rows = min(size, len(sampled_ids))  # the largest graph may pad past max_num_seqs
+                sampled_ids[:rows] = argmax(logits[:rows])
             del logits  # a smaller graph's output goes back to the pool for the next capture
             pool = graph.pool()
             self.graphs[size] = graph
@@ -149,16 +174,14 @@ class DecodeGraphs:
     def run(self, step: StepInputs) -> torch.Tensor:
         n = len(step.input_ids)
         size = next(s for s in self.sizes if s >= n)
-        host_longs = self.staged_longs.host(self.longs.numel()).reshape(self.longs.shape)
-        stage_tokens(host_longs, step, size)
         table_width = self.block_tables.shape[1]
         ints_used = self.table_start + n * table_width  # every length, the first n table rows
-        host_ints = self.staged_ints.host(ints_used)
+        host_longs, host_ints = self.inputs.host(ints_used)
+        stage_tokens(host_longs, step, size)
         host_ints[:n] = step.seq_lens
         host_ints[n:size] = 0
         fill_leading_columns(host_ints[self.table_start :].reshape(n, table_width), step.block_tables)
-        self.staged_longs.send(self.longs)
-        self.staged_ints.send(self.ints[:ints_used])
+        self.inputs.send(ints_used)
         self.graphs[size].replay()
         return step.sampled_logits(self.logits[:n])
 
@@ -211,17 +234,14 @@ class PiecewiseGraphs:
 
         # int64: ids, their sources, positions, slots, then the rows that give logits; int32: lengths,
         # query starts, then table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
-        self.longs = torch.zeros(5, aligned(max(largest, max_seqs)), dtype=torch.long, device=device)
-        self.input_ids, self.sources, self.positions, self.slots = self.longs[:4, :largest]
-        self.logits_rows = self.longs[4, :max_seqs]
         self.starts_at = aligned(max_seqs)
         self.table_start = aligned(self.starts_at + max_seqs + 1)
-        self.ints = torch.zeros(self.table_start + max_seqs * table_width, dtype=torch.int32, device=device)
-        self.seq_lens = self.ints[:max_seqs]
-        self.query_start_loc = self.ints[self.starts_at : self.starts_at + max_seqs + 1]
-        self.block_tables = self.ints[self.table_start :].view(max_seqs, table_width)
-        self.staged_longs = Staging(torch.long, self.longs.numel())
-        self.staged_ints = Staging(torch.int32, self.ints.numel())
+        self.inputs = GraphInputs(5, aligned(max(largest, max_seqs)), self.table_start + max_seqs * table_width, device)
+        self.input_ids, self.sources, self.positions, self.slots = self.inputs.longs[:4, :largest]
+        self.logits_rows = self.inputs.longs[4, :max_seqs]
+        self.seq_lens = self.inputs.ints[:max_seqs]
+        self.query_start_loc = self.inputs.ints[self.starts_at : self.starts_at + max_seqs + 1]
+        self.block_tables = self.inputs.ints[self.table_start :].view(max_seqs, table_width)
 
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
@@ -237,17 +257,16 @@ class PiecewiseGraphs:
     def run(self, step: StepInputs) -> torch.Tensor:
         n, seqs, rows = len(step.input_ids), len(step.query_lens), len(step.logits_rows)
         size = next(s for s in self.sizes if s >= n)
-        host_longs = self.staged_longs.host(self.longs.numel()).reshape(self.longs.shape)
+        table_width = self.block_tables.shape[1]
+        ints_used = self.table_start + seqs * table_width
+        host_longs, host_ints = self.inputs.host(ints_used)
         stage_tokens(host_longs, step, size)
         host_longs[4, :rows] = step.logits_rows
         host_longs[4, rows : self._logits_rows(size)] = 0
-        table_width = self.block_tables.shape[1]
-        host_ints = self.staged_ints.host(self.table_start + seqs * table_width)
         host_ints[:seqs] = step.seq_lens
         host_ints[self.starts_at : self.starts_at + seqs + 1] = step.query_start_loc
         fill_leading_columns(host_ints[self.table_start :].reshape(seqs, table_width), step.block_tables)
-        self.staged_longs.send(self.longs)
-        self.staged_ints.send(self.ints[: len(host_ints)])
+        self.inputs.send(ints_used)
         metadata = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, slot_mapping=self.slots[:n],
             block_tables=self.block_tables[:seqs], num_decodes=step.num_decodes, seq_lens=self.seq_lens[:seqs],

@@ -199,8 +199,8 @@ class Engine:
 
     def _launch(self, scheduled: list[tuple[Sequence, int]]) -> LaunchedStep | None:
         """Run and sample a step; returns the step to take in now (``RunAhead.launch``)."""
-        logits, sampled = self.runner.run(scheduled)
-        tokens = sample_tokens(logits, sampled)
+        logits, sampled, greedy = self.runner.run(scheduled)
+        tokens = sample_tokens(logits, sampled, greedy)
         for seq, count in scheduled:
             seq.num_computed_tokens += count
         to_take_in = self.run_ahead.launch(scheduled, sampled, tokens)

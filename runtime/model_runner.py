@@ -43,13 +43,21 @@ class ModelRunner:
         self.compiled = CompiledDecode(model, kv_cache, run_ahead) if compile_decode else None
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Logits [len(sampled), vocab], in the model's dtype, for the sequences that sample this step."""
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
+        """Logits [len(sampled), vocab], in the model's dtype, for the sequences that sample this step;
+        those sequences; and their greedy tokens where the step computed them already (a decode graph
+        in which every row samples: its argmax, in the run-ahead's sampled ids), else None."""
         step = StepInputs(scheduled, self.block_tables, self.kv_cache.block_size, self.run_ahead)
         images = self.image_embeds(scheduled)
         if self.ranks is not None:
             self.ranks.send_step(step)
-        return self.forward(step, images), step.sampled
+        logits = self.forward(step, images)
+        sampled_in_graph = self.replays_graph(step, images) and len(step.logits_rows) == len(step.input_ids)
+        return logits, step.sampled, self.run_ahead.sampled_ids[: len(step.sampled)] if sampled_in_graph else None
+
+    def replays_graph(self, step: StepInputs, images: dict) -> bool:
+        """Whether the step replays a whole decode graph."""
+        return self.graphs is not None and step.decode_only and not images and self.graphs.fits(len(step.input_ids))
 
     @torch.inference_mode()
     def forward(self, step: StepInputs, images: dict | None = None) -> torch.Tensor:
@@ -57,7 +65,7 @@ class ModelRunner:
         images = images or {}
         # A one-token prompt chunk counts as a decode: a decode-only step may hold an image token.
         plain_decode = step.decode_only and not images
-        if self.graphs is not None and plain_decode and self.graphs.fits(len(step.input_ids)):
+        if self.replays_graph(step, images):
             return self.graphs.run(step)
         if self.compiled is not None and plain_decode:
             return self.compiled.run(step)

@@ -89,7 +89,8 @@ class RunAhead:
         for seq in sampled:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
-        self.sampled_ids[: len(sampled)] = tokens
+        if tokens.data_ptr() != self.sampled_ids.data_ptr():  # a decode graph writes its greedy tokens in place
+            self.sampled_ids[: len(sampled)] = tokens
         self.rows = {seq: row for row, seq in enumerate(sampled)}
         launched = LaunchedStep(scheduled, sampled, self._copy_to_host(tokens))
         if not self.runs_ahead:

@@ -52,12 +52,13 @@ def _exponential_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor
     return noise
 
 
-def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits`` [len(seqs), vocab], left on the logits' device (reading them
-    waits for the device); records logprobs where asked."""
+    waits for the device); records logprobs where asked. ``greedy``: each row's argmax where the
+    step computed it already."""
     if all(seq.params.argmax_only for seq in seqs):
         # Straight on the model's dtype: a float32 copy would change no value and no order.
-        return argmax(logits)
+        return argmax(logits) if greedy is None else greedy
     penalised = [i for i, seq in enumerate(seqs) if seq.params.penalised]
     drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     wants_logprobs = [i for i, seq in enumerate(seqs) if seq.logprobs is not None]

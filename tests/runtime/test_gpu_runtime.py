@@ -166,10 +166,10 @@ def test_no_request_waits_for_a_kernel_to_compile(name, monkeypatch):
     run = llm.engine.runner.run
 
     def recording_run(scheduled):
-        logits, sampled = run(scheduled)
+        ran = run(scheduled)
         if any(count > 1 for _, count in scheduled):
             decodes_beside_prompts.append(sum(count == 1 and seq.num_computed_tokens > 0 for seq, count in scheduled))
-        return logits, sampled
+        return ran
 
     llm.engine.runner.run = recording_run
     torch.manual_seed(5)
@@ -192,6 +192,52 @@ def test_graph_replayed_twice_gives_the_same_logits():
     first = graphs.logits[size].clone()
     graphs.graphs[size].replay()
     assert torch.equal(first, graphs.logits[size])
+
+
+def test_decode_graphs_sample_greedily_in_place_and_steps_that_draw_overwrite_it():
+    """A decode graph ends with each row's argmax in the run-ahead's sampled ids, which greedy steps
+    take as their tokens; a step with a drawn token samples from the graph's logits as an eager step
+    does. A batch of greedy and seeded drawn requests gives the eager tokens through the graphs."""
+    model = AutoModelForCausalLM.from_hf(random_hf(tiny_config("llama", **SMALL)))
+    torch.manual_seed(6)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (12, 30, 7, 50, 3)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    mixed = [greedy, SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)] * 2 + [greedy]
+    options = dict(max_num_seqs=8, max_model_len=512, enable_prefix_caching=False)
+    eager_llm = LLM(model, enforce_eager=True, **options)
+    eager = [eager_llm.generate(prompts, params, use_tqdm=False) for params in (greedy, mixed)]
+    del eager_llm
+    llm = LLM(model, **options)
+    run, in_place = llm.engine.runner.run, []
+
+    def recording_run(scheduled):
+        logits, sampled, greedy_ids = run(scheduled)
+        if greedy_ids is not None:
+            assert greedy_ids.data_ptr() == llm.engine.run_ahead.sampled_ids.data_ptr()
+            assert torch.equal(greedy_ids, logits.argmax(-1))
+            in_place.append(len(sampled))
+        return logits, sampled, greedy_ids
+
+    llm.engine.runner.run = recording_run
+    graphed = [llm.generate(prompts, params, use_tqdm=False) for params in (greedy, mixed)]
+    assert len(in_place) >= 2 * 20 and max(in_place) == len(prompts)
+    for ours, theirs in zip(graphed, eager):
+        assert all(o.error is None and len(o.token_ids) == 24 for o in ours)
+        assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+
+
+def test_graph_inputs_reach_the_device_in_one_copy():
+    from runtime.cuda_graphs import GraphInputs
+
+    inputs = GraphInputs(2, 16, 40, torch.device("cuda"))
+    host_longs, host_ints = inputs.host(24)
+    host_longs[:] = torch.arange(32).view(2, 16).numpy() - 5
+    host_ints[:] = torch.arange(24).numpy() + 1000
+    inputs.send(24)
+    torch.cuda.synchronize()
+    assert inputs.longs.tolist() == (torch.arange(32).view(2, 16) - 5).tolist()
+    assert inputs.ints[:24].tolist() == list(range(1000, 1024)) and inputs.ints[24:].tolist() == [0] * 16
+    assert inputs.ints.data_ptr() % 64 == 0 and len(inputs.ints) == 40
 
 
 def test_deepseek_v3_on_the_triton_backend_gives_hf_greedy_tokens_eager_and_graphed(tmp_path):
