@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
              *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "model_cards").glob("*.md"))]
-FOLDER = re.compile(r"(?:cpu|h200)-\d{4}-\d{2}-\d{2}")
+FOLDER = re.compile(r"(?:cpu|h100|h200)-\d{4}-\d{2}-\d{2}")
 # A cited log: a path or a bare name, with * or {a,b} for several; "_2.log" right after a name
 # stands for that name with its last "_" part replaced.
 CITATION = re.compile(r"[\w./{},*-]*\.log\b")
