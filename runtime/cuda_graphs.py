@@ -115,7 +115,8 @@ class DecodeGraphs:
     buffers and sends them over in one asynchronous copy (``GraphInputs``). Pending input ids are
     read inside the graph from the run-ahead's sampled ids, and the graph ends with greedy sampling:
     each row's argmax written into those sampled ids, where a step that samples otherwise overwrites
-    it. Outside a graph, argmax and the write would be three more launches between two steps.
+    it (and pays for one read of its logits it does not use). Outside a graph, argmax and the write
+    would be three more launches between two steps.
     """
 
     def __init__(self, model, max_batch: int, table_width: int, run_ahead: RunAhead, device: torch.device):
