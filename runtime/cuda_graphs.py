@@ -114,9 +114,10 @@ class DecodeGraphs:
     nothing (slot -1, length 0). A step writes its inputs into a pinned host copy of those
     buffers and sends them over in one asynchronous copy (``GraphInputs``). Pending input ids are
     read inside the graph from the run-ahead's sampled ids, and the graph ends with greedy sampling:
-    each row's argmax written into those sampled ids, where a step that samples otherwise overwrites
-    it (and pays for one read of its logits it does not use). Outside a graph, argmax and the write
-    would be three more launches between two steps.
+    each row's argmax written into those sampled ids and into the host row of the step's turn
+    (``RunAhead.write_greedy``), where a step that samples otherwise overwrites it (and pays for one
+    read of its logits it does not use). Outside a graph, argmax, the write and the copy to the host
+    would be four more operations between two steps.
     """
 
     def __init__(self, model, max_batch: int, table_width: int, run_ahead: RunAhead, device: torch.device):
@@ -125,11 +126,13 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         largest = self.sizes[-1]
 
-        # Sent in one copy a step: int64 ids, their sources, positions and slots; int32 lengths, then
-        # table rows. Each part starts at a multiple of 16 elements, aligned for the kernels.
+        # Sent in one copy a step: int64 ids, their sources, positions and slots, then the run-ahead's
+        # turn; int32 lengths, then table rows. Each part starts at a multiple of 16 elements, aligned
+        # for the kernels.
         self.table_start = aligned(largest)
-        self.inputs = GraphInputs(4, self.table_start, self.table_start + largest * table_width, device)
-        self.input_ids, self.sources, self.positions, self.slots = self.inputs.longs[:, :largest]
+        self.inputs = GraphInputs(5, self.table_start, self.table_start + largest * table_width, device)
+        self.input_ids, self.sources, self.positions, self.slots = self.inputs.longs[:4, :largest]
+        self.turn = self.inputs.longs[4, :1]
         self.seq_lens = self.inputs.ints[:largest]
         self.block_tables = self.inputs.ints[self.table_start :].view(largest, table_width)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
@@ -163,7 +166,7 @@ class DecodeGraphs:
                     # and over 1024 batch sizes of a 128k vocabulary they would hold ~17 GB.
                     self.logits[:size].copy_(logits)
                 rows = min(size, len(sampled_ids))  # the largest graph may pad past max_num_seqs
-                sampled_ids[:rows] = argmax(logits[:rows])
+                self.run_ahead.write_greedy(argmax(logits[:rows]), self.turn)
             del logits  # a smaller graph's output goes back to the pool for the next capture
             pool = graph.pool()
             self.graphs[size] = graph
@@ -179,6 +182,7 @@ class DecodeGraphs:
         ints_used = self.table_start + n * table_width  # every length, the first n table rows
         host_longs, host_ints = self.inputs.host(ints_used)
         stage_tokens(host_longs, step, size)
+        host_longs[4, 0] = self.run_ahead.turn
         host_ints[:n] = step.seq_lens
         host_ints[n:size] = 0
         fill_leading_columns(host_ints[self.table_start :].reshape(n, table_width), step.block_tables)

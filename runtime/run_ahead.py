@@ -13,7 +13,9 @@ overlaps the device's work on the next. ``RunAhead`` holds the whole scheme:
    its row and blocks are freed once that token is taken in, after the next step's launch.
 2. The ids on the device (``launch``). A launched step's sampled ids stay on the device in
    ``sampled_ids``, each sequence's row noted, and their copy to the host starts: on CUDA into
-   one of two pinned buffers, used by turns, so that the copy does not wait for the next step.
+   one of two rows of a pinned buffer, used by turns, so that the copy does not wait for the next
+   step. A decode graph writes its greedy ids into both itself (``write_greedy``): the host row
+   through the buffer's device mapping, so no copy follows the graph.
 3. The next step's inputs. Its input ids hold ``PENDING`` where a token is pending; ``sources``
    gives the row of ``sampled_ids`` each one is read from, ``fill_pending`` reads it there, on the
    device (inside a CUDA graph or a compiled step too).
@@ -28,6 +30,7 @@ sequence's blocks). There each step is taken in as soon as it is launched (``run
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -56,9 +59,10 @@ class RunAhead:
         self.sampled_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.rows: dict[Sequence, int] = {}  # each sequence's row of sampled_ids
         if device.type == "cuda":
-            self.host_ids = [torch.zeros(max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
+            self.host_ids = torch.zeros(2, max_num_seqs, dtype=torch.long).pin_memory()
+            self.host_ids_mapped = mapped_on_device(self.host_ids)
             self.host_ids_ready = [torch.cuda.Event() for _ in range(2)]
-            self.turn = 0
+            self.turn = 0  # the host row the next launched step's ids go to
 
     # 1. The decision
 
@@ -89,10 +93,11 @@ class RunAhead:
         for seq in sampled:
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
-        if tokens.data_ptr() != self.sampled_ids.data_ptr():  # a decode graph writes its greedy tokens in place
+        written_by_graph = tokens.data_ptr() == self.sampled_ids.data_ptr()  # ``write_greedy``, on both sides
+        if not written_by_graph:
             self.sampled_ids[: len(sampled)] = tokens
         self.rows = {seq: row for row, seq in enumerate(sampled)}
-        launched = LaunchedStep(scheduled, sampled, self._copy_to_host(tokens))
+        launched = LaunchedStep(scheduled, sampled, self._copy_to_host(tokens, on_host=written_by_graph))
         if not self.runs_ahead:
             return launched
         previous = self.take()
@@ -100,12 +105,19 @@ class RunAhead:
         self.in_flight = launched
         return previous
 
-    def _copy_to_host(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
+    def write_greedy(self, ids: torch.Tensor, turn: torch.Tensor) -> None:
+        """Inside a decode graph: a step's greedy ``ids`` into ``sampled_ids`` and into the host
+        buffer's row ``turn`` (a one-element int64 tensor on the device, the step's ``turn``)."""
+        self.sampled_ids[: len(ids)] = ids
+        self.host_ids_mapped[:, : len(ids)].index_copy_(0, turn, ids[None])
+
+    def _copy_to_host(self, tokens: torch.Tensor, on_host: bool) -> Callable[[], list[int]]:
         if self.device.type != "cuda":
             return tokens.tolist
-        host, ready = self.host_ids[self.turn][: len(tokens)], self.host_ids_ready[self.turn]
+        host, ready = self.host_ids[self.turn, : len(tokens)], self.host_ids_ready[self.turn]
         self.turn ^= 1
-        host.copy_(tokens, non_blocking=True)
+        if not on_host:
+            host.copy_(tokens, non_blocking=True)
         ready.record()
 
         def wait_for_ids() -> list[int]:
@@ -143,3 +155,15 @@ class RunAhead:
             seq.output_token_ids.append(token)
             resolved.append((seq, token))
         return resolved
+
+
+def mapped_on_device(pinned: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over a pinned host tensor's memory: kernels write it across the bus, and the
+    host reads it once an event recorded after them completes. With unified addressing, pinned
+    memory has one address on both sides."""
+    if pinned.dtype != torch.long or not pinned.is_pinned() or not pinned.is_contiguous():
+        raise ValueError("mapped_on_device takes a contiguous pinned int64 tensor")
+    # The array interface CUDA libraries share; the tensor keeps the namespace, and so the host tensor, alive.
+    interface = {"shape": tuple(pinned.shape), "typestr": "<i8", "strides": None,
+                 "data": (pinned.data_ptr(), False), "version": 3}
+    return torch.as_tensor(SimpleNamespace(__cuda_array_interface__=interface, owner=pinned), device="cuda")

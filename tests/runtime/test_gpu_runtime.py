@@ -195,9 +195,10 @@ def test_graph_replayed_twice_gives_the_same_logits():
 
 
 def test_decode_graphs_sample_greedily_in_place_and_steps_that_draw_overwrite_it():
-    """A decode graph ends with each row's argmax in the run-ahead's sampled ids, which greedy steps
-    take as their tokens; a step with a drawn token samples from the graph's logits as an eager step
-    does. A batch of greedy and seeded drawn requests gives the eager tokens through the graphs."""
+    """A decode graph ends with each row's argmax in the run-ahead's sampled ids and in the host row
+    of the step's turn, which greedy steps take as their tokens; a step with a drawn token samples
+    from the graph's logits as an eager step does. A batch of greedy and seeded drawn requests gives
+    the eager tokens through the graphs."""
     model = AutoModelForCausalLM.from_hf(random_hf(tiny_config("llama", **SMALL)))
     torch.manual_seed(6)
     prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (12, 30, 7, 50, 3)]
@@ -211,10 +212,14 @@ def test_decode_graphs_sample_greedily_in_place_and_steps_that_draw_overwrite_it
     run, in_place = llm.engine.runner.run, []
 
     def recording_run(scheduled):
+        run_ahead = llm.engine.run_ahead
+        run_ahead.host_ids[run_ahead.turn] = -1  # the step's host row: taken in two steps ago
         logits, sampled, greedy_ids = run(scheduled)
         if greedy_ids is not None:
-            assert greedy_ids.data_ptr() == llm.engine.run_ahead.sampled_ids.data_ptr()
+            assert greedy_ids.data_ptr() == run_ahead.sampled_ids.data_ptr()
             assert torch.equal(greedy_ids, logits.argmax(-1))
+            torch.cuda.synchronize()
+            assert run_ahead.host_ids[run_ahead.turn, : len(sampled)].tolist() == greedy_ids.tolist()
             in_place.append(len(sampled))
         return logits, sampled, greedy_ids
 
@@ -224,6 +229,20 @@ def test_decode_graphs_sample_greedily_in_place_and_steps_that_draw_overwrite_it
     for ours, theirs in zip(graphed, eager):
         assert all(o.error is None and len(o.token_ids) == 24 for o in ours)
         assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+
+
+def test_a_kernel_writes_pinned_host_memory_through_its_device_mapping():
+    from runtime.run_ahead import mapped_on_device
+
+    host = torch.zeros(2, 5, dtype=torch.long).pin_memory()
+    mapped = mapped_on_device(host)
+    assert mapped.is_cuda and mapped.data_ptr() == host.data_ptr() and mapped.shape == (2, 5)
+    ids = torch.arange(10, 13, device="cuda")
+    mapped[:, :3].index_copy_(0, torch.tensor([1], device="cuda"), ids[None])
+    torch.cuda.synchronize()
+    assert host.tolist() == [[0] * 5, [10, 11, 12, 0, 0]]
+    with pytest.raises(ValueError, match="pinned int64"):
+        mapped_on_device(torch.zeros(3, dtype=torch.long))
 
 
 def test_graph_inputs_reach_the_device_in_one_copy():
