@@ -60,7 +60,7 @@ class RunAhead:
         self.rows: dict[Sequence, int] = {}  # each sequence's row of sampled_ids
         if device.type == "cuda":
             self.host_ids = torch.zeros(2, max_num_seqs, dtype=torch.long).pin_memory()
-            self.host_ids_mapped = mapped_on_device(self.host_ids)
+            self.host_ids_mapped = mapped_on_device(self.host_ids, device)
             self.host_ids_ready = [torch.cuda.Event() for _ in range(2)]
             self.turn = 0  # the host row the next launched step's ids go to
 
@@ -157,13 +157,16 @@ class RunAhead:
         return resolved
 
 
-def mapped_on_device(pinned: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over a pinned host tensor's memory: kernels write it across the bus, and the
-    host reads it once an event recorded after them completes. With unified addressing, pinned
-    memory has one address on both sides."""
+def mapped_on_device(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on CUDA ``device`` over a pinned host tensor's memory: kernels write it across the
+    bus, and the host reads it once an event recorded after them completes. With unified
+    addressing, pinned memory has one address on both sides."""
     if pinned.dtype != torch.long or not pinned.is_pinned() or not pinned.is_contiguous():
         raise ValueError("mapped_on_device takes a contiguous pinned int64 tensor")
     # The array interface CUDA libraries share; the tensor keeps the namespace, and so the host tensor, alive.
     interface = {"shape": tuple(pinned.shape), "typestr": "<i8", "strides": None,
                  "data": (pinned.data_ptr(), False), "version": 3}
-    return torch.as_tensor(SimpleNamespace(__cuda_array_interface__=interface, owner=pinned), device="cuda")
+    mapped = torch.as_tensor(SimpleNamespace(__cuda_array_interface__=interface, owner=pinned), device=device)
+    if mapped.data_ptr() != pinned.data_ptr():  # torch copied it: the memory is another device's
+        raise RuntimeError(f"pinned host memory allocated for {mapped.device} cannot be mapped on {device}")
+    return mapped

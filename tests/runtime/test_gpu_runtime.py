@@ -235,14 +235,14 @@ def test_a_kernel_writes_pinned_host_memory_through_its_device_mapping():
     from runtime.run_ahead import mapped_on_device
 
     host = torch.zeros(2, 5, dtype=torch.long).pin_memory()
-    mapped = mapped_on_device(host)
+    mapped = mapped_on_device(host, torch.device("cuda"))
     assert mapped.is_cuda and mapped.data_ptr() == host.data_ptr() and mapped.shape == (2, 5)
     ids = torch.arange(10, 13, device="cuda")
     mapped[:, :3].index_copy_(0, torch.tensor([1], device="cuda"), ids[None])
     torch.cuda.synchronize()
     assert host.tolist() == [[0] * 5, [10, 11, 12, 0, 0]]
     with pytest.raises(ValueError, match="pinned int64"):
-        mapped_on_device(torch.zeros(3, dtype=torch.long))
+        mapped_on_device(torch.zeros(3, dtype=torch.long), torch.device("cuda"))
 
 
 def test_graph_inputs_reach_the_device_in_one_copy():
