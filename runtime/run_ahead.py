@@ -168,5 +168,5 @@ def mapped_on_device(pinned: torch.Tensor, device: torch.device) -> torch.Tensor
                  "data": (pinned.data_ptr(), False), "version": 3}
     mapped = torch.as_tensor(SimpleNamespace(__cuda_array_interface__=interface, owner=pinned), device=device)
     if mapped.data_ptr() != pinned.data_ptr():  # torch copied it: the memory is another device's
-        raise RuntimeError(f"pinned host memory allocated for {mapped.device} cannot be mapped on {device}")
+        raise RuntimeError(f"pinned host memory allocated under another device cannot be mapped on {device}")
     return mapped
