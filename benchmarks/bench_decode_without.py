@@ -73,8 +73,8 @@ class Removed:
         self.route_topk, self.rotary_write_kv = layers.moe.route_topk, layers.attention.rotary_write_kv
         self.attend_decodes = layers.attention.TritonAttentionBackend.attend_decodes
         self.fill_pending = runtime.run_ahead.RunAhead.fill_pending
-        rotary_emb = model.model.rotary_emb
-        self.angles = rotary_emb(torch.zeros(1, dtype=torch.long, device="cuda"))
+        self.angles_of = model.model.rotary_emb.forward  # bound before __enter__ patches the instance
+        self.angles = self.angles_of(torch.zeros(1, dtype=torch.long, device="cuda"))
 
     def fixed_norm(self, hidden_states, residual=None):
         normed = self.row if hidden_states.shape[0] == 1 else hidden_states
@@ -87,8 +87,7 @@ class Removed:
         return (q, k) if q.shape[0] == 1 else self.rotary_write_kv(q, k, *args, **kwargs)
 
     def fixed_angles(self, positions):
-        return self.angles if positions.shape[0] == 1 else type(self.model.model.rotary_emb).forward(
-            self.model.model.rotary_emb, positions)
+        return self.angles if positions.shape[0] == 1 else self.angles_of(positions)
 
     def __enter__(self):
         if "route_topk" in self.kernels:
