@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Each room and what it may import besides itself; a name covers its submodules.
 ALLOWED = {
     "runtime": ("models", "layers", "ops_cuda", "loaders"),
-    "models": ("layers", "ops_cuda", "loaders"),
+    "models": ("layers", "loaders"),  # the ops only through the layers
     # the loading declarations models make with layers' Shard/OneOf; the FP8 block format the loader
     # dequantises and the FP8 GEMM reads
     "loaders": ("layers.weights", "ops_cuda.fp8"),
