@@ -2,8 +2,6 @@
 
 import numpy as np
 import torch
-import torch._inductor.config as inductor_config
-from torch._inductor.cpp_builder import get_cpp_compiler
 from tqdm import tqdm
 
 from layers import AttentionMetadata
@@ -23,6 +21,9 @@ def check_compilable(model, device: torch.device) -> None:
         raise ValueError("compile_decode: the model's forward reads values on the host (positions under dynamic rope "
                          "scaling, sequence lengths in latent attention's paged path), which a compiled graph cannot; "
                          "run it without compile_decode")
+    # inductor imports triton where it is installed: loaded only when a decode graph is compiled
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
     try:
         get_cpp_compiler()
     except Exception as exc:  # inductor says which compiler it looked for
@@ -54,6 +55,8 @@ class CompiledDecode:
     MIN_BLOCKS = 2
 
     def __init__(self, model, kv_cache: KVCache, run_ahead: RunAhead):
+        import torch._inductor.config as inductor_config
+
         self.block_size, self.padding_slot = kv_cache.block_size, kv_cache.padding_slot
         self.run_ahead = run_ahead
         self.forward = torch.compile(model, fullgraph=True)

@@ -274,8 +274,10 @@ def test_fp8_kv_cache_write_rounds_as_torch_interpreted():
     assert torch.equal(k_cache.view(torch.uint8).flatten(), expected.view(torch.uint8))
 
 
-def test_importing_ops_does_not_import_triton():
-    code = "import sys, ops_cuda; assert 'triton' not in sys.modules, 'triton imported'"
+def test_importing_zoo_does_not_import_triton():
+    # Not torch's inductor either, which imports triton where it is installed.
+    code = ("import sys, ops_cuda, layers, loaders, models, runtime, runtime.cli; "
+            "assert 'triton' not in sys.modules, 'triton imported'")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo)
 
