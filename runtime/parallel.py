@@ -134,7 +134,10 @@ class Ranks:
         try:
             yield
         except BaseException as exc:
-            dead = isinstance(exc, RuntimeError) and self.watch.wait_for_death(DEATH_NOTICE_S)
+            # A NotImplementedError is a RuntimeError too, but never a collective's: what rank 0 cannot do,
+            # the workers could not either, and their deaths of it say less than its own error.
+            collective = isinstance(exc, RuntimeError) and not isinstance(exc, NotImplementedError)
+            dead = collective and self.watch.wait_for_death(DEATH_NOTICE_S)
             self.take_down(self.watch.describe() if dead else f"rank 0 failed: {exc!r}")
             _leave(self.watch, self.group)
             if dead:

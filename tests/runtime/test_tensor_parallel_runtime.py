@@ -2,7 +2,8 @@
 HuggingFace's greedy tokens through batching, chunked prefill and prefix-cache hits (with one KV
 head, replicated on both ranks); ``zoo generate --tp 2`` runs (two KV heads, one per rank); a
 worker that dies or fails to load takes the group down with a RuntimeError naming it, within
-seconds and leaving no process behind; sizes the ranks cannot split fail before loading; Ctrl-C
+seconds and leaving no process behind; sizes the ranks cannot split fail before loading; a model
+they cannot split raises its own NotImplementedError; Ctrl-C
 waits for the step; interpreter exit stops the workers. On two GPUs (marked ``gpu``): NCCL, each
 rank's CUDA graphs, the one-GPU tokens, and a killed worker.
 
@@ -68,6 +69,15 @@ def test_sizes_the_ranks_cannot_split_fail_before_loading(tmp_path):
         LLM(str(path), device="cpu", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="compile_decode compiles a model that runs in one process"):
         LLM(str(path), device="cpu", tensor_parallel_size=2, compile_decode=True)
+
+
+def test_a_model_tensor_parallelism_does_not_run_is_refused_with_its_own_error(tmp_path):
+    # Every rank meets it; rank 0's NotImplementedError is raised as it is, not as the dead worker's RuntimeError.
+    path = save_checkpoint(hf_model(tiny_config("olmo2")), tmp_path)
+    start = time.monotonic()
+    with pytest.raises(NotImplementedError, match="q/k norm spans all heads"):
+        LLM(str(path), **OPTIONS)
+    assert time.monotonic() - start < 30
 
 
 def test_a_worker_that_fails_to_load_reports_its_error(tmp_path):
