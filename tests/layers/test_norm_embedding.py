@@ -33,7 +33,7 @@ def test_rms_norm_variants_equal_hf(variant, dtype):
         assert torch.equal(normed, reference(x + residual))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_embedding_scale_is_rounded_to_the_dtype_as_hf_does(dtype):
     torch.manual_seed(0)
     reference = hf_gemma2.Gemma2TextScaledWordEmbedding(97, 3072, padding_idx=0, embed_scale=3072**0.5).to(dtype)
