@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models
 
 from loaders import CheckpointError, chat_template_error, load_tokenizer
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
-from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 from tests.loaders import gguf_writer
 from tests.models.test_deepseek_v3 import YARN, deepseek_config
 from tests.models.test_llava import hf_llava, llava_config
@@ -325,12 +325,15 @@ def test_config_numbers_a_layer_computes_with_are_checked_before_it_is_built(tmp
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_config_numbers_where_null_or_zero_means_none_load(tmp_path):
-    """Soft-caps of null (no capping), YaRN's betas and mscales of zero (the defaults)."""
+def test_config_numbers_where_null_or_zero_means_none_load_and_compute_as_hf(tmp_path, input_ids):
+    """Soft-caps of null (no capping), YaRN's betas and mscales of zero (the defaults), read as HF reads them."""
     gemma2 = tiny_config("gemma2", head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None)
-    AutoModelForCausalLM.from_pretrained(save_checkpoint(hf_model(gemma2), tmp_path / "gemma2"))
     yarn = tiny_config("llama", rope_parameters={**YARN, "beta_fast": 0, "beta_slow": 0, "mscale": 0, "mscale_all_dim": 0})
-    AutoModelForCausalLM.from_pretrained(save_checkpoint(hf_model(yarn), tmp_path / "yarn"))
+    for name, config in {"gemma2": gemma2, "yarn": yarn}.items():
+        reference = hf_model(config)
+        model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, tmp_path / name))
+        with torch.no_grad():
+            assert relative_error(model(input_ids), reference(input_ids).logits) <= 1e-5, name
 
 
 @pytest.mark.parametrize("key, value, message", [

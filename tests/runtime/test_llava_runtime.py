@@ -411,10 +411,18 @@ def test_a_generated_image_token_id_is_a_token_in_a_step_with_image_tokens(tmp_p
 
 
 def test_the_readmes_image_snippet_runs_on_a_llava_checkpoint(llava, tmp_path, capsys):
-    """The README's image requests as pasted, but for the checkpoint's name and the image's file."""
+    """The README's image requests as pasted, but for the checkpoint's name and the image's file, and the
+    chat's answer kept to be checked: both requests succeed and their texts are what it prints."""
     from tests.test_readme import snippet
 
     image(1).save(tmp_path / "photo.png")
     code = snippet("multi_modal_data").replace('"llava-hf/llava-1.5-7b-hf"', repr(str(llava[0])))
-    exec(code.replace('"photo.jpg"', repr(str(tmp_path / "photo.png"))), {})  # noqa: S102 (the README's own code)
-    assert len(capsys.readouterr().out.splitlines()) >= 2
+    chat_line = "print(llm.chat([messages])[0].text)"
+    assert chat_line in code
+    code = code.replace(chat_line, "answer = llm.chat([messages])[0]\nprint(answer.text)")
+    namespace = {}
+    exec(code.replace('"photo.jpg"', repr(str(tmp_path / "photo.png"))), namespace)  # noqa: S102 (the README's own code)
+    generated, answer = namespace["outs"][0], namespace["answer"]
+    assert generated.error is None and answer.error is None
+    assert generated.token_ids and answer.token_ids
+    assert capsys.readouterr().out == generated.text + "\n" + answer.text + "\n"

@@ -104,13 +104,14 @@ def test_top_k_one_is_greedy_and_seed_fixes_draws():
     assert a == b and len(set(a)) > 1
 
 
-def test_seeded_draw_does_not_depend_on_the_batch():
+def test_seeded_draws_do_not_depend_on_the_batch():
     x = logits(8)
-    alone = sample_tokens(x[None].clone(), [seeded(SamplingParams(seed=3))]).tolist()
+    alone, in_batch = seeded(SamplingParams(seed=3)), seeded(SamplingParams(seed=3))
     others = [seeded(SamplingParams(seed=s)) for s in (10, 11)] + [Sequence(5, [1], SamplingParams())]
-    batch = sample_tokens(torch.stack([logits(9), logits(10), logits(11), x]),
-                          others + [seeded(SamplingParams(seed=3))]).tolist()
-    assert batch[-1] == alone[0]
+    batch = torch.stack([logits(9), logits(10), logits(11), x])
+    draws_alone = [sample_tokens(x[None].clone(), [alone]).item() for _ in range(12)]
+    draws_in_batch = [sample_tokens(batch.clone(), others + [in_batch])[-1].item() for _ in range(12)]
+    assert draws_in_batch == draws_alone and len(set(draws_alone)) > 1
 
 
 def test_sampling_follows_the_distribution():
@@ -149,11 +150,18 @@ def test_a_tiny_temperature_samples_the_greedy_tokens(temperature):
 def test_an_extreme_repetition_penalty_leaves_the_logits_finite(penalty):
     x = logits(12)
     top, bottom = int(x.argmax()), int(x.argmin())
-    seq = seeded(SamplingParams(repetition_penalty=penalty, seed=0))
+    seq = seeded(SamplingParams(repetition_penalty=penalty, seed=0))  # its prompt: token 1
     generated(seq, [top, bottom])
-    assert torch.isfinite(apply_penalties(x.clone(), seq)).all()
+    penalised = apply_penalties(x.clone(), seq)
+    assert torch.isfinite(penalised).all()
+    unseen = torch.ones_like(x, dtype=torch.bool)
+    unseen[[1, top, bottom]] = False
+    assert torch.equal(penalised[unseen], x[unseen])
+    largest = torch.finfo(torch.float32).max
+    # 1e-300 lifts the seen token of positive logit as far as float32 goes and takes the negative one to 0;
+    # 1e300 sinks the negative one as far as it goes and takes the positive one to 0.
+    assert penalised[[top, bottom]].tolist() == ([largest, 0.0] if penalty < 1 else [0.0, -largest])
     draws = [sample_tokens(x[None].clone(), [seq]).item() for _ in range(20)]
-    # 1e-300 lifts the seen token of positive logit far above every other; 1e300 sinks the negative one.
     assert draws == [top] * 20 if penalty < 1 else bottom not in draws
 
 

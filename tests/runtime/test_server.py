@@ -819,14 +819,19 @@ def test_on_cuda_the_engine_thread_serves_what_llm_generate_gives(checkpoint):
             assert list(pool.map(stream, prompts)) == [o.text for o in expected]
 
 
-def test_the_readmes_openai_example_runs_against_the_server(server, capsys):
-    """The README's openai client example as pasted, but for this server's address, model and key."""
+def test_the_readmes_openai_example_runs_against_the_server(server, reference, capsys):
+    """The README's openai client example as pasted, but for this server's address, model and key: it
+    prints the streamed chat answer, then the greedy completion the model gives the prompt."""
     from tests.test_readme import snippet
 
     code = snippet("from openai import OpenAI").replace("http://127.0.0.1:8000/v1", f"{server[0]}/v1")
     code = code.replace('"SmolLM2-135M-Instruct"', repr(MODEL)).replace('api_key="unused"', f"api_key={KEY!r}")
     exec(code, {})  # noqa: S102 (the README's own code)
-    assert len(capsys.readouterr().out.splitlines()) >= 2
+    completion = reference.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0),
+                                    use_tqdm=False)[0]
+    assert completion.error is None and completion.text
+    # The streamed answer before it is sampled (a failed stream raises in the client).
+    assert capsys.readouterr().out.endswith("\n" + completion.text + "\n")
 
 
 def png_header(width: int, height: int) -> bytes:
