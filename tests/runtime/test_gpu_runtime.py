@@ -188,13 +188,14 @@ def test_graph_replayed_twice_gives_the_same_logits():
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
     graphs = llm.engine.runner.graphs
     size = 2  # the buffers hold the last decode step of the two requests; replaying it rewrites the same K/V
-    graphs.logits[size].fill_(float("nan"))  # a replay that wrote nothing would leave them
-    graphs.graphs[size].replay()
-    first = graphs.logits[size].clone()
-    assert not first.isnan().any()
-    graphs.logits[size].fill_(float("nan"))
-    graphs.graphs[size].replay()
-    assert torch.equal(first, graphs.logits[size])
+    with torch.inference_mode():  # the graphs' buffers were made under it
+        graphs.logits[:size].fill_(float("nan"))  # a replay that wrote nothing would leave them
+        graphs.graphs[size].replay()
+        first = graphs.logits[:size].clone()
+        assert not first.isnan().any()
+        graphs.logits[:size].fill_(float("nan"))
+        graphs.graphs[size].replay()
+        assert torch.equal(first, graphs.logits[:size])
 
 
 def test_decode_graphs_sample_greedily_in_place_and_steps_that_draw_overwrite_it():
