@@ -158,7 +158,8 @@ def first_call_prompts(prompts: list[list[int]], count: int, step_tokens: int | 
     prompts but sharing no prefix with them, so that no prefix cache carries work into the timed run.
     With ``step_tokens`` (zoo's new tokens per step), more where needed, until the last one spans two
     steps: the timed run's prompt steps carry such chunks, which zoo's paged prefill kernel attends
-    (a step of new prompts only does not run it), and that kernel then compiles here."""
+    (a step of new prompts only does not run it), and the first call runs that path once too (the
+    kernel itself compiles when ``LLM()`` starts: ``ModelRunner.compile_kernels``)."""
     if step_tokens is not None:
         filled = itertools.accumulate(len(prompt) for prompt in prompts)
         count = max(count, next((i for i, total in enumerate(filled, 1) if total > step_tokens), len(prompts)))
