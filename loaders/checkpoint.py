@@ -1,6 +1,7 @@
 """Where a checkpoint is (a local directory or file, or a hub download) and its tensors, in
 whichever format it is stored."""
 
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +20,9 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.
 
 def resolve_source(path_or_repo_id) -> Source:
     """A local directory or ``.gguf`` file; otherwise a hub repo id, downloaded with huggingface_hub."""
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise TypeError(f"a checkpoint is a directory, a .gguf file or a hub repo id (a str or a path), "
+                        f"got {type(path_or_repo_id).__name__}")
     text = str(path_or_repo_id)
     path = Path(text).expanduser()
     if path.is_dir():

@@ -187,6 +187,15 @@ class AutoModelForCausalLM:
         rank's slice of each layer (``layers.tensor_parallel``) and returns the whole model's logits.
         ``expert_parallel``, with ``tensor_parallel``: each rank holds whole experts (True) or every
         expert's slice (False); None: whole experts where the ranks divide the number of experts."""
+        if keep_fp8 is not None and not isinstance(keep_fp8, bool):
+            raise TypeError(f"keep_fp8 must be None, True or False, got {keep_fp8!r}")
+        if not isinstance(mmap, bool):
+            raise TypeError(f"mmap must be True or False, got {mmap!r}")
+        if tensor_parallel is not None and not isinstance(tensor_parallel, torch.distributed.ProcessGroup):
+            raise TypeError(f"tensor_parallel must be a torch.distributed process group (every rank of it calls "
+                            f"from_pretrained), got {tensor_parallel!r}; LLM(..., tensor_parallel_size=N) starts the ranks")
+        if expert_parallel is not None and tensor_parallel is None:
+            raise ValueError("expert_parallel says how tensor_parallel's ranks split the experts: give tensor_parallel too")
         dtype = None if dtype == "auto" else model_dtype(dtype)
         device = model_device(device)
         source = resolve_source(path_or_repo_id)

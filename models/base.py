@@ -133,6 +133,9 @@ class DecoderModel(nn.Module):
 
 def check_batch(input_ids: torch.Tensor, vocab_size: int) -> None:
     """What a cache-free forward ``model(input_ids[B, T])`` takes: a non-empty [B, T] batch of ids in the vocabulary."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+        what = f"a {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise TypeError(f"input_ids must be a torch.long (or int32) tensor of token ids, got {what}")
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty [batch, seq_len] tensor, got shape {tuple(input_ids.shape)}")
     if input_ids.min() < 0 or input_ids.max() >= vocab_size:

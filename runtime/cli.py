@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, NotImplementedError) as exc:  # NotImplementedError: what zoo refuses to run
         print(f"zoo {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # while the model loads, or between steps of zoo diff

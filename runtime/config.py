@@ -57,6 +57,8 @@ class EngineConfig:
     @classmethod
     def from_options(cls, base: "EngineConfig | None" = None, **options) -> "EngineConfig":
         """``base`` (the defaults when None) with ``options`` changed; an option that does not exist is named."""
+        if base is not None and not isinstance(base, cls):
+            raise TypeError(f"config must be an EngineConfig (or left out, options given by name), got {base!r}")
         names = [field.name for field in dataclasses.fields(cls)]
         unknown = [name for name in options if name not in names]
         if unknown:

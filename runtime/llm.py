@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -104,6 +105,9 @@ class LLM:
         if isinstance(model, transformers.PreTrainedModel):
             raise TypeError(f"LLM takes a checkpoint or a zoo model, not transformers' {type(model).__name__}: "
                             "convert it with models.AutoModelForCausalLM.from_hf(model)")
+        if not isinstance(model, (str, os.PathLike, torch.nn.Module)):
+            raise TypeError(f"LLM takes a checkpoint (a directory, a .gguf file or a hub repo id) or a zoo model, "
+                            f"got {type(model).__name__}")
         self.ranks = None
         if isinstance(model, torch.nn.Module):
             if config.tensor_parallel_size > 1:

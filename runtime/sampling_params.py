@@ -53,12 +53,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first invalid field; ``stop_token_ids`` are checked against
-        ``vocab_size`` when it is given."""
+        ``vocab_size`` when it is given. The real-valued fields are then held as floats: an int past
+        a tensor's range (10**20) or a Fraction is what the sampler's tensor arithmetic cannot take."""
         numeric = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
         for name in numeric:
             value = getattr(self, name)
             if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
         checks = [
             (is_integer(self.max_tokens) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),

@@ -183,6 +183,41 @@ def test_bad_input_ids(checkpoint):
         model(torch.tensor([[0, 97]]))
     with pytest.raises(ValueError, match=r"\[batch, seq_len\].*\(3,\)"):
         model(torch.tensor([1, 2, 3]))
+    with pytest.raises(TypeError, match=r"input_ids must be a torch.long \(or int32\) tensor of token ids, got a torch.float32"):
+        model(torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(TypeError, match=r"input_ids must be .* tensor of token ids, got list"):
+        model([[1, 2]])
+
+
+@pytest.mark.parametrize("option, error, message", [
+    (dict(keep_fp8="no"), TypeError, "keep_fp8 must be None, True or False, got 'no'"),
+    (dict(mmap="no"), TypeError, "mmap must be True or False, got 'no'"),
+    (dict(tensor_parallel=2), TypeError, r"tensor_parallel must be a torch.distributed process group .* got 2; "
+                                         r"LLM\(..., tensor_parallel_size=N\) starts the ranks"),
+    (dict(expert_parallel=True), ValueError, "expert_parallel says how tensor_parallel's ranks split the experts"),
+], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
+def test_bad_from_pretrained_arguments_are_named_before_the_checkpoint_opens(checkpoint, option, error, message,
+                                                                              monkeypatch):
+    import models.auto
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened before the arguments were checked")
+
+    monkeypatch.setattr(models.auto, "resolve_source", no_loading)
+    with pytest.raises(error, match=message):
+        AutoModelForCausalLM.from_pretrained(checkpoint, **option)
+
+
+@pytest.mark.parametrize("model", [None, 5, ["ckpt"], {"model.embed_tokens.weight": torch.zeros(2)}], ids=str)
+def test_a_model_argument_that_is_no_checkpoint_is_a_type_error(model):
+    from runtime import LLM
+
+    with pytest.raises(TypeError, match=r"a checkpoint is a directory, a .gguf file or a hub repo id \(a str or a path\), "
+                                        rf"got {type(model).__name__}"):
+        AutoModelForCausalLM.from_pretrained(model)
+    with pytest.raises(TypeError, match=r"LLM takes a checkpoint \(a directory, a .gguf file or a hub repo id\) or a zoo "
+                                        rf"model, got {type(model).__name__}"):
+        LLM(model)
 
 
 @pytest.mark.parametrize("option, message", [
@@ -207,6 +242,8 @@ def test_bad_input_ids(checkpoint):
     (dict(enforce_eager="yes"), "enforce_eager must be True or False, got 'yes'"),
     (dict(attention_backend="flash"), r"unknown attention backend 'flash'; choose one of \['torch', 'triton'\]"),
     (dict(max_num_seq=8), "unknown engine option 'max_num_seq'; the options are max_num_seqs, max_model_len, "),
+    (dict(config={"max_num_seqs": 4}), r"config must be an EngineConfig \(or left out, options given by name\), "
+                                       r"got \{'max_num_seqs': 4\}"),
 ], ids=lambda value: next(iter(value)) if isinstance(value, dict) else None)
 def test_bad_llm_options_are_named_before_the_model_loads(checkpoint, option, message, monkeypatch):
     import models.auto
@@ -216,7 +253,7 @@ def test_bad_llm_options_are_named_before_the_model_loads(checkpoint, option, me
         raise AssertionError("the checkpoint was opened before the options were checked")
 
     monkeypatch.setattr(models.auto, "resolve_source", no_loading)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         LLM(str(checkpoint), **{"device": "cpu", **option})
 
 

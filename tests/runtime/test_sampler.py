@@ -1,5 +1,7 @@
 """The sampler's filters and penalties against HuggingFace's logits processors."""
 
+from fractions import Fraction
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -128,6 +130,18 @@ def test_sampling_follows_the_distribution():
 def test_non_finite_sampling_values_are_rejected(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be a finite number, got {value}$"):
         SamplingParams(**{field: value}).validate(50)
+
+
+def test_real_values_a_tensor_cannot_take_are_held_as_floats_once_checked():
+    # An int past int64 or a Fraction passes as a finite number; the sampler's tensors then take it as a float.
+    params = SamplingParams(temperature=Fraction(1, 2), repetition_penalty=10**20, presence_penalty=Fraction(1, 2),
+                            frequency_penalty=1, seed=0)
+    params.validate(50)
+    assert [type(getattr(params, name)) for name in ("temperature", "repetition_penalty", "presence_penalty",
+                                                     "frequency_penalty")] == [float] * 4
+    seq = seeded(params)
+    generated(seq, [3, 4])
+    assert sample_tokens(logits(13)[None].clone(), [seq]).item() not in (1, 3, 4)  # seen: sunk by the penalty
 
 
 def test_sampling_values_are_checked_without_a_vocabulary():

@@ -71,13 +71,17 @@ def test_sizes_the_ranks_cannot_split_fail_before_loading(tmp_path):
         LLM(str(path), device="cpu", tensor_parallel_size=2, compile_decode=True)
 
 
-def test_a_model_tensor_parallelism_does_not_run_is_refused_with_its_own_error(tmp_path):
+def test_a_model_tensor_parallelism_does_not_run_is_refused_with_its_own_error(tmp_path, capsys):
     # Every rank meets it; rank 0's NotImplementedError is raised as it is, not as the dead worker's RuntimeError.
     path = save_checkpoint(hf_model(tiny_config("olmo2")), tmp_path)
     start = time.monotonic()
     with pytest.raises(NotImplementedError, match="q/k norm spans all heads"):
         LLM(str(path), **OPTIONS)
     assert time.monotonic() - start < 30
+    # On the command line: one error line, not a traceback.
+    assert main(["generate", "--model", str(path), "--device", "cpu", "--tp", "2", "--token-ids", "5,9"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zoo generate: error: tensor parallelism cannot split model.layers.0.self_attn: its q/k norm spans all heads")
 
 
 def test_a_worker_that_fails_to_load_reports_its_error(tmp_path):
