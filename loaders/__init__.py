@@ -4,7 +4,8 @@ and processors; the loader that fills a model built on the meta device from its 
 Nothing here imports ``models``."""
 
 from loaders.checkpoint import open_checkpoint, resolve_source
-from loaders.config import chat_template_error, from_checkpoint, load_config, load_processor, load_tokenizer
+from loaders.config import (chat_template_error, from_checkpoint, load_config, load_generation_config, load_processor,
+                             load_tokenizer)
 from loaders.default_model import default_model_path
 from loaders.in_memory import copy_weights
 from loaders.load import load_weights
@@ -12,6 +13,7 @@ from loaders.types import CheckpointError, NonFiniteWeightWarning, Source, Tenso
 
 __all__ = [
     "CheckpointError", "NonFiniteWeightWarning", "Source", "TensorRef", "chat_template_error", "copy_weights",
-    "default_model_path", "from_checkpoint", "load_config", "load_processor", "load_tokenizer", "load_weights",
+    "default_model_path", "from_checkpoint", "load_config", "load_generation_config", "load_processor",
+    "load_tokenizer", "load_weights",
     "open_checkpoint", "resolve_source",
 ]

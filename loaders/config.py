@@ -78,6 +78,22 @@ def from_checkpoint(factory, source: Source, **kwargs):
         ) from exc
 
 
+def load_generation_config(path_or_repo_id):
+    """transformers' GenerationConfig of the checkpoint's ``generation_config.json``, or None where its
+    directory has none. A file that cannot be read is a CheckpointError naming it."""
+    from transformers import GenerationConfig
+
+    directory = resolve_source(path_or_repo_id).directory
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return None
+    _check_json(path)
+    try:
+        return from_checkpoint(GenerationConfig, Source(directory))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+
+
 def load_tokenizer(path_or_repo_id):
     """transformers' tokenizer of the checkpoint (GGUF included); None for a checkpoint that has no
     tokenizer files (tokenizer metadata, for GGUF). A declared tokenizer that cannot be built is a

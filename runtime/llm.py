@@ -12,7 +12,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from loaders import Source, chat_template_error, from_checkpoint, load_processor, load_tokenizer, resolve_source
+from loaders import chat_template_error, load_generation_config, load_processor, load_tokenizer
 from models import AutoModelForCausalLM
 from models.auto import model_device
 from runtime.config import EngineConfig
@@ -38,12 +38,9 @@ def generation_eos_ids(model, path_or_repo_id=None) -> list[int]:
     """The EOS ids HuggingFace's generate stops at: generation_config.json, else the model config.
     Each must be a token id of the model's vocabulary (its config's ``vocab_size``, which counts an
     LM head's padding rows), or generation could never stop at it."""
-    try:
-        if path_or_repo_id is None:
-            raise OSError("no checkpoint")
-        config = from_checkpoint(transformers.GenerationConfig, Source(resolve_source(path_or_repo_id).directory))
-        where = "generation_config.json"
-    except OSError:
+    config = None if path_or_repo_id is None else load_generation_config(path_or_repo_id)
+    where = "generation_config.json"
+    if config is None:
         config = transformers.GenerationConfig.from_model_config(model.config)
         where = "the model's config"
     eos = config.eos_token_id

@@ -692,6 +692,18 @@ def test_an_eos_id_that_is_no_token_id_is_named(checkpoints, tmp_path):
         llm(path)
 
 
+def test_a_generation_config_that_cannot_be_read_is_named(checkpoints, tmp_path):
+    # Not passed over for the model config's EOS ids, which may not be the ones generate stops at.
+    import shutil
+
+    from loaders import CheckpointError
+
+    path = shutil.copytree(checkpoints["llama"][0], tmp_path / "llama")
+    (path / "generation_config.json").write_text("{bad")
+    with pytest.raises(CheckpointError, match=r"llama/generation_config.json: malformed JSON"):
+        llm(path)
+
+
 @pytest.mark.parametrize("where, eos, bad", [
     ("generation_config.json", 999999, 999999), ("generation_config.json", -1, -1),
     ("generation_config.json", [2, 97], 97), ("the model's config", 97, 97),
