@@ -258,12 +258,18 @@ class LLM:
         """One conversation (a list of {"role", "content"} dicts) or a list of them. A content is a
         string or a list of OpenAI-style parts, ``{"type": "text", "text": ...}`` and, for a model
         that takes images, ``{"type": "image", "image": img}``, rendered by the processor's chat
-        template."""
+        template. Of several conversations, one the template cannot take is named by its place."""
         if not isinstance(messages, list):
             raise TypeError(f"messages must be a conversation (a list of message dicts) or a list of them, "
                             f"got {type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(c) for c in conversations]
+        if messages and isinstance(messages[0], dict):
+            return self.generate([self.chat_prompt(messages)], sampling_params, use_tqdm)
+        prompts = []
+        for index, conversation in enumerate(messages):
+            try:
+                prompts.append(self.chat_prompt(conversation))
+            except ValueError as exc:
+                raise ValueError(f"conversation {index}: {exc}") from exc
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, conversation: list[dict]) -> list[int] | dict:

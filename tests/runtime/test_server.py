@@ -163,6 +163,14 @@ GREEDY = dict(max_tokens=12, temperature=0.0)
 SEEDED = dict(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
 
 
+def test_a_conversation_the_template_cannot_take_is_named_by_its_place(reference):
+    with pytest.raises(ValueError, match=r"^conversation 1: message 0: its content is a string or a list of parts, "
+                                         r"got None$"):
+        reference.chat([CONVERSATION, [{"role": "user", "content": None}]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^message 0: its content"):  # one conversation: its messages alone
+        reference.chat([{"role": "user", "content": None}], use_tqdm=False)
+
+
 @pytest.mark.parametrize("settings", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_chat_equals_llm_chat_whole_and_streamed(settings, client, reference):
     expected = reference.chat(CONVERSATION, SamplingParams(**settings), use_tqdm=False)[0]
