@@ -26,9 +26,7 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None, list]:
     if isinstance(prompt, str):
         return _unicode(prompt), None, []
     if isinstance(prompt, (list, tuple)):
-        if not is_token_list(prompt):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        return None, [int(t) for t in prompt], []
+        return None, _token_ids(prompt, "a prompt of token ids"), []
     if not isinstance(prompt, dict):
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
     unknown = [key for key in prompt if key not in PROMPT_KEYS]
@@ -43,14 +41,22 @@ def split_prompt(prompt) -> tuple[str | None, list[int] | None, list]:
         _unicode(text)
     else:
         text, token_ids = None, prompt["prompt_token_ids"]
-        if not is_token_list(token_ids):
+        if not isinstance(token_ids, (list, tuple)):
             raise ValueError(f"'prompt_token_ids' is a list of token ids, got {type(token_ids).__name__}")
-        token_ids = [int(t) for t in token_ids]
+        token_ids = _token_ids(token_ids, "'prompt_token_ids'")
     data = prompt.get("multi_modal_data", {})
     if not isinstance(data, dict) or any(key != "image" for key in data):
         raise ValueError(f"multi_modal_data is a dict with the one key 'image', got {data!r:.80}")
     images = data.get("image", [])
     return text, token_ids, list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def _token_ids(ids, what: str) -> list[int]:
+    """A list or tuple of token ids as Python ints; an element that is none is named with its place."""
+    for place, token in enumerate(ids):
+        if not is_integer(token):
+            raise ValueError(f"{what}: element {place} is a {type(token).__name__} ({token!r:.40}), not a token id")
+    return [int(t) for t in ids]
 
 
 def _unicode(text: str) -> str:
