@@ -68,10 +68,6 @@ def _unicode(text: str) -> str:
     return text
 
 
-def is_token_list(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt)
-
-
 def image_digest(index: int, image) -> bytes:
     """A hash of all that makes the image's RGB pixels (mode, size, pixels, palette, transparent
     colour), after checking it is an image the processor takes."""
