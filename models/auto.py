@@ -164,8 +164,12 @@ def _check_number(value, field: str, origin: str, zero_allowed: bool = False) ->
 
 
 def _build_on_meta(config, source: str, tensor_parallel=None, expert_parallel: bool | None = None) -> nn.Module:
+    model_class = model_class_for(config, source)
     with torch.device("meta"):
-        model = model_class_for(config, source)(config)
+        try:
+            model = model_class(config)
+        except ValueError as exc:  # a config value no layer takes (hidden_act, rope_type): the checkpoint's
+            raise CheckpointError(f"{source}: {exc}") from exc
         return model if tensor_parallel is None else layers.tensor_parallel(model, tensor_parallel, expert_parallel)
 
 

@@ -151,6 +151,18 @@ def test_config_transformers_rejects(checkpoint):
         AutoModelForCausalLM.from_pretrained(checkpoint)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_act", "gelu_fancy", r"ckpt: unsupported hidden_act 'gelu_fancy'; supported: "),
+    ("rope_parameters", {"rope_type": "bogus", "rope_theta": 10000.0}, r"ckpt: unsupported rope_type 'bogus'; supported: "),
+])
+def test_a_config_value_no_layer_takes_names_the_checkpoint(checkpoint, field, value, message):
+    fields = json.loads((checkpoint / "config.json").read_text())
+    fields[field] = value
+    (checkpoint / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(CheckpointError, match=message):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
 def test_unknown_architecture(checkpoint):
     fields = json.loads((checkpoint / "config.json").read_text())
     fields["architectures"] = ["FooForCausalLM"]
