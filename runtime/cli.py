@@ -90,9 +90,11 @@ def _open_images(paths: list[str]) -> list:
     images = []
     for path in paths:
         try:
-            images.append(Image.open(path))
+            image = Image.open(path)
+            image.load()  # open reads the header only: a truncated or damaged image fails here, not in a request
         except OSError as exc:  # a missing file, or one PIL does not read as an image
             raise ValueError(f"--image {path}: {exc}") from exc
+        images.append(image)
     return images
 
 
@@ -100,16 +102,19 @@ def _diff(args) -> int:
     import torch
 
     from loaders import default_model_path
-    from runtime.diff import diff_checkpoint, format_rows
+    from runtime.diff import DEFAULT_STEPS, diff_checkpoint, format_rows
 
+    if args.steps is not None and not args.runtime:
+        raise ValueError("--steps counts the decode steps of --runtime: give --runtime too")
+    steps = DEFAULT_STEPS if args.steps is None else args.steps
     model = args.model or str(default_model_path())
     input_ids = torch.tensor([args.token_ids]) if args.token_ids else None
     images = _open_images(args.image or [])
-    path = f"the runtime's prefill and {args.steps} decode steps" if args.runtime else "a cache-free forward"
+    path = f"the runtime's prefill and {steps} decode steps" if args.runtime else "a cache-free forward"
     print(f"zoo diff: {model} ({args.dtype}, {args.device}, {path}) against HuggingFace transformers", flush=True)
     rows = diff_checkpoint(model, input_ids=input_ids, prompt=args.prompt, dtype=getattr(torch, args.dtype),
                            device=args.device, atol=args.atol, rtol=args.rtol,
-                           runtime_steps=args.steps if args.runtime else None, images=images)
+                           runtime_steps=steps if args.runtime else None, images=images)
     print(format_rows(rows))
     return 0 if all(r.ok for r in rows) else 1
 
@@ -335,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tolerance relative to the reference's max abs value (default by dtype)")
     diff.add_argument("--runtime", action="store_true", help="diff the runtime's path: a prefill through the paged "
                                                              "KV cache, then greedy decode steps, against HF with its cache")
-    diff.add_argument("--steps", type=count, default=DEFAULT_STEPS, help="decode steps of --runtime")
+    diff.add_argument("--steps", type=count, help=f"decode steps of --runtime (default: {DEFAULT_STEPS})")
     diff.set_defaults(run=_diff)
 
     serve = commands.add_parser("serve", help="serve a model over the OpenAI API (HTTP)",

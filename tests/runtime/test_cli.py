@@ -96,6 +96,27 @@ def test_bad_token_ids_name_the_flag(command, value, no_loading, capsys):
     assert f"zoo {command}: error: argument --token-ids: {value!r}" in capsys.readouterr().err
 
 
+def test_a_truncated_image_and_steps_without_runtime_are_errors_before_the_model_loads(no_loading, tmp_path,
+                                                                                       capsys):
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "whole.png")
+    whole = (tmp_path / "whole.png").read_bytes()
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(whole[: len(whole) // 2])  # its header whole: PIL opens it and fails only to decode it
+    assert main(["generate", "--image", str(cut), "<image> What is it?"]) == 2
+    assert main(["diff", "--image", str(cut)]) == 2
+    assert main(["diff", "--steps", "3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    errors = captured.err.splitlines()
+    assert errors[0].startswith(f"zoo generate: error: --image {cut}: ") and "truncated" in errors[0]
+    assert errors[1].startswith(f"zoo diff: error: --image {cut}: ") and "truncated" in errors[1]
+    assert errors[2] == "zoo diff: error: --steps counts the decode steps of --runtime: give --runtime too"
+
+
 def test_generate_takes_a_prompt_or_token_ids(no_loading, capsys):
     assert main(["generate"]) == 2
     assert main(["generate", "--token-ids", "1,2", "Hello"]) == 2
