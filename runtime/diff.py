@@ -20,6 +20,7 @@ from loaders import from_checkpoint, load_config, load_processor, load_tokenizer
 from models import AutoModelForCausalLM
 from models.base import check_batch
 from runtime import LLM, SamplingParams
+from runtime.sampling_params import is_finite_number, is_integer
 
 DEFAULT_PROMPT = "The capital of France is Paris, and the capital of Germany is"
 DEFAULT_STEPS = 4
@@ -210,6 +211,15 @@ def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtyp
     ``images`` (PIL images, for LLaVA) go with ``prompt`` through the checkpoint's processor, in the
     prompt's ``<image>`` placeholders, or before the prompt where it has none; the cache-free
     forward takes them."""
+    if runtime_steps is not None and not (is_integer(runtime_steps) and runtime_steps >= 1):
+        raise ValueError(f"runtime_steps must be None or an integer >= 1, got {runtime_steps!r}")
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if value is not None and not (is_finite_number(value) and value >= 0):
+            raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
+    if input_ids is None and not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string where no input_ids are given, got {type(prompt).__name__}")
+    if input_ids is not None and not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch tensor of token ids, got {type(input_ids).__name__}")
     image_inputs = {}
     if images:
         if input_ids is not None or runtime_steps is not None:
@@ -218,6 +228,11 @@ def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtyp
     elif input_ids is None:
         input_ids = tokenize(path_or_repo_id, prompt)
     model = AutoModelForCausalLM.from_pretrained(path_or_repo_id, dtype=dtype, device=device)
+    image_token = getattr(model, "image_token_id", None)
+    placeholders = 0 if image_token is None or image_inputs else int((input_ids == image_token).sum())
+    if placeholders:  # HF would embed them as text tokens; no run of zoo's takes them without images
+        raise ValueError(f"the input holds {placeholders} image placeholders (id {image_token}) and no image: "
+                         "give the images (zoo diff --image)")
     reference = load_reference(path_or_repo_id, dtype, device)
     if runtime_steps is None:
         return diff_models(model, reference, input_ids, atol=atol, rtol=rtol, **image_inputs)

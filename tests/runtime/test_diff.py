@@ -120,6 +120,26 @@ def test_token_ids_outside_the_vocabulary_are_named_on_either_path(make_checkpoi
         diff_checkpoint(path, input_ids=torch.tensor([[5, 500]]), runtime_steps=runtime_steps)
 
 
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(runtime_steps=2.5), ValueError, r"runtime_steps must be None or an integer >= 1, got 2.5"),
+    (dict(runtime_steps=0), ValueError, r"runtime_steps must be None or an integer >= 1, got 0"),
+    (dict(atol="1e-3"), ValueError, r"atol must be None or a finite number >= 0, got '1e-3'"),
+    (dict(rtol=-1), ValueError, r"rtol must be None or a finite number >= 0, got -1"),
+    (dict(input_ids=[[1, 2, 3]]), TypeError, r"input_ids must be a torch tensor of token ids, got list"),
+    (dict(prompt=None), TypeError, r"prompt must be a string where no input_ids are given, got NoneType"),
+], ids=str)
+def test_bad_diff_arguments_are_named_before_the_models_load(arguments, error, message, monkeypatch):
+    import runtime.diff
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(runtime.diff, "tokenize", no_loading)
+    monkeypatch.setattr(runtime.diff.AutoModelForCausalLM, "from_pretrained", no_loading)
+    with pytest.raises(error, match=message):
+        diff_checkpoint("unused", **arguments)
+
+
 def test_a_runtime_diff_past_max_position_embeddings_names_the_limit(make_checkpoint):
     path, _ = make_checkpoint(tiny_config("llama", max_position_embeddings=16))
     with pytest.raises(ValueError, match="a prompt of 14 tokens, 2 decode steps and the token the last samples take 17 "

@@ -389,6 +389,11 @@ def test_zoo_diff_takes_images(llava, tmp_path, capsys):
                 "model.language_model.layers.1 ", "logits "):
         assert row in table
     assert table.splitlines()[-1] == "all 22 modules within tolerance"
+    # The prompt's placeholder without its image: named, not diffed as a text token.
+    assert main(["diff", str(path), "--prompt", PROMPT]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"zoo diff: error: the input holds 1 image placeholders (id {IMAGE_TOKEN_ID}) and no image: give the images "
+        "(zoo diff --image)")
 
 
 def test_a_generated_image_token_id_is_a_token_in_a_step_with_image_tokens(tmp_path):
