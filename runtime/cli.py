@@ -140,6 +140,9 @@ def _load_llm(args):
 def _generate(args) -> int:
     if bool(args.prompt) == bool(args.token_ids):
         raise ValueError("give either PROMPT text or --token-ids, not both and not neither")
+    if args.image and args.token_ids:
+        raise ValueError("--image goes with a PROMPT of text, whose <image> placeholders take the images, "
+                         "not with --token-ids")
     if args.image and len(args.prompt) != 1:
         raise ValueError("--image goes with one PROMPT, whose <image> placeholders take the images in order")
     images = _open_images(args.image or [])  # a bad image is reported before the model loads

@@ -121,6 +121,9 @@ def test_generate_takes_a_prompt_or_token_ids(no_loading, capsys):
     assert main(["generate"]) == 2
     assert main(["generate", "--token-ids", "1,2", "Hello"]) == 2
     assert capsys.readouterr().err.count("give either PROMPT text or --token-ids") == 2
+    assert main(["generate", "--token-ids", "1,2", "--image", "photo.png"]) == 2
+    assert capsys.readouterr().err == ("zoo generate: error: --image goes with a PROMPT of text, whose <image> "
+                                       "placeholders take the images, not with --token-ids\n")
 
 
 def test_generate_takes_token_ids_for_a_checkpoint_without_a_tokenizer(no_tokenizer, capsys):
