@@ -112,7 +112,7 @@ class LLM:
                                  "not a model already built")
             self.model, self.tokenizer, self.processor, checkpoint = model, tokenizer, processor, None
         else:
-            device = model_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            device = model_device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
             if dtype == "auto" and device.type == "cpu":
                 dtype = torch.float32
             self.tokenizer = tokenizer or load_tokenizer(model)  # a damaged tokenizer fails before the weights load

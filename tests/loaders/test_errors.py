@@ -281,6 +281,8 @@ def test_cuda_asked_for_without_cuda(checkpoint):
 
     with pytest.raises(ValueError, match="device 'cuda' asked for, but this torch sees no CUDA device"):
         LLM(str(checkpoint), device="cuda")
+    with pytest.raises(ValueError, match="device 0 is not a device torch knows"):  # CUDA device 0, not the default
+        LLM(str(checkpoint), device=0)
 
 
 @pytest.mark.parametrize("field, value, message", [
