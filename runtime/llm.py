@@ -69,7 +69,7 @@ class LLM:
 
     ``model``: a checkpoint directory, ``.gguf`` file or hub repo id, or a zoo model already
     built (then without a tokenizer or processor unless one is given; ``dtype``/``device`` are the
-    model's). A model that takes images (LLaVA) preprocesses them with the checkpoint's
+    model's, and a ``device`` other than the model's is an error). A model that takes images (LLaVA) preprocesses them with the checkpoint's
     ``processor`` (transformers' ``AutoProcessor``).
     ``dtype``: "auto" (the default) is the checkpoint's dtype on CUDA and float32 on the CPU.
     ``device``: CUDA when there is one, else the CPU. The engine's options (``EngineConfig``) are
@@ -110,6 +110,11 @@ class LLM:
             if config.tensor_parallel_size > 1:
                 raise ValueError("tensor_parallel_size > 1 takes a checkpoint, which each rank loads its slice of, "
                                  "not a model already built")
+            where = next(model.parameters()).device
+            asked = None if device is None else model_device(device)
+            if asked is not None and (asked.type, asked.index or 0) != (where.type, where.index or 0):
+                raise ValueError(f"device {str(asked)!r}: a built model runs where it is, on {where}; "
+                                 f"move it first (model.to({str(asked)!r})) or leave device out")
             self.model, self.tokenizer, self.processor, checkpoint = model, tokenizer, processor, None
         else:
             device = model_device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)

@@ -658,6 +658,8 @@ def test_a_call_that_fails_while_adding_its_requests_leaves_none_of_them(checkpo
 
 
 def test_arguments_of_the_wrong_kind_are_named(checkpoints):
+    from models import AutoModelForCausalLM
+
     path, reference = checkpoints["llama"]
     with pytest.raises(TypeError, match="mmap must be True or False, got 'no'"):
         llm(path, mmap="no")
@@ -665,6 +667,9 @@ def test_arguments_of_the_wrong_kind_are_named(checkpoints):
         llm(path, tokenizer="/a/tokenizer/path")
     with pytest.raises(TypeError, match="not transformers' LlamaForCausalLM: convert it with .*from_hf"):
         LLM(reference)
+    # A built model runs where it is: another device is refused (here without CUDA, or on CUDA: it is on the CPU).
+    with pytest.raises(ValueError, match=r"^device 'cuda'"):
+        LLM(AutoModelForCausalLM.from_pretrained(path), device="cuda")
     engine = llm(path)
     for prompts_given, kind in ((None, "NoneType"), (torch.tensor([1, 2, 3]), "Tensor"), (b"hello", "bytes"),
                                 ((p for p in ["a"]), "generator")):
