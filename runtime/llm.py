@@ -69,8 +69,8 @@ class LLM:
 
     ``model``: a checkpoint directory, ``.gguf`` file or hub repo id, or a zoo model already
     built (then without a tokenizer or processor unless one is given; ``dtype``/``device`` are the
-    model's, and a ``device`` other than the model's is an error). A model that takes images (LLaVA) preprocesses them with the checkpoint's
-    ``processor`` (transformers' ``AutoProcessor``).
+    model's, and a ``device`` other than the model's is an error). A model that takes images
+    (LLaVA) preprocesses them with the checkpoint's ``processor`` (transformers' ``AutoProcessor``).
     ``dtype``: "auto" (the default) is the checkpoint's dtype on CUDA and float32 on the CPU.
     ``device``: CUDA when there is one, else the CPU. The engine's options (``EngineConfig``) are
     keywords, ``LLM(path, max_num_seqs=8)``, or a ``config``, and are checked before the model
