@@ -76,3 +76,16 @@ def make_checkpoint(tmp_path):
 def input_ids():
     torch.manual_seed(1)
     return torch.randint(0, 97, (2, 40))
+
+
+def poison_allocator():
+    """Fills cached blocks of PyTorch's CUDA allocator (small and large pools) with every bit set and frees
+    them, so an op's torch.empty buffers start as NaN in every float format and -1 in every integer one:
+    a row it forgets to write shows in the output as NaN, an index it forgets as no row or no expert."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # drop the cached blocks of earlier runs, which hold finite values
+    mib = 1 << 20
+    sizes = [mib] * 64 + [4 * mib] * 16 + [32 * mib] * 8 + [256 * mib] * 2 + [1024 * mib]
+    poison = [torch.full((size // 4,), -1, dtype=torch.int32, device="cuda") for size in sizes]
+    torch.cuda.synchronize()
+    del poison

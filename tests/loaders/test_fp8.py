@@ -33,9 +33,9 @@ def quantise(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Ten
     """(fp8 weight, scale_inv, dequantised weight) of a [..., rows, cols] weight, block by block."""
     rows, cols = weight.shape[-2:]
     grid = (-(-rows // block[0]), -(-cols // block[1]))
-    fp8 = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
-    scale_inv = torch.empty((*weight.shape[:-2], *grid))
-    dequantised = torch.empty(weight.shape)
+    fp8 = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+    scale_inv = torch.empty((*weight.shape[:-2], *grid), device=weight.device)
+    dequantised = torch.empty(weight.shape, device=weight.device)
     for i in range(grid[0]):
         for j in range(grid[1]):
             part = (..., slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))

@@ -54,9 +54,10 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 def fp8_weight(out_features, in_features, block, device="cpu", leading=(), seed=0):
     """(fp8 weight, float32 scales) of a random [*leading, out, in] weight scaled to outputs of order one."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(*leading, out_features, in_features, generator=generator) / in_features**0.5
+    weight = torch.randn(*leading, out_features, in_features, generator=generator).to(device) / in_features**0.5
+    # Quantised on the device: block by block on the CPU, under pytest-xdist's workers, DeepSeek's experts take minutes.
     fp8, scale_inv, _ = quantise(weight, block)
-    return fp8.to(device), scale_inv.to(device)
+    return fp8, scale_inv
 
 
 def quantised_moe(hidden, topk_weights, topk_ids, gate_up, gate_up_scale, down, down_scale, block, activation,
@@ -480,10 +481,12 @@ def test_fp8_moe_experts_on_deepseek_expert_shapes(tokens, shared):
     reference = fp8_moe_experts_reference(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale,
                                           list(DEEPSEEK_BLOCK), "silu", *shared)
     assert relative_error(ours, reference) <= QUANTISATION_TOL["moe"]
-    if tokens <= 8:  # the pair-by-pair oracle is slow; h's bf16 rounding may move a quantised value one step
-        expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, DEEPSEEK_BLOCK, "silu",
-                                 *shared)
-        assert relative_error(ours, expected) <= 2e-2
+    # The pair-by-pair oracle is slow: on the first four and last four tokens past 8 (tokens are independent).
+    # h's bf16 rounding may move a quantised value one step.
+    rows = torch.arange(tokens) if tokens <= 8 else torch.cat([torch.arange(4), torch.arange(tokens - 4, tokens)])
+    expected = quantised_moe(hidden[rows], weights[rows], ids[rows], gate_up, gate_up_scale, down, down_scale,
+                             DEEPSEEK_BLOCK, "silu", *shared)
+    assert relative_error(ours[rows], expected) <= 2e-2
 
 
 @pytest.mark.gpu

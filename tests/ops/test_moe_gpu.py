@@ -18,6 +18,7 @@ import ops_cuda.moe
 from ops_cuda import moe_experts
 from ops_cuda.moe import DECODE_MAX_PAIRS, GROUPED_MM_MIN_PAIRS, cuda_kernel, moe_experts_reference
 from ops_cuda.moe_decode import DECODE_MAX_TOKENS
+from tests.conftest import poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -75,19 +76,6 @@ def router(num_tokens, num_experts, top_k, seed, skew=2.0):
     logits += skew * torch.randn(num_experts, device="cuda", generator=g)
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     return weights / weights.sum(-1, keepdim=True), ids
-
-
-def poison_allocator():
-    """Fills cached blocks of PyTorch's CUDA allocator (small and large pools) with NaN and frees them, so
-    the op's torch.empty buffers start as NaN: a row it forgets to write shows in the output (or, for its
-    index buffers, as an out-of-range read)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # drop the cached blocks of earlier runs, which hold finite values
-    mib = 1 << 20
-    sizes = [mib] * 64 + [4 * mib] * 16 + [32 * mib] * 8 + [256 * mib] * 2 + [1024 * mib]
-    poison = [torch.full((size // 4,), float("nan"), dtype=torch.float32, device="cuda") for size in sizes]
-    torch.cuda.synchronize()
-    del poison
 
 
 def run_poisoned(*args):

@@ -584,7 +584,9 @@ def test_fp8_decode_over_blocks_longer_than_a_key_tile_cuda():
     assert not paged_attention_triton._keys_as_rows(batch.q, batch.k_cache, batch.v_cache)
     reference = batch.reference_decode(1000)
     for num_splits in (None, 1, 7):
-        assert_close(run_decode(batch, 1000, num_splits), reference, TOL[torch.bfloat16])
+        out = run_decode(batch, 1000, num_splits)
+        for row in range(len(out)):  # each against its own largest output: one key's row is 20x a long row's
+            assert_close(out[row], reference[row], TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

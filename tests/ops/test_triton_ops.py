@@ -29,6 +29,7 @@ from ops_cuda.kv_layout import is_key_minor, new_kv_cache, read_slots  # noqa: E
 from ops_cuda.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from ops_cuda.rotary import apply_rotary_reference  # noqa: E402
 from ops_cuda.triton_helpers import fullest_tile, resident_programs  # noqa: E402
+from tests.conftest import poison_allocator  # noqa: E402
 
 
 EPS = 1e-6
@@ -407,15 +408,9 @@ def as_tuple(outputs) -> tuple:
 
 
 def run_poisoned(op, *args):
-    """op(*args) on memory poisoned with NaN (-1 for integer outputs), so that an output element
-    left unwritten reads NaN (or -1).
-
-    The op runs once to learn its outputs' sizes; poisoned blocks of those sizes are then freed
-    right before the second run, and PyTorch's caching allocator hands them to its torch.empty outputs.
-    """
-    outputs = op(*args)
-    poison = [torch.full_like(t, float("nan") if t.is_floating_point() else -1) for t in as_tuple(outputs)]
-    del poison
+    """op(*args) with every block PyTorch's allocator holds poisoned (``poison_allocator``), whatever
+    buffers the op allocates before its outputs: an output element left unwritten reads NaN, or -1."""
+    poison_allocator()
     return op(*args)
 
 

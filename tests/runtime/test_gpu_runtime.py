@@ -186,14 +186,18 @@ def test_graph_replayed_twice_gives_the_same_logits():
     reference = random_hf(tiny_config("llama", **SMALL))
     llm = LLM(AutoModelForCausalLM.from_hf(reference), max_num_seqs=4, max_model_len=256)
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    graphs = llm.engine.runner.graphs
-    size = 2  # the buffers hold the last decode step of the two requests; replaying it rewrites the same K/V
+    graphs, sampled_ids = llm.engine.runner.graphs, llm.engine.run_ahead.sampled_ids
+    # The buffers hold the last decode step of the two requests. Its input ids are pending: the graph
+    # reads them from the sampled ids, which it overwrites with its argmax; put back before each replay,
+    # the step's inputs are the same and it rewrites the same K/V.
+    size, step_ids = 2, sampled_ids.clone()
     with torch.inference_mode():  # the graphs' buffers were made under it
         graphs.logits[:size].fill_(float("nan"))  # a replay that wrote nothing would leave them
         graphs.graphs[size].replay()
         first = graphs.logits[:size].clone()
         assert not first.isnan().any()
         graphs.logits[:size].fill_(float("nan"))
+        sampled_ids.copy_(step_ids)
         graphs.graphs[size].replay()
         assert torch.equal(first, graphs.logits[:size])
 
@@ -306,6 +310,7 @@ def test_triton_backend_runs_every_head_dim_as_the_torch_backend(head_dim, enfor
     for backend in ("torch", "triton"):
         llm = LLM(str(path), device="cuda", num_blocks=128, max_num_batched_tokens=24,
                   enforce_eager=enforce_eager, attention_backend=backend)
+        assert (llm.engine.runner.graphs is None) == (enforce_eager or backend == "torch")  # the reference: eager
         outputs = llm.generate(batch, GREEDY, use_tqdm=False)
         assert all(o.error is None for o in outputs)
         tokens[backend] = [o.token_ids for o in outputs]

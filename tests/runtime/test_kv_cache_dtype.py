@@ -176,6 +176,7 @@ def test_fp8_cache_on_cuda_replays_graphs_to_the_eager_tokens(checkpoints, name,
         engine_llm = LLM(str(checkpoints[name]), device="cuda", dtype=dtype, block_size=16, kv_cache_dtype="fp8",
                          **options)
         assert {p.dtype for pools in engine_llm.engine.kv_cache.pools for p in pools} == {torch.float8_e4m3fn}
+        assert (engine_llm.engine.runner.graphs is not None) == (not options)  # eager: enforced, or the torch backend
         return token_ids(engine_llm.generate(batch, GREEDY, use_tqdm=False))
 
     graphs = generate()
