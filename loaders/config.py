@@ -105,12 +105,19 @@ def load_tokenizer(path_or_repo_id):
     if declared is None:
         return None
     try:
-        return from_checkpoint(_gguf_tokenizer_class(source) or transformers.AutoTokenizer, source)
+        tokenizer = from_checkpoint(_gguf_tokenizer_class(source) or transformers.AutoTokenizer, source)
     except CheckpointError:
         raise
     except Exception as exc:  # tokenizers, sentencepiece and transformers each raise their own types
         _check_tokenizer_files(source)
         raise CheckpointError(f"{declared}: the checkpoint's tokenizer cannot be built ({type(exc).__name__}: {exc})") from exc
+    # transformers builds a tokenizer_config.json without its vocabulary file into one that encodes every
+    # text as no tokens at all.
+    if len(tokenizer) <= len(tokenizer.all_special_tokens):
+        raise CheckpointError(f"{declared}: the checkpoint's tokenizer has no vocabulary beyond its {len(tokenizer)} "
+                              f"special tokens (is its vocabulary file, one of {', '.join(TOKENIZER_FILES[1:])}, "
+                              f"missing?)")
+    return tokenizer
 
 
 def _check_tokenizer_files(source: Source) -> None:

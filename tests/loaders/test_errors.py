@@ -113,6 +113,19 @@ def test_a_damaged_tokenizer_file_is_named_among_the_others(tmp_path, name, text
         load_tokenizer(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("tokenizer_class", ["LlamaTokenizerFast", "Qwen2TokenizerFast", "GPT2TokenizerFast", "GemmaTokenizerFast"])
+def test_a_tokenizer_config_without_its_vocabulary_is_an_error(tmp_path, tokenizer_class):
+    """transformers builds it into a tokenizer of the special tokens alone, which encodes every text as []."""
+    path = save_tokenizer(tmp_path / "ckpt")
+    assert load_tokenizer(path).encode("b", add_special_tokens=False) == [2]
+    (path / "tokenizer.json").unlink()
+    fields = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**fields, "tokenizer_class": tokenizer_class}))
+    with pytest.raises(CheckpointError, match=r"ckpt/tokenizer_config\.json: the checkpoint's tokenizer has no "
+                                              r"vocabulary beyond its \d+ special tokens \(is its vocabulary file"):
+        load_tokenizer(path)
+
+
 def test_a_chat_template_that_does_not_compile_is_named_with_the_file_that_holds_it(tmp_path, monkeypatch):
     broken = "{% for m in messages %}{{ m['content'] }}"  # a for without its endfor
     does_not_compile = ": the chat template does not compile (line 1: Unexpected end of template"
