@@ -22,14 +22,14 @@ from runtime.sequence import Sequence, Status
 class RequestOutput:
     """A finished (or, while streaming, running) request. ``token_ids`` are the generated ids only."""
 
-    request_id: int
+    request_id: int  # unique over the engine's life: LLM counts its requests from 0 over all its calls
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop", "length" or "error"
     logprobs: list[dict[int, float]] | None = None
-    error: str | None = None
+    error: str | None = None  # with finish_reason "error": "request {request_id}: " and the cause
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
