@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from loaders.load import fill, materialize, plan_loading
+from loaders.load import fill, materialize, plan_loading, untie_differing
 from loaders.types import DTYPE_NAMES, TensorRef
 
 
@@ -19,6 +19,7 @@ def copy_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], dtype: t
                         (lambda t=t: t.detach()), t.numel() * t.element_size())
         for name, t in state_dict.items()
     }
+    untie_differing(model, checkpoint)
     plan = plan_loading(model, checkpoint)
     materialize(model, dtype, device)
     fill(model, checkpoint, plan, progress=False)

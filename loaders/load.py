@@ -39,6 +39,7 @@ def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torc
     stay in FP8 where their modules take them (None: on a CUDA device with FP8 tensor cores,
     ``fp8_native``); else they are dequantised to ``dtype``. ``mmap``: parameters may map their file
     (``keepable``); False copies every tensor, for files that may change while the model lives."""
+    untie_differing(model, checkpoint)
     plan = plan_loading(model, checkpoint)
     fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
     mapped = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
@@ -57,16 +58,23 @@ def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...
     spellings of the model's ``checkpoint_aliases`` (regex rewrites of tensor names, applied in
     order): the spelling after each rewrite, so that a chain of rewrites names several layouts
     (LLaVA's module tree, the layout transformers saves, the hub's). A parameter shared by two
-    modules (tied embeddings) is declared once, by its first owner."""
-    aliases = [(re.compile(pattern), replacement) for pattern, replacement in getattr(model, "checkpoint_aliases", ())]
+    modules (tied embeddings) goes by its first owner's name and takes the layouts of both, its
+    first owner's first: as in transformers, a checkpoint may hold it under either name."""
     layouts: dict[str, tuple[tuple[Shard, ...], ...]] = {}
-    owners: set[int] = set()
+    first_owner: dict[int, str] = {}
+    for param, _, _, name, options in _owners(model):
+        owner = first_owner.setdefault(id(param), name)
+        layouts[owner] = layouts.get(owner, ()) + tuple(o for o in options if o not in layouts.get(owner, ()))
+    return layouts
+
+
+def _owners(model: nn.Module):
+    """(parameter, module, attribute name, parameter name, its layouts) for every module that holds
+    a parameter, a shared one once per module (see ``declared_layouts``)."""
+    aliases = [(re.compile(pattern), replacement) for pattern, replacement in getattr(model, "checkpoint_aliases", ())]
     for prefix, module in model.named_modules():
         declared = module.checkpoint_shards(prefix) if hasattr(module, "checkpoint_shards") else {}
         for local_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            if id(param) in owners:
-                continue
-            owners.add(id(param))
             name = f"{prefix}.{local_name}" if prefix else local_name
             declaration = declared.get(local_name, [Shard(name)])
             options = list(declaration) if isinstance(declaration, OneOf) else [tuple(declaration)]
@@ -80,8 +88,48 @@ def declared_layouts(model: nn.Module) -> dict[str, tuple[tuple[Shard, ...], ...
                     spelled = tuple(Shard(n, shard.index, shard.source) for n, shard in zip(names, layout))
                     if spelled not in options:
                         options.append(spelled)
-            layouts[name] = tuple(options)
-    return layouts
+            yield param, module, local_name, name, tuple(options)
+
+
+def untie_differing(model: nn.Module, checkpoint: dict[str, TensorRef]) -> None:
+    """transformers' rule for tied parameters, on ``model`` built on the meta device: where the
+    checkpoint holds a shared parameter under two owners' names (an embedding and its tied head)
+    with different values, the config's tie is wrong; the later owner gets a parameter of its own,
+    which its tensors fill, with a warning. Equal copies stay tied (a head saved beside the
+    embedding it repeats)."""
+    owners: dict[int, list[tuple[nn.Module, str, str, tuple[Shard, ...]]]] = {}
+    for param, module, local_name, name, options in _owners(model):
+        complete = [layout for layout in options if all(shard.name in checkpoint for shard in layout)]
+        if complete:
+            owners.setdefault(id(param), []).append((module, local_name, name, complete[0]))
+    for held in owners.values():
+        _, _, first_name, first_layout = held[0]
+        for module, local_name, name, layout in held[1:]:
+            if _same_values(checkpoint, first_layout, layout):
+                continue
+            param = getattr(module, local_name)
+            setattr(module, local_name, nn.Parameter(torch.empty(param.shape, device="meta"), requires_grad=False))
+            files = sorted({str(checkpoint[shard.name].file) for shard in (*first_layout, *layout)})
+            warnings.warn(f"{', '.join(files)}: {name} and {first_name} hold different values, but the config ties "
+                          f"them (tie_word_embeddings); loaded untied, each from its own tensors, as transformers "
+                          f"does", stacklevel=3)
+
+
+def _same_values(checkpoint: dict[str, TensorRef], layout: tuple[Shard, ...], other: tuple[Shard, ...]) -> bool:
+    """Whether two layouts of one parameter fill it with the same values (layouts that tile it in other
+    parts count as different: untied, each is filled correctly anyway)."""
+    if [(s.index, s.source) for s in layout] != [(s.index, s.source) for s in other]:
+        return False
+    for shard, other_shard in zip(layout, other):
+        if shard.source is None:  # another rank's part
+            continue
+        ref, other_ref = checkpoint[shard.name], checkpoint[other_shard.name]
+        if ref.shape != other_ref.shape or ref.dtype != other_ref.dtype:
+            return False
+        part, other_part = (r.load_part(shard.source) if shard.source else r.load() for r in (ref, other_ref))
+        if not torch.equal(part, other_part):
+            return False
+    return True
 
 
 def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple, tuple]], list[str]]:
