@@ -28,11 +28,14 @@ def load_config(source: Source):
 
 
 def _check_json(path) -> None:
-    """A file that is not JSON is a CheckpointError naming it (transformers' JSONDecodeError names no file)."""
+    """A file that is not a JSON object is a CheckpointError naming it (transformers' JSONDecodeError
+    names no file; a list or a string where it reads an object's fields fails as an AttributeError)."""
     try:
-        json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: malformed JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a JSON object (its top level is {type(value).__name__}: {value!r:.40})")
 
 
 def _gguf_config(source: Source):
@@ -90,7 +93,9 @@ def load_generation_config(path_or_repo_id):
     _check_json(path)
     try:
         return from_checkpoint(GenerationConfig, Source(directory))
-    except (OSError, ValueError) as exc:
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a field of the wrong type fails as a TypeError, an invalid value as a ValueError
         raise CheckpointError(f"{path}: {exc}") from exc
 
 
@@ -163,11 +168,13 @@ def load_processor(path_or_repo_id):
     declared = [source.directory / name for name in PROCESSOR_FILES if (source.directory / name).exists()]
     if source.gguf_file is not None or not declared:
         return None
+    for path in declared:
+        _check_json(path)
     try:
         processor = from_checkpoint(transformers.AutoProcessor, source)
     except CheckpointError:
         raise
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except Exception as exc:  # transformers and its image processors raise their own types
         raise CheckpointError(f"{declared[0]}: the checkpoint's processor cannot be built: {exc}") from exc
     return processor if hasattr(processor, "image_processor") else None
 

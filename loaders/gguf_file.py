@@ -7,6 +7,7 @@ of Llama's q/k projections for its interleaved rotary layout; ``unpermute`` rest
 HuggingFace's rotate-half layout.
 """
 
+import functools
 import math
 import re
 import struct
@@ -72,8 +73,21 @@ def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 _TORCH_BLOCK_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 
 
+@functools.cache
+def dequantisable(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether ``dequantize_tensor`` takes the type: the installed gguf's dequantisation, tried on
+    one block of zeros, covers every float and block type but a few (integer tensors among them)."""
+    try:
+        dequantize_tensor(np.zeros((1, GGML_QUANT_SIZES[ggml_type][1]), np.uint8), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def dequantize_tensor(data: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     """The float32 values of ``data``, a GGUF tensor's stored rows (``GGUFTensor.data``), flat."""
+    if ggml_type == GGMLQuantizationType.F64:  # a float type gguf's dequantisation leaves out
+        return torch.from_numpy(np.array(data).view(np.float64)).float().reshape(-1)
     if ggml_type not in _TORCH_BLOCK_TYPES:
         values = dequantize(data, ggml_type).reshape(-1)  # F32's is a view of the read-only file
         return torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
@@ -240,6 +254,9 @@ def read_gguf(path: Path) -> GGUFFile:
         if not 1 <= n_dims <= _MAX_DIMS:
             raise CheckpointError(f"{path}: tensor {name!r} has {n_dims} dimensions")
         dims = struct.unpack_from(f"<{n_dims}Q", header.buffer, header.take(n_dims * _U64.size))
+        if not all(dims) or math.prod(dims) >= 2**63:  # the element count is an int64 in llama.cpp
+            raise CheckpointError(f"{path}: tensor {name!r} has dimensions {list(dims)}: each must be positive "
+                                  f"and their product below 2**63")
         raw_type = header.read(_U32)
         if raw_type not in GGML_QUANT_SIZES:
             raise CheckpointError(f"{path}: tensor {name!r} has unknown GGML type {raw_type}")
@@ -322,6 +339,10 @@ def gguf_tensors(path: Path, config) -> dict[str, TensorRef]:
         name = hf_name(tensor.name)
         if name is None:
             continue
+        if not dequantisable(tensor.ggml_type):  # refused before the model is built, not while it loads
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name!r} has GGML type {tensor.ggml_type.name}, which cannot be dequantised"
+            )
         heads = next((h for suffix, h in permuted_heads.items() if name.endswith(suffix)), None)
         tensors[name] = TensorRef(
             name, tensor.shape, "F32", path, _reader(tensor, heads, path), math.prod(tensor.shape) * 4
@@ -331,12 +352,7 @@ def gguf_tensors(path: Path, config) -> dict[str, TensorRef]:
 
 def _reader(tensor: GGUFTensor, heads, path):
     def load() -> torch.Tensor:
-        try:
-            weight = dequantize_tensor(tensor.data, tensor.ggml_type).reshape(tensor.shape)
-        except NotImplementedError as exc:
-            raise CheckpointError(
-                f"{path}: tensor {tensor.name!r} has GGML type {tensor.ggml_type.name}, which cannot be dequantised"
-            ) from exc
+        weight = dequantize_tensor(tensor.data, tensor.ggml_type).reshape(tensor.shape)
         return weight if heads is None else unpermute(weight, heads)
 
     return load

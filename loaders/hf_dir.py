@@ -23,6 +23,8 @@ def checkpoint_files(directory: Path) -> list[Path]:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: not a valid safetensors index (weight_map is not an object)")
+        if not weight_map:
+            raise CheckpointError(f"{index}: its weight_map lists no tensors")
         for tensor, name in weight_map.items():
             if not _inside(name):
                 raise CheckpointError(f"{index}: weight_map entry {tensor!r} names the shard {name!r}, "

@@ -88,14 +88,17 @@ def checkpoint_dtype(config) -> torch.dtype:
     return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
 
 
-# The config fields that size a model (its tensors, the tables built with it, its cache): each, where
-# a config has it, is a positive integer. A count of layers is at most the checkpoint's tensor count;
-# every other size at most its element count, so a damaged field fails before anything is allocated.
+# The config fields that size a model (its tensors, the tables built with it, its cache) and the
+# counts it divides by (every decoder_sparse_step-th layer sparse, experts in n_group groups, images in
+# patch_size patches): each, where a config has it, is a positive integer. A count of layers is at most
+# the checkpoint's tensor count; every other size at most its element count, so a damaged field fails
+# before anything is allocated.
 SIZE_FIELDS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
     "max_position_embeddings", "num_hidden_layers", "moe_intermediate_size", "shared_expert_intermediate_size",
     "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
-    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+    "decoder_sparse_step", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+    "qk_nope_head_dim", "v_head_dim", "image_size", "patch_size", "num_channels",
 )
 UNBOUNDED_FIELDS = ("max_position_embeddings",)  # sizes the KV cache, which the engine's budget bounds
 # The config fields of numbers the layers compute with: each, where a config has it (null: a soft-cap
@@ -168,7 +171,7 @@ def _build_on_meta(config, source: str, tensor_parallel=None, expert_parallel: b
     with torch.device("meta"):
         try:
             model = model_class(config)
-        except ValueError as exc:  # a config value no layer takes (hidden_act, rope_type): the checkpoint's
+        except (ValueError, ArithmeticError) as exc:  # a config value no layer takes (hidden_act, rope_type)
             raise CheckpointError(f"{source}: {exc}") from exc
         return model if tensor_parallel is None else layers.tensor_parallel(model, tensor_parallel, expert_parallel)
 

@@ -73,6 +73,14 @@ def test_missing_shard(make_checkpoint):
         AutoModelForCausalLM.from_pretrained(path)
 
 
+def test_an_index_of_no_tensors(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("llama"), max_shard_size="40KB")
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "weight_map": {}}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: its weight_map lists no tensors"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
 def test_no_weights(checkpoint):
     (checkpoint / "model.safetensors").unlink()
     (checkpoint / "pytorch_model.bin").write_bytes(b"not loaded")
@@ -329,6 +337,7 @@ TINY_MODELS = {
     "gemma2": lambda: hf_model(tiny_config("gemma2", head_dim=16)),
     "deepseek_v3": lambda: hf_model(deepseek_config()),
     "llava": lambda: hf_llava(llava_config()),
+    "qwen3_moe": lambda: hf_model(tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
 }
 NAN, INF = float("nan"), float("inf")
 
@@ -371,6 +380,11 @@ def set_field(fields: dict, dotted_name: str, value):
     ("llava", "vision_config.layer_norm_eps", -1e-5,
      r"'vision_config\.layer_norm_eps' must be a finite positive number, got -1e-05"),
     ("llava", "text_config.hidden_size", 0, r"'text_config\.hidden_size' must be a positive integer, got 0"),
+    # Counts a layer divides by
+    ("qwen3_moe", "decoder_sparse_step", 0, r"'decoder_sparse_step' must be a positive integer, got 0"),
+    ("deepseek_v3", "n_group", 0, r"'n_group' must be a positive integer, got 0"),
+    ("deepseek_v3", "topk_group", 0, r"'topk_group' must be a positive integer, got 0"),
+    ("llava", "vision_config.patch_size", 0, r"'vision_config\.patch_size' must be a positive integer, got 0"),
 ])
 def test_config_numbers_a_layer_computes_with_are_checked_before_it_is_built(tmp_path, model, field, value, message,
                                                                              monkeypatch):

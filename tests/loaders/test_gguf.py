@@ -115,6 +115,34 @@ def test_torch_dequantisation_gives_gguf_py_values_bit_for_bit(qtype):
     assert torch.equal(ours, torch.from_numpy(dequantize(rows, qtype).reshape(-1)))
 
 
+def test_float64_tensors_dequantise_to_their_float32_values():
+    values = np.random.default_rng(0).normal(size=(3, 5))
+    ours = dequantize_tensor(values.view(np.uint8), T.F64)
+    assert ours.dtype == torch.float32 and torch.equal(ours, torch.from_numpy(values.astype(np.float32)).reshape(-1))
+
+
+def test_a_tensor_of_a_type_that_does_not_dequantise_is_refused_before_the_model_is_built(good_file, tmp_path,
+                                                                                          monkeypatch):
+    import models.auto
+
+    path = tmp_path / "int.gguf"
+    path.write_bytes(good_file.read_bytes())
+    reader = GGUFReader(path, "r+")
+    [norm] = [t for t in reader.tensors if t.name == "output_norm.weight"]
+    assert norm.tensor_type == T.F32
+    norm.field.parts[4][:] = int(T.I32)  # the tensor info's type: the same 4 bytes an element
+    reader.data.flush()
+    del reader
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("the model was built before its tensors' types were checked")
+
+    monkeypatch.setattr(models.auto, "_build_on_meta", no_building)
+    with pytest.raises(CheckpointError, match=r"int.gguf: tensor 'output_norm.weight' has GGML type I32, "
+                                              r"which cannot be dequantised"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
 def test_reader_matches_gguf_py(case):
     """zoo's header reader finds the same tensors as gguf-py's GGUFReader, down to the stored bytes."""
     _, path, *_ = case
@@ -252,6 +280,21 @@ def test_truncated_file_in_zoo_reader(good_file, tmp_path, cut, message):
     with pytest.raises(CheckpointError, match=f"truncated GGUF file: {message}") as err:
         gguf_tensors(path, config)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("dims", [[0, 64], [2**32, 2**32], [0, 2**63]])
+def test_dimensions_no_tensor_can_have_are_named(good_file, tmp_path, dims):
+    path = tmp_path / "dims.gguf"
+    path.write_bytes(good_file.read_bytes())
+    reader = GGUFReader(path, "r+")
+    [tensor] = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    tensor.field.parts[3][:] = dims  # the tensor info's dimensions
+    reader.data.flush()
+    del reader
+    for load in (read_gguf, load_tokenizer, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(CheckpointError, match=rf"dims.gguf: tensor 'token_embd.weight' has dimensions "
+                                                  rf"\[{dims[0]}, {dims[1]}\]: each must be positive"):
+            load(path)
 
 
 @pytest.mark.parametrize(

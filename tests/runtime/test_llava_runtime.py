@@ -331,6 +331,23 @@ def test_images_for_a_model_that_takes_none_or_without_a_processor_fail_their_re
     assert output.error == "request 0: multi_modal_data is given, but the checkpoint has no image processor"
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[1]", r"not a JSON object \(its top level is list: \[1\]\)"),
+    ('"x"', r"not a JSON object \(its top level is str: 'x'\)"),
+    ("{", "malformed JSON"),
+])
+def test_a_processor_file_that_cannot_be_read_is_named(llava, tmp_path, text, message):
+    import shutil
+
+    from loaders import CheckpointError, load_processor
+
+    path = shutil.copytree(llava[0], tmp_path / "llava")
+    assert load_processor(path) is not None
+    (path / "preprocessor_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"llava/preprocessor_config\.json: " + message):
+        load_processor(path)
+
+
 def test_zoo_generate_takes_images(llava, tmp_path, capsys):
     from runtime.cli import main
 

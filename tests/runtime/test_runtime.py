@@ -699,15 +699,21 @@ def test_an_eos_id_that_is_no_token_id_is_named(checkpoints, tmp_path):
         llm(path)
 
 
-def test_a_generation_config_that_cannot_be_read_is_named(checkpoints, tmp_path):
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "malformed JSON"),
+    ("[1]", r"not a JSON object \(its top level is list: \[1\]\)"),
+    ("null", r"not a JSON object \(its top level is NoneType: None\)"),
+    ('{"max_new_tokens": "x"}', "'<=' not supported"),  # a field of the wrong type
+])
+def test_a_generation_config_that_cannot_be_read_is_named(checkpoints, tmp_path, text, message):
     # Not passed over for the model config's EOS ids, which may not be the ones generate stops at.
     import shutil
 
     from loaders import CheckpointError
 
     path = shutil.copytree(checkpoints["llama"][0], tmp_path / "llama")
-    (path / "generation_config.json").write_text("{bad")
-    with pytest.raises(CheckpointError, match=r"llama/generation_config.json: malformed JSON"):
+    (path / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"llama/generation_config.json: " + message):
         llm(path)
 
 
