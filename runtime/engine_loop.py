@@ -52,6 +52,11 @@ class Delta:
     error: str | None = None
 
 
+class EngineUnavailable(RuntimeError):
+    """No request can be queued: the engine loop has stopped, the LLM's ranks have failed, or the
+    server is shutting down (``GET /health`` says which)."""
+
+
 class RequestRejected(ValueError):
     """The error of a request the engine refuses to add; ``index`` is its place in its group,
     ``error`` the ValueError it was refused with (a ConversationError names a chat's message and part)."""
@@ -142,12 +147,12 @@ class EngineLoop:
         """Queue requests (one per prompt, each with its params) as one group. The group's first bad
         request raises RequestRejected naming what is wrong, and none of the group runs."""
         if self.unavailable is not None:
-            raise RuntimeError(self.unavailable)
+            raise EngineUnavailable(self.unavailable)
         submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
                                  time.perf_counter())
         with self._stopping_lock:
             if self._stopping:
-                raise RuntimeError(_SHUTTING_DOWN)
+                raise EngineUnavailable(_SHUTTING_DOWN)
             self._num_submitted += len(prompts)
             self._unprepared.put(submission)
         try:
@@ -195,7 +200,7 @@ class EngineLoop:
                     self._commands.put(submission)  # a rejected one too: the engine thread answers every submission
                     continue
             if submission.accepted.set_running_or_notify_cancel():
-                submission.accepted.set_exception(RuntimeError(_SHUTTING_DOWN))
+                submission.accepted.set_exception(EngineUnavailable(_SHUTTING_DOWN))
 
     def _prepare(self, submission: _Submission) -> None:
         # The server repeats a prompt once per choice: each distinct prompt is prepared once.

@@ -209,18 +209,19 @@ class LLM:
         ``sampling_params``: one ``SamplingParams`` for every prompt, or a list of them, one per prompt."""
         with self._one_thread():
             outputs = self._add_requests(prompts, sampling_params)
-            done = sum(o.finished for o in outputs)
+            unfinished = {o.request_id for o in outputs if not o.finished}
             start, generated = time.perf_counter(), 0
-            with self._aborting_unfinished(outputs), \
-                    tqdm(total=len(outputs), initial=done, desc="Generating", disable=not use_tqdm) as bar:
-                while self.engine.has_unfinished():
+            with self._aborting_unfinished(outputs), tqdm(total=len(outputs), initial=len(outputs) - len(unfinished),
+                                                          desc="Generating", disable=not use_tqdm) as bar:
+                # The engine may also hold the requests of a stream of this thread that waits for its reader.
+                while unfinished and self.engine.has_unfinished():
                     changed = self.engine.step()
-                    if bar.disable:  # the bar's figures cost a pass over all outputs: only when it shows
+                    finished = unfinished.intersection(o.request_id for o in changed if o.finished)
+                    unfinished -= finished
+                    if bar.disable:
                         continue
                     generated += sum(1 for o in changed if o.error is None)
-                    finished = sum(o.finished for o in outputs)
-                    bar.update(finished - done)
-                    done = finished
+                    bar.update(len(finished))
                     bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - start):.1f}", refresh=False)
             return outputs
 
@@ -239,25 +240,31 @@ class LLM:
             yield from self._stream(prompts, sampling_params)
 
     def _stream(self, prompts, sampling_params) -> Iterator[StreamDelta]:
+        # Deltas come from the outputs' state, not from the steps this stream runs: while it is
+        # suspended, another call of the same thread (a generate, a second stream) steps its requests too.
         outputs = self._add_requests(prompts, sampling_params)
-        index_of = {o.request_id: i for i, o in enumerate(outputs)}
-        sent_tokens = {o.request_id: 0 for o in outputs}
-        sent_text = {o.request_id: 0 for o in outputs}
+        sent_tokens, sent_text, ended = [0] * len(outputs), [0] * len(outputs), [False] * len(outputs)
         with self._aborting_unfinished(outputs):
-            for output in outputs:
-                if output.finished:
-                    yield StreamDelta(index_of[output.request_id], [], "", output.finish_reason, output.error)
-            while self.engine.has_unfinished():
-                for output in self.engine.step():
+            while True:
+                for index, output in enumerate(outputs):
+                    if ended[index] or (len(output.token_ids) == sent_tokens[index] and not output.finished):
+                        continue
                     self.engine.refresh_text(output)
-                    rid = output.request_id
-                    if output.finished:
-                        text = output.text
-                    else:
-                        text = settled_text(output.text, self.engine.sequences[rid].params.stop)
-                    yield StreamDelta(index_of[rid], output.token_ids[sent_tokens[rid]:], text[sent_text[rid]:],
-                                      output.finish_reason, output.error)
-                    sent_tokens[rid], sent_text[rid] = len(output.token_ids), len(text)
+                    stops = [] if output.finished else self.engine.sequences[output.request_id].params.stop
+                    text = output.text if output.finished else settled_text(output.text, stops)
+                    delta = StreamDelta(index, output.token_ids[sent_tokens[index]:], text[sent_text[index]:],
+                                        output.finish_reason, output.error)
+                    # Counted before the yield: while it waits, other calls' steps may add tokens.
+                    sent_tokens[index] += len(delta.token_ids)
+                    sent_text[index], ended[index] = len(text), delta.finish_reason is not None
+                    yield delta
+                if all(ended):
+                    return
+                if all(o.finished for o in outputs):  # finished by other calls' steps: their last deltas are due
+                    continue
+                if not self.engine.has_unfinished():  # dropped by another call
+                    return
+                self.engine.step()
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them. A content is a

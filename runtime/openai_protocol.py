@@ -46,6 +46,14 @@ MAX_CHOICES = 2048
 # characters each.
 MAX_STOP = 16
 MAX_STOP_LENGTH = 1024
+# Stop token ids are checked against every new token: a few hundred cover any model's end tokens.
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _list_of(item):
+    """A list that stops at its first bad element: one error, where pydantic would otherwise record one
+    per element (a list of millions of them in a 32 MiB body took a minute and gigabytes to reject)."""
+    return Annotated[list[item], Field(fail_fast=True)]
 
 
 class _SamplingRequest(_Strict):
@@ -56,7 +64,7 @@ class _SamplingRequest(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: str | _list_of(str) | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -67,7 +75,7 @@ class _SamplingRequest(_Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: _list_of(int) | None = None
 
     def check(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -78,6 +86,9 @@ class _SamplingRequest(_Strict):
                 param = f"stop[{i}]" if isinstance(self.stop, list) else "stop"
                 raise APIError(400, f"{param}: a stop sequence takes at most {MAX_STOP_LENGTH} characters, "
                                     f"got {len(stop)}", param)
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+                           "stop_token_ids")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is for streamed requests: set stream to true, or leave it out",
                            "stream_options")
@@ -152,8 +163,9 @@ class ImagePart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: str | _list_of(Annotated[TextPart | ImagePart, Field(discriminator="type")]) | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message's: the call it answers, which chat templates render
 
     def for_template(self, index: int) -> dict:
         """The message (``messages[index]``) as ``LLM.chat`` takes it (which joins text-only parts):
@@ -165,8 +177,9 @@ class ChatMessage(_Strict):
                                                                      f"messages[{index}].content[{i}].image_url.url")}
                        for i, part in enumerate(content)]
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for field in ("name", "tool_call_id"):
+            if getattr(self, field) is not None:
+                message[field] = getattr(self, field)
         return message
 
 
@@ -187,7 +200,7 @@ def decoded_image(url: str, param: str):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -234,8 +247,8 @@ def _prompt_form(prompt) -> str:
 
 
 Prompt = Annotated[
-    Annotated[str, Tag("one text")] | Annotated[list[str], Tag("texts")] | Annotated[list[int], Tag("token ids")]
-    | Annotated[list[list[int]], Tag("token id lists")],
+    Annotated[str, Tag("one text")] | Annotated[_list_of(str), Tag("texts")] | Annotated[_list_of(int), Tag("token ids")]
+    | Annotated[_list_of(_list_of(int)), Tag("token id lists")],
     Discriminator(_prompt_form),
 ]
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from runtime.engine_loop import EngineLoop, RequestGroup, RequestRejected, TokenLogprob
+from runtime.engine_loop import EngineLoop, EngineUnavailable, RequestGroup, RequestRejected, TokenLogprob
 from runtime.llm import LLM, ConversationError
 from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -86,6 +86,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
                 if exc.error.part_index is not None:
                     param += f".content[{exc.error.part_index}]"
             raise APIError(400, f"{param}: {reason}", param) from exc
+        except EngineUnavailable as exc:  # as /health says it: retry elsewhere
+            raise APIError(503, str(exc), type="server_error", code="service_unavailable") from exc
         except Exception as exc:  # the engine loop logged it; the client gets the API's shape of it
             raise APIError(500, f"internal error: {exc}", type="server_error") from exc
 

@@ -1,6 +1,7 @@
 """The runtime on tiny random checkpoints, float32: token-identical to HuggingFace's generate and
 to itself under chunked prefill, prefix caching, preemption and batching."""
 
+import itertools
 import random
 import types
 
@@ -791,6 +792,40 @@ def test_streaming_adds_up_to_generate(checkpoints):
         if delta.finish_reason:
             finished.add(delta.index)
     assert streamed == expected and finished == {0, 1, 2}
+
+
+def test_calls_made_while_a_stream_is_suspended_each_get_their_own_requests(checkpoints):
+    """A generate, or another stream, of the same thread while a stream waits for its reader: every
+    step runs all their requests, and each call still gives all of its own tokens and finish."""
+    path, _ = checkpoints["qwen2"]
+    engine = llm(path)
+    first, second, third = prompts(2, seed=21), prompts(3, seed=22), prompts(2, seed=23)
+    expected = {name: token_ids(llm(path).generate(batch, GREEDY, use_tqdm=False))
+                for name, batch in {"first": first, "second": second, "third": third}.items()}
+
+    def collect(deltas, size):
+        tokens, reasons = [[] for _ in range(size)], [None] * size
+        for delta in deltas:
+            assert reasons[delta.index] is None  # nothing after a request's finish
+            tokens[delta.index] += delta.token_ids
+            reasons[delta.index] = delta.finish_reason
+        return tokens, reasons
+
+    stream = engine.stream(first, GREEDY)
+    head = [next(stream)]
+    assert token_ids(engine.generate(second, GREEDY, use_tqdm=False)) == expected["second"]
+    tokens, reasons = collect([*head, *stream], 2)
+    assert tokens == expected["first"] and None not in reasons
+
+    one, other = engine.stream(first, GREEDY), engine.stream(third, GREEDY)
+    interleaved = [[], []]
+    for deltas in itertools.zip_longest(one, other):
+        for side, delta in enumerate(deltas):
+            if delta is not None:
+                interleaved[side].append(delta)
+    assert collect(interleaved[0], 2)[0] == expected["first"]
+    assert collect(interleaved[1], 2)[0] == expected["third"]
+    assert not engine.engine.sequences and not engine.engine.outputs
 
 
 @pytest.mark.slow

@@ -532,6 +532,8 @@ BAD_REQUESTS = {
     "stream_options, not streamed": ("completions", {"model": MODEL, "prompt": "hi",
                                                      "stream_options": {"include_usage": True}}, 400, "stream_options",
                                      "set stream to true"),
+    "257 stop token ids": ("completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [1] * 257}, 400,
+                           "stop_token_ids", "stop_token_ids takes at most 256 ids, got 257"),
     "17 stop sequences": ("chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop",
                           "at most 16 sequences, got 17"),
     "top_logprobs 30": ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
@@ -589,6 +591,31 @@ def test_a_prompt_of_millions_of_token_ids_is_parsed_about_as_fast_as_its_json()
     assert time.perf_counter() - started < 3 * json_s
 
 
+@pytest.mark.parametrize("route, field, bad_list, param", [
+    ("chat/completions", "messages", [1] * 2_000_000, "messages[0]"),
+    ("chat/completions", "stop", ["a", *[1] * 2_000_000], "stop[1]"),
+    ("completions", "stop_token_ids", [""] * 2_000_000, "stop_token_ids[0]"),
+    ("completions", "prompt", [1, *[True] * 2_000_000], "prompt[1]"),
+    ("completions", "prompt", [[1], [1, *[True] * 2_000_000]], "prompt[1][1]"),
+])
+def test_a_list_of_millions_of_bad_elements_is_refused_at_its_first(route, field, bad_list, param):
+    """One error, not one per element (a 7.6 MiB body of them took 24 s and 5.5 GiB, the event loop held)."""
+    from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+
+    request = ChatCompletionRequest if route == "chat/completions" else CompletionRequest
+    body = json.dumps({"model": MODEL, **({"messages": CONVERSATION} if field != "messages" else {}),
+                       **({"prompt": "hi"} if request is CompletionRequest and field != "prompt" else {}),
+                       field: bad_list}).encode()
+    started = time.perf_counter()
+    json.loads(body)
+    json_s = time.perf_counter() - started
+    started = time.perf_counter()
+    with pytest.raises(APIError) as refused:
+        parse_request(request, body)
+    assert time.perf_counter() - started < max(1.0, 20 * json_s)  # one error per element: seconds
+    assert refused.value.status == 400 and refused.value.param == param, refused.value.message
+
+
 def test_a_body_past_32_mib_is_refused_before_it_is_read(server, client):
     host, port = server[0].removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -601,6 +628,27 @@ def test_a_body_past_32_mib_is_refused_before_it_is_read(server, client):
     connection.close()
     assert response.status == 413 and set(error) == {"message", "type", "param", "code"}, error
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_request_while_the_engine_is_unavailable_is_a_503_as_health_says(checkpoint, monkeypatch):
+    llm = LLM(str(checkpoint), device="cpu")
+    with serving(llm) as base_url:
+        monkeypatch.setattr(LLM, "failure", property(lambda self: "rank 1 has failed"))
+        assert get(f"{base_url}/health", key=None) == (503, '{"status":"rank 1 has failed"}')
+        status, body = post(f"{base_url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 503 and body["error"] == {"message": "rank 1 has failed", "type": "server_error",
+                                                   "param": None, "code": "service_unavailable"}
+
+
+def test_a_tool_message_reaches_the_template_with_the_call_it_answers(client):
+    from runtime.openai_protocol import ChatCompletionRequest
+
+    messages = [*CONVERSATION, {"role": "assistant", "content": "x"},
+                {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    assert ChatCompletionRequest(model=MODEL, messages=messages).conversation()[-1] == {
+        "role": "tool", "content": "42", "tool_call_id": "call_1"}
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 2
 
 
 def test_bad_requests_leave_the_server_serving_the_others(client):
