@@ -78,7 +78,7 @@ class BlockManager:
             seq.block_hashes.append(hash(key))
         if matched:
             self._append_blocks(seq, matched)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give the sequence blocks for ``num_new_tokens`` more tokens; False (nothing taken) if too few are free."""

@@ -102,17 +102,20 @@ def _diff(args) -> int:
     import torch
 
     from loaders import default_model_path
-    from runtime.diff import DEFAULT_STEPS, diff_checkpoint, format_rows
+    from runtime.diff import DEFAULT_PROMPT, DEFAULT_STEPS, diff_checkpoint, format_rows
 
     if args.steps is not None and not args.runtime:
         raise ValueError("--steps counts the decode steps of --runtime: give --runtime too")
+    if args.prompt is not None and args.token_ids:
+        raise ValueError("give --prompt or --token-ids, not both")
     steps = DEFAULT_STEPS if args.steps is None else args.steps
     model = args.model or str(default_model_path())
     input_ids = torch.tensor([args.token_ids]) if args.token_ids else None
     images = _open_images(args.image or [])
     path = f"the runtime's prefill and {steps} decode steps" if args.runtime else "a cache-free forward"
     print(f"zoo diff: {model} ({args.dtype}, {args.device}, {path}) against HuggingFace transformers", flush=True)
-    rows = diff_checkpoint(model, input_ids=input_ids, prompt=args.prompt, dtype=getattr(torch, args.dtype),
+    rows = diff_checkpoint(model, input_ids=input_ids, prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
+                           dtype=getattr(torch, args.dtype),
                            device=args.device, atol=args.atol, rtol=args.rtol,
                            runtime_steps=steps if args.runtime else None, images=images)
     print(format_rows(rows))
@@ -330,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Diff a model layer by layer against HuggingFace transformers.",
                                formatter_class=formatter)
     diff.add_argument("model", nargs="?", help=MODEL_HELP)
-    diff.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run through both models")
+    diff.add_argument("--prompt", help=f"text to run through both models (default: {DEFAULT_PROMPT!r})")
     diff.add_argument("--token-ids", type=token_ids,
                       help="comma-separated token ids to use instead of --prompt (default: none)")
     diff.add_argument("--image", action="append", metavar="PATH",

@@ -128,7 +128,8 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.config.max_model_len}, "
+                             f"which holds the prompt and at least one generated token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -262,7 +263,7 @@ class Engine:
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         output = self.outputs[seq.request_id]
-        output.num_cached_tokens = seq.num_cached_tokens
+        output.num_cached_tokens = seq.num_cached_tokens or 0
         if seq.status == Status.FINISHED:
             if seq.stop_string is None:  # else its text is cut where the stop string begins
                 output.text = self.detokenize(seq.output_token_ids)

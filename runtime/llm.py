@@ -176,11 +176,16 @@ class LLM:
                 self._owner = None
 
     def _add_requests(self, prompts, sampling_params) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and is_integer(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a string, a list of token ids, a dict, or a list of these, "
                             f"got {type(prompts).__name__}")
+        for index, prompt in enumerate(prompts):
+            if not isinstance(prompt, (str, dict, list, tuple)):
+                raise TypeError(f"prompts[{index}] must be a string, a list of token ids or a dict, "
+                                f"got {type(prompt).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):

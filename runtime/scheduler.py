@@ -95,6 +95,8 @@ class Scheduler:
                 self.block_manager.free_sequence(seq)  # give back the prefix blocks until it is admitted
                 break
             self.waiting.popleft()
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             (decodes if is_decode(seq, count) else prefills).append((seq, count))

@@ -36,7 +36,9 @@ class Sequence:
         self.num_pending = 0  # trailing entries of token_ids still on their way from the device
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
-        self.num_cached_tokens = 0  # of those, how many the prefix cache supplied at admission
+        # Of its prompt, how many tokens the prefix cache supplied at its first admission (None before it):
+        # re-admitted after a preemption, it finds its own blocks.
+        self.num_cached_tokens: int | None = None
         self.block_table: list[int] = []
         self.table_row: int | None = None  # its row of the block manager's block_tables while it holds blocks
         self.block_hashes: list[int] = []  # prefix-cache keys of the leading full blocks

@@ -109,9 +109,11 @@ def test_a_truncated_image_and_steps_without_runtime_are_errors_before_the_model
     assert main(["generate", "--image", str(cut), "<image> What is it?"]) == 2
     assert main(["diff", "--image", str(cut)]) == 2
     assert main(["diff", "--steps", "3"]) == 2
+    assert main(["diff", "--prompt", "Hi", "--token-ids", "1,2"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     errors = captured.err.splitlines()
+    assert errors[3] == "zoo diff: error: give --prompt or --token-ids, not both"
     assert errors[0].startswith(f"zoo generate: error: --image {cut}: ") and "truncated" in errors[0]
     assert errors[1].startswith(f"zoo diff: error: --image {cut}: ") and "truncated" in errors[1]
     assert errors[2] == "zoo diff: error: --steps counts the decode steps of --runtime: give --runtime too"

@@ -358,6 +358,18 @@ def test_preemption_changes_nothing(checkpoints):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
+def test_a_preempted_request_counts_as_cached_only_what_the_cache_held_at_its_first_admission(checkpoints):
+    """Re-admitted, it finds the blocks it computed itself: those are no prefix-cache hit of its prompt."""
+    path, _ = checkpoints["llama"]
+    batch = prompts(6, seed=31, low=5, high=30)  # no two share a block
+    params = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)
+    tight = llm(path, num_blocks=14, max_model_len=56)
+    outputs = tight.generate(batch, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.num_cached_tokens for o in outputs] == [0] * 6
+    assert token_ids(outputs) == token_ids(llm(path).generate(batch, params, use_tqdm=False))
+
+
 def test_block_table_rows_follow_the_sequences(checkpoints):
     """The rows of the block manager's table, which the model reads, equal each sequence's block
     table after every step: through prefix-cache hits, preemption, and rows that finished
@@ -570,6 +582,8 @@ def test_max_model_len_ends_generation_at_the_same_token(checkpoints):
     free = token_ids(llm(path).generate(batch, params, use_tqdm=False))
     for prompt, output, unbounded in zip(batch, outputs, free):
         assert output.token_ids == unbounded[: 24 - len(prompt)] and output.finish_reason == "length"
+    [last] = llm(path, max_model_len=len(batch[0]) + 1).generate(batch[:1], params, use_tqdm=False)
+    assert last.token_ids == free[0][:1] and last.finish_reason == "length"
 
 
 def test_logprobs_are_the_models(checkpoints):
@@ -616,6 +630,8 @@ def test_bad_requests_fail_alone(checkpoints):
         "token id 97 is outside the vocabulary": ([5, 97], GREEDY),
         "max_tokens must be a positive integer": ([5, 6], SamplingParams(max_tokens=0)),
         "the prompt has 60 tokens; max_model_len is 48": ([5] * 60, GREEDY),
+        "the prompt has 48 tokens; max_model_len is 48, which holds the prompt and at least one generated token":
+            ([5] * 48, GREEDY),
         "temperature must be >= 0": ([5], SamplingParams(temperature=-1.0)),
         "top_p must be in (0, 1]": ([5], SamplingParams(top_p=0.0)),
         "min_p must be in [0, 1]": ([5], SamplingParams(min_p=1.5)),
@@ -676,6 +692,13 @@ def test_arguments_of_the_wrong_kind_are_named(checkpoints):
                                 ((p for p in ["a"]), "generator")):
         with pytest.raises(TypeError, match=f"prompts must be a string, .* got {kind}"):
             engine.generate(prompts_given, GREEDY, use_tqdm=False)
+    for prompts_given, kind in (([[5, 6], 5], "int"), (["a", None], "NoneType"), ([[5], b"x"], "bytes")):
+        with pytest.raises(TypeError, match=rf"prompts\[1\] must be a string, a list of token ids or a dict, got {kind}"):
+            engine.generate(prompts_given, GREEDY, use_tqdm=False)
+    assert not engine.engine.sequences  # raised before any request was queued
+    # a tuple of token ids is one prompt, as a list of them is
+    assert token_ids(llm(path).generate((5, 6, 7), GREEDY, use_tqdm=False)) == token_ids(
+        llm(path).generate([[5, 6, 7]], GREEDY, use_tqdm=False))
     with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams or a list of them, got dict; "
                                         r"make one of its settings with SamplingParams\(\*\*settings\)"):
         engine.generate("Hi", {"temperature": 0}, use_tqdm=False)
@@ -762,7 +785,8 @@ def test_a_cache_that_cannot_hold_one_sequence_of_max_model_len_is_refused(check
     engine = llm(path, num_blocks=4, max_model_len=16)
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outputs = engine.generate([[5] * 30, [5, 6, 7], [8, 9]], long, use_tqdm=False)
-    assert outputs[0].error == "request 0: the prompt has 30 tokens; max_model_len is 16"
+    assert outputs[0].error == ("request 0: the prompt has 30 tokens; max_model_len is 16, which holds the prompt and at "
+                                "least one generated token")
     assert [(o.finish_reason, len(o.token_ids)) for o in outputs[1:]] == [("length", 13), ("length", 14)]
 
 
