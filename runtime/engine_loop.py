@@ -66,6 +66,15 @@ class RequestRejected(ValueError):
         self.index, self.error = index, error
 
 
+class PastTheContext(ValueError):
+    """A prompt whose tokens and the ``max_tokens`` its request asks for exceed ``max_model_len``;
+    ``field`` names the request's field that asks (OpenAI refuses such a request, not cuts it short)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class _Submission:
     prompts: list  # per request: a text, token ids, or a conversation (a list of messages); then prepared
@@ -74,6 +83,7 @@ class _Submission:
     deltas: asyncio.Queue
     accepted: Future  # set to [(request_id, prompt_token_ids)], or to the error adding the requests raised
     arrival: float
+    max_tokens_field: str | None = None  # the request's field that set max_tokens, where it did
     rejection: Exception | None = None  # why its prompts could not be prepared
 
 
@@ -143,13 +153,17 @@ class EngineLoop:
 
     # -- the clients' side (any thread; submit from a coroutine) ------------------------------
 
-    async def submit(self, prompts: list, params: list[SamplingParams]) -> RequestGroup:
+    async def submit(self, prompts: list, params: list[SamplingParams], max_tokens_field: str | None = None
+                     ) -> RequestGroup:
         """Queue requests (one per prompt, each with its params) as one group. The group's first bad
-        request raises RequestRejected naming what is wrong, and none of the group runs."""
+        request raises RequestRejected naming what is wrong, and none of the group runs.
+        ``max_tokens_field``: the request field that set the params' max_tokens, which the prompt
+        and its max_tokens must then fit in max_model_len (``PastTheContext``); None: the engine
+        stops each request where the context ends."""
         if self.unavailable is not None:
             raise EngineUnavailable(self.unavailable)
         submission = _Submission(prompts, params, asyncio.get_running_loop(), asyncio.Queue(), Future(),
-                                 time.perf_counter())
+                                 time.perf_counter(), max_tokens_field)
         with self._stopping_lock:
             if self._stopping:
                 raise EngineUnavailable(_SHUTTING_DOWN)
@@ -211,6 +225,7 @@ class EngineLoop:
                     conversation = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
                     rendered = self.llm.chat_prompt(prompt) if conversation else prompt
                     by_identity[id(prompt)] = self.engine.prepare_prompt(rendered)
+                self._check_room(submission, by_identity[id(prompt)], submission.params[len(prepared)])
                 prepared.append(by_identity[id(prompt)])
         except Exception as exc:  # a bad prompt fails its submission alone, never the thread
             if isinstance(exc, ValueError):  # the request at fault is the one after those prepared
@@ -220,6 +235,13 @@ class EngineLoop:
             submission.rejection = exc
             return
         submission.prompts = prepared
+
+    def _check_room(self, submission: _Submission, prompt, params: SamplingParams) -> None:
+        max_model_len, field = self.engine.config.max_model_len, submission.max_tokens_field
+        if field is not None and len(prompt.token_ids) + params.max_tokens > max_model_len:
+            raise PastTheContext(f"{len(prompt.token_ids)} prompt tokens and {field}={params.max_tokens} make "
+                                 f"{len(prompt.token_ids) + params.max_tokens}, past max_model_len ({max_model_len}); "
+                                 f"lower {field}, or leave it out to generate until the context is full", field)
 
     # -- the engine thread ------------------------------------------------------------------
 

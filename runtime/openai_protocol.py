@@ -127,6 +127,12 @@ class _SamplingRequest(_Strict):
             choices.append(choice)
         return choices
 
+    @property
+    def max_tokens_field(self) -> str | None:
+        """The field that sets max_tokens (``max_tokens``, or a chat's ``max_completion_tokens``), or
+        None where the request leaves it out (it then runs until the context is full)."""
+        return None if self._max_tokens() is None else self._request_field("max_tokens")
+
     def _choice_seed(self, index: int) -> int | None:
         """Choice ``index``'s seed, seed + index, wrapped modulo 2**64 past the largest seed: the
         choices' seeds stay distinct and in range. Choice 0's is the request's as given, checked

@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from runtime.engine_loop import EngineLoop, EngineUnavailable, RequestGroup, RequestRejected, TokenLogprob
+from runtime.engine_loop import (EngineLoop, EngineUnavailable, PastTheContext, RequestGroup, RequestRejected,
+                                 TokenLogprob)
 from runtime.llm import LLM, ConversationError
 from runtime.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -77,9 +78,11 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
         params = request.sampling_params(max_model_len, vocab_size)
         repeated = [prompt for prompt in prompts.values() for _ in range(request.num_choices)]
         try:
-            return await app.state.engine_loop.submit(repeated, params * len(prompts))
+            return await app.state.engine_loop.submit(repeated, params * len(prompts), request.max_tokens_field)
         except RequestRejected as exc:  # the group repeats each prompt once per choice
             param, reason = list(prompts)[exc.index // request.num_choices], str(exc)
+            if isinstance(exc.error, PastTheContext):  # the field at fault; the message names the prompt
+                raise APIError(400, f"{exc.error.field}: {param}: {reason}", exc.error.field) from exc
             if isinstance(exc.error, ConversationError):  # the chat's message, or its part, at fault
                 reason = exc.error.reason
                 param += f"[{exc.error.message_index}]"

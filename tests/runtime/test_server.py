@@ -542,6 +542,13 @@ BAD_REQUESTS = {
                                       "logprobs"),
     "empty stop string": ("completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
     "echo": ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "echo"),
+    "max_tokens past the context": ("completions", {"model": MODEL, "prompt": [[5], [5] * (MAX_MODEL_LEN - 10)],
+                                                    "max_tokens": 11}, 400, "max_tokens",
+                                    f"max_tokens: prompt[1]: {MAX_MODEL_LEN - 10} prompt tokens and max_tokens=11 make "
+                                    f"{MAX_MODEL_LEN + 1}, past max_model_len ({MAX_MODEL_LEN}); lower max_tokens"),
+    "max_completion_tokens past the context": ("chat/completions", {**CHAT, "max_tokens": 1,
+                                                                     "max_completion_tokens": MAX_MODEL_LEN},
+                                               400, "max_completion_tokens", "messages: "),
     "streamed, too long": ("completions", {"model": MODEL, "prompt": "z" * MAX_MODEL_LEN, "stream": True}, 400, "prompt",
                            "max_model_len"),
 }
