@@ -171,7 +171,7 @@ def _build_on_meta(config, source: str, tensor_parallel=None, expert_parallel: b
     with torch.device("meta"):
         try:
             model = model_class(config)
-        except (ValueError, ArithmeticError) as exc:  # a config value no layer takes (hidden_act, rope_type)
+        except (ValueError, ArithmeticError) as exc:  # a config value no layer takes (hidden_act, rope_type, a zero)
             raise CheckpointError(f"{source}: {exc}") from exc
         return model if tensor_parallel is None else layers.tensor_parallel(model, tensor_parallel, expert_parallel)
 

@@ -111,11 +111,11 @@ def _diff(args) -> int:
     steps = DEFAULT_STEPS if args.steps is None else args.steps
     model = args.model or str(default_model_path())
     input_ids = torch.tensor([args.token_ids]) if args.token_ids else None
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     images = _open_images(args.image or [])
     path = f"the runtime's prefill and {steps} decode steps" if args.runtime else "a cache-free forward"
     print(f"zoo diff: {model} ({args.dtype}, {args.device}, {path}) against HuggingFace transformers", flush=True)
-    rows = diff_checkpoint(model, input_ids=input_ids, prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
-                           dtype=getattr(torch, args.dtype),
+    rows = diff_checkpoint(model, input_ids=input_ids, prompt=prompt, dtype=getattr(torch, args.dtype),
                            device=args.device, atol=args.atol, rtol=args.rtol,
                            runtime_steps=steps if args.runtime else None, images=images)
     print(format_rows(rows))
