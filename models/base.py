@@ -21,23 +21,23 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sliding_window(config, layer_idx: int) -> int | None:
-    """The layer's attention window: per layer from ``config.layer_types`` when the config has
-    them (Qwen2/3), else ``config.sliding_window`` on every layer (Mistral), else none."""
+def layer_types_window(config, layer_idx: int) -> int | None:
+    """The layer's attention window where ``config.layer_types`` marks it ``"sliding_attention"``
+    (Qwen2, Qwen3, Qwen2-MoE, Gemma 2). Each architecture reads its window as HF's does: Mistral,
+    Mixtral and Qwen3-MoE put ``config.sliding_window`` on every layer; Llama, Gemma and OLMo 2 read none."""
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None)
+    return config.sliding_window if layer_types is not None and layer_types[layer_idx] == "sliding_attention" else None
 
 
-def attention_shape(config, layer_idx: int) -> dict:
-    """The arguments of ``layers.Attention`` every HF decoder config spells the same way."""
+def attention_shape(config, sliding_window: int | None = None) -> dict:
+    """The arguments of ``layers.Attention`` every HF decoder config spells the same way, and the
+    layer's window (as its architecture reads it)."""
     return dict(
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim(config),
-        sliding_window=sliding_window(config, layer_idx),
+        sliding_window=sliding_window,
     )
 
 

@@ -15,7 +15,9 @@ class GemmaDecoderLayer(DecoderLayer):
     rms_norm = GemmaRMSNorm
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(config, LlamaAttention(config, layer_idx), LlamaMLP(config))
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention=True (attention over later tokens too) is not supported")
+        super().__init__(config, LlamaAttention(config), LlamaMLP(config))
 
 
 @register("GemmaForCausalLM")

@@ -7,7 +7,7 @@ on the layers ``config.layer_types`` says; the final logits soft-capped too.
 
 from layers import Attention, GatedMLP
 from models.auto import register
-from models.base import CausalLM, DecoderLayer, NormSlots, attention_shape
+from models.base import CausalLM, DecoderLayer, NormSlots, attention_shape, layer_types_window
 from models.modeling_gemma import GemmaRMSNorm
 
 
@@ -15,7 +15,7 @@ class Gemma2Attention(Attention):
     def __init__(self, config, layer_idx: int):
         bias = config.attention_bias
         super().__init__(
-            **attention_shape(config, layer_idx), qkv_bias=bias, o_bias=bias,
+            **attention_shape(config, layer_types_window(config, layer_idx)), qkv_bias=bias, o_bias=bias,
             scale=config.query_pre_attn_scalar**-0.5, logit_softcap=config.attn_logit_softcapping,
         )
 

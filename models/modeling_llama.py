@@ -1,17 +1,18 @@
-"""Llama, and the checkpoints that share its block: Mistral (sliding window) and Qwen2 (q/k/v bias).
+"""Llama, and the checkpoints that share its block: Mistral (``config.sliding_window`` on every layer)
+and Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks).
 
     x -> RMSNorm -> GQA self-attention with rotary -> + x -> RMSNorm -> SiLU-gated MLP -> +
 """
 
 from layers import Attention, GatedMLP
 from models.auto import register
-from models.base import CausalLM, DecoderLayer, attention_shape
+from models.base import CausalLM, DecoderLayer, attention_shape, layer_types_window
 
 
 class LlamaAttention(Attention):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, sliding_window: int | None = None):
         bias = getattr(config, "attention_bias", False)
-        super().__init__(**attention_shape(config, layer_idx), qkv_bias=bias, o_bias=bias)
+        super().__init__(**attention_shape(config, sliding_window), qkv_bias=bias, o_bias=bias)
 
 
 class LlamaMLP(GatedMLP):
@@ -23,19 +24,29 @@ class LlamaMLP(GatedMLP):
 
 class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, config, layer_idx: int):
-        super().__init__(config, LlamaAttention(config, layer_idx), LlamaMLP(config))
+        super().__init__(config, LlamaAttention(config), LlamaMLP(config))
 
 
-@register("LlamaForCausalLM", "MistralForCausalLM")
+@register("LlamaForCausalLM")
 class LlamaForCausalLM(CausalLM):
     decoder_layer = LlamaDecoderLayer
+
+
+class MistralDecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, LlamaAttention(config, config.sliding_window), LlamaMLP(config))
+
+
+@register("MistralForCausalLM")
+class MistralForCausalLM(CausalLM):
+    decoder_layer = MistralDecoderLayer
 
 
 class Qwen2Attention(Attention):
     """Llama attention with a bias on q, k and v (none on o_proj)."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(**attention_shape(config, layer_idx), qkv_bias=True)
+        super().__init__(**attention_shape(config, layer_types_window(config, layer_idx)), qkv_bias=True)
 
 
 class Qwen2DecoderLayer(DecoderLayer):

@@ -186,7 +186,8 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # LLaVA's own lm_head, the text model's until tensor_parallel replaces the module at this path.
-        return self.text_model.cap_logits(self.lm_head(hidden_states))
+        # Never soft-capped: HF's LLaVA does not read its text model's final_logit_softcapping (Gemma 2's).
+        return self.lm_head(hidden_states)
 
     def kv_cache_spec(self) -> list[tuple[tuple[int, ...], ...]]:
         return self.text_model.kv_cache_spec()

@@ -22,7 +22,7 @@ class MixtralSparseMoeBlock(SparseMoE):
 
 class MixtralDecoderLayer(DecoderLayer):
     def __init__(self, config, layer_idx: int):
-        super().__init__(config, LlamaAttention(config, layer_idx), MixtralSparseMoeBlock(config))
+        super().__init__(config, LlamaAttention(config, config.sliding_window), MixtralSparseMoeBlock(config))
 
 
 @register("MixtralForCausalLM")

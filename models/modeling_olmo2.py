@@ -15,10 +15,10 @@ Olmo2RMSNorm = partial(RMSNorm, multiply_in_float32=True)
 
 
 class Olmo2Attention(Attention):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config):
         bias = config.attention_bias
         super().__init__(
-            **attention_shape(config, layer_idx), qkv_bias=bias, o_bias=bias, qk_norm_eps=config.rms_norm_eps,
+            **attention_shape(config), qkv_bias=bias, o_bias=bias, qk_norm_eps=config.rms_norm_eps,
             qk_norm_per_head=False, rms_norm=Olmo2RMSNorm,
         )
 
@@ -31,7 +31,7 @@ class Olmo2DecoderLayer(DecoderLayer):
     rms_norm = Olmo2RMSNorm
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(config, Olmo2Attention(config, layer_idx), LlamaMLP(config))
+        super().__init__(config, Olmo2Attention(config), LlamaMLP(config))
 
 
 @register("Olmo2ForCausalLM")

@@ -3,14 +3,14 @@
 
 from layers import Attention
 from models.auto import register
-from models.base import CausalLM, DecoderLayer, attention_shape
+from models.base import CausalLM, DecoderLayer, attention_shape, layer_types_window
 from models.modeling_llama import LlamaMLP
 from models.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, is_sparse_layer
 
 
 class Qwen2MoeAttention(Attention):
     def __init__(self, config, layer_idx: int):
-        super().__init__(**attention_shape(config, layer_idx), qkv_bias=config.qkv_bias)
+        super().__init__(**attention_shape(config, layer_types_window(config, layer_idx)), qkv_bias=config.qkv_bias)
 
 
 class Qwen2MoeDecoderLayer(DecoderLayer):

@@ -32,7 +32,8 @@ class Qwen3MoeSparseMoeBlock(SparseMoE):
 class Qwen3MoeDecoderLayer(DecoderLayer):
     def __init__(self, config, layer_idx: int):
         mlp = Qwen3MoeSparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else LlamaMLP(config)
-        super().__init__(config, Qwen3Attention(config, layer_idx), mlp)
+        # HF's Qwen3-MoE puts config.sliding_window (None unless use_sliding_window) on every layer.
+        super().__init__(config, Qwen3Attention(config, config.sliding_window), mlp)
 
 
 @register("Qwen3MoeForCausalLM")

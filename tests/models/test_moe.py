@@ -39,6 +39,12 @@ VARIANTS = {
     ),
     "qwen3_moe-window": tiny_config("qwen3_moe", **QWEN3_MOE, use_sliding_window=True, sliding_window=6),
     "mixtral-window": tiny_config("mixtral", **MIXTRAL, sliding_window=7),
+    # HF's Mixtral and Qwen3-MoE put the window on every layer: layer_types unread
+    "mixtral-window-layer_types-unread": tiny_config("mixtral", **MIXTRAL, sliding_window=5,
+                                                     layer_types=["full_attention", "sliding_attention"]),
+    "qwen3_moe-window-layer_types-unread": tiny_config("qwen3_moe", **QWEN3_MOE, use_sliding_window=True,
+                                                       sliding_window=5,
+                                                       layer_types=["full_attention", "sliding_attention"]),
     "mixtral-tied": tiny_config("mixtral", **MIXTRAL, tie_word_embeddings=True),
     "qwen2_moe": tiny_config("qwen2_moe", **QWEN2_MOE),
     "qwen2_moe-window-mlp_only": tiny_config(

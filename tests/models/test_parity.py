@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from loaders import CheckpointError
 from models import AutoModelForCausalLM
 from tests.conftest import relative_error, tiny_config
 
@@ -34,6 +35,12 @@ VARIANTS = {
         "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
     }),
     "mistral-window": tiny_config("mistral", sliding_window=7, head_dim=16),
+    # Each architecture reads its window as HF's does: Mistral on every layer (layer_types unread),
+    # Llama, Gemma and OLMo 2 none (a sliding_window field in their configs is unread).
+    "mistral-window-layer_types-unread": tiny_config(
+        "mistral", sliding_window=5, head_dim=16, layer_types=["full_attention", "sliding_attention"]
+    ),
+    "llama-window-unread": tiny_config("llama", sliding_window=5),
     "qwen2": tiny_config("qwen2", tie_word_embeddings=True),
     "qwen2-window-layers": tiny_config(
         "qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3
@@ -41,6 +48,7 @@ VARIANTS = {
     "qwen3": tiny_config("qwen3", head_dim=32),
     "qwen3-bias-tied": tiny_config("qwen3", head_dim=16, attention_bias=True, tie_word_embeddings=True),
     "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),
+    "gemma-window-unread": tiny_config("gemma", head_dim=16, sliding_window=5),
     "gemma2": tiny_config(  # soft-capping tight enough to bite at these scores; windowed layer 0
         "gemma2", head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=3.0,
         final_logit_softcapping=4.0, tie_word_embeddings=True,
@@ -48,6 +56,7 @@ VARIANTS = {
     # OLMo 2's default eos_token_id, 50279, lies outside this vocabulary: the runtime refuses it
     "olmo2": tiny_config("olmo2", eos_token_id=2),
     "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True, eos_token_id=2),
+    "olmo2-window-unread": tiny_config("olmo2", sliding_window=5, eos_token_id=2),
 }
 
 
@@ -121,6 +130,12 @@ def test_hub_style_config(make_checkpoint, input_ids):
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_gemma_with_bidirectional_attention_is_refused(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("gemma", head_dim=16, use_bidirectional_attention=True))
+    with pytest.raises(CheckpointError, match=r"ckpt: use_bidirectional_attention=True .* is not supported"):
+        AutoModelForCausalLM.from_pretrained(path)
 
 
 def test_wrong_rope_is_caught(make_checkpoint, input_ids):
