@@ -299,18 +299,35 @@ def zoo_run(llm, prompts, params) -> tuple[int, float]:
     return sum(len(o.token_ids) for o in outputs), seconds
 
 
-def hf_side(entry: dict, zoo_tokens_per_s: float, reference, prompts, lengths, hf_requests, startup) -> str:
-    """HF's continuous batching on the first ``hf_requests`` of zoo's requests (all of them when
-    None), each with the prompt and output length zoo's has; its figures go into ``entry``.
-    The text to print beside zoo's."""
-    count = len(prompts) if hf_requests is None else min(hf_requests, len(prompts))
+def hf_count(hf_requests: int | None, total: int) -> int:
+    """How many of zoo's requests HF gets: the first ``hf_requests`` (all of them when None)."""
+    return total if hf_requests is None else min(hf_requests, total)
+
+
+def zoo_on_first(llm, prompts, params, count: int, all_tokens_per_s: float) -> float:
+    """zoo's tok/s on the first ``count`` requests, the work HF gets: a continuous-batching run lasts
+    about as many steps as its longest request, so a figure on fewer requests is lower and no
+    ratio to one on all of them. The whole run's figure where ``count`` is all of them."""
+    if count in (0, len(prompts)):
+        return all_tokens_per_s
+    llm.reset_prefix_cache()  # the whole run's prompts would be served from the cache
+    tokens, seconds = zoo_run(llm, prompts[:count], params if isinstance(params, SamplingParams) else params[:count])
+    return tokens / seconds
+
+
+def hf_side(entry: dict, zoo_tokens_per_s: float, reference, prompts, lengths, count: int, startup) -> str:
+    """HF's continuous batching on the first ``count`` of zoo's requests, each with the prompt and
+    output length zoo's has, against zoo's ``zoo_tokens_per_s`` on the same requests
+    (``zoo_on_first``); its figures go into ``entry``. The text to print beside zoo's."""
     if count == 0:
         return "HF skipped (--hf-requests 0)"
     tokens, seconds = hf_continuous_batching(reference, prompts[:count], lengths[:count], startup)
-    entry.update(hf_tokens_per_s=tokens / seconds, hf_requests=count, hf_tokens=tokens, hf_seconds=seconds)
+    entry.update(hf_tokens_per_s=tokens / seconds, hf_requests=count, hf_tokens=tokens, hf_seconds=seconds,
+                 zoo_tokens_per_s_on_hf_requests=zoo_tokens_per_s)
     ratio = zoo_tokens_per_s / (tokens / seconds)
     return (f"HF continuous batching {tokens / seconds:.0f} tok/s ({count} of the requests, the same lengths, "
-            f"{tokens} tokens, {seconds:.1f} s): zoo {ratio:.1f}x")
+            f"{tokens} tokens, {seconds:.1f} s); zoo on the same {count} requests {zoo_tokens_per_s:.0f} tok/s: "
+            f"zoo {ratio:.1f}x")
 
 
 def throughput(results, hf_requests):
@@ -327,13 +344,15 @@ def throughput(results, hf_requests):
         warm = first_call_prompts(prompts, 8, llm.engine.config.max_num_batched_tokens)
         llm.generate(warm, params[: len(warm)], use_tqdm=False)
     zoo_tokens, zoo_seconds = zoo_run(llm, prompts, params)
+    count = hf_count(hf_requests, len(prompts))
+    zoo_on_hf_requests = zoo_on_first(llm, prompts, params, count, zoo_tokens / zoo_seconds)
     del llm, model
     torch.cuda.empty_cache()
     results["throughput"] = dict(zoo_tokens_per_s=zoo_tokens / zoo_seconds, zoo_requests=len(prompts),
                                  zoo_tokens=zoo_tokens, zoo_seconds=zoo_seconds, startup_s=startup)
     print(f"throughput Qwen3-0.6B shape: zoo {zoo_tokens / zoo_seconds:.0f} tok/s ({len(prompts)} requests, "
           f"{zoo_tokens} tokens, {zoo_seconds:.1f} s)", flush=True)
-    hf = hf_side(results["throughput"], zoo_tokens / zoo_seconds, reference, prompts, lengths, hf_requests, startup)
+    hf = hf_side(results["throughput"], zoo_on_hf_requests, reference, prompts, lengths, count, startup)
     print(f"throughput Qwen3-0.6B shape: {hf}", flush=True)
     print(f"throughput Qwen3-0.6B shape: {startup_text(startup)}", flush=True)
     del reference
@@ -407,12 +426,15 @@ def throughput_8b(results, max_requests, batched_tokens, hf_requests, kv_cache_d
           f"{bound['matmul_pflop']:.1f} PFLOP of matmuls at {bound['matmul_peak_tflops']:.0f} TFLOP/s, "
           f"{bound['matmul_s']:.1f} s): zoo at {bound['seconds'] / seconds:.0%} of it", flush=True)
     print(f"throughput 8B 1000/1000: GPU during the timed run: {clocks_text(clocks)}", flush=True)
+    count = hf_count(hf_requests, requests)
+    zoo_on_hf_requests = zoo_on_first(llm, prompts, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True),
+                                      count, tokens / seconds)
     del llm, model
     torch.cuda.empty_cache()
     if hf_requests != 0:
         with stage(startup, "HF build"):
             reference = random_hf(LLAMA_8B)
-        hf = hf_side(results["throughput_8b"], tokens / seconds, reference, prompts, lengths, hf_requests, startup)
+        hf = hf_side(results["throughput_8b"], zoo_on_hf_requests, reference, prompts, lengths, count, startup)
         print(f"throughput 8B 1000/1000: {hf}", flush=True)
         del reference
         torch.cuda.empty_cache()

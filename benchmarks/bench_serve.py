@@ -165,7 +165,8 @@ class Clients:
 def run_rate(clients: Clients, base_url: str, model: str, requests: list[Request], extra_body: dict) -> dict:
     start, results = clients.send(base_url, model, requests, extra_body)
     done = [r for r in results if r.error is None and r.chunk_times]
-    end = max((r.chunk_times[-1] for r in done), default=start)
+    first = min((r.sent for r in results), default=start)  # the schedule's first arrival, not its start
+    end = max((r.chunk_times[-1] for r in done), default=first)
     ttft = [r.chunk_times[0] - r.sent for r in done]
     gaps = [[b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])] for r in done]  # each request's
     itl = [gap for request_gaps in gaps for gap in request_gaps]
@@ -181,8 +182,8 @@ def run_rate(clients: Clients, base_url: str, model: str, requests: list[Request
                    for r, first, request_gaps in zip(done, ttft, gaps)]
     return dict(requests=len(requests), completed=len(done), errors=len(errors), first_error=errors[0] if errors else None,
                 drawn_lengths=sum(r.tokens == r.asked for r in done),
-                seconds=end - start, output_tokens=tokens, output_tokens_per_s=tokens / (end - start),
-                requests_per_s=len(done) / (end - start), ttft_p50_ms=1e3 * percentile(ttft, 50),
+                seconds=end - first, output_tokens=tokens, output_tokens_per_s=tokens / (end - first),
+                requests_per_s=len(done) / (end - first), ttft_p50_ms=1e3 * percentile(ttft, 50),
                 ttft_p99_ms=1e3 * percentile(ttft, 99), itl_p50_ms=1e3 * percentile(itl, 50),
                 itl_p99_ms=1e3 * percentile(itl, 99), per_request=per_request)
 

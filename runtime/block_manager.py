@@ -45,6 +45,13 @@ class BlockManager:
         images = seq.images.digests_in(start, end) if seq.images is not None else ()
         return parent, tuple(seq.token_ids[start:end]), images
 
+    def reset_prefix_cache(self) -> None:
+        """Forget what the free blocks hold: no later prompt is served from it (blocks in use keep theirs)."""
+        for block in self.free:
+            if self.block_keys[block] is not None:
+                del self.cached[self.block_keys[block]]
+                self.block_keys[block] = None
+
     def _take_free_block(self) -> int:
         block, _ = self.free.popitem(last=False)
         if self.block_keys[block] is not None:  # evict its cached content

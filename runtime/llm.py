@@ -153,6 +153,12 @@ class LLM:
         """Why this LLM cannot generate any more (its tensor-parallel group is down), or None."""
         return None if self.ranks is None else self.ranks.failure
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompts' blocks that the prefix cache keeps after their requests finished, so
+        that a later call computes them again (a benchmark that runs the same prompts twice)."""
+        with self._one_thread():
+            self.engine.block_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel LLM; it generates no more. (Interpreter
         exit stops them too.)"""

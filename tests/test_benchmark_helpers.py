@@ -69,8 +69,9 @@ def test_bench_serve_counts_the_usage_tokens_and_the_requests_that_made_their_dr
     clients = types.SimpleNamespace(send=lambda *args: (0.0, results))
     row = bench_serve.run_rate(clients, "http://server", "m", [None] * 3, {})
     assert (row["completed"], row["errors"], row["first_error"], row["drawn_lengths"]) == (2, 1, "boom", 1)
-    assert row["output_tokens"] == 6 and row["seconds"] == pytest.approx(0.9)
-    assert row["output_tokens_per_s"] == pytest.approx(6 / 0.9)
+    # From the first request's send (0.1 s after the schedule's start) to the last chunk
+    assert row["output_tokens"] == 6 and row["seconds"] == pytest.approx(0.8)
+    assert row["output_tokens_per_s"] == pytest.approx(6 / 0.8) and row["requests_per_s"] == pytest.approx(2 / 0.8)
     assert row["ttft_p50_ms"] == pytest.approx(250.0) and row["itl_p50_ms"] == pytest.approx(200.0)
     assert [r["total_ms"] for r in row["per_request"]] == pytest.approx([500.0, 700.0])
 

@@ -329,6 +329,18 @@ def test_prefix_cache_hits_change_nothing(checkpoints):
         assert computed[output.request_id] == len(output.prompt_token_ids) - output.num_cached_tokens
 
 
+def test_reset_prefix_cache_serves_no_earlier_prompt(checkpoints):
+    path, _ = checkpoints["qwen3"]
+    batch = prompts(3, seed=41, low=12, high=20)
+    engine = llm(path)
+    first = engine.generate(batch, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in engine.generate(batch, GREEDY, use_tqdm=False))
+    engine.reset_prefix_cache()
+    assert not engine.engine.block_manager.cached
+    again = engine.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [0, 0, 0] and token_ids(again) == token_ids(first)
+
+
 def test_torch_backend_derives_the_decode_keys_once_per_step(checkpoints, monkeypatch):
     # Every layer reads the same slots; a step's metadata is new, so each step derives them anew.
     import layers.attention
