@@ -83,6 +83,7 @@ class DeepseekV2MoE(SparseMoE):
             config.hidden_size, config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
             config.hidden_act, renormalize=False,
             shared_experts_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+            shared_experts_bias=config.mlp_bias,
             num_groups=config.n_group if grouped else 1, topk_groups=config.topk_group if grouped else 1,
             group_score="max", scaling_factor=config.routed_scaling_factor,
         )

@@ -105,6 +105,8 @@ class LlavaForConditionalGeneration(nn.Module):
         self.config = config
         self.image_token_id = image_token_id(config)
         text = model_class_for(config.text_config, "text_config")(config.text_config)
+        if config.tie_word_embeddings:  # HF ties LLaVA's head by its own config's flag (True where its text config's is)
+            text.lm_head.weight = text.model.embed_tokens.weight
         self.model = self.model_class(config, text.model)
         self.lm_head = text.lm_head
         # The text model's CausalLM, whose decoder and head are this model's ``model.language_model``

@@ -50,6 +50,7 @@ V2_VARIANTS = {
         "deepseek_v2", **{**DEEPSEEK_V2, "q_lora_rank": None}, topk_method="group_limited_greedy"
     ),
     "v2-yarn": tiny_config("deepseek_v2", **DEEPSEEK_V2, topk_method="greedy", rope_parameters=YARN),
+    "v2-mlp_bias": tiny_config("deepseek_v2", **DEEPSEEK_V2, topk_method="greedy", mlp_bias=True),
 }
 
 

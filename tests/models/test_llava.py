@@ -125,6 +125,7 @@ VARIANTS = {
     "qwen3-tied": llava_config(text=tiny_config("qwen3", head_dim=16, tie_word_embeddings=True),
                                vision_feature_layer=[-2, -1]),
     "mistral-window": llava_config(text=tiny_config("mistral", sliding_window=7, head_dim=16)),
+    "tied-by-llava-config": llava_config(text=tiny_config("qwen3", head_dim=16), tie_word_embeddings=True),
     # HF's LLaVA does not read its text model's final_logit_softcapping: the logits are not capped
     "gemma2-final-cap-unread": llava_config(text=tiny_config(
         "gemma2", head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=3.0,
