@@ -168,7 +168,8 @@ class SparseMoE(nn.Module):
     """A sparse MoE MLP: each token through its router's top-k experts, weighted; plus, when
     ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``
     (Qwen2-MoE), or when ``shared_experts_intermediate_size`` is, ``shared_experts(x)`` ungated
-    (DeepSeek; with biases where ``shared_experts_bias``, DeepSeek-V2's ``mlp_bias``). ``router_options`` are ``TopKRouter``'s scoring options.
+    (DeepSeek; with biases where ``shared_experts_bias``, DeepSeek-V2's ``mlp_bias``). ``router_options``
+    are ``TopKRouter``'s scoring options.
 
     Split over ranks (``layers.parallel.tensor_parallel``), each rank's experts and shared experts
     give a partial output and ``group`` is set: the block's one all-reduce sums the partial outputs."""
