@@ -48,6 +48,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_sequence(seq)
+        seq.image_features = None  # the memory is short: encoded again when it computes its image tokens
         seq.status = Status.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)

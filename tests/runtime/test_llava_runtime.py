@@ -348,6 +348,21 @@ def test_a_processor_file_that_cannot_be_read_is_named(llava, tmp_path, text, me
         load_processor(path)
 
 
+def test_a_preempted_image_request_lets_its_features_go_and_still_gives_hfs_tokens(llava):
+    path, model, processor = llava
+    engine = llm(path, num_blocks=10, max_model_len=40, max_num_batched_tokens=6, enable_prefix_caching=False).engine
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = "U: <image> A:"  # short: both requests fit at once, and then their decodes run out of blocks
+    outputs = [engine.add_request(i, {"prompt": prompt, "multi_modal_data": {"image": image(40 + i)}}, params)
+               for i in range(2)]
+    held_while_waiting = []
+    while engine.has_unfinished():
+        engine.step()
+        held_while_waiting += [seq.request_id for seq in engine.scheduler.waiting if seq.image_features is not None]
+    assert engine.scheduler.num_preemptions > 0 and held_while_waiting == []
+    assert token_ids(outputs) == [hf_generate(model, processor, prompt, [image(40 + i)], 16) for i in range(2)]
+
+
 def test_zoo_generate_takes_images(llava, tmp_path, capsys):
     from runtime.cli import main
 
