@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import (decode_ms_per_token, first_call_prompts, graph_us, hbm_bandwidth,  # noqa: E402
-                       hf_continuous_batching, timed, workload)
+                       hf_continuous_batching, timed, workload, zoo_run)
 from benchmarks.startup import stage, startup_text  # noqa: E402
 from layers.moe import Experts  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
@@ -311,29 +311,18 @@ def zoo_throughput(results, model, max_requests, hf_requests, startup):
     with stage(startup, "zoo first call"):
         llm.generate(first_call_prompts(prompts, 4, llm.engine.config.max_num_batched_tokens),
                      SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    tokens, seconds = timed_generate(llm, prompts)
+    greedy = SamplingParams(max_tokens=OUT_LEN, temperature=0.0, ignore_eos=True)
+    tokens, seconds = zoo_run(llm, prompts, greedy)
     results["throughput"].update(zoo_tokens_per_s=tokens / seconds, zoo_requests=requests, zoo_seconds=seconds,
                                  zoo_kv_blocks=blocks, zoo_preemptions=llm.engine.scheduler.num_preemptions)
     log(f"zoo throughput: {tokens / seconds:.0f} output tok/s ({requests} requests, {tokens} tokens, {seconds:.1f} s, "
         f"{llm.engine.scheduler.num_preemptions} preemptions)")
     if 0 < hf_requests < requests:
         # The work HF gets: a run of fewer requests lasts about as many steps, so its tok/s are lower.
-        tokens, seconds = timed_generate(llm, prompts[:hf_requests])
+        tokens, seconds = zoo_run(llm, prompts[:hf_requests], greedy)  # the cache keeps no prefix
         results["throughput"]["zoo_tokens_per_s_on_hf_requests"] = tokens / seconds
         log(f"zoo throughput on HF's {hf_requests} requests: {tokens / seconds:.0f} output tok/s")
     return prompts
-
-
-def timed_generate(llm, prompts) -> tuple[int, float]:
-    """(output tokens, seconds) of one greedy run of OUT_LEN tokens a prompt (the cache keeps no prefix)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=OUT_LEN, temperature=0.0, ignore_eos=True),
-                           use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    assert all(o.error is None for o in outputs), next(o.error for o in outputs if o.error)
-    return sum(len(o.token_ids) for o in outputs), seconds
 
 
 # -- HF -----------------------------------------------------------------------------------------
