@@ -59,7 +59,16 @@ class CompiledDecode:
 
         self.block_size, self.padding_slot = kv_cache.block_size, kv_cache.padding_slot
         self.run_ahead = run_ahead
-        self.forward = torch.compile(model, fullgraph=True)
+
+        def step(input_ids, positions, metadata):
+            return model(input_ids, positions, metadata)
+
+        # dynamo files each graph under the code object it traced from, guarded by the weights' ids.
+        # Compiled through the model's own forward, every engine's graph would pile up on that one
+        # code object, and the ninth engine of a process pass dynamo's recompile limit (8): each
+        # engine compiles through a copy of ``step``'s code instead.
+        step.__code__ = step.__code__.replace()
+        self.forward = torch.compile(step, fullgraph=True)
         rows = self.MIN_ROWS
         zeros, padding = np.zeros(rows, dtype=np.int64), np.full(rows, self.padding_slot)
         # Compiled here, by a step of padding rows only, tens of seconds: the bar tells what the start

@@ -80,7 +80,9 @@ class LLM:
     ``mmap=False`` copies them. On the CPU, ``compile_decode`` runs every decode step through one
     graph torch.compile builds when ``LLM`` starts (30-60 s; inductor keeps what it built on disk):
     SmolLM2's steps of 1 to 64 sequences run 1.03-1.35x faster than eager ones in float32 and
-    1.3-1.5x in bfloat16.
+    1.3-1.5x in bfloat16. Each ``LLM`` compiles its own graph, into which inductor freezes the
+    weights and keeps them for the life of the process: a compiled ``LLM``'s weights stay in
+    memory after it is released.
 
     ``tensor_parallel_size=N`` splits the model over N ranks (``layers.tensor_parallel``): this
     process is rank 0 and starts N-1 worker processes, on N CUDA devices (rank r on cuda:r) or the

@@ -95,6 +95,25 @@ def test_compiled_decode_steps_give_hf_tokens_from_one_compile(name, tmp_path, m
         assert output.token_ids == expected
 
 
+@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
+def test_each_engine_compiles_its_own_graph(tmp_path, monkeypatch):
+    """Engines of one process, each on its own weights, past dynamo's recompile limit (lowered to 1
+    here from 8): each compiles its own graph and decodes with its own weights."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    prompt = PROMPTS[5]
+    for seed in range(3):
+        reference = hf_model(tiny_config("llama"))
+        with torch.no_grad():
+            for parameter in reference.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(seed)) * seed)
+        llm = LLM(str(save_checkpoint(reference, tmp_path / str(seed))), device="cpu", block_size=4,
+                  compile_decode=True)
+        output = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)[0]
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert output.token_ids == expected[0, len(prompt):].tolist()
+
+
 def test_compile_decode_needs_a_cpp_compiler(tmp_path, monkeypatch):
     import torch._inductor.config as inductor_config
     from torch._inductor.cpp_builder import cpp_compiler_search
