@@ -35,8 +35,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     ([B, V] logits, [B] settings; top_k 0, top_p 1 and min_p 0 are off)."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    drop = rank >= torch.where(top_k > 0, top_k, vocab)[:, None]
+    # Top-k keeps the tokens tied with the k-th, as HF does.
+    kth = torch.where(top_k > 0, top_k, vocab) - 1
+    drop = sorted_logits < sorted_logits.gather(-1, kth[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(-1)
     # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
