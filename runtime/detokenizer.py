@@ -10,8 +10,9 @@ class IncrementalDetokenizer:
     A token's text can depend on its neighbours (a leading space a tokenizer drops at the start
     of a text, a character whose bytes span several tokens), so each call decodes a short window
     twice: from ``prefix_offset`` to ``read_offset`` (text already given out) and from
-    ``prefix_offset`` to the end; what the second adds is the new text. New text that ends in an
-    incomplete character (U+FFFD) waits for the tokens that complete it.
+    ``prefix_offset`` to the end; what the second adds is the new text. Of new text that ends in an
+    incomplete character (U+FFFD), the characters before it are given out (a stop string may end
+    there) and the window waits for the tokens that complete the last one.
     """
 
     def __init__(self, tokenizer):
@@ -19,15 +20,19 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
+        self.given = 0  # characters of the window's new text given out while it was incomplete
 
     def update(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, which extend the ids of the previous call."""
         if len(token_ids) > self.read_offset:
             known = self._decode(token_ids[self.prefix_offset:self.read_offset])
             extended = self._decode(token_ids[self.prefix_offset:])
-            if len(extended) > len(known) and not extended.endswith("\ufffd"):
-                self.text += extended[len(known):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+            new = extended[len(known):]
+            complete = new.rstrip("\ufffd")
+            self.text += complete[self.given:]
+            self.given = max(self.given, len(complete))
+            if new and not new.endswith("\ufffd"):
+                self.prefix_offset, self.read_offset, self.given = self.read_offset, len(token_ids), 0
         return self.text
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -237,14 +237,15 @@ class Engine:
         output = self.outputs[seq.request_id]
         previous_length = len(output.text)
         output.text = self._running_text(seq)
-        for stop in seq.params.stop:
-            # Only text this token added can complete a stop string.
-            start = output.text.find(stop, max(0, previous_length - len(stop) + 1))
-            if start >= 0:
-                output.text = output.text[:start]
-                seq.stop_string = stop
-                return True
-        return False
+        # Only text this token added can complete a stop string; the text ends where the first one
+        # to complete begins, whichever of the list it is.
+        found = [(start, stop) for stop in seq.params.stop
+                 if (start := output.text.find(stop, max(0, previous_length - len(stop) + 1))) >= 0]
+        if not found:
+            return False
+        start, seq.stop_string = min(found)
+        output.text = output.text[:start]
+        return True
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -45,6 +45,16 @@ def test_random_ids_in_uneven_steps(tokenizer):
             assert text == full
 
 
+def test_the_characters_before_an_incomplete_one_are_given_out(tokenizer):
+    # SmolLM2's token 10003 holds "о" and the first byte of a Cyrillic letter; 112 the byte that ends it ("Т").
+    assert tokenizer.decode([13760, 10003]) == "ко\ufffd" and tokenizer.decode([13760, 10003, 112]) == "коТ"
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert detokenizer.update([13760]) == "к"
+    assert detokenizer.update([13760, 10003]) == "ко"  # a stop string "ко" is seen now, not a token later
+    assert detokenizer.update([13760, 10003, 112]) == "коТ"
+    assert detokenizer.update([13760, 10003, 112, 13760]) == "коТк"
+
+
 def test_each_call_decodes_a_short_window(tokenizer):
     ids = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 40, add_special_tokens=False)
     windows = []
