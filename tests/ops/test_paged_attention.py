@@ -272,8 +272,9 @@ def _key_minor(cache):
 
 
 def test_fp8_cache_references_are_attention_over_the_rounded_cache():
-    # With an e4m3 cache, decode is plain attention over its entries times the scales, and both
-    # references stay within e4m3's rounding (2**-4 relative) of attention over unrounded keys.
+    # With an e4m3 cache, both references are plain attention over its entries times the scales (a
+    # prompt's new keys and values read back rounded too), within e4m3's rounding (2**-4 relative)
+    # of attention over unrounded keys.
     exact = decode_batch([7, 3, 12], 4, 2, 16, 4, torch.float32)
     fp8 = decode_batch([7, 3, 12], 4, 2, 16, 4, torch.float32, fp8_scales=(0.5, 2.0))
     assert fp8.k_cache.dtype == torch.float8_e4m3fn
@@ -284,6 +285,12 @@ def test_fp8_cache_references_are_attention_over_the_rounded_cache():
     torch.testing.assert_close(fp8.reference_decode(0), exact.reference_decode(0), rtol=0.1, atol=0.1)
     exact = PagedBatch([5, 0], [3, 6], 4, 2, 16, 4, torch.float32)
     fp8 = PagedBatch([5, 0], [3, 6], 4, 2, 16, 4, torch.float32, fp8_scales=(0.5, 2.0))
+    dequantized = PagedBatch([5, 0], [3, 6], 4, 2, 16, 4, torch.float32)
+    dequantized.k_cache = fp8.k_cache.float() * 0.5
+    dequantized.v_cache = fp8.v_cache.float() * 2.0
+    dequantized.k = dequantize(quantize(fp8.k, 0.5, torch.float8_e4m3fn), 0.5, torch.float32)
+    dequantized.v = dequantize(quantize(fp8.v, 2.0, torch.float8_e4m3fn), 2.0, torch.float32)
+    torch.testing.assert_close(fp8.reference_prefill(0), dequantized.reference_prefill(0), rtol=0, atol=1e-6)
     torch.testing.assert_close(fp8.reference_prefill(0), exact.reference_prefill(0), rtol=0.1, atol=0.1)
 
 

@@ -112,15 +112,15 @@ def test_agreement_benchmark_decode_steps_give_one_prefills_logits(checkpoints, 
     steps = agreement.paged_logits(model, input_ids, "auto", decode=True)
     assert decode_rows == [2] * (24 - agreement.DECODE_PROMPT) * model.config.num_hidden_layers
     assert steps.shape == (2, 24 - agreement.DECODE_PROMPT, 97)
-    torch.testing.assert_close(steps, prompt[:, agreement.DECODE_PROMPT:], rtol=1e-4, atol=1e-4)
+    assert relative_error(steps, prompt[:, agreement.DECODE_PROMPT:]) <= 1e-5  # measured 1.5e-6
     assert not torch.equal(agreement.paged_logits(model, input_ids, "fp8", decode=True), steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_decode_steps_give_logits_an_e4m3_rounding_from_the_model_dtypes(checkpoints, dtype):
-    # Each decode step's logits read over the e4m3 cache's keys and values stay within a few e4m3
-    # roundings (2**-4 relative each) of those over the model's dtype: about 0.08 of the largest
-    # logit on this model, where values read back as zeros put them past 1.
+    # Each decode step's logits read over the e4m3 cache's keys and values stay within two e4m3
+    # roundings (2**-4 relative each) of those over the model's dtype: 0.09-0.10 on this model,
+    # where entries written 10% too large put them at 0.23 and values read back as zeros past 1.
     agreement = importlib.import_module("benchmarks.bf16_agreement")
     model = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=dtype)
     input_ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -128,7 +128,7 @@ def test_fp8_decode_steps_give_logits_an_e4m3_rounding_from_the_model_dtypes(che
     fp8 = agreement.paged_logits(model, input_ids, "fp8", decode=True).float()
     assert auto.shape[1] == 24 - agreement.DECODE_PROMPT == 8
     for step in range(auto.shape[1]):
-        assert relative_error(fp8[:, step], auto[:, step]) < 4 * 2**-4, step
+        assert relative_error(fp8[:, step], auto[:, step]) < 2 * 2**-4, step
 
 
 def test_agreement_benchmark_counts_a_pick_that_ties_the_best_logit_when_asked():
@@ -158,7 +158,7 @@ def test_agreement_benchmark_floor_rounds_the_bf16_caches_entries_once_more(chec
     with agreement.kv_scales(model, agreement.ROUNDING_SCALE):
         rounded = agreement.paged_logits(model, input_ids, "auto", decode)
     assert not torch.equal(rounded, bf16)
-    torch.testing.assert_close(rounded, bf16, rtol=0, atol=0.1 * bf16.abs().max().item())
+    torch.testing.assert_close(rounded, bf16, rtol=0, atol=0.05 * bf16.abs().max().item())  # measured 0.02-0.03
     scales = {getattr(m, n) for m in model.modules() for n in ("k_scale", "v_scale", "kv_scale") if hasattr(m, n)}
     assert scales == {1.0}
     torch.testing.assert_close(agreement.paged_logits(model, input_ids, "auto", decode), bf16, rtol=0, atol=0)
