@@ -4,39 +4,60 @@ import functools
 import re
 
 
+PROMPT_CONTEXT = 5  # the prompt's last tokens a generated text is decoded after
+
+
 class IncrementalDetokenizer:
-    """The text of a list of token ids that only grows, at a cost per call that does not grow with it.
+    """The text a growing list of generated token ids adds after the prompt, at a cost per call
+    that does not grow with it.
 
     A token's text can depend on its neighbours (a leading space a tokenizer drops at the start
-    of a text, a character whose bytes span several tokens), so each call decodes a short window
-    twice: from ``prefix_offset`` to ``read_offset`` (text already given out) and from
-    ``prefix_offset`` to the end; what the second adds is the new text. Of new text that ends in an
-    incomplete character (U+FFFD), the characters before it are given out (a stop string may end
-    there) and the window waits for the tokens that complete the last one.
+    of a text, a character whose bytes span several tokens), so the ids are decoded after the
+    prompt's last ``PROMPT_CONTEXT`` tokens, and each call decodes a short window twice: from
+    ``prefix_offset`` to ``read_offset`` (text already given out) and from ``prefix_offset`` to the
+    end; what the second adds is the new text. Of new text that ends in an incomplete character
+    (U+FFFD), the characters before it are given out (a stop string may end there) and the window
+    waits for the tokens that complete the last one.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prompt_token_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.text = ""
+        # Offsets count the context's ids, then the generated ones.
+        self.context = list(prompt_token_ids[max(len(prompt_token_ids) - PROMPT_CONTEXT, 0):])
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.context)
         self.given = 0  # characters of the window's new text given out while it was incomplete
 
     def update(self, token_ids: list[int]) -> str:
-        """The text of ``token_ids``, which extend the ids of the previous call."""
-        if len(token_ids) > self.read_offset:
-            known = self._decode(token_ids[self.prefix_offset:self.read_offset])
-            extended = self._decode(token_ids[self.prefix_offset:])
+        """The text of the generated ``token_ids``, which extend the ids of the previous call."""
+        end = len(self.context) + len(token_ids)
+        if end > self.read_offset:
+            known = self._decode(self._window(token_ids, self.read_offset))
+            extended = self._decode(self._window(token_ids, end))
             new = extended[len(known):]
             complete = new.rstrip("\ufffd")
             self.text += complete[self.given:]
             self.given = max(self.given, len(complete))
             if new and not new.endswith("\ufffd"):
-                self.prefix_offset, self.read_offset, self.given = self.read_offset, len(token_ids), 0
+                self.prefix_offset, self.read_offset, self.given = self.read_offset, end, 0
         return self.text
+
+    def _window(self, token_ids: list[int], end: int) -> list[int]:
+        context = len(self.context)
+        return self.context[self.prefix_offset:end] + token_ids[max(self.prefix_offset - context, 0):end - context]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def text_after(tokenizer, prompt_token_ids: list[int], token_ids: list[int]) -> str:
+    """The text generated ``token_ids`` add after the prompt's: decoded alone, a first token may
+    lose its leading space (SentencePiece's decoders drop it at the start of a text)."""
+    context = list(prompt_token_ids[max(len(prompt_token_ids) - PROMPT_CONTEXT, 0):])
+    before = tokenizer.decode(context, skip_special_tokens=True)
+    text = tokenizer.decode(context + token_ids, skip_special_tokens=True)
+    return text[len(before):] if text.startswith(before) else tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def token_text(tokenizer, token_id: int) -> tuple[str, bytes]:

@@ -7,7 +7,7 @@ from layers.attention import score_modifiers_used, select_backend
 from runtime.block_manager import BlockManager
 from runtime.compiled_decode import check_compilable
 from runtime.config import EngineConfig
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.detokenizer import IncrementalDetokenizer, text_after
 from runtime.kv_cache import KVCache, blocks_for_budget, cache_dtype, check_sizes
 from runtime.model_runner import ModelRunner
 from runtime.multimodal import ImageInputs, ImagePreprocessor, split_prompt
@@ -247,9 +247,6 @@ class Engine:
         output.text = output.text[:start]
         return True
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
     def refresh_text(self, output: RequestOutput) -> None:
         """Decode a running request's text so far (streaming); finished ones have theirs."""
         if not output.finished:
@@ -259,7 +256,7 @@ class Engine:
         if self.tokenizer is None:
             return ""
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         return seq.detokenizer.update(seq.output_token_ids)
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
@@ -267,7 +264,8 @@ class Engine:
         output.num_cached_tokens = seq.num_cached_tokens or 0
         if seq.status == Status.FINISHED:
             if seq.stop_string is None:  # else its text is cut where the stop string begins
-                output.text = self.detokenize(seq.output_token_ids)
+                output.text = "" if self.tokenizer is None else text_after(self.tokenizer, seq.prompt_token_ids,
+                                                                             seq.output_token_ids)
             output.finish_reason, output.error = seq.finish_reason, seq.error
             del self.sequences[seq.request_id], self.outputs[seq.request_id]  # the caller holds the output
         return output

@@ -55,6 +55,10 @@ class Sequence:
             self.generator = torch.Generator(device=device).manual_seed(int(self.params.seed))  # numpy ints too
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

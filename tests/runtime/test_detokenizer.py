@@ -7,8 +7,10 @@ import pytest
 
 from loaders import load_tokenizer
 from loaders.default_model import default_model_path
-from runtime.detokenizer import IncrementalDetokenizer, token_text
+from runtime import LLM, SamplingParams
+from runtime.detokenizer import IncrementalDetokenizer, text_after, token_text
 from runtime.llm import settled_text
+from tests.conftest import hf_model, save_checkpoint, tiny_config
 
 TEXT = "Zoo 🦒 serves: naïve café — 東京の動物園, 42 × 7 = 294.\n  def f(x):\n\treturn x"
 
@@ -53,6 +55,40 @@ def test_the_characters_before_an_incomplete_one_are_given_out(tokenizer):
     assert detokenizer.update([13760, 10003]) == "ко"  # a stop string "ко" is seen now, not a token later
     assert detokenizer.update([13760, 10003, 112]) == "коТ"
     assert detokenizer.update([13760, 10003, 112, 13760]) == "коТк"
+
+
+def sentencepiece_style_tokenizer():
+    """Words ``w3``..``w96`` behind SentencePiece's "▁", whose decoder drops the space a text begins with."""
+    import tokenizers
+    from tokenizers import decoders, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"\u2581w{i}": i for i in range(3, 97)}}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    model.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_generated_text_keeps_the_space_that_follows_the_prompt(tmp_path):
+    # Decoded alone, generated ids lose their first space; after the prompt's last tokens they keep
+    # it, so that prompt + text is the decoded whole, as vLLM and OpenAI give it.
+    tokenizer = sentencepiece_style_tokenizer()
+    prompt, generated = tokenizer("w3 w4 w5").input_ids, [71, 43, 12]
+    assert tokenizer.decode(generated) == "w71 w43 w12"
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    assert [detokenizer.update(generated[:end]) for end in (1, 2, 3)] == [" w71", " w71 w43", " w71 w43 w12"]
+    assert text_after(tokenizer, prompt, generated) == " w71 w43 w12"
+
+    path = save_checkpoint(hf_model(tiny_config("llama")), tmp_path)
+    tokenizer.save_pretrained(path)
+    llm = LLM(str(path), device="cpu", block_size=4)
+    for stop in ([], ["zzz"]):  # the text decoded when the request ends, and as it runs
+        output = llm.generate(["w3 w4 w5"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, stop=stop),
+                              use_tqdm=False)[0]
+        assert "w3 w4 w5" + output.text == tokenizer.decode(output.prompt_token_ids + output.token_ids,
+                                                            skip_special_tokens=True)
+        assert output.text.startswith(" w")
 
 
 def test_each_call_decodes_a_short_window(tokenizer):
