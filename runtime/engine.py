@@ -237,13 +237,14 @@ class Engine:
         output = self.outputs[seq.request_id]
         previous_length = len(output.text)
         output.text = self._running_text(seq)
-        # Only text this token added can complete a stop string; the text ends where the first one
-        # to complete begins, whichever of the list it is.
-        found = [(start, stop) for stop in seq.params.stop
+        # Only text this token added can complete a stop string. Read a character at a time, the text
+        # would stop at the first one to complete, whichever of the list it is: the text ends where it
+        # begins (of two completed by the same character, the longer).
+        found = [(start + len(stop), start, stop) for stop in seq.params.stop
                  if (start := output.text.find(stop, max(0, previous_length - len(stop) + 1))) >= 0]
         if not found:
             return False
-        start, seq.stop_string = min(found)
+        _, start, seq.stop_string = min(found)
         output.text = output.text[:start]
         return True
 

@@ -70,7 +70,14 @@ def sentencepiece_style_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def test_generated_text_keeps_the_space_that_follows_the_prompt(tmp_path):
+@pytest.fixture(scope="module")
+def sentencepiece_llm(tmp_path_factory):
+    path = save_checkpoint(hf_model(tiny_config("llama")), tmp_path_factory.mktemp("sentencepiece"))
+    sentencepiece_style_tokenizer().save_pretrained(path)
+    return LLM(str(path), device="cpu", block_size=4)
+
+
+def test_generated_text_keeps_the_space_that_follows_the_prompt(sentencepiece_llm):
     # Decoded alone, generated ids lose their first space; after the prompt's last tokens they keep
     # it, so that prompt + text is the decoded whole, as vLLM and OpenAI give it.
     tokenizer = sentencepiece_style_tokenizer()
@@ -80,15 +87,36 @@ def test_generated_text_keeps_the_space_that_follows_the_prompt(tmp_path):
     assert [detokenizer.update(generated[:end]) for end in (1, 2, 3)] == [" w71", " w71 w43", " w71 w43 w12"]
     assert text_after(tokenizer, prompt, generated) == " w71 w43 w12"
 
-    path = save_checkpoint(hf_model(tiny_config("llama")), tmp_path)
-    tokenizer.save_pretrained(path)
-    llm = LLM(str(path), device="cpu", block_size=4)
     for stop in ([], ["zzz"]):  # the text decoded when the request ends, and as it runs
-        output = llm.generate(["w3 w4 w5"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, stop=stop),
-                              use_tqdm=False)[0]
+        output = sentencepiece_llm.generate(["w3 w4 w5"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                                         stop=stop), use_tqdm=False)[0]
         assert "w3 w4 w5" + output.text == tokenizer.decode(output.prompt_token_ids + output.token_ids,
                                                             skip_special_tokens=True)
         assert output.text.startswith(" w")
+
+
+def test_the_text_stops_where_the_first_stop_string_to_complete_begins(sentencepiece_llm):
+    """Tokens of several characters: the text is cut as if read a character at a time, at the
+    first stop string to end (the longer of two that end together), whichever the list names first."""
+    def cut_by_characters(text, stops):
+        for end in range(len(text) + 1):
+            ending = [stop for stop in stops if text[:end].endswith(stop)]
+            if ending:
+                return text[:end - max(map(len, ending))]
+        return None
+
+    params = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    free = sentencepiece_llm.generate(["w3 w4 w5"], SamplingParams(**params), use_tqdm=False)[0]
+    words = free.text.split()
+    assert len(words) == 6
+    # The second word is one token " wNN": "wNN" begins before its first digit, which ends first.
+    second, digit = words[1], words[1][1]
+    assert digit not in free.text[:free.text.index(second)]
+    for stops in ([second, digit], [digit, second], [" " + second, second[:2]], [second, " " + second]):
+        expected = cut_by_characters(free.text, stops)
+        stopped = sentencepiece_llm.generate(["w3 w4 w5"], SamplingParams(**params, stop=stops), use_tqdm=False)[0]
+        assert (stopped.text, stopped.finish_reason) == (expected, "stop"), stops
+        assert free.text.startswith(stopped.text) and not any(stop in stopped.text for stop in stops)
 
 
 def test_each_call_decodes_a_short_window(tokenizer):
