@@ -5,6 +5,7 @@ import re
 
 
 PROMPT_CONTEXT = 5  # the prompt's last tokens a generated text is decoded after
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one byte of a character
 
 
 class IncrementalDetokenizer:
@@ -32,7 +33,9 @@ class IncrementalDetokenizer:
     def update(self, token_ids: list[int]) -> str:
         """The text of the generated ``token_ids``, which extend the ids of the previous call."""
         end = len(self.context) + len(token_ids)
-        if end > self.read_offset:
+        # A run of byte-fallback tokens decodes as a whole (each byte U+FFFD if the run is no valid
+        # UTF-8): its text is settled only once a token of another kind ends it.
+        if end > self.read_offset and not (token_ids and self._byte_piece(token_ids[-1])):
             known = self._decode(self._window(token_ids, self.read_offset))
             extended = self._decode(self._window(token_ids, end))
             new = extended[len(known):]
@@ -50,6 +53,9 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def _byte_piece(self, token_id: int) -> bool:
+        return BYTE_PIECE.fullmatch(self.tokenizer.convert_ids_to_tokens(token_id) or "") is not None
+
 
 def text_after(tokenizer, prompt_token_ids: list[int], token_ids: list[int]) -> str:
     """The text generated ``token_ids`` add after the prompt's: decoded alone, a first token may
@@ -62,14 +68,16 @@ def text_after(tokenizer, prompt_token_ids: list[int], token_ids: list[int]) -> 
 
 def token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
     """One token's text and its bytes, which may be part of a character's UTF-8 (the text then
-    shows U+FFFD). Such a token's bytes are read off its piece: a byte-level BPE piece has one
-    character per byte, a byte-fallback piece is ``<0xNN>``."""
-    text = tokenizer.decode([token_id])
+    shows U+FFFD). The text is what the token adds after another (a SentencePiece decoder drops
+    the space a text begins with). A partial character's bytes are read off its piece: a
+    byte-level BPE piece has one character per byte, a byte-fallback piece is ``<0xNN>``."""
+    alone, twice = tokenizer.decode([token_id]), tokenizer.decode([token_id, token_id])
+    text = twice[len(alone):] if twice.startswith(alone) else alone
     if "\ufffd" not in text:
         return text, text.encode()
     piece = tokenizer.convert_ids_to_tokens(token_id)
-    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
-        return text, bytes([int(piece[3:5], 16)])
+    if byte := BYTE_PIECE.fullmatch(piece):
+        return text, bytes([int(byte[1], 16)])
     byte_of = _byte_level_bytes()
     if all(char in byte_of for char in piece):
         return text, bytes(byte_of[char] for char in piece)

@@ -70,6 +70,49 @@ def sentencepiece_style_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
+def byte_fallback_tokenizer():
+    """Llama 2's and Mistral's kind: words behind "▁" and the 256 bytes as ``<0xNN>`` pieces."""
+    import tokenizers
+    from tokenizers import decoders, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{byte:02X}>": 3 + byte for byte in range(256)},
+             "\u2581Hello": 259, "\u2581world": 260, "!": 261}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    model.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_a_run_of_byte_fallback_tokens_is_given_out_once_a_token_of_another_kind_ends_it():
+    # A run of byte pieces decodes as a whole: "中" and a first byte of "文" are four U+FFFD, so
+    # "中" given out at its third byte would be taken back. Every text given out is the start of
+    # every later text, the one decoded at the end included.
+    tokenizer = byte_fallback_tokenizer()
+    zhong, wen = [3 + byte for byte in "中".encode()], [3 + byte for byte in "文".encode()]
+    assert tokenizer.decode([259] + zhong) == "Hello中"
+    assert tokenizer.decode([259] + zhong + wen[:1]) == "Hello" + "\ufffd" * 4
+    prompt = [1, 260]
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice([259, 260, 261, *zhong, *wen, 3 + 0x41]) for _ in range(rng.randrange(1, 12))]
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+        given = [detokenizer.update(ids[:end]) for end in range(1, len(ids) + 1)]
+        final = text_after(tokenizer, prompt, ids)
+        assert final == tokenizer.decode(prompt + ids, skip_special_tokens=True)[len("world"):]
+        assert all(later.startswith(earlier) for earlier, later in zip(given, given[1:] + [final])), ids
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    assert [detokenizer.update(([259] + zhong + [261])[:end]) for end in range(1, 6)] == [" Hello"] * 4 + [" Hello中!"]
+
+
+def test_a_tokens_text_is_what_it_adds_after_another():
+    tokenizer = sentencepiece_style_tokenizer()
+    assert tokenizer.decode([43]) == "w43"
+    assert token_text(tokenizer, 43) == (" w43", b" w43")
+    assert token_text(byte_fallback_tokenizer(), 3 + 0xE4) == ("\ufffd", b"\xe4")
+
+
 @pytest.fixture(scope="module")
 def sentencepiece_llm(tmp_path_factory):
     path = save_checkpoint(hf_model(tiny_config("llama")), tmp_path_factory.mktemp("sentencepiece"))
@@ -128,6 +171,9 @@ def test_each_call_decodes_a_short_window(tokenizer):
         def decode(self, token_ids, **kwargs):
             windows.append(len(token_ids))
             return decode(token_ids, **kwargs)
+
+        def convert_ids_to_tokens(self, token_id):
+            return tokenizer.convert_ids_to_tokens(token_id)
 
     detokenizer = IncrementalDetokenizer(Counting())
     for end in range(1, len(ids) + 1):
