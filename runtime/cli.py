@@ -3,6 +3,7 @@ generated; Ctrl-C stops generation without a traceback (exit status 130) and, in
 only the current reply."""
 
 import argparse
+import os
 import socket
 import sys
 
@@ -10,6 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")  # runtime.config's, spelled here so that parsing imports no torch
 MODEL_HELP = "checkpoint directory, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct GGUF)"
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+BROKEN_PIPE = 141  # and by SIGPIPE, a write to a pipe nobody reads
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -92,8 +94,8 @@ def _open_images(paths: list[str]) -> list:
         try:
             image = Image.open(path)
             image.load()  # open reads the header only: a truncated or damaged image fails here, not in a request
-        except OSError as exc:  # a missing file, or one PIL does not read as an image
-            raise ValueError(f"--image {path}: {exc}") from exc
+        except (OSError, Image.DecompressionBombError) as exc:  # a missing file, one PIL does not read as an
+            raise ValueError(f"--image {path}: {exc}") from exc  # image, or one past PIL's pixel limit
         images.append(image)
     return images
 
@@ -221,6 +223,9 @@ def _chat_with(llm, args, params) -> int:
         raise ValueError(f"{args.model or 'the model'} has {what}: zoo chat needs one "
                          f"(zoo generate --token-ids 1,2,3 takes token ids)")
     conversation = [{"role": "system", "content": args.system}] if args.system else []
+    # A template that does not compile, or refuses the system message, ends the command here; an error
+    # of a message later leaves that message out.
+    llm.chat_prompt([*conversation, {"role": "user", "content": "Hello"}])
     print("zoo chat: Ctrl-C stops a reply; an empty line, Ctrl-D or Ctrl-C at the prompt ends the conversation.",
           file=sys.stderr)
     while True:
@@ -235,17 +240,22 @@ def _chat_with(llm, args, params) -> int:
         if not line:
             return 0
         conversation.append({"role": "user", "content": line})
-        reply = []
+        reply, error = [], None
         try:
             for delta in llm.stream([llm.chat_prompt(conversation)], params):
                 print(delta.text, end="", flush=True)
                 reply.append(delta.text)
-                if delta.error:
-                    print(f"error: {delta.error}", file=sys.stderr)
+                error = delta.error or error
+        except ValueError as exc:  # a message the template or tokenizer refuses
+            error = str(exc)
         except KeyboardInterrupt:  # the reply so far stays in the conversation
             print(" [stopped]", end="", flush=True)
         print(flush=True)
-        conversation.append({"role": "assistant", "content": "".join(reply)})
+        if error:  # the conversation goes on without the message
+            conversation.pop()
+            print(f"error: {error}; the message is left out of the conversation", file=sys.stderr)
+        else:
+            conversation.append({"role": "assistant", "content": "".join(reply)})
 
 
 def _add_sampling_flags(command, max_tokens: int, temperature: float) -> None:
@@ -388,6 +398,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # while the model loads, or between steps of zoo diff
         print(f"\nzoo {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except BrokenPipeError:  # the reader of the output went away (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exit's flush does not raise again
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":

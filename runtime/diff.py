@@ -220,6 +220,7 @@ def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtyp
         raise TypeError(f"prompt must be a string where no input_ids are given, got {type(prompt).__name__}")
     if input_ids is not None and not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch tensor of token ids, got {type(input_ids).__name__}")
+    load_config(resolve_source(path_or_repo_id))  # a path that holds no checkpoint is named as such first
     image_inputs = {}
     if images:
         if input_ids is not None or runtime_steps is not None:

@@ -77,6 +77,9 @@ class Ranks:
             device = torch.device("cuda", 0)
         elif device.type != "cpu":
             raise ValueError(f"tensor parallelism runs on CUDA devices or the CPU, not {device}")
+        elif size > os.cpu_count():
+            raise ValueError(f"tensor_parallel_size {size} on the CPU: one process a rank, more than this machine's "
+                             f"{os.cpu_count()} cores, would stall every collective")
         if dist.is_initialized():
             raise RuntimeError("tensor_parallel_size > 1 needs this process's torch.distributed default group, "
                                "which is already initialised: one tensor-parallel LLM runs in a process at a time "

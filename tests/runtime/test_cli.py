@@ -251,6 +251,51 @@ def test_ctrl_c_in_chat_stops_the_reply_and_a_second_at_the_prompt_quits(with_ch
     assert "Traceback" not in cli.err
 
 
+def test_a_chat_message_that_fails_is_left_out_and_the_conversation_goes_on(with_chat_template, monkeypatch,
+                                                                             capsys):
+    # Past max_model_len, or not valid Unicode: named, and the next message is answered as if it
+    # had not been sent (the conversation did not grow by it).
+    lines = iter(["hello", "the world " * 20, "bad \udcff text", "hello again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    conversations = []
+    chat_prompt = runtime.LLM.chat_prompt
+    monkeypatch.setattr(runtime.LLM, "chat_prompt",
+                        lambda self, conversation: (conversations.append(list(conversation)),
+                                                    chat_prompt(self, conversation))[1])
+    assert main(["chat", "--model", str(with_chat_template), "--device", "cpu", "--max-tokens", "4",
+                 "--max-model-len", "64", "--temperature", "0"]) == 0
+    errors = capsys.readouterr().err.splitlines()[1:]
+    assert len(errors) == 2 and all(e.endswith("; the message is left out of the conversation") for e in errors)
+    assert "max_model_len is 64" in errors[0] and "is not valid Unicode" in errors[1]
+    assert [[m["content"] for m in c if m["role"] == "user"] for c in conversations[1:]] == [
+        ["hello"], ["hello", ("the world " * 20).strip()], ["hello", "bad \udcff text"], ["hello", "hello again"]]
+
+
+def test_an_image_past_pils_pixel_limit_is_named(no_loading, tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    Image.new("1", (64, 64)).save(tmp_path / "large.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # PIL refuses twice its limit: 4096 pixels here
+    assert main(["generate", "--image", str(tmp_path / "large.png"), "<image> What is it?"]) == 2
+    assert capsys.readouterr().err.startswith(f"zoo generate: error: --image {tmp_path / 'large.png'}: Image size")
+
+
+def test_diff_names_a_folder_that_holds_no_checkpoint(tmp_path, capsys):
+    assert main(["diff", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fresh Python process imports torch and transformers
+def test_output_piped_into_a_reader_that_goes_away_ends_quietly(no_tokenizer):
+    process = subprocess.Popen([sys.executable, "-m", "runtime.cli", "generate", "--model", str(no_tokenizer),
+                                "--device", "cpu", "--token-ids", "5,9", "--max-tokens", "4000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    process.stdout.read(5)
+    process.stdout.close()  # as `| head -c 5` does
+    assert process.wait(timeout=120) == 141
+    assert "Traceback" not in process.stderr.read().decode()
+
+
 @pytest.mark.slow  # a fresh Python process imports torch and transformers
 def test_chat_ends_at_eof_with_status_0(with_chat_template):
     cli = Cli("chat", "--model", str(with_chat_template), "--device", "cpu")

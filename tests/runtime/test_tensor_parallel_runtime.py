@@ -69,6 +69,8 @@ def test_sizes_the_ranks_cannot_split_fail_before_loading(tmp_path):
         LLM(str(path), device="cpu", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="compile_decode compiles a model that runs in one process"):
         LLM(str(path), device="cpu", tensor_parallel_size=2, compile_decode=True)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {10**20} on the CPU: .* {os.cpu_count()} cores"):
+        LLM(str(path), device="cpu", tensor_parallel_size=10**20)
 
 
 def test_a_model_tensor_parallelism_does_not_run_is_refused_with_its_own_error(tmp_path, capsys):
