@@ -223,20 +223,23 @@ class Engine:
     def _stops(self, seq: Sequence, token: int) -> bool:
         """Whether the token ends the sequence; if so, it is finished with the reason."""
         params = seq.params
+        reaches_length_limit = seq.reaches_length_limit(self.config.max_model_len, count_pending=False)
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish("stop")
-        elif params.stop and self._cut_at_stop_string(seq):
+        elif params.stop and self._cut_at_stop_string(seq, last=reaches_length_limit):
             seq.finish("stop")
-        elif seq.reaches_length_limit(self.config.max_model_len, count_pending=False):
+        elif reaches_length_limit:
             seq.finish("length")
         else:
             return False
         return True
 
-    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+    def _cut_at_stop_string(self, seq: Sequence, last: bool) -> bool:
         output = self.outputs[seq.request_id]
         previous_length = len(output.text)
-        output.text = self._running_text(seq)
+        # The last token's text is all of it, also what the detokenizer still holds back.
+        output.text = text_after(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids) if last \
+            else self._running_text(seq)
         # Only text this token added can complete a stop string. Read a character at a time, the text
         # would stop at the first one to complete, whichever of the list it is: the text ends where it
         # begins (of two completed by the same character, the longer).

@@ -41,7 +41,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(-1)
     # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop |= ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]  # a float sum reaches 1 early
     drop |= probs < min_p[:, None] * probs[:, :1]
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 

@@ -4,7 +4,9 @@ a running text that is settled (no stop string can still cut it)."""
 import random
 
 import pytest
+import torch
 
+import runtime.engine
 from loaders import load_tokenizer
 from loaders.default_model import default_model_path
 from runtime import LLM, SamplingParams
@@ -104,6 +106,34 @@ def test_a_run_of_byte_fallback_tokens_is_given_out_once_a_token_of_another_kind
         assert all(later.startswith(earlier) for earlier, later in zip(given, given[1:] + [final])), ids
     detokenizer = IncrementalDetokenizer(tokenizer, prompt)
     assert [detokenizer.update(([259] + zhong + [261])[:end]) for end in range(1, 6)] == [" Hello"] * 4 + [" Hello中!"]
+    # A special token inside a run is left out of the text: the run goes on past it ("é" and a
+    # second byte of it, which make the run no valid UTF-8).
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    e_acute = [3 + byte for byte in "é".encode()]
+    ids = [259, *e_acute, 2, e_acute[1], 261]
+    given = [detokenizer.update(ids[:end]) for end in range(1, 7)]
+    assert given == [" Hello"] * 5 + [text_after(tokenizer, prompt, ids)] and "é" not in given[-1]
+    # A prompt that ends in a run, or inside a character, which the generated ids go on: the text
+    # is theirs alone, as they change the prompt's.
+    assert text_after(tokenizer, [1, 260, *zhong], wen[:1] + [261]) == "\ufffd!"
+    assert text_after(tokenizer, [1, 260, *zhong], [259]) == " Hello"
+
+
+def test_a_stop_string_in_the_run_the_last_token_ends_is_cut(tmp_path, monkeypatch):
+    # The detokenizer holds a run back; at max_tokens its text is all there is, and "中" in it
+    # completes the stop string.
+    tokenizer = byte_fallback_tokenizer()
+    path = save_checkpoint(hf_model(tiny_config("llama", vocab_size=262)), tmp_path)
+    tokenizer.save_pretrained(path)
+    llm = LLM(str(path), device="cpu", block_size=4)
+    script = [260, *[3 + byte for byte in "中".encode()]]
+
+    def scripted(logits, seqs, greedy=None):
+        return torch.tensor([script[len(seq.output_token_ids) + seq.num_pending] for seq in seqs])
+
+    monkeypatch.setattr(runtime.engine, "sample_tokens", scripted)
+    output = llm.generate([[1, 259]], SamplingParams(max_tokens=4, ignore_eos=True, stop=["中"]), use_tqdm=False)[0]
+    assert (output.token_ids, output.text, output.finish_reason) == (script, " world", "stop")
 
 
 def test_a_tokens_text_is_what_it_adds_after_another():
@@ -162,6 +192,13 @@ def test_the_text_stops_where_the_first_stop_string_to_complete_begins(sentencep
         assert free.text.startswith(stopped.text) and not any(stop in stopped.text for stop in stops)
 
 
+def test_a_prompt_that_ends_inside_a_character_is_no_context(tokenizer):
+    prompt, generated = [13760, 10003], [112, 13760, 13760]  # "ко" + the first byte of "Т", its last byte, "к", "к"
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    given = [detokenizer.update(generated[:end]) for end in range(1, 4)]
+    assert given == ["", "\ufffdк", "\ufffdкк"] and text_after(tokenizer, prompt, generated) == "\ufffdкк"
+
+
 def test_each_call_decodes_a_short_window(tokenizer):
     ids = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 40, add_special_tokens=False)
     windows = []
@@ -171,6 +208,8 @@ def test_each_call_decodes_a_short_window(tokenizer):
         def decode(self, token_ids, **kwargs):
             windows.append(len(token_ids))
             return decode(token_ids, **kwargs)
+
+        all_special_ids = tokenizer.all_special_ids
 
         def convert_ids_to_tokens(self, token_id):
             return tokenizer.convert_ids_to_tokens(token_id)

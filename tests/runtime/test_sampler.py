@@ -39,6 +39,11 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_as_hf():
     assert torch.equal(filtered(x, top_k=2), expected)
 
 
+def test_top_p_one_keeps_every_token():
+    # The float32 running sum of these probabilities reaches 1 at the first token.
+    assert not torch.isinf(filtered(torch.tensor([0.0, -20.0, -25.0]), top_p=1.0)).any()
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.999])
 def test_top_p_matches_hf(p):
     x = logits(int(p * 1000))
