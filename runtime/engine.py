@@ -223,12 +223,12 @@ class Engine:
     def _stops(self, seq: Sequence, token: int) -> bool:
         """Whether the token ends the sequence; if so, it is finished with the reason."""
         params = seq.params
-        reaches_length_limit = seq.reaches_length_limit(self.config.max_model_len, count_pending=False)
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        last = stop_token or seq.reaches_length_limit(self.config.max_model_len, count_pending=False)
+        # Stop strings first: text the detokenizer held back until the last token may hold one.
+        if (params.stop and self._cut_at_stop_string(seq, last)) or stop_token:
             seq.finish("stop")
-        elif params.stop and self._cut_at_stop_string(seq, last=reaches_length_limit):
-            seq.finish("stop")
-        elif reaches_length_limit:
+        elif last:
             seq.finish("length")
         else:
             return False

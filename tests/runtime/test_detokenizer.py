@@ -120,8 +120,8 @@ def test_a_run_of_byte_fallback_tokens_is_given_out_once_a_token_of_another_kind
 
 
 def test_a_stop_string_in_the_run_the_last_token_ends_is_cut(tmp_path, monkeypatch):
-    # The detokenizer holds a run back; at max_tokens its text is all there is, and "中" in it
-    # completes the stop string.
+    # The detokenizer holds a run back; at the last token (max_tokens, EOS) its text is all there
+    # is, and "中" in it completes the stop string.
     tokenizer = byte_fallback_tokenizer()
     path = save_checkpoint(hf_model(tiny_config("llama", vocab_size=262)), tmp_path)
     tokenizer.save_pretrained(path)
@@ -133,6 +133,9 @@ def test_a_stop_string_in_the_run_the_last_token_ends_is_cut(tmp_path, monkeypat
 
     monkeypatch.setattr(runtime.engine, "sample_tokens", scripted)
     output = llm.generate([[1, 259]], SamplingParams(max_tokens=4, ignore_eos=True, stop=["中"]), use_tqdm=False)[0]
+    assert (output.token_ids, output.text, output.finish_reason) == (script, " world", "stop")
+    script.append(2)  # EOS ends it: its id kept, the text cut as well
+    output = llm.generate([[1, 259]], SamplingParams(max_tokens=8, stop=["中"]), use_tqdm=False)[0]
     assert (output.token_ids, output.text, output.finish_reason) == (script, " world", "stop")
 
 
