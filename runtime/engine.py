@@ -237,9 +237,8 @@ class Engine:
     def _cut_at_stop_string(self, seq: Sequence, last: bool) -> bool:
         output = self.outputs[seq.request_id]
         previous_length = len(output.text)
-        # The last token's text is all of it, also what the detokenizer still holds back.
-        output.text = text_after(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids) if last \
-            else self._running_text(seq)
+        # At the last token, the whole text: also what the detokenizer still holds back.
+        output.text = self._full_text(seq) if last else self._running_text(seq)
         # Only text this token added can complete a stop string. Read a character at a time, the text
         # would stop at the first one to complete, whichever of the list it is: the text ends where it
         # begins (of two completed by the same character, the longer).
@@ -263,13 +262,16 @@ class Engine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         return seq.detokenizer.update(seq.output_token_ids)
 
+    def _full_text(self, seq: Sequence) -> str:
+        """The text of all the sequence's generated ids."""
+        return "" if self.tokenizer is None else text_after(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids)
+
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         output = self.outputs[seq.request_id]
         output.num_cached_tokens = seq.num_cached_tokens or 0
         if seq.status == Status.FINISHED:
             if seq.stop_string is None:  # else its text is cut where the stop string begins
-                output.text = "" if self.tokenizer is None else text_after(self.tokenizer, seq.prompt_token_ids,
-                                                                             seq.output_token_ids)
+                output.text = self._full_text(seq)
             output.finish_reason, output.error = seq.finish_reason, seq.error
             del self.sequences[seq.request_id], self.outputs[seq.request_id]  # the caller holds the output
         return output
