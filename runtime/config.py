@@ -20,7 +20,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated tokens of a sequence at most (None: the model's limit)
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # KV-cache blocks (None: as many as the memory budget holds)
-    kv_cache_gib: float | None = None  # the KV cache's memory (None: 1 GiB on the CPU, on CUDA as below)
+    # The KV cache's memory (None: 1 GiB on the CPU, on CUDA as below): per device on CUDA, on the CPU
+    # all tensor-parallel ranks' together (they share the host's memory).
+    kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.9  # on CUDA, the device's share for the model, its largest step and the cache
     max_num_batched_tokens: int | None = None  # new tokens per step at most (None: as ``resolved`` sets it)
     enable_chunked_prefill: bool = True  # split long prompts over several steps, next to running decodes

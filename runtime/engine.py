@@ -73,10 +73,11 @@ class Engine:
         if config.compile_decode:
             check_compilable(model, device)
         kv_dtype = cache_dtype(config.kv_cache_dtype, model)  # an unsupported one is named before any profiling
-        num_blocks = config.num_blocks or blocks_for_budget(model, config, kv_dtype)
+        host_ranks = ranks.size if ranks is not None and device.type == "cpu" else 1  # they share the memory
+        num_blocks = config.num_blocks or blocks_for_budget(model, config, kv_dtype, host_ranks)
         if ranks is not None:  # the block tables rank 0 sends index every rank's pools alike
             num_blocks = ranks.fewest(num_blocks)
-        check_sizes(model, config, num_blocks, kv_dtype, config.compile_decode)
+        check_sizes(model, config, num_blocks, kv_dtype, config.compile_decode, host_ranks)
         self.kv_cache = KVCache(model, num_blocks, config.block_size, backend, padding_block=config.compile_decode,
                                 dtype=kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,

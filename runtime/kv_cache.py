@@ -36,11 +36,12 @@ def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
+def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype, host_ranks: int) -> int:
     """The blocks of a KV cache of ``dtype`` (``cache_dtype``) for a resolved ``config``: its
     ``kv_cache_gib``; else on CUDA the device's memory times ``gpu_memory_utilization``, less the
     peak that a profiling forward of the largest step allocated; else ``CPU_KV_CACHE_GIB``. Never
-    more than max_num_seqs sequences of max_model_len tokens need."""
+    more than max_num_seqs sequences of max_model_len tokens need. ``host_ranks`` ranks share the
+    budget (CPU tensor parallelism: they share the host's memory), each with a cache of its KV heads."""
     parameter = next(model.parameters())
     device = parameter.device
     if config.kv_cache_gib is not None:
@@ -60,6 +61,7 @@ def blocks_for_budget(model, config: EngineConfig, dtype: torch.dtype) -> int:
         budget = total * config.gpu_memory_utilization - torch.cuda.max_memory_allocated(device)
     else:
         budget = CPU_KV_CACHE_GIB * (1 << 30)
+    budget /= host_ranks
     useful = config.max_num_seqs * blocks_per_sequence(config)
     block_bytes = bytes_per_block(model, config.block_size, dtype)
     num_blocks = min(int(budget // block_bytes), useful)
@@ -74,10 +76,12 @@ def blocks_per_sequence(config: EngineConfig) -> int:
     return -(-config.max_model_len // config.block_size)
 
 
-def check_sizes(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype, padding_block: bool) -> None:
+def check_sizes(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype, padding_block: bool,
+                host_ranks: int) -> None:
     """Refuse a cache of ``num_blocks`` that cannot hold one sequence of ``max_model_len`` tokens, or
-    pools and per-sequence buffers larger than the memory left, before any of it is allocated: a
-    request would fail halfway, an allocator would not name the option."""
+    pools and per-sequence buffers larger than the memory left (on the host, those of all
+    ``host_ranks`` ranks that share it), before any of it is allocated: a request would fail
+    halfway, an allocator would not name the option."""
     needed = blocks_per_sequence(config)
     if num_blocks < needed:
         raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache: {num_blocks} blocks of "
@@ -88,9 +92,11 @@ def check_sizes(model, config: EngineConfig, num_blocks: int, dtype: torch.dtype
     pools = (num_blocks + padding_block) * bytes_per_block(model, config.block_size, dtype)
     tables = config.max_num_seqs * (needed * 4 + 8)  # a block-table row (int32) and a sampled id (int64) each
     left = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
-    if left is not None and pools > left:
+    if left is not None and pools * host_ranks > left:
+        ranks = f" on each of {host_ranks} ranks" if host_ranks > 1 else ""
         raise ValueError(f"the KV cache's {num_blocks} blocks of block_size={config.block_size} tokens take {pools} "
-                         f"bytes, more than the {left} bytes of memory left: lower num_blocks, kv_cache_gib or block_size")
+                         f"bytes{ranks}, more than the {left} bytes of memory left: lower num_blocks, kv_cache_gib "
+                         f"or block_size")
     host_left = left if device.type != "cuda" else available_memory()
     if host_left is not None and tables > host_left:
         raise ValueError(f"max_num_seqs={config.max_num_seqs} asks for {tables} bytes of per-sequence buffers, "

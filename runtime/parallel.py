@@ -84,10 +84,11 @@ class Ranks:
             raise RuntimeError("tensor_parallel_size > 1 needs this process's torch.distributed default group, "
                                "which is already initialised: one tensor-parallel LLM runs in a process at a time "
                                "(shut the other down first)")
+        threads = torch.get_num_threads()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:  # the ranks share the cores: more threads than cores stall every collective
-            torch.set_num_threads(max(1, torch.get_num_threads() // size))
+            threads = max(1, threads // size)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=IDLE_TIMEOUT)
         context = mp.get_context("spawn")
         workers, reports = [], []
@@ -95,12 +96,13 @@ class Ranks:
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(target=run_worker, name=f"zoo-rank{rank}", daemon=True,
                                       args=(rank, size, store.port, model, dtype, device.type, mmap, config,
-                                            torch.get_num_threads(), sender))
+                                            threads, sender))
             process.start()
             sender.close()
             workers.append(process)
             reports.append(receiver)
-        watch = _Watch(workers, reports)
+        watch = _Watch(workers, reports, torch.get_num_threads())
+        torch.set_num_threads(threads)
         try:
             # The workers join the store before the group: a worker that dies while starting is
             # seen here, where init_process_group would wait for it.
@@ -113,9 +115,7 @@ class Ranks:
                                     timeout=None if device.type == "cuda" else IDLE_TIMEOUT)
             ranks = cls(0, size, device)
         except BaseException:
-            watch.stop()
-            if dist.is_initialized():  # this start's group: none was before it
-                dist.destroy_process_group()
+            _end(watch, dist.group.WORLD)  # this start's group, if it got one: none was before it
             raise
         ranks.workers, ranks.store, ranks.watch = workers, store, watch
         watch.start(ranks)
@@ -216,8 +216,9 @@ class _Watch:
     """Rank 0's watch over its workers: a thread waits on their process sentinels and, when one
     ends unasked, kills the rest and takes the group down."""
 
-    def __init__(self, workers: list, reports: list):
+    def __init__(self, workers: list, reports: list, threads: int | None):
         self.workers, self.reports = workers, reports
+        self.threads = threads  # rank 0's torch threads before the ranks shared the cores, given back as it leaves
         self.stopping = threading.Event()
         self.first_death: tuple[int, int, str] | None = None  # (rank, exit code, what it reported)
         self.lock = threading.RLock()  # the workers' process state, which the watch thread and rank 0's steps read
@@ -296,10 +297,13 @@ def _holds(group) -> bool:
 
 def _leave(watch: _Watch, group) -> None:
     """Destroy ``group``, where still this process's default (under the watch's lock: not while
-    the watch aborts it)."""
+    the watch aborts it), and give rank 0 back its threads."""
     with watch.lock:
         if _holds(group):
             dist.destroy_process_group()
+        if watch.threads is not None:
+            torch.set_num_threads(watch.threads)
+            watch.threads = None
 
 
 def _end(watch: _Watch, group) -> None:

@@ -120,10 +120,10 @@ def test_a_new_engine_sizes_its_cache_without_the_cache_of_an_earlier_one(checkp
     bound_when_sized = []
     sized = runtime.engine.blocks_for_budget
 
-    def record(model, config, dtype):
+    def record(model, *args):
         bound_when_sized.append(model.bound_kv_cache)
         bound_when_sized.extend(m.kv_cache for m in model.modules() if hasattr(m, "kv_cache"))
-        return sized(model, config, dtype)
+        return sized(model, *args)
 
     monkeypatch.setattr(runtime.engine, "blocks_for_budget", record)
     second = LLM(model, block_size=4)

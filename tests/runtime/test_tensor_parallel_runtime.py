@@ -101,6 +101,24 @@ def test_a_worker_that_fails_to_load_reports_its_error(tmp_path):
         ranks.check()
 
 
+def test_the_ranks_share_the_cores_and_the_kv_cache_budget_and_give_them_back(checkpoints):
+    path, _ = checkpoints["gqa"]  # one of the 2 KV heads on each rank: a rank's block is half the size
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        one_rank = LLM(path, device="cpu", block_size=4, kv_cache_gib=2**-14).engine.block_manager.num_blocks
+        llm = LLM(path, **OPTIONS, kv_cache_gib=2**-14)
+        assert torch.get_num_threads() == 1
+        assert llm.engine.block_manager.num_blocks == one_rank  # each rank's half of the budget, half a block each
+        llm.shutdown()
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="does not fit the KV cache"):  # refused once the worker runs
+            LLM(path, **OPTIONS, num_blocks=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_zoo_generate_runs_over_two_ranks(checkpoints, capsys):
     path, reference = checkpoints["gqa"]  # one of the 2 KV heads on each rank
     assert main(["generate", "--model", path, "--device", "cpu", "--tp", "2", "--token-ids", "5,9,13,2",
