@@ -176,25 +176,29 @@ class ExpertParallelExperts(Experts):
 
 
 class TensorParallelExperts(Experts):
-    """Every expert's ``rows`` of its intermediate size (its gate and up rows, its down columns): the
-    rank's output is its rows' part of every expert's. Sliced tensors load dequantised. Reads the
-    per-expert layout of the hub's checkpoints (a stacked gate_up tensor would be read twice, its
-    gate rows and its up rows: the loader reads each tensor once)."""
+    """Every expert's ``rows`` of its ``intermediate_size`` (its gate and up rows, its down columns):
+    the rank's output is its rows' part of every expert's. Sliced tensors load dequantised. Reads the
+    per-expert layout of the hub's checkpoints and the stacked one transformers may save (its
+    gate_up tensor read in two parts, the rank's gate rows and its up rows)."""
 
-    def __init__(self, rows: slice, num_experts: int, hidden_size: int, hidden_act: str):
+    def __init__(self, rows: slice, intermediate_size: int, num_experts: int, hidden_size: int, hidden_act: str):
         super().__init__(num_experts, hidden_size, rows.stop - rows.start, hidden_act)
         self.fp8_parameters = ()
         self.rows = rows
+        self.up_rows = slice(intermediate_size + rows.start, intermediate_size + rows.stop)  # of a stacked gate_up
 
-    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
-        size = self.intermediate_size
-        gate_up = [
-            Shard(f"{prefix}.{e}.{source}.weight", (e, rows), (self.rows,)) for e in range(self.num_experts)
-            for source, rows in (("gate_proj", slice(0, size)), ("up_proj", slice(size, 2 * size)))
-        ]
-        down = [Shard(f"{prefix}.{e}.down_proj.weight", (e,), (slice(None), self.rows))
-                for e in range(self.num_experts)]
-        return {"gate_up_proj": gate_up, "down_proj": down}
+    def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
+        size, every = self.intermediate_size, slice(None)
+        gate, up = slice(0, size), slice(size, 2 * size)
+        experts = range(self.num_experts)
+        per_expert_gate_up = [Shard(f"{prefix}.{e}.{source}.weight", (e, rows), (self.rows,)) for e in experts
+                              for source, rows in (("gate_proj", gate), ("up_proj", up))]
+        per_expert_down = [Shard(f"{prefix}.{e}.down_proj.weight", (e,), (every, self.rows)) for e in experts]
+        stacked_gate_up = [Shard(f"{prefix}.gate_up_proj", (every, gate), (every, self.rows)),
+                           Shard(f"{prefix}.gate_up_proj", (every, up), (every, self.up_rows))]
+        stacked_down = [Shard(f"{prefix}.down_proj", (), (every, every, self.rows))]
+        return {"gate_up_proj": OneOf(per_expert_gate_up, stacked_gate_up),
+                "down_proj": OneOf(per_expert_down, stacked_down)}
 
 
 def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None) -> nn.Module:
@@ -306,7 +310,7 @@ def _split_moe(moe: SparseMoE, name: str, rank: int, ranks: int, group, expert_p
         moe.experts = ExpertParallelExperts(held, num_experts, hidden_size, intermediate, experts.hidden_act)
     else:
         rows = split_evenly(intermediate, rank, ranks, f"{name}'s expert intermediate size")
-        moe.experts = TensorParallelExperts(rows, num_experts, hidden_size, experts.hidden_act)
+        moe.experts = TensorParallelExperts(rows, intermediate, num_experts, hidden_size, experts.hidden_act)
     for shared in (moe.shared_expert, moe.shared_experts):
         if shared is not None:  # its partial output joins the experts' in the block's all-reduce
             _split_mlp(shared, rank, ranks, None)

@@ -43,9 +43,9 @@ def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torc
     plan = plan_loading(model, checkpoint)
     fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
     mapped = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
-    kept = {name for name in mapped if plan[name][0] not in fp8}
-    materialize(model, dtype, device, skip={plan[name][0] for name in kept}, fp8=fp8)
-    fill(model, checkpoint, plan, keep=kept, fp8=fp8)
+    kept = {name: plan[name][0][0] for name in mapped if plan[name][0][0] not in fp8}  # -> its one parameter
+    materialize(model, dtype, device, skip=set(kept.values()), fp8=fp8)
+    fill(model, checkpoint, plan, keep=set(kept), fp8=fp8)
     return model.eval()
 
 
@@ -132,12 +132,15 @@ def _same_values(checkpoint: dict[str, TensorRef], layout: tuple[Shard, ...], ot
     return True
 
 
-def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple, tuple]], list[str]]:
+Target = tuple[str, tuple, tuple | None]  # (parameter name, index into it, the part of the tensor read: Shard.source)
+
+
+def choose_layouts(layouts, checkpoint) -> tuple[dict[str, list[Target]], list[str]]:
     """Per parameter, the first layout the checkpoint holds completely, else the one it holds most
-    of. Returns (checkpoint tensor name -> (parameter name, index into it, the part of the tensor
-    read: ``Shard.source``), tensors missing; a
-    parameter of which no layout has a tensor is missing as "A or B")."""
-    targets: dict[str, tuple[str, tuple, tuple]] = {}
+    of. Returns (checkpoint tensor name -> the places it fills: one, or several parts of it in one
+    parameter, as a rank's rows of a stacked gate_up), tensors missing; a parameter of which no
+    layout has a tensor is missing as "A or B")."""
+    targets: dict[str, list[Target]] = {}
     missing: list[str] = []
     for param_name, options in layouts.items():
         held = [sum(shard.name in checkpoint for shard in layout) for layout in options]
@@ -148,17 +151,19 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, tuple[str, tuple, tup
         else:
             missing += [shard.name for shard in layout if shard.name not in checkpoint]
         for shard in layout:
-            assert shard.name not in targets, f"{shard.name} declared for {targets[shard.name][0]} and {param_name}"
-            targets[shard.name] = (param_name, shard.index, shard.source)
+            places = targets.setdefault(shard.name, [])
+            assert all(place[0] == param_name for place in places), f"{shard.name} declared for two parameters"
+            places.append((param_name, shard.index, shard.source))
     return targets, missing
 
 
-def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, tuple[str, tuple, tuple]]:
+def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, list[Target]]:
     """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem.
     Returns the tensors this rank reads: not those its layouts name as another rank's (``Shard.elsewhere``)."""
     targets, missing = choose_layouts(declared_layouts(model), checkpoint)
     ignored = [re.compile(pattern) for pattern in getattr(model, "ignored_checkpoint_keys", ())]
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {t[0] for t in targets.values()}
+    tied = ({name for name, _ in model.named_parameters(remove_duplicate=False)}
+            - {place[0] for places in targets.values() for place in places})
 
     problems = []
     unexpected = [
@@ -169,19 +174,20 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
         problems.append(f"unexpected tensors (no parameter takes them): {name_list(unexpected, checkpoint)}")
     if missing:
         problems.append(f"missing tensors: {name_list(missing)}")
-    targets = {name: target for name, target in targets.items() if target[2] is not None}
-    for name, (param_name, index, source) in targets.items():
+    targets = {name: read for name, places in targets.items() if (read := [p for p in places if p[2] is not None])}
+    for name, places in targets.items():
         ref = checkpoint.get(name)
         if ref is None:
             continue
-        expected = tuple(model.get_parameter(param_name)[index].shape)
-        if source:
-            part = _part_shape(ref.shape, source)
-            if part != expected:
-                problems.append(f"tensor {name!r} in {ref.file}: the part {source} this rank reads has shape "
-                                f"{part}, expected {expected} (the whole tensor: {ref.shape})")
-        elif ref.shape != expected:
-            problems.append(f"tensor {name!r} in {ref.file}: expected shape {expected}, got {ref.shape}")
+        for param_name, index, source in places:
+            expected = tuple(model.get_parameter(param_name)[index].shape)
+            if source:
+                part = _part_shape(ref.shape, source)
+                if part != expected:
+                    problems.append(f"tensor {name!r} in {ref.file}: the part {source} this rank reads has shape "
+                                    f"{part}, expected {expected} (the whole tensor: {ref.shape})")
+            elif ref.shape != expected:
+                problems.append(f"tensor {name!r} in {ref.file}: expected shape {expected}, got {ref.shape}")
         if ref.dtype not in FLOAT_DTYPES:
             problems.append(f"tensor {name!r} in {ref.file}: dtype {ref.dtype} is not a floating-point type")
     if problems:
@@ -193,7 +199,7 @@ def _part_shape(shape: tuple[int, ...], source: tuple) -> tuple[int, ...]:
     return tuple(torch.empty(shape, device="meta")[source].shape)
 
 
-def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, tuple[str, tuple, tuple]], dtype,
+def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, list[Target]], dtype,
              device) -> set[str]:
     """The checkpoint tensors ``fill`` keeps as their parameter instead of copying them: each fills
     a whole parameter alone (not a shard of a fused or stacked one), is stored in the target dtype,
@@ -204,10 +210,10 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
     copies instead."""
     if device.type != "cpu":
         return set()
-    shards = Counter(param_name for param_name, _, _ in targets.values())
+    shards = Counter(param_name for places in targets.values() for param_name, _, _ in places)
     return {
-        name for name, (param_name, index, source) in targets.items()
-        if index == () and source == () and shards[param_name] == 1 and name in checkpoint
+        name for name, [(param_name, index, source), *others] in targets.items()
+        if not others and index == () and source == () and shards[param_name] == 1 and name in checkpoint
         and FLOAT_DTYPES.get(checkpoint[name].dtype) == dtype
         and not hasattr(model.get_submodule(param_name.rpartition(".")[0]), "empty_parameter")
     }
@@ -220,15 +226,16 @@ def fp8_native(device: torch.device) -> bool:
 
 
 def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
-                        targets: dict[str, tuple[str, tuple, tuple]]) -> dict[str, tuple[int, int]]:
+                        targets: dict[str, list[Target]]) -> dict[str, tuple[int, int]]:
     """parameter name -> scale block, for the parameters that stay in FP8: those a module names in its
     ``fp8_parameters``, all of them or none per module, each filled only by whole FP8 block-quantised
     tensors (not a rank's part, ``Shard.source``) whose shards cover whole blocks of the parameter's
     rows (``scale_index``)."""
     shards: dict[str, list[tuple[TensorRef | None, tuple]]] = {}
-    for name, (param_name, index, source) in targets.items():
-        # A rank's part of a tensor loads dequantised: its scales would need the same cut.
-        shards.setdefault(param_name, []).append((checkpoint[name] if source == () else None, index))
+    for name, places in targets.items():
+        for param_name, index, source in places:
+            # A rank's part of a tensor loads dequantised: its scales would need the same cut.
+            shards.setdefault(param_name, []).append((checkpoint[name] if source == () else None, index))
     kept = {}
     for prefix, module in model.named_modules():
         names = [f"{prefix}.{local}" if prefix else local for local in getattr(module, "fp8_parameters", ())]
@@ -296,12 +303,12 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip
 def fill(
     model: nn.Module,
     checkpoint: dict[str, TensorRef],
-    targets: dict[str, tuple[str, tuple]],
+    targets: dict[str, list[Target]],
     progress=None,
     keep: set[str] = frozenset(),
     fp8: dict[str, tuple[int, int]] | None = None,
 ):
-    """Copy every checkpoint tensor into its place; a tensor named in ``keep`` (see ``keepable``)
+    """Copy every checkpoint tensor into its places; a tensor named in ``keep`` (see ``keepable``)
     becomes its parameter as read, in every module that shares that parameter; one filling a
     parameter named in ``fp8`` is copied as stored, its scales into the module's scales."""
     names = [name for name in checkpoint if name in targets]
@@ -310,29 +317,29 @@ def fill(
     holders = _holders(model) if keep else {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show) as bar:
         for name in names:
-            param_name, index, source = targets[name]
             ref = checkpoint[name]
-            if fp8 and param_name in fp8:  # copied as stored: never dequantised
-                stored, parameter = ref.fp8, model.get_parameter(param_name)
-                weight, scale_inv = stored.weight.load(), stored.scale_inv.load()
-                _warn_if_not_finite(ref, weight)
-                _warn_if_not_finite(ref, scale_inv)
-                parameter[index].copy_(weight)
-                scales = model.get_buffer(param_name + SCALE_SUFFIX)
-                scales[scale_index(index, parameter.shape, stored.block)].copy_(scale_inv)
-                bar.update(ref.nbytes)
-                continue
-            tensor = ref.load_part(source) if source else ref.load()
-            _warn_if_not_finite(ref, tensor)
-            if name in keep:
-                tensor = tensor.to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
-                if tuple(tensor.shape) != ref.shape:
-                    raise CheckpointError(f"tensor {name!r} in {ref.file}: read with shape {tuple(tensor.shape)}, declared {ref.shape}")
-                kept = nn.Parameter(tensor, requires_grad=False)
-                for module, local_name in holders[id(model.get_parameter(param_name))]:
-                    setattr(module, local_name, kept)
-            else:
-                model.get_parameter(param_name)[index].copy_(tensor)
+            for param_name, index, source in targets[name]:
+                if fp8 and param_name in fp8:  # copied as stored: never dequantised
+                    stored, parameter = ref.fp8, model.get_parameter(param_name)
+                    weight, scale_inv = stored.weight.load(), stored.scale_inv.load()
+                    _warn_if_not_finite(ref, weight)
+                    _warn_if_not_finite(ref, scale_inv)
+                    parameter[index].copy_(weight)
+                    scales = model.get_buffer(param_name + SCALE_SUFFIX)
+                    scales[scale_index(index, parameter.shape, stored.block)].copy_(scale_inv)
+                    continue
+                tensor = ref.load_part(source) if source else ref.load()
+                _warn_if_not_finite(ref, tensor)
+                if name in keep:
+                    tensor = tensor.to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
+                    if tuple(tensor.shape) != ref.shape:
+                        raise CheckpointError(f"tensor {name!r} in {ref.file}: read with shape "
+                                              f"{tuple(tensor.shape)}, declared {ref.shape}")
+                    kept = nn.Parameter(tensor, requires_grad=False)
+                    for module, local_name in holders[id(model.get_parameter(param_name))]:
+                        setattr(module, local_name, kept)
+                else:
+                    model.get_parameter(param_name)[index].copy_(tensor)
             bar.update(ref.nbytes)
 
 

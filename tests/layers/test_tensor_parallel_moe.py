@@ -29,6 +29,7 @@ VARIANTS = {
     "qwen3_moe-ep": (QWEN3_MOE, hf_model, {}, None),  # 4 experts: 2 per rank by default
     "qwen3_moe-ep-stacked": (QWEN3_MOE, hf_model, {"save_original_format": False}, True),  # transformers 5's layout
     "qwen3_moe-tp": (QWEN3_MOE, hf_model, {}, False),  # every expert's 16 of 32 intermediate rows
+    "qwen3_moe-tp-stacked": (QWEN3_MOE, hf_model, {"save_original_format": False}, False),  # two parts of gate_up
     "qwen2_moe-ep": (tiny_config("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=48), hf_model, {}, None),  # a gated shared expert
     "mixtral-ep": (tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2), hf_model, {}, None),
