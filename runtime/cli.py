@@ -290,7 +290,7 @@ def _add_kv_cache_dtype_flag(command) -> None:
 def _serve(args) -> int:
     from loaders import default_model_path
     from runtime import LLM
-    from runtime.engine import freeze_start_up_objects
+    from runtime.engine import start_up_objects_frozen
     from runtime.server import serve
 
     model = args.model or str(default_model_path())
@@ -301,9 +301,9 @@ def _serve(args) -> int:
               **options)
     # The embedded model's file is SmolLM2-135M-Instruct.Q4_1.gguf: it is served as SmolLM2-135M-Instruct.
     name = args.served_model_name or args.model or default_model_path().name.split(".")[0]
-    freeze_start_up_objects()
     try:
-        serve(llm, name, args.host, args.port, args.api_key)
+        with start_up_objects_frozen():
+            serve(llm, name, args.host, args.port, args.api_key)
     finally:
         llm.shutdown()
     return 0

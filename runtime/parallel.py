@@ -326,7 +326,7 @@ def run_worker(rank, size, port, model, dtype, device_type, mmap, config, thread
         if device.type == "cuda":  # before anything touches the device
             torch.cuda.set_device(device)
         from models import AutoModelForCausalLM
-        from runtime.engine import Engine, freeze_start_up_objects
+        from runtime.engine import Engine, start_up_objects_frozen
 
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=IDLE_TIMEOUT)
         store.set(f"joined/{rank}", "1")
@@ -337,10 +337,10 @@ def run_worker(rank, size, port, model, dtype, device_type, mmap, config, thread
                                                       tensor_parallel=ranks.group)
         with torch.inference_mode(False):  # as LLM builds its engine: buffers written outside inference mode
             engine = Engine(loaded, None, [], config, ranks=ranks)
-        freeze_start_up_objects()
-        while (step := ranks.receive_step()) is not None:
-            engine.runner.forward(step)
-            ranks.share_sampled(engine.run_ahead.sampled_ids[: len(step.logits_rows)])
+        with start_up_objects_frozen():
+            while (step := ranks.receive_step()) is not None:
+                engine.runner.forward(step)
+                ranks.share_sampled(engine.run_ahead.sampled_ids[: len(step.logits_rows)])
         dist.destroy_process_group()
     except BaseException:
         # Its end, where the error is: rank 0 reads the pipe only once this process has ended, so

@@ -119,12 +119,15 @@ def test_the_ranks_share_the_cores_and_the_kv_cache_budget_and_give_them_back(ch
         torch.set_num_threads(before)
 
 
-def test_zoo_generate_runs_over_two_ranks(checkpoints, capsys):
+def test_zoo_generate_runs_over_two_ranks_and_the_worker_ends_quietly(checkpoints, capfd):
     path, reference = checkpoints["gqa"]  # one of the 2 KV heads on each rank
     assert main(["generate", "--model", path, "--device", "cpu", "--tp", "2", "--token-ids", "5,9,13,2",
                  "--max-tokens", "6"]) == 0
     expected = hf_greedy(reference, [[5, 9, 13, 2]], max_tokens=6)[0]
-    assert capsys.readouterr().out.strip() == "5,9,13,2 ->" + "".join(f" {t}" for t in expected)
+    captured = capfd.readouterr()  # the worker's output too
+    assert captured.out.splitlines()[0] == "5,9,13,2 ->" + "".join(f" {t}" for t in expected)
+    # Its start-up objects thawed before it exits: triton's nanobind named those never freed (~600 lines).
+    assert "leaked" not in captured.err
 
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
