@@ -143,13 +143,14 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, list[Target]], list[s
     targets: dict[str, list[Target]] = {}
     missing: list[str] = []
     for param_name, options in layouts.items():
-        held = [sum(shard.name in checkpoint for shard in layout) for layout in options]
-        complete = [o for o, count in zip(options, held) if count == len(o)]
+        names = [list(dict.fromkeys(shard.name for shard in layout)) for layout in options]  # a tensor's parts once
+        held = [sum(name in checkpoint for name in layout) for layout in names]
+        complete = [o for o, count, n in zip(options, held, names) if count == len(n)]
         layout = complete[0] if complete else options[held.index(max(held))]  # ties go to the earlier
         if max(held) == 0 and len(options) > 1:
-            missing.append(" or ".join(o[0].name + (f" (+{len(o) - 1} more)" if len(o) > 1 else "") for o in options))
+            missing.append(" or ".join(n[0] + (f" (+{len(n) - 1} more)" if len(n) > 1 else "") for n in names))
         else:
-            missing += [shard.name for shard in layout if shard.name not in checkpoint]
+            missing += [name for name in dict.fromkeys(shard.name for shard in layout) if name not in checkpoint]
         for shard in layout:
             places = targets.setdefault(shard.name, [])
             assert all(place[0] == param_name for place in places), f"{shard.name} declared for two parameters"

@@ -8,7 +8,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
 
+from layers.weights import Shard
 from loaders import CheckpointError, chat_template_error, load_tokenizer
+from loaders.load import choose_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 from tests.loaders import gguf_writer
@@ -32,6 +34,17 @@ def test_missing_tensor(checkpoint):
     rewrite_tensors(checkpoint, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj\.weight"):
         AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_a_tensor_read_in_parts_is_named_once_when_missing():
+    # A rank's gate rows and up rows of a stacked gate_up_proj: two shards of one tensor.
+    stacked = (Shard("gate_up", (slice(0, 2),), (slice(0, 2),)), Shard("gate_up", (slice(2, 4),), (slice(6, 8),)))
+    layouts = {"experts.w": ((Shard("gate"), Shard("up")), stacked)}
+    assert choose_layouts(layouts, {})[1] == ["gate (+1 more) or gate_up"]
+    assert choose_layouts({"experts.w": (stacked,)}, {})[1] == ["gate_up"]
+    targets, missing = choose_layouts(layouts, {"gate_up": None})
+    assert missing == [] and targets == {"gate_up": [("experts.w", (slice(0, 2),), (slice(0, 2),)),
+                                                     ("experts.w", (slice(2, 4),), (slice(6, 8),))]}
 
 
 def test_unexpected_tensor(checkpoint):
