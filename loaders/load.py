@@ -31,16 +31,18 @@ PROGRESS_MIN_BYTES = 256 << 20
 
 
 def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torch.dtype, device: torch.device,
-                 keep_fp8: bool | None = None, mmap: bool = True) -> nn.Module:
+                 keep_fp8: bool | None = None, mmap: bool = True,
+                 whole_shapes: dict[str, tuple[int, ...]] | None = None) -> nn.Module:
     """Fill ``model``, built on the meta device, with the tensors of ``checkpoint``
     (``open_checkpoint``) in ``dtype`` on ``device``; the model's declarations
     (``checkpoint_shards``, ``ignored_checkpoint_keys``, ``checkpoint_aliases``, ``empty_parameter``,
     ``fp8_parameters``) say where each tensor goes. ``keep_fp8``: whether FP8 block-quantised weights
     stay in FP8 where their modules take them (None: on a CUDA device with FP8 tensor cores,
     ``fp8_native``); else they are dequantised to ``dtype``. ``mmap``: parameters may map their file
-    (``keepable``); False copies every tensor, for files that may change while the model lives."""
+    (``keepable``); False copies every tensor, for files that may change while the model lives.
+    ``whole_shapes``: of a model split over ranks, the whole tensors' shapes (``plan_loading``)."""
     untie_differing(model, checkpoint)
-    plan = plan_loading(model, checkpoint)
+    plan = plan_loading(model, checkpoint, whole_shapes)
     fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
     mapped = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
     kept = {name: plan[name][0][0] for name in mapped if plan[name][0][0] not in fp8}  # -> its one parameter
@@ -158,9 +160,21 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, list[Target]], list[s
     return targets, missing
 
 
-def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str, list[Target]]:
-    """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem.
-    Returns the tensors this rank reads: not those its layouts name as another rank's (``Shard.elsewhere``)."""
+def tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shape of every checkpoint tensor ``model``'s layouts name, as the parameters it fills
+    declare it: of a model before ``layers.tensor_parallel`` splits it, the whole tensors that its
+    ranks read parts of."""
+    return {shard.name: tuple(param[shard.index].shape)
+            for param, _, _, _, options in _owners(model) for layout in options for shard in layout}
+
+
+def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef],
+                 whole_shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[Target]]:
+    """Check names, shapes and dtypes before any tensor is read; raise one error listing every problem
+    (one per tensor). Returns the tensors this rank reads: not those its layouts name as another
+    rank's (``Shard.elsewhere``). ``whole_shapes`` (``tensor_shapes`` of the model before it was
+    split): a tensor this rank reads a part of must have its whole shape too, or a larger tensor's
+    part would load without a word."""
     targets, missing = choose_layouts(declared_layouts(model), checkpoint)
     ignored = [re.compile(pattern) for pattern in getattr(model, "ignored_checkpoint_keys", ())]
     tied = ({name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -180,15 +194,8 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
         ref = checkpoint.get(name)
         if ref is None:
             continue
-        for param_name, index, source in places:
-            expected = tuple(model.get_parameter(param_name)[index].shape)
-            if source:
-                part = _part_shape(ref.shape, source)
-                if part != expected:
-                    problems.append(f"tensor {name!r} in {ref.file}: the part {source} this rank reads has shape "
-                                    f"{part}, expected {expected} (the whole tensor: {ref.shape})")
-            elif ref.shape != expected:
-                problems.append(f"tensor {name!r} in {ref.file}: expected shape {expected}, got {ref.shape}")
+        if problem := _shape_problem(model, ref, places, (whole_shapes or {}).get(name)):
+            problems.append(f"tensor {name!r} in {ref.file}: {problem}")
         if ref.dtype not in FLOAT_DTYPES:
             problems.append(f"tensor {name!r} in {ref.file}: dtype {ref.dtype} is not a floating-point type")
     if problems:
@@ -196,8 +203,24 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef]) -> dict[str
     return targets
 
 
-def _part_shape(shape: tuple[int, ...], source: tuple) -> tuple[int, ...]:
-    return tuple(torch.empty(shape, device="meta")[source].shape)
+def _shape_problem(model: nn.Module, ref: TensorRef, places: list[Target], whole: tuple[int, ...] | None) -> str | None:
+    """What is wrong with the shape of ``ref`` for the places it fills, if anything."""
+    for param_name, index, source in places:
+        expected = tuple(model.get_parameter(param_name)[index].shape)
+        if not source:
+            if ref.shape != expected:
+                return f"expected shape {expected}, got {ref.shape}"
+            continue
+        if whole is not None and ref.shape != whole:
+            return f"expected shape {whole} (of which this rank reads a part), got {ref.shape}"
+        try:
+            part = tuple(torch.empty(ref.shape, device="meta")[source].shape)
+        except IndexError:
+            part = None
+        if part != expected:
+            return (f"the part {source} this rank reads has shape {part}, expected {expected} "
+                    f"(the whole tensor: {ref.shape})")
+    return None
 
 
 def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[str, list[Target]], dtype,
@@ -319,17 +342,20 @@ def fill(
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show) as bar:
         for name in names:
             ref = checkpoint[name]
-            for param_name, index, source in targets[name]:
-                if fp8 and param_name in fp8:  # copied as stored: never dequantised
-                    stored, parameter = ref.fp8, model.get_parameter(param_name)
-                    weight, scale_inv = stored.weight.load(), stored.scale_inv.load()
-                    _warn_if_not_finite(ref, weight)
-                    _warn_if_not_finite(ref, scale_inv)
+            places = targets[name]  # all in one parameter
+            param_name = places[0][0]
+            if fp8 and param_name in fp8:  # copied as stored: never dequantised
+                stored, parameter = ref.fp8, model.get_parameter(param_name)
+                weight, scale_inv = stored.weight.load(), stored.scale_inv.load()
+                _warn_if_not_finite(ref, weight)
+                _warn_if_not_finite(ref, scale_inv)
+                scales = model.get_buffer(param_name + SCALE_SUFFIX)
+                for _, index, _ in places:
                     parameter[index].copy_(weight)
-                    scales = model.get_buffer(param_name + SCALE_SUFFIX)
                     scales[scale_index(index, parameter.shape, stored.block)].copy_(scale_inv)
-                    continue
-                tensor = ref.load_part(source) if source else ref.load()
+                bar.update(ref.nbytes)
+                continue
+            for (_, index, _), tensor in zip(places, ref.load_parts([source for _, _, source in places])):
                 _warn_if_not_finite(ref, tensor)
                 if name in keep:
                     tensor = tensor.to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises

@@ -50,6 +50,14 @@ class TensorRef:
             return self.load()[index]
         return self.read_part(index)
 
+    def load_parts(self, indices: list[tuple]) -> list[torch.Tensor]:
+        """``tensor[index]`` for each index (``()``: the whole tensor); where no part can be read
+        alone (a tensor dequantised from FP8 blocks), the tensor is loaded once for all of them."""
+        if self.read_part is not None and () not in indices:
+            return [self.load_part(index) for index in indices]
+        tensor = self.load()
+        return [tensor[index] if index else tensor for index in indices]
+
 
 @dataclass(frozen=True)
 class Fp8Blocks:

@@ -9,6 +9,7 @@ from torch import nn
 
 import layers
 from loaders import CheckpointError, TensorRef, copy_weights, load_config, load_weights, open_checkpoint, resolve_source
+from loaders.load import tensor_shapes
 
 _REGISTRY: dict[str, type] = {}
 
@@ -166,14 +167,20 @@ def _check_number(value, field: str, origin: str, zero_allowed: bool = False) ->
         raise CheckpointError(f"{origin}: config field {field!r} must be a finite {kind} number, got {value!r}")
 
 
-def _build_on_meta(config, source: str, tensor_parallel=None, expert_parallel: bool | None = None) -> nn.Module:
+def _build_on_meta(config, source: str, tensor_parallel=None,
+                   expert_parallel: bool | None = None) -> tuple[nn.Module, dict[str, tuple[int, ...]] | None]:
+    """The model on the meta device, split for the rank where ``tensor_parallel``; and then the
+    shapes of the whole tensors its ranks read parts of (``loaders.load.tensor_shapes``)."""
     model_class = model_class_for(config, source)
     with torch.device("meta"):
         try:
             model = model_class(config)
         except (ValueError, ArithmeticError) as exc:  # a config value no layer takes (hidden_act, rope_type, a zero)
             raise CheckpointError(f"{source}: {exc}") from exc
-        return model if tensor_parallel is None else layers.tensor_parallel(model, tensor_parallel, expert_parallel)
+        if tensor_parallel is None:
+            return model, None
+        whole_shapes = tensor_shapes(model)
+        return layers.tensor_parallel(model, tensor_parallel, expert_parallel), whole_shapes
 
 
 class AutoModelForCausalLM:
@@ -210,8 +217,8 @@ class AutoModelForCausalLM:
         model_class_for(config, str(source.path))
         checkpoint = open_checkpoint(source, config)
         validate_config(config, checkpoint, str(source.path))
-        model = _build_on_meta(config, str(source.path), tensor_parallel, expert_parallel)
-        return load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap)
+        model, whole_shapes = _build_on_meta(config, str(source.path), tensor_parallel, expert_parallel)
+        return load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap, whole_shapes)
 
     @staticmethod
     def from_hf(reference: nn.Module):
@@ -219,5 +226,5 @@ class AutoModelForCausalLM:
         dtype and on their device."""
         first = next(reference.parameters())
         name = type(reference).__name__
-        model = _build_on_meta(reference.config, name)
+        model, _ = _build_on_meta(reference.config, name)
         return copy_weights(model, reference.state_dict(), first.dtype, first.device, origin=f"<{name} in memory>")
