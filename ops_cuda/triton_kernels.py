@@ -300,8 +300,9 @@ def _round_to_e4m3(x):
 def _quantize(values, scale, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr):
     # float32 ``values`` as the cache stores them, before the cast to its dtype (kv_cache.quantize).
     values = values / scale  # exact where the scale is 1.0
-    if FP8:  # saturated to the e4m3 range: a cast alone turns values past it into NaN
-        values = tl.minimum(tl.maximum(values, -FP8_LIMIT), FP8_LIMIT)
+    if FP8:  # saturated to the e4m3 range: a cast alone turns values past it into NaN; a NaN stays NaN
+        values = tl.minimum(tl.maximum(values, -FP8_LIMIT, propagate_nan=tl.PropagateNan.ALL), FP8_LIMIT,
+                            propagate_nan=tl.PropagateNan.ALL)
         if ROUND_TO_E4M3:
             values = _round_to_e4m3(values)
     return values

@@ -543,6 +543,7 @@ def test_write_fp8_kv_cache_gpu(dtype):
     n, kv_heads, head_dim, block_size, num_blocks = 300, 8, 128, 16, 64
     _, k, v = qkv_views(n, 32, kv_heads, head_dim, dtype, "cuda")
     k.mul_(300)  # some values past the range at scale 0.5: saturated
+    k[1, 0, :2] = v[2, 3, 5] = float("nan")  # written as NaN (0x7f), as torch's clamp keeps it, not as -448
     # NaN caches (0x7f in e4m3), V key-minor as the runtime's: a slot the kernel misses, or a padding
     # token it writes, shows.
     k_cache, v_cache = new_kv_cache(num_blocks, block_size, kv_heads, head_dim, torch.float8_e4m3fn, "cuda")
