@@ -194,6 +194,8 @@ class Engine:
         if self.run_ahead.must_take_in_first(self.scheduler):
             changed += self._take_in(self.run_ahead.take())
         scheduled, failed = self.scheduler.schedule()
+        for seq in failed:  # the text of what it generated before
+            self.outputs[seq.request_id].text = self._full_text(seq)
         changed += [self._finish_output(seq) for seq in failed]
         to_take_in = self._launch(scheduled) if scheduled else self.run_ahead.take()
         if to_take_in is not None:
@@ -223,12 +225,18 @@ class Engine:
         return changed
 
     def _stops(self, seq: Sequence, token: int) -> bool:
-        """Whether the token ends the sequence; if so, it is finished with the reason."""
+        """Whether the token ends the sequence; if so, it is finished with the reason and its text."""
         params = seq.params
         stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         last = stop_token or seq.reaches_length_limit(self.config.max_model_len, count_pending=False)
+        if not (last or params.stop):
+            return False
+        output = self.outputs[seq.request_id]
+        searched = len(output.text)
+        # At the last token, the whole text: also what the detokenizer still holds back.
+        output.text = self._full_text(seq) if last else self._running_text(seq)
         # Stop strings first: text the detokenizer held back until the last token may hold one.
-        if (params.stop and self._cut_at_stop_string(seq, last)) or stop_token:
+        if (params.stop and self._cut_at_stop_string(output, params.stop, searched)) or stop_token:
             seq.finish("stop")
         elif last:
             seq.finish("length")
@@ -236,20 +244,16 @@ class Engine:
             return False
         return True
 
-    def _cut_at_stop_string(self, seq: Sequence, last: bool) -> bool:
-        output = self.outputs[seq.request_id]
-        previous_length = len(output.text)
-        # At the last token, the whole text: also what the detokenizer still holds back.
-        output.text = self._full_text(seq) if last else self._running_text(seq)
-        # Only text this token added can complete a stop string. Read a character at a time, the text
-        # would stop at the first one to complete, whichever of the list it is: the text ends where it
-        # begins (of two completed by the same character, the longer).
-        found = [(start + len(stop), start, stop) for stop in seq.params.stop
-                 if (start := output.text.find(stop, max(0, previous_length - len(stop) + 1))) >= 0]
+    @staticmethod
+    def _cut_at_stop_string(output: RequestOutput, stops: list[str], searched: int) -> bool:
+        """Cut the output's text where a stop string begins, if the text after its first ``searched``
+        characters completes one. Read a character at a time, the text would stop at the first one
+        to complete, whichever of the list it is (of two completed by the same character, the longer)."""
+        found = [(start + len(stop), start) for stop in stops
+                 if (start := output.text.find(stop, max(0, searched - len(stop) + 1))) >= 0]
         if not found:
             return False
-        _, start, seq.stop_string = min(found)
-        output.text = output.text[:start]
+        output.text = output.text[:min(found)[1]]
         return True
 
     def refresh_text(self, output: RequestOutput) -> None:
@@ -271,9 +275,7 @@ class Engine:
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         output = self.outputs[seq.request_id]
         output.num_cached_tokens = seq.num_cached_tokens or 0
-        if seq.status == Status.FINISHED:
-            if seq.stop_string is None:  # else its text is cut where the stop string begins
-                output.text = self._full_text(seq)
+        if seq.status == Status.FINISHED:  # its text was settled where it finished
             output.finish_reason, output.error = seq.finish_reason, seq.error
             del self.sequences[seq.request_id], self.outputs[seq.request_id]  # the caller holds the output
         return output

@@ -45,7 +45,6 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.stop_string: str | None = None  # the stop string that ended it, where its text was cut
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None  # a seeded request's own, on the model's device
         self.detokenizer: IncrementalDetokenizer | None = None  # its text while it runs, where asked for
