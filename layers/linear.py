@@ -1,12 +1,13 @@
 """Linear layers, plain and fused from several HuggingFace projections."""
 
+import itertools
 import warnings
 
 import torch
 from torch import nn
 
 from layers.embedding import LMHead
-from layers.weights import Shard, parent_of
+from layers.weights import OneOf, Shard, parent_of
 from ops_cuda.fp8_linear import fp8_block_linear
 from ops_cuda.linear import PackedWeight, linear
 
@@ -46,7 +47,9 @@ class MergedLinear(Linear):
     """Several projections of the same input in one matmul, e.g. q/k/v or gate/up.
 
     ``sources`` names the HuggingFace sibling modules whose weights (and biases) are stacked
-    along the output dimension, in order; ``output_sizes`` gives each one's width.
+    along the output dimension, in order; ``output_sizes`` gives each one's width. A checkpoint
+    may also hold them stacked already, under this module's own name (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``).
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], sources: list[str], bias: bool = False):
@@ -55,15 +58,15 @@ class MergedLinear(Linear):
         self.output_sizes = list(output_sizes)
         self.sources = list(sources)
 
-    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
+    def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
         parent = parent_of(prefix)
-        shards = {name: [] for name, _ in self.named_parameters(recurse=False)}
-        offset = 0
-        for source, size in zip(self.sources, self.output_sizes):
-            for name in shards:
-                shards[name].append(Shard(f"{parent}.{source}.{name}", (slice(offset, offset + size),)))
-            offset += size
-        return shards
+        layouts = {}
+        for name, _ in self.named_parameters(recurse=False):
+            starts = itertools.accumulate(self.output_sizes, initial=0)
+            apart = [Shard(f"{parent}.{source}.{name}", (slice(start, start + size),))
+                     for source, start, size in zip(self.sources, starts, self.output_sizes)]
+            layouts[name] = OneOf(apart, [Shard(f"{prefix}.{name}")])
+        return layouts
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)

@@ -23,6 +23,8 @@ tensor it reads (``Shard.source``), so the one loader reads each rank's bytes al
 Norms, rotary tables, routers, a vision tower and its projector are replicated.
 """
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,23 +58,33 @@ def split_evenly(size: int, rank: int, ranks: int, what: str) -> slice:
 
 
 class ColumnParallelLinear(MergedLinear):
-    """The rank's output rows of one or more fused projections: ``source_rows[i]`` of source i."""
+    """The rank's output rows of one or more fused projections: ``source_rows[i]`` of source i,
+    whose whole width is ``source_sizes[i]`` (where a checkpoint holds the sources stacked in one
+    tensor, source i's rows start after the widths before it)."""
 
-    def __init__(self, in_features: int, source_rows: list[slice], sources: list[str], bias: bool = False):
+    def __init__(self, in_features: int, source_rows: list[slice], sources: list[str], source_sizes: list[int],
+                 bias: bool = False):
         # Sliced tensors load dequantised: the rank's part cuts FP8 scale blocks (loaders.load).
         super().__init__(in_features, [rows.stop - rows.start for rows in source_rows], sources, bias)
         self.fp8_parameters = ()
         self.source_rows = list(source_rows)
+        self.source_sizes = list(source_sizes)
 
-    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
+    def checkpoint_shards(self, prefix: str) -> dict[str, OneOf | list[Shard]]:
         parent = parent_of(prefix)
-        shards = {name: [] for name, _ in self.named_parameters(recurse=False)}
-        offset = 0
-        for source, rows, size in zip(self.sources, self.source_rows, self.output_sizes):
-            for name in shards:
-                shards[name].append(Shard(f"{parent}.{source}.{name}", (slice(offset, offset + size),), (rows,)))
-            offset += size
-        return shards
+        layouts = {}
+        for name, _ in self.named_parameters(recurse=False):
+            apart, stacked = [], []
+            starts = itertools.accumulate(self.source_sizes, initial=0)
+            held = itertools.accumulate(self.output_sizes, initial=0)
+            for source, rows, start, offset, size in zip(self.sources, self.source_rows, starts, held,
+                                                          self.output_sizes):
+                index = (slice(offset, offset + size),)
+                apart.append(Shard(f"{parent}.{source}.{name}", index, (rows,)))
+                stacked.append(Shard(f"{prefix}.{name}", index, (slice(start + rows.start, start + rows.stop),)))
+            # One source under the module's own name (MLA's q_b_proj) is one layout.
+            layouts[name] = apart if stacked == apart else OneOf(apart, stacked)
+        return layouts
 
 
 class RowParallelLinear(Linear):
@@ -271,7 +283,7 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
     rows = [slice(q_heads.start * head_dim, q_heads.stop * head_dim), slice(kv.start * head_dim, kv.stop * head_dim)]
     qkv = attention.qkv_proj
     attention.qkv_proj = ColumnParallelLinear(qkv.in_features, [rows[0], rows[1], rows[1]], qkv.sources,
-                                              bias=qkv.bias is not None)
+                                              qkv.output_sizes, bias=qkv.bias is not None)
     o = attention.o_proj
     attention.o_proj = RowParallelLinear(rows[0], o.out_features, group, bias=o.bias is not None)
     attention.num_heads, attention.num_kv_heads = q_heads.stop - q_heads.start, kv.stop - kv.start
@@ -286,10 +298,11 @@ def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks:
     q_head = attention.qk_nope_head_dim + attention.qk_rope_head_dim
     q_name = "q_proj" if attention.q_lora_rank is None else "q_b_proj"
     q = getattr(attention, q_name)
-    setattr(attention, q_name, ColumnParallelLinear(q.in_features, [head_rows(q_head)], [q_name]))
+    setattr(attention, q_name, ColumnParallelLinear(q.in_features, [head_rows(q_head)], [q_name], [q.out_features]))
     kv_b = attention.kv_b_proj
     attention.kv_b_proj = ColumnParallelLinear(
-        kv_b.in_features, [head_rows(attention.qk_nope_head_dim + attention.v_head_dim)], ["kv_b_proj"])
+        kv_b.in_features, [head_rows(attention.qk_nope_head_dim + attention.v_head_dim)], ["kv_b_proj"],
+        [kv_b.out_features])
     o = attention.o_proj
     attention.o_proj = RowParallelLinear(head_rows(attention.v_head_dim), o.out_features, group,
                                          bias=o.bias is not None)
@@ -321,7 +334,7 @@ def _split_mlp(mlp: GatedMLP, rank: int, ranks: int, group) -> None:
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
     rows = split_evenly(down.in_features, rank, ranks, "the MLP's intermediate size")
     mlp.gate_up_proj = ColumnParallelLinear(gate_up.in_features, [rows, rows], gate_up.sources,
-                                            bias=gate_up.bias is not None)
+                                            gate_up.output_sizes, bias=gate_up.bias is not None)
     mlp.down_proj = RowParallelLinear(rows, down.out_features, group, bias=down.bias is not None)
 
 

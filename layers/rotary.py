@@ -82,8 +82,10 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 class RotaryEmbedding(nn.Module):
-    """Maps token positions [N] to (cos, sin) [N, head_dim] in float32, scaled by the rope type's
-    attention factor. Computed once per forward and shared by every layer."""
+    """Maps token positions [N] to (cos, sin) [N, rotary_dim] in float32, scaled by the rope type's
+    attention factor. Computed once per forward and shared by every layer. ``rotary_dim`` is the
+    head's, or ``int(head_dim * partial_rotary_factor)`` as HF computes it: the first channels of
+    each head rotate, the rest pass (the rotary ops take cos and sin narrower than the head)."""
 
     def __init__(self, config, head_dim: int):
         super().__init__()
@@ -91,13 +93,16 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = params["rope_type"]
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {list(ROPE_TYPES)}")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported yet")
+        partial = params.get("partial_rotary_factor", 1.0)
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {partial!r} gives a rotary dimension of {rotary_dim}: "
+                             "it must be positive and even")
         if self.rope_type in ("llama3", "yarn"):
             params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
         self.params = params
         self.base = float(params["rope_theta"])
-        self.dim = head_dim
+        self.dim = rotary_dim
         self.max_position_embeddings = config.max_position_embeddings
         self.attention_scaling = 1.0
 
@@ -105,13 +110,13 @@ class RotaryEmbedding(nn.Module):
         # is computed, not loaded.
         with torch.device("cpu"):
             if self.rope_type == "llama3":
-                inv_freq = _llama3_inv_freq(self.base, head_dim, params)
+                inv_freq = _llama3_inv_freq(self.base, rotary_dim, params)
             elif self.rope_type == "yarn":
                 inv_freq, self.attention_scaling = _yarn_inv_freq(
-                    self.base, head_dim, params, config.max_position_embeddings
+                    self.base, rotary_dim, params, config.max_position_embeddings
                 )
             else:
-                inv_freq = _default_inv_freq(self.base, head_dim)
+                inv_freq = _default_inv_freq(self.base, rotary_dim)
                 if self.rope_type == "linear":
                     inv_freq = inv_freq / params["factor"]
         self.register_buffer("inv_freq", inv_freq, persistent=False)

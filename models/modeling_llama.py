@@ -1,5 +1,7 @@
-"""Llama, and the checkpoints that share its block: Mistral (``config.sliding_window`` on every layer)
-and Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks).
+"""Llama, and the checkpoints that share its block: Mistral (``config.sliding_window`` on every layer),
+Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks) and Phi-3 (Mistral's block;
+its checkpoints hold q/k/v and gate/up stacked, as ``qkv_proj`` and ``gate_up_proj``, which the
+fused layers read whole).
 
     x -> RMSNorm -> GQA self-attention with rotary -> + x -> RMSNorm -> SiLU-gated MLP -> +
 """
@@ -39,6 +41,11 @@ class MistralDecoderLayer(DecoderLayer):
 
 @register("MistralForCausalLM")
 class MistralForCausalLM(CausalLM):
+    decoder_layer = MistralDecoderLayer
+
+
+@register("Phi3ForCausalLM")
+class Phi3ForCausalLM(CausalLM):
     decoder_layer = MistralDecoderLayer
 
 

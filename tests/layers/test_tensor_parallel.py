@@ -20,6 +20,7 @@ from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from runtime.parallel import rank_device
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+from tests.models.test_parity import VARIANTS as PARITY
 
 RANKS = 2
 TIMEOUT_S = 120  # the whole two-rank run; a rank that fails or hangs ends the test, never CI
@@ -31,6 +32,7 @@ VARIANTS = {
     "llama-bias-tied": tiny_config("llama", attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
     "qwen3": tiny_config("qwen3", head_dim=32),  # per-head q/k norms
     "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),  # scaled embeddings
+    "phi3": PARITY["phi3"],  # q/k/v and gate/up stacked in the checkpoint: each rank reads its rows of each
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message
@@ -183,12 +185,17 @@ def test_a_declared_part_is_filled_and_a_short_tensor_named():
         with torch.device("meta"):
             model = nn.Module()
             model.mlp = nn.Module()
-            model.mlp.gate_up_proj = ColumnParallelLinear(8, [slice(4, 8), slice(4, 8)], ["gate_proj", "up_proj"])
+            model.mlp.gate_up_proj = ColumnParallelLinear(8, [slice(4, 8), slice(4, 8)], ["gate_proj", "up_proj"],
+                                                          [8, 8])
         return model
 
     gate, up = torch.randn(8, 8), torch.randn(8, 8)
     loaded = copy_weights(block(), {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up}, torch.float32,
                           torch.device("cpu"), origin="parts")
+    assert torch.equal(loaded.mlp.gate_up_proj.weight, torch.cat([gate[4:8], up[4:8]]))
+    # Stacked under the module's own name (Phi-3's gate_up_proj): the rank's rows of each half.
+    loaded = copy_weights(block(), {"mlp.gate_up_proj.weight": torch.cat([gate, up])}, torch.float32,
+                          torch.device("cpu"), origin="stacked")
     assert torch.equal(loaded.mlp.gate_up_proj.weight, torch.cat([gate[4:8], up[4:8]]))
     with pytest.raises(CheckpointError, match=r"'mlp.up_proj.weight' in parts: the part \(slice\(4, 8, None\),\) "
                                               r"this rank reads has shape \(2, 8\), expected \(4, 8\)"):

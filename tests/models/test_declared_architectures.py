@@ -1,4 +1,4 @@
-"""Gemma, Gemma 2 and OLMo 2, brought up as declarations of the shared layers: token-identical
+"""Gemma, Gemma 2, OLMo 2 and Phi-3, brought up as declarations of the shared layers: token-identical
 greedy generation through the runtime, every ``zoo diff`` row within tolerance, and each forward
 path computing its logits once."""
 
@@ -21,6 +21,7 @@ BLOCK_NORMS = {
     "gemma": ["input_layernorm", "post_attention_layernorm"],
     "gemma2": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
+    "phi3": ["input_layernorm", "post_attention_layernorm"],
 }
 
 
@@ -72,13 +73,17 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     assert all(r.ok and r.relative < TOLERANCE for r in rows), [(r.path, r.relative) for r in rows if not r.ok]
 
 
-@pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"])
-def test_gemma2_declarations_are_visible_in_the_logits(field, checkpoints, tmp_path, input_ids):
-    """Each Gemma 2 setting moves the logits far past the tolerance: dropping one is caught."""
-    path, reference = checkpoints["gemma2"]
+@pytest.mark.parametrize("name, field, value", [
+    ("gemma2", "attn_logit_softcapping", None), ("gemma2", "final_logit_softcapping", None),
+    ("gemma2", "query_pre_attn_scalar", 16),  # its head_dim
+    ("phi3", "sliding_window", None), ("phi3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
+])
+def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
+    """Each setting moves the logits far past the tolerance: dropping one is caught."""
+    path, reference = checkpoints[name]
     fields = json.loads((path / "config.json").read_text())
-    fields[field] = None if field != "query_pre_attn_scalar" else fields["head_dim"]
-    changed = save_checkpoint(hf_model(VARIANTS["gemma2"]), tmp_path / "changed")
+    fields[field] = value
+    changed = save_checkpoint(hf_model(VARIANTS[name]), tmp_path / "changed")
     (changed / "config.json").write_text(json.dumps(fields))
     model = AutoModelForCausalLM.from_pretrained(changed)
     with torch.no_grad():

@@ -5,12 +5,19 @@ import json
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from loaders import CheckpointError
 from models import AutoModelForCausalLM
 from tests.conftest import relative_error, tiny_config
 
 TOLERANCE = 1e-5
+PHI3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def partial_rope(factor: float) -> dict:
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}
+
 
 VARIANTS = {
     "llama-gqa": tiny_config("llama"),
@@ -57,6 +64,12 @@ VARIANTS = {
     "olmo2": tiny_config("olmo2", eos_token_id=2),
     "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True, eos_token_id=2),
     "olmo2-window-unread": tiny_config("olmo2", sliding_window=5, eos_token_id=2),
+    # Phi-3's default special ids (32000) lie outside this vocabulary. Its window is on every layer;
+    # partial rotary is Phi-4-mini's (0.75).
+    "phi3": tiny_config("phi3", sliding_window=7, rope_parameters=partial_rope(0.5), **PHI3_IDS),
+    "phi3-full-rotary": tiny_config("phi3", **PHI3_IDS),
+    "phi3-mha-head_dim-tied": tiny_config("phi3", num_key_value_heads=4, head_dim=24, tie_word_embeddings=True,
+                                          rope_parameters=partial_rope(0.75), **PHI3_IDS),
 }
 
 
@@ -72,6 +85,29 @@ def test_logits_match_huggingface(variant, make_checkpoint, input_ids):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+def test_fused_projections_load_stacked_or_apart(make_checkpoint, tmp_path, input_ids):
+    """Phi-3's checkpoints hold q/k/v and gate/up stacked under the fused layers' own names; the
+    same tensors apart, as Llama's hold them, fill the same layers."""
+    path, reference = make_checkpoint(VARIANTS["phi3-mha-head_dim-tied"])
+    stacked = load_file(path / "model.safetensors")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in stacked and "model.layers.0.mlp.gate_up_proj.weight" in stacked
+    apart = {}
+    for name, tensor in stacked.items():
+        parent, _, module = name.removesuffix(".weight").rpartition(".")
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(module, [])
+        if not parts:
+            apart[name] = tensor
+            continue
+        for part, rows in zip(parts, tensor.chunk(len(parts))):  # 4 KV heads: q, k and v of equal widths
+            apart[f"{parent}.{part}.weight"] = rows.contiguous()
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(apart, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        for checkpoint in (path, tmp_path):
+            assert_matches(AutoModelForCausalLM.from_pretrained(checkpoint)(input_ids), expected)
 
 
 def test_sharded_checkpoint(make_checkpoint, input_ids):

@@ -6,6 +6,7 @@ import torch
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
+from tests.models.test_parity import PHI3_IDS, partial_rope
 
 pytestmark = pytest.mark.gpu
 
@@ -29,13 +30,21 @@ def top1_and_kl(ours, theirs):
     return agreement, kl.sum(-1).mean().item()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+AGREEING = {
+    "llama": tiny_config("llama", **SMALL),
+    "qwen3": tiny_config("qwen3", **SMALL),
+    # Phi-4-mini's partial rotary, a window shorter than the 128 positions
+    "phi3": tiny_config("phi3", **SMALL, sliding_window=48, rope_parameters=partial_rope(0.75), **PHI3_IDS),
+}
+
+
+@pytest.mark.parametrize("model_type", AGREEING)
 def test_bf16_top1_agrees_with_hf(model_type):
     """256 teacher-forced positions. HF-initialised random weights leave the logits nearly tied, so
     one bf16 rounding that differs from HF's flips argmaxes: HF's own eager and sdpa paths agree
     on ~98% (benchmarks/bf16_agreement.py). zoo's kernels round where HF's ops do, so zoo agrees
     with HF's sdpa path on at least 99%, and never worse than HF agrees with itself."""
-    reference = random_hf(tiny_config(model_type, **SMALL))
+    reference = random_hf(AGREEING[model_type])
     model = AutoModelForCausalLM.from_hf(reference)
     torch.manual_seed(1)
     input_ids = torch.randint(0, 4096, (2, 128), device="cuda")
@@ -90,6 +99,7 @@ GRAPHED = {
     "qwen3_moe": tiny_config("qwen3_moe", **SMALL, head_dim=64, num_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=256),
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
+    "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
 }
 
 
