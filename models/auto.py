@@ -221,10 +221,12 @@ class AutoModelForCausalLM:
         return load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap, whole_shapes)
 
     @staticmethod
-    def from_hf(reference: nn.Module):
+    def from_hf(reference: nn.Module, device=None):
         """zoo's model of a HuggingFace model in memory, holding a copy of its weights in their
-        dtype and on their device."""
+        dtype, on their device or on ``device`` (a model in host memory copied to a GPU that would
+        not hold both)."""
         first = next(reference.parameters())
         name = type(reference).__name__
         model, _ = _build_on_meta(reference.config, name)
-        return copy_weights(model, reference.state_dict(), first.dtype, first.device, origin=f"<{name} in memory>")
+        device = first.device if device is None else model_device(device)
+        return copy_weights(model, reference.state_dict(), first.dtype, device, origin=f"<{name} in memory>")

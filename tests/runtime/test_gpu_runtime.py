@@ -192,6 +192,14 @@ def test_no_request_waits_for_a_kernel_to_compile(name, monkeypatch):
     assert compiled == []
 
 
+def test_a_model_in_host_memory_converts_onto_the_gpu():
+    reference = random_hf(tiny_config("llama", **SMALL)).to("cpu")
+    model = AutoModelForCausalLM.from_hf(reference, device="cuda")
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight.cpu(), reference.model.layers[1].mlp.down_proj.weight)
+    assert next(reference.parameters()).device.type == "cpu"
+
+
 def test_graph_replayed_twice_gives_the_same_logits():
     reference = random_hf(tiny_config("llama", **SMALL))
     llm = LLM(AutoModelForCausalLM.from_hf(reference), max_num_seqs=4, max_model_len=256)
