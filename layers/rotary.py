@@ -84,20 +84,25 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 class RotaryEmbedding(nn.Module):
     """Maps token positions [N] to (cos, sin) [N, rotary_dim] in float32, scaled by the rope type's
     attention factor. Computed once per forward and shared by every layer. ``rotary_dim`` is the
-    head's, or ``int(head_dim * partial_rotary_factor)`` as HF computes it: the first channels of
-    each head rotate, the rest pass (the rotary ops take cos and sin narrower than the head)."""
+    head's, or, for an architecture that reads it (``partial``: Phi-3's), ``int(head_dim *
+    partial_rotary_factor)`` as HF computes it: the first channels of each head rotate, the rest
+    pass (the rotary ops take cos and sin narrower than the head)."""
 
-    def __init__(self, config, head_dim: int):
+    def __init__(self, config, head_dim: int, partial: bool = False):
         super().__init__()
         params = rope_parameters(config)
         self.rope_type = params["rope_type"]
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {list(ROPE_TYPES)}")
-        partial = params.get("partial_rotary_factor", 1.0)
-        rotary_dim = int(head_dim * partial)
-        if rotary_dim <= 0 or rotary_dim % 2:
-            raise ValueError(f"partial_rotary_factor {partial!r} gives a rotary dimension of {rotary_dim}: "
-                             "it must be positive and even")
+        factor = params.get("partial_rotary_factor", 1.0)
+        if factor != 1.0 and not partial:
+            # HF's model of such an architecture rotates the whole head, or fails, whatever the field says.
+            raise ValueError(f"partial_rotary_factor {factor!r}: this architecture rotates the whole head "
+                             "(HF's model of it does not read the field)")
+        rotary_dim = int(head_dim * factor)
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ValueError(f"partial_rotary_factor {factor!r} of head_dim {head_dim} rotates {rotary_dim} "
+                             "channels: zoo takes an even number, at most the head's")
         if self.rope_type in ("llama3", "yarn"):
             params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
         self.params = params

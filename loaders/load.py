@@ -2,7 +2,8 @@
 model's declarations, materialise every parameter once in the target dtype/device, fill it.
 A checkpoint tensor that already is a whole parameter in the target dtype on the CPU, of a module
 that lays out no storage of its own (embeddings, norms, an untied head, a linear layer filled by one
-tensor: not a fused one such as q/k/v), becomes that parameter as read, with no copy (``keepable``).
+tensor: not a fused q/k/v filled from three, but Phi-3's stacked one), becomes that parameter as
+read, with no copy (``keepable``).
 
 FP8 block-quantised weights load dequantised to the model's dtype, except where they stay in FP8
 (by default on CUDA devices with FP8 tensor cores): a module that can multiply by FP8 weights names

@@ -111,7 +111,7 @@ POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "query_pre_attn_scalar", "a
 # The same of the rope settings that layers/rotary.py reads (``layers.rope_parameters``); YaRN's betas
 # and mscales at zero mean their defaults, so they are finite and non-negative.
 POSITIVE_ROPE_FIELDS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                        "original_max_position_embeddings", "attention_factor")
+                        "original_max_position_embeddings", "attention_factor", "partial_rotary_factor")
 NON_NEGATIVE_ROPE_FIELDS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 

@@ -5,7 +5,8 @@
 
 An architecture file subclasses these and states only what its blocks are made of, as declarations:
 the attention and MLP modules, the block's norm slots under HF's names (``NormSlots``), the model's
-RMSNorm variant (``DecoderLayer.rms_norm``), embedding scaling (``CausalLM.scale_embeddings``).
+RMSNorm variant (``DecoderLayer.rms_norm``), embedding scaling (``CausalLM.scale_embeddings``),
+partial rotary (``CausalLM.partial_rotary``).
 """
 
 from collections.abc import Callable
@@ -112,12 +113,13 @@ def branch_input(norm: RMSNorm | None, hidden_states, residual):
 class DecoderModel(nn.Module):
     """Embedding, a stack of decoder layers and the final norm (HF's ``XxxModel``)."""
 
-    def __init__(self, config, decoder_layer: type[DecoderLayer], embedding_scale: float | None = None):
+    def __init__(self, config, decoder_layer: type[DecoderLayer], embedding_scale: float | None = None,
+                 partial_rotary: bool = False):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, embedding_scale)
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = decoder_layer.rms_norm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, head_dim(config))
+        self.rotary_emb = RotaryEmbedding(config, head_dim(config), partial_rotary)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, inputs_embeds=None) -> torch.Tensor:
         """Final hidden states of the tokens ``input_ids``, or of the embeddings ``inputs_embeds``
@@ -145,8 +147,9 @@ def check_batch(input_ids: torch.Tensor, vocab_size: int) -> None:
 
 
 class CausalLM(nn.Module):
-    """A decoder model with an LM head; subclasses set ``decoder_layer``, and ``scale_embeddings``
-    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma). A config's
+    """A decoder model with an LM head; subclasses set ``decoder_layer``, ``scale_embeddings``
+    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), and ``partial_rotary``
+    where the config's ``partial_rotary_factor`` says how much of each head rotates (Phi-3). A config's
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
@@ -160,12 +163,13 @@ class CausalLM(nn.Module):
     ignored_checkpoint_keys: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
     checkpoint_aliases: tuple[tuple[str, str], ...] = ()
     scale_embeddings = False
+    partial_rotary = False
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         embedding_scale = config.hidden_size**0.5 if self.scale_embeddings else None
-        self.model = DecoderModel(config, self.decoder_layer, embedding_scale)
+        self.model = DecoderModel(config, self.decoder_layer, embedding_scale, self.partial_rotary)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # Tied embeddings: the head holds the embedding's own Parameter, so the loader
         # sees one parameter and fills it once.

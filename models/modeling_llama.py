@@ -1,7 +1,7 @@
 """Llama, and the checkpoints that share its block: Mistral (``config.sliding_window`` on every layer),
 Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks) and Phi-3 (Mistral's block;
 its checkpoints hold q/k/v and gate/up stacked, as ``qkv_proj`` and ``gate_up_proj``, which the
-fused layers read whole).
+fused layers read whole; its ``partial_rotary_factor`` rotates the first channels of each head).
 
     x -> RMSNorm -> GQA self-attention with rotary -> + x -> RMSNorm -> SiLU-gated MLP -> +
 """
@@ -47,6 +47,7 @@ class MistralForCausalLM(CausalLM):
 @register("Phi3ForCausalLM")
 class Phi3ForCausalLM(CausalLM):
     decoder_layer = MistralDecoderLayer
+    partial_rotary = True
 
 
 class Qwen2Attention(Attention):

@@ -205,3 +205,26 @@ def test_tied_embeddings_share_one_parameter(make_checkpoint):
     path, _ = make_checkpoint(tiny_config("llama", tie_word_embeddings=True))
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
+def test_partial_rotary_is_refused_where_hf_rotates_the_whole_head(make_checkpoint, model_type):
+    # HF's Llama, Mistral and Qwen3 do not read the field: their default rope rotates every channel.
+    path, _ = make_checkpoint(tiny_config(model_type, head_dim=16, partial_rotary_factor=0.5))
+    with pytest.raises(CheckpointError, match=r"partial_rotary_factor 0.5: this architecture rotates the whole head"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("variant, factor, words", [
+    ("phi3", 1.5, r"partial_rotary_factor 1.5 of head_dim 16 rotates 24 channels"),
+    ("phi3", 0.7, r"partial_rotary_factor 0.7 of head_dim 16 rotates 11 channels"),
+    # Phi-3's own config class refuses NaN; Llama's keeps it, and zoo names it before building anything
+    ("llama-gqa", float("nan"), r"'rope_parameters.partial_rotary_factor' must be a finite positive number, got nan"),
+])
+def test_a_partial_rotary_factor_zoo_cannot_take_is_named(make_checkpoint, variant, factor, words):
+    path, _ = make_checkpoint(VARIANTS[variant])
+    fields = json.loads((path / "config.json").read_text())
+    fields["rope_parameters"]["partial_rotary_factor"] = factor
+    (path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(CheckpointError, match=words):
+        AutoModelForCausalLM.from_pretrained(path)
