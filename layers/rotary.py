@@ -78,7 +78,32 @@ def _yarn_inv_freq(base: float, dim: int, params: dict, max_position_embeddings:
     return inv_freq, attention_factor
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+def _longrope_inv_freqs(base: float, dim: int, params: dict,
+                        max_position_embeddings: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE's (Phi-3 128k, Phi-3.5, Phi-4-mini) inverse frequencies with its short factors and
+    with its long ones, and its attention factor, which both take."""
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:  # Phi-3 configs give the ratio implicitly
+        factor = max_position_embeddings / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+    def inv_freq(name: str) -> torch.Tensor:
+        factors = params.get(name)
+        if not (isinstance(factors, (list, tuple)) and len(factors) == dim // 2
+                and all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf
+                        for f in factors)):
+            raise ValueError(f"rope_parameters.{name} must be {dim // 2} finite positive numbers (one per "
+                             f"rotated channel pair of {dim}), got {factors!r}")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
+
+    return inv_freq("short_factor"), inv_freq("long_factor"), attention_factor
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -86,7 +111,15 @@ class RotaryEmbedding(nn.Module):
     attention factor. Computed once per forward and shared by every layer. ``rotary_dim`` is the
     head's, or, for an architecture that reads it (``partial``: Phi-3's), ``int(head_dim *
     partial_rotary_factor)`` as HF computes it: the first channels of each head rotate, the rest
-    pass (the rotary ops take cos and sin narrower than the head)."""
+    pass (the rotary ops take cos and sin narrower than the head).
+
+    LongRoPE has two sets of frequencies. HF picks one per forward: the long set where the
+    forward's last position passes ``original_max_position_embeddings``, else the short. A paged
+    cache keeps keys across forwards, and under HF's rule a sequence that grows past that length
+    would hold keys of both sets (and a prefix shared between sequences, the set of whichever
+    computed it). The runtime therefore fixes the set once (``fix_context``): the long one where its
+    sequences may pass the original context, the short one, HF's for every such sequence, where
+    they may not. A forward without a fixed set (a cache-free one) picks as HF does."""
 
     def __init__(self, config, head_dim: int, partial: bool = False):
         super().__init__()
@@ -103,13 +136,14 @@ class RotaryEmbedding(nn.Module):
         if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ValueError(f"partial_rotary_factor {factor!r} of head_dim {head_dim} rotates {rotary_dim} "
                              "channels: zoo takes an even number, at most the head's")
-        if self.rope_type in ("llama3", "yarn"):
+        if self.rope_type in ("llama3", "yarn", "longrope"):
             params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
         self.params = params
         self.base = float(params["rope_theta"])
         self.dim = rotary_dim
         self.max_position_embeddings = config.max_position_embeddings
         self.attention_scaling = 1.0
+        self.long_context: bool | None = None  # LongRoPE's set, once fixed (``fix_context``)
 
         # Built on the CPU even when the model is constructed on the meta device: this buffer
         # is computed, not loaded.
@@ -120,6 +154,12 @@ class RotaryEmbedding(nn.Module):
                 inv_freq, self.attention_scaling = _yarn_inv_freq(
                     self.base, rotary_dim, params, config.max_position_embeddings
                 )
+            elif self.rope_type == "longrope":
+                inv_freq, long_inv_freq, self.attention_scaling = _longrope_inv_freqs(
+                    self.base, rotary_dim, params, config.max_position_embeddings
+                )
+                self.register_buffer("long_channel_inv_freq", torch.cat((long_inv_freq, long_inv_freq)),
+                                     persistent=False)
             else:
                 inv_freq = _default_inv_freq(self.base, rotary_dim)
                 if self.rope_type == "linear":
@@ -127,6 +167,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # The rate of each of the head's channels: inv_freq over both halves, as HF's cat((freqs, freqs)).
         self.register_buffer("channel_inv_freq", torch.cat((inv_freq, inv_freq)), persistent=False)
+
+    def fix_context(self, positions: int) -> None:
+        """Fix LongRoPE's set for forwards whose tokens lie within the first ``positions``
+        positions: the long one iff that passes the original context. Other rope types have one set."""
+        if self.rope_type == "longrope":
+            self.long_context = positions > self.params["original_max_position_embeddings"]
+
+    @property
+    def reads_positions_on_host(self) -> bool:
+        """Whether a forward picks its frequencies from the positions' values (dynamic NTK, and
+        LongRoPE before ``fix_context``): it waits for them, so it cannot be captured."""
+        return self.rope_type == "dynamic" or (self.rope_type == "longrope" and self.long_context is None)
+
+    def _long_factors(self, positions: torch.Tensor) -> bool:
+        if self.long_context is not None:
+            return self.long_context
+        return bool(positions.max() + 1 > self.params["original_max_position_embeddings"])
 
     def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
         # Dynamic NTK stretches the base once the sequence outgrows the trained context.
@@ -142,6 +199,8 @@ class RotaryEmbedding(nn.Module):
         if self.rope_type == "dynamic":
             inv_freq = self._dynamic_inv_freq(positions)
             channel_inv_freq = torch.cat((inv_freq, inv_freq))
+        elif self.rope_type == "longrope" and self._long_factors(positions):
+            channel_inv_freq = self.long_channel_inv_freq
         else:
             channel_inv_freq = self.channel_inv_freq
         # HF's float(position) * inv_freq, concatenated with itself, as one product: the integer

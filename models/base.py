@@ -9,6 +9,7 @@ RMSNorm variant (``DecoderLayer.rms_norm``), embedding scaling (``CausalLM.scale
 partial rotary (``CausalLM.partial_rotary``).
 """
 
+import warnings
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
 
@@ -242,13 +243,26 @@ class CausalLM(nn.Module):
             layer.kv_cache = None
         self.bound_kv_cache = None
 
+    def fix_max_model_len(self, max_model_len: int) -> None:
+        """No sequence will pass ``max_model_len`` tokens: LongRoPE fixes its set of frequencies by
+        the positions the forwards reach (``layers.RotaryEmbedding.fix_context``), one fewer, as
+        the token that completes a sequence is sampled and never fed."""
+        rotary = self.model.rotary_emb
+        rotary.fix_context(max_model_len - 1)
+        if rotary.long_context:
+            original = rotary.params["original_max_position_embeddings"]
+            warnings.warn(f"LongRoPE with max_model_len {max_model_len}: every position takes the long factors, "
+                          f"where HF takes the short ones for a sequence of at most {original} positions; "
+                          f"max_model_len <= {original + 1} keeps HF's")
+
     @property
     def capturable(self) -> bool:
         """Whether a forward can be captured in a CUDA graph or compiled: not where it reads
-        positions on the host (dynamic rope scaling), nor where an attention layer says its paged
-        path does (``capturable``: latent attention's on the torch backend reads the sequences' lengths)."""
+        positions on the host (dynamic rope scaling; LongRoPE before ``fix_max_model_len``), nor where
+        an attention layer says its paged path does (``capturable``: latent attention's on the torch
+        backend reads the sequences' lengths)."""
         layers_capturable = all(layer.capturable for layer in self._attention_layers())
-        return self.model.rotary_emb.rope_type != "dynamic" and layers_capturable
+        return not self.model.rotary_emb.reads_positions_on_host and layers_capturable
 
     def _attention_layers(self) -> list[Attention | MLAttention]:
         return [module for module in self.modules() if isinstance(module, (Attention, MLAttention))]

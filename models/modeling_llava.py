@@ -204,6 +204,9 @@ class LlavaForConditionalGeneration(nn.Module):
     def bound_kv_cache(self) -> list[tuple[torch.Tensor, ...]] | None:
         return self.text_model.bound_kv_cache
 
+    def fix_max_model_len(self, max_model_len: int) -> None:
+        self.text_model.fix_max_model_len(max_model_len)
+
     @property
     def capturable(self) -> bool:
         return self.text_model.capturable

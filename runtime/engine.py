@@ -56,6 +56,7 @@ class Engine:
         every rank builds an engine, rank 0's steps and the others' run together."""
         text_config = model.config.get_text_config()  # a model that takes images: its language model's
         self.config = config = config.resolved(text_config.max_position_embeddings)
+        model.fix_max_model_len(config.max_model_len)
         self.tokenizer = tokenizer
         self.architecture = type(model).__name__
         self.image_token_id = getattr(model, "image_token_id", None)  # the model reads its config's spelling

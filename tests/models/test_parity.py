@@ -19,6 +19,14 @@ def partial_rope(factor: float) -> dict:
     return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}
 
 
+def longrope(rotary_dim: int, partial_rotary_factor: float = 0.75) -> dict:
+    """Phi-3.5's and Phi-4-mini's rope: per rotated channel pair a short and a long factor, far
+    enough apart that taking one set for the other moves the logits."""
+    pairs = torch.linspace(0, 1, rotary_dim // 2)
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor,
+            "short_factor": (1 + pairs).tolist(), "long_factor": (1 + 12 * pairs**2).tolist()}
+
+
 VARIANTS = {
     "llama-gqa": tiny_config("llama"),
     "llama-mha": tiny_config("llama", num_key_value_heads=4),
@@ -70,6 +78,11 @@ VARIANTS = {
     "phi3-full-rotary": tiny_config("phi3", **PHI3_IDS),
     "phi3-mha-head_dim-tied": tiny_config("phi3", num_key_value_heads=4, head_dim=24, tie_word_embeddings=True,
                                           rope_parameters=partial_rope(0.75), **PHI3_IDS),
+    # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
+    "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
+                                 **PHI3_IDS),
+    "phi3-longrope-within": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=48,
+                                        **PHI3_IDS),
 }
 
 
@@ -225,6 +238,20 @@ def test_a_partial_rotary_factor_zoo_cannot_take_is_named(make_checkpoint, varia
     path, _ = make_checkpoint(VARIANTS[variant])
     fields = json.loads((path / "config.json").read_text())
     fields["rope_parameters"]["partial_rotary_factor"] = factor
+    (path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(CheckpointError, match=words):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("short_factor", [1.0] * 5, r"short_factor field must have length 6, got 5"),  # transformers' own check
+    ("long_factor", [1.0] * 5 + [float("nan")],
+     r"rope_parameters.long_factor must be 6 finite positive numbers \(one per rotated channel pair of 12\)"),
+])
+def test_longrope_factors_zoo_cannot_take_are_named(make_checkpoint, field, value, words):
+    path, _ = make_checkpoint(VARIANTS["phi3-longrope"])
+    fields = json.loads((path / "config.json").read_text())
+    fields["rope_parameters"][field] = value
     (path / "config.json").write_text(json.dumps(fields))
     with pytest.raises(CheckpointError, match=words):
         AutoModelForCausalLM.from_pretrained(path)

@@ -12,6 +12,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek_
 from transformers.models.glm import modeling_glm as hf_glm
 from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
 from transformers.models.llama import modeling_llama as hf_llama
+from transformers.models.phi3 import modeling_phi3 as hf_phi3
 
 from layers import RotaryEmbedding
 from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm
@@ -219,10 +220,39 @@ def test_rotary_tables_equal_hf(variant):
     assert torch.equal(ours[0], theirs[0][0]) and torch.equal(ours[1], theirs[1][0])
 
 
+def test_longrope_tables_equal_hf_and_keep_the_set_they_are_fixed_to():
+    config = VARIANTS["phi3-longrope"]  # original context 32; 12 of each head's 16 channels rotate
+    hf_rotary = hf_phi3.Phi3RotaryEmbedding(config)
+
+    def hf_tables(length):  # HF picks the set by the forward's longest position
+        cos, sin = hf_rotary(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None])
+        return cos[0], sin[0]
+
+    ours = RotaryEmbedding(config, 16, partial=True)
+    for length in (30, 32, 33, 40):  # per forward, as HF picks: short up to 32 positions
+        assert ours.reads_positions_on_host
+        assert all(torch.equal(a, b) for a, b in zip(ours(torch.arange(length)), hf_tables(length)))
+    long, short = hf_tables(40), hf_tables(30)
+    assert not torch.allclose(long[0][:30], short[0], atol=0.1)
+    ours.fix_context(33)
+    assert not ours.reads_positions_on_host
+    assert all(torch.equal(a, b[:30]) for a, b in zip(ours(torch.arange(30)), long))
+    ours.fix_context(32)
+    assert all(torch.equal(a[:30], b) for a, b in zip(ours(torch.arange(40)), short))
+
+
+def test_longrope_factors_of_the_wrong_count_are_named():
+    config = copy.deepcopy(VARIANTS["phi3-longrope"])
+    config.rope_parameters["short_factor"] = [1.0] * 8
+    with pytest.raises(ValueError, match=r"rope_parameters.short_factor must be 6 finite positive numbers \(one per "
+                                         r"rotated channel pair of 12\), got \[1.0"):
+        RotaryEmbedding(config, 16, partial=True)
+
+
 def test_unsupported_rope_type_is_named():
-    config = transformers.LlamaConfig(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
-                                                       "short_factor": [1.0] * 64, "long_factor": [1.0] * 64})
-    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):
+    config = transformers.LlamaConfig(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="unsupported rope_type 'proportional'"):
         RotaryEmbedding(config, 128)
 
 

@@ -6,7 +6,7 @@ import torch
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
-from tests.models.test_parity import PHI3_IDS, partial_rope
+from tests.models.test_parity import PHI3_IDS, longrope, partial_rope
 
 pytestmark = pytest.mark.gpu
 
@@ -100,6 +100,9 @@ GRAPHED = {
                              moe_intermediate_size=256),
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
     "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
+    # Phi-4-mini's LongRoPE, the long factors fixed by max_model_len 512 (an original context of 64): capturable
+    "phi3-longrope": tiny_config("phi3", **SMALL, rope_parameters=longrope(48), original_max_position_embeddings=64,
+                                 **PHI3_IDS),
 }
 
 

@@ -12,6 +12,7 @@ import torch
 from ops_cuda.linear import PackedWeight
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.models.test_parity import VARIANTS as PARITY
 
 ARCHITECTURES = {
     "llama": tiny_config("llama"),
@@ -249,6 +250,44 @@ def test_greedy_matches_hf_generate(name, checkpoints):
         assert output.token_ids == expected
         assert output.prompt_token_ids == prompt
         assert output.finish_reason == ("stop" if expected[-1] == reference.config.eos_token_id else "length")
+
+
+@pytest.fixture(scope="module")
+def longrope_checkpoint(tmp_path_factory):
+    model = hf_model(PARITY["phi3-longrope"])  # an original context of 32 positions, max_position_embeddings 64
+    return save_checkpoint(model, tmp_path_factory.mktemp("longrope")), model
+
+
+def hf_greedy(reference, prompt, max_new_tokens):
+    ids = torch.tensor([prompt])
+    return reference.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt):].tolist()
+
+
+def test_longrope_generates_what_hf_generates_on_either_side_of_the_original_context(longrope_checkpoint):
+    """Sequences that stay within the original context take the short factors, as HF's do; with a
+    max_model_len past it, every position takes the long ones, as HF's forwards of prompts past it do."""
+    path, reference = longrope_checkpoint
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    within = prompts(4, seed=21, low=3, high=20)  # 32 tokens at most with the 12 generated
+    engine = llm(path, max_model_len=33)
+    assert engine.engine.runner.model.capturable
+    assert token_ids(engine.generate(within, params, use_tqdm=False)) == [hf_greedy(reference, p, 12) for p in within]
+    past = prompts(3, seed=22, low=33, high=45)
+    with pytest.warns(UserWarning, match="LongRoPE with max_model_len 64: every position takes the long factors"):
+        engine = llm(path)
+    assert token_ids(engine.generate(past, params, use_tqdm=False)) == [hf_greedy(reference, p, 12) for p in past]
+
+
+def test_a_longrope_sequence_growing_past_the_original_context_keeps_the_long_factors(longrope_checkpoint):
+    # HF's generate takes the short factors until a forward passes 32 positions, its cache then holding keys
+    # of both sets; zoo takes the long ones throughout, as HF's forward of the whole sequence does.
+    path, reference = longrope_checkpoint
+    prompt = prompts(1, seed=23, low=10, high=10)[0]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    [output] = token_ids(llm(path).generate([prompt], params, use_tqdm=False))
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + output[:-1]])).logits[0]
+    assert output == logits[len(prompt) - 1:].argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
