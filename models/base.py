@@ -5,8 +5,9 @@
 
 An architecture file subclasses these and states only what its blocks are made of, as declarations:
 the attention and MLP modules, the block's norm slots under HF's names (``NormSlots``), the model's
-RMSNorm variant (``DecoderLayer.rms_norm``), embedding scaling (``CausalLM.scale_embeddings``),
-partial rotary (``CausalLM.partial_rotary``).
+RMSNorm variant (``DecoderLayer.rms_norm``), a scale of each branch's output (``DecoderLayer``'s
+``branch_scale``), embedding scaling (``CausalLM.scale_embeddings``), the multipliers of the input
+and the logits (``CausalLM.multipliers``), partial rotary (``CausalLM.partial_rotary``).
 """
 
 import warnings
@@ -66,7 +67,8 @@ class DecoderLayer(nn.Module):
         h = x + post_attention(attn(pre_attention(x))); out = h + post_mlp(mlp(pre_mlp(h)))
 
     A subclass declares ``norms`` (the slots filled and HF's names for them) and ``rms_norm`` (the
-    model's RMSNorm variant, also used for the final norm). Each residual add is deferred into
+    model's RMSNorm variant, also used for the final norm); ``branch_scale``, where given,
+    multiplies each branch's output before its residual add (Granite's ``residual_multiplier``). Each residual add is deferred into
     the pre-norm that follows it, so ``forward`` returns ``(branch_out, residual)`` and the next
     pre-norm completes the add; a branch without a pre-norm adds explicitly. HuggingFace's view
     of this layer's output is ``branch_out + residual``.
@@ -76,10 +78,11 @@ class DecoderLayer(nn.Module):
     norms = NormSlots()
     rms_norm: Callable[[int, float], RMSNorm] = RMSNorm
 
-    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, branch_scale: float | None = None):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
+        self.branch_scale = branch_scale
         names = astuple(self.norms)
         for name in names:
             if name is not None:
@@ -93,10 +96,14 @@ class DecoderLayer(nn.Module):
         hidden_states = self.self_attn(hidden_states, position_embeddings, metadata)
         if post_attention is not None:
             hidden_states = post_attention(hidden_states)
+        if self.branch_scale is not None:
+            hidden_states = hidden_states * self.branch_scale
         hidden_states, residual = branch_input(pre_mlp, hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         if post_mlp is not None:
             hidden_states = post_mlp(hidden_states)
+        if self.branch_scale is not None:
+            hidden_states = hidden_states * self.branch_scale
         return hidden_states, residual
 
 
@@ -112,12 +119,15 @@ def branch_input(norm: RMSNorm | None, hidden_states, residual):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, a stack of decoder layers and the final norm (HF's ``XxxModel``)."""
+    """Embedding, a stack of decoder layers and the final norm (HF's ``XxxModel``). ``embedding_scale``
+    multiplies the embedding's rows inside ``embed_tokens`` (Gemma's); ``input_multiplier`` the
+    decoder's input after it, image rows included (Granite's ``embedding_multiplier``)."""
 
     def __init__(self, config, decoder_layer: type[DecoderLayer], embedding_scale: float | None = None,
-                 partial_rotary: bool = False):
+                 partial_rotary: bool = False, input_multiplier: float | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, embedding_scale)
+        self.input_multiplier = input_multiplier
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = decoder_layer.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim(config), partial_rotary)
@@ -126,6 +136,8 @@ class DecoderModel(nn.Module):
         """Final hidden states of the tokens ``input_ids``, or of the embeddings ``inputs_embeds``
         given instead (LLaVA's, holding image features at its image tokens)."""
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.input_multiplier is not None:
+            hidden_states = hidden_states * self.input_multiplier
         position_embeddings = self.rotary_emb(positions)
         residual = None
         for layer in self.layers:
@@ -149,8 +161,10 @@ def check_batch(input_ids: torch.Tensor, vocab_size: int) -> None:
 
 class CausalLM(nn.Module):
     """A decoder model with an LM head; subclasses set ``decoder_layer``, ``scale_embeddings``
-    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), and ``partial_rotary``
-    where the config's ``partial_rotary_factor`` says how much of each head rotates (Phi-3). A config's
+    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), ``multipliers`` where the
+    config's ``embedding_multiplier`` multiplies the decoder's input and its ``logits_scaling``
+    divides the logits (Granite), and ``partial_rotary`` where the config's
+    ``partial_rotary_factor`` says how much of each head rotates (Phi-3). A config's
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
@@ -164,13 +178,16 @@ class CausalLM(nn.Module):
     ignored_checkpoint_keys: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
     checkpoint_aliases: tuple[tuple[str, str], ...] = ()
     scale_embeddings = False
+    multipliers = False
     partial_rotary = False
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         embedding_scale = config.hidden_size**0.5 if self.scale_embeddings else None
-        self.model = DecoderModel(config, self.decoder_layer, embedding_scale, self.partial_rotary)
+        input_multiplier = config.embedding_multiplier if self.multipliers else None
+        self.model = DecoderModel(config, self.decoder_layer, embedding_scale, self.partial_rotary, input_multiplier)
+        self.logits_scaling = config.logits_scaling if self.multipliers else None
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # Tied embeddings: the head holds the embedding's own Parameter, so the loader
         # sees one parameter and fills it once.
@@ -197,7 +214,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits; every forward (flat stream, cache-free batch, a captured
         CUDA graph) calls it once, on the rows it returns."""
-        return self.cap_logits(self.lm_head(hidden_states))
+        logits = self.lm_head(hidden_states)
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        return self.cap_logits(logits)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Final-logit soft-capping (Gemma 2's), where the config asks for it."""

@@ -33,6 +33,7 @@ VARIANTS = {
     "qwen3": tiny_config("qwen3", head_dim=32),  # per-head q/k norms
     "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),  # scaled embeddings
     "phi3": PARITY["phi3"],  # q/k/v and gate/up stacked in the checkpoint: each rank reads its rows of each
+    "granite": PARITY["granite"],  # each branch scaled after its all-reduce
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

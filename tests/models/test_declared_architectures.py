@@ -1,4 +1,4 @@
-"""Gemma, Gemma 2, OLMo 2 and Phi-3, brought up as declarations of the shared layers: token-identical
+"""Gemma, Gemma 2, OLMo 2, Phi-3 and Granite, brought up as declarations of the shared layers: token-identical
 greedy generation through the runtime, every ``zoo diff`` row within tolerance, and each forward
 path computing its logits once."""
 
@@ -22,6 +22,7 @@ BLOCK_NORMS = {
     "gemma2": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "phi3": ["input_layernorm", "post_attention_layernorm"],
+    "granite": ["input_layernorm", "post_attention_layernorm"],
 }
 
 
@@ -77,6 +78,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("gemma2", "attn_logit_softcapping", None), ("gemma2", "final_logit_softcapping", None),
     ("gemma2", "query_pre_attn_scalar", 16),  # its head_dim
     ("phi3", "sliding_window", None), ("phi3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
+    ("granite", "embedding_multiplier", 1.0), ("granite", "attention_multiplier", 0.25),  # 1 / sqrt(head_dim)
+    ("granite", "residual_multiplier", 1.0), ("granite", "logits_scaling", 1.0),
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""

@@ -78,6 +78,12 @@ VARIANTS = {
     "phi3-full-rotary": tiny_config("phi3", **PHI3_IDS),
     "phi3-mha-head_dim-tied": tiny_config("phi3", num_key_value_heads=4, head_dim=24, tie_word_embeddings=True,
                                           rope_parameters=partial_rope(0.75), **PHI3_IDS),
+    # Granite 3's multipliers (8B's, attention's as 1 / head_dim), each moving the logits (test_declared_architectures)
+    "granite": tiny_config("granite", embedding_multiplier=12.0, attention_multiplier=1 / 16, residual_multiplier=0.22,
+                           logits_scaling=16.0),
+    "granite-bias-tied": tiny_config("granite", attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                                     embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                                     logits_scaling=8.0),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),

@@ -35,6 +35,8 @@ AGREEING = {
     "qwen3": tiny_config("qwen3", **SMALL),
     # Phi-4-mini's partial rotary, a window shorter than the 128 positions
     "phi3": tiny_config("phi3", **SMALL, sliding_window=48, rope_parameters=partial_rope(0.75), **PHI3_IDS),
+    "granite": tiny_config("granite", **SMALL, embedding_multiplier=12.0, attention_multiplier=1 / 64,
+                           residual_multiplier=0.22, logits_scaling=16.0),
 }
 
 
@@ -100,6 +102,7 @@ GRAPHED = {
                              moe_intermediate_size=256),
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
     "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
+    "granite": AGREEING["granite"],
     # Phi-4-mini's LongRoPE, the long factors fixed by max_model_len 512 (an original context of 64): capturable
     "phi3-longrope": tiny_config("phi3", **SMALL, rope_parameters=longrope(48), original_max_position_embeddings=64,
                                  **PHI3_IDS),
