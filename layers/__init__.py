@@ -14,7 +14,7 @@ from layers.linear import Linear, MergedLinear, pack_cpu_weights
 from layers.mla import MLAttention
 from layers.mlp import GatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
-from layers.norm import RMSNorm
+from layers.norm import LayerNorm, RMSNorm
 from layers.parallel import (
     ColumnParallelLinear,
     ExpertParallelExperts,
@@ -28,7 +28,7 @@ from layers.rotary import RotaryEmbedding, rope_parameters
 from layers.weights import OneOf, Shard
 
 __all__ = [
-    "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
+    "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "LayerNorm", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
     "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
     "TensorParallelExperts", "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
     "pack_cpu_weights", "rope_parameters", "score_modifiers_used",

@@ -1,4 +1,5 @@
-"""The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused.
+"""The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused; and the
+activations of ungated MLPs (down(act(up(x))): Starcoder2's, CLIP's), which their modules apply.
 
 Where ``linear`` would multiply by gate_up with zoo::gemv (a single float16/bfloat16 GPU row, batch-1
 decode), zoo::gated_gemv computes act(gate x) * up x in that product's kernel.
@@ -10,6 +11,20 @@ from torch import nn
 from layers.linear import Linear, MergedLinear
 from ops_cuda import ACTIVATIONS, act_and_mul, gated_gemv
 from ops_cuda.linear import takes_gemv
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+# HuggingFace `hidden_act` names of ungated MLPs -> the function.
+PLAIN_ACTIVATIONS = {**ACTIVATIONS, "quick_gelu": quick_gelu}
+
+
+def plain_activation(name: str):
+    if name not in PLAIN_ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(PLAIN_ACTIVATIONS)}")
+    return PLAIN_ACTIVATIONS[name]
 
 
 class GatedMLP(nn.Module):

@@ -1,6 +1,8 @@
-"""RMSNorm with an optional fused residual add, in the variants HuggingFace's architectures use."""
+"""RMSNorm, in the variants HuggingFace's architectures use, and LayerNorm, each with an optional
+fused residual add."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ops_cuda import fused_add_rms_norm, rms_norm
@@ -34,3 +36,24 @@ class RMSNorm(nn.Module):
         options = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
         options += ", multiply_in_float32=True" if self.multiply_in_float32 else ""
         return f"{tuple(self.weight.shape)}, eps={self.eps}{options}"
+
+
+class LayerNorm(nn.Module):
+    """``norm(x)``, or with a residual ``(norm(x + residual), x + residual)``, as ``RMSNorm``: the
+    mean and variance normalised away, times the weight plus the bias (Starcoder2's), as
+    ``torch.nn.LayerNorm`` computes it."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        summed = x + residual
+        return F.layer_norm(summed, self.weight.shape, self.weight, self.bias, self.eps), summed
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + ("" if self.bias is not None else ", bias=False")

@@ -36,7 +36,7 @@ from layers.linear import Linear, MergedLinear
 from layers.mla import MLAttention
 from layers.mlp import GatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
-from layers.norm import RMSNorm
+from layers.norm import LayerNorm, RMSNorm
 from layers.rotary import RotaryEmbedding
 from layers.vision import CLIPVisionTower, MultiModalProjector
 from layers.weights import OneOf, Shard, parent_of
@@ -257,8 +257,9 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
                                                       group, ranks, tie_to=embeddings.get(id(module.weight))))
     parallel_types = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead,
                       ExpertParallelExperts, TensorParallelExperts)
+    replicated_types = (RMSNorm, LayerNorm, RotaryEmbedding, TopKRouter)
     for name, module in model.named_modules():
-        if isinstance(module, parallel_types + (RMSNorm, RotaryEmbedding, TopKRouter)) or id(module) in replicated:
+        if isinstance(module, parallel_types + replicated_types) or id(module) in replicated:
             continue
         own = {local for local, _ in module.named_parameters(recurse=False)}
         if own - set(getattr(module, "replicated_parameters", ())):

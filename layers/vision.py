@@ -16,22 +16,8 @@ from torch import nn
 
 from layers.embedding import VocabEmbedding
 from layers.linear import Linear, MergedLinear
-from ops_cuda import ACTIVATIONS
+from layers.mlp import plain_activation
 from ops_cuda.paged_attention import sdpa
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-# HuggingFace `hidden_act` names of the ungated MLPs here (CLIP's, the projector's) -> the function.
-PLAIN_ACTIVATIONS = {**ACTIVATIONS, "quick_gelu": quick_gelu}
-
-
-def plain_activation(name: str):
-    if name not in PLAIN_ACTIVATIONS:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(PLAIN_ACTIVATIONS)}")
-    return PLAIN_ACTIVATIONS[name]
 
 
 class CLIPVisionEmbeddings(nn.Module):

@@ -5,7 +5,8 @@
 
 An architecture file subclasses these and states only what its blocks are made of, as declarations:
 the attention and MLP modules, the block's norm slots under HF's names (``NormSlots``), the model's
-RMSNorm variant (``DecoderLayer.rms_norm``), a scale of each branch's output (``DecoderLayer``'s
+norm (``DecoderLayer.norm_layer``: an RMSNorm variant or LayerNorm) and the config field of its
+epsilon (``norm_eps_field``), a scale of each branch's output (``DecoderLayer``'s
 ``branch_scale``), embedding scaling (``CausalLM.scale_embeddings``), the multipliers of the input
 and the logits (``CausalLM.multipliers``), partial rotary (``CausalLM.partial_rotary``).
 """
@@ -17,7 +18,8 @@ from dataclasses import astuple, dataclass
 import torch
 from torch import nn
 
-from layers import Attention, AttentionMetadata, LMHead, MLAttention, RMSNorm, RotaryEmbedding, VocabEmbedding
+from layers import (Attention, AttentionMetadata, LayerNorm, LMHead, MLAttention, RMSNorm, RotaryEmbedding,
+                    VocabEmbedding)
 
 
 def head_dim(config) -> int:
@@ -66,17 +68,19 @@ class DecoderLayer(nn.Module):
 
         h = x + post_attention(attn(pre_attention(x))); out = h + post_mlp(mlp(pre_mlp(h)))
 
-    A subclass declares ``norms`` (the slots filled and HF's names for them) and ``rms_norm`` (the
-    model's RMSNorm variant, also used for the final norm); ``branch_scale``, where given,
-    multiplies each branch's output before its residual add (Granite's ``residual_multiplier``). Each residual add is deferred into
-    the pre-norm that follows it, so ``forward`` returns ``(branch_out, residual)`` and the next
-    pre-norm completes the add; a branch without a pre-norm adds explicitly. HuggingFace's view
-    of this layer's output is ``branch_out + residual``.
+    A subclass declares ``norms`` (the slots filled and HF's names for them), ``norm_layer`` (the
+    model's norm, an RMSNorm variant or LayerNorm, also used for the final norm) and
+    ``norm_eps_field`` (the config field of its epsilon); ``branch_scale``, where given,
+    multiplies each branch's output before its residual add (Granite's ``residual_multiplier``).
+    Each residual add is deferred into the pre-norm that follows it, so ``forward`` returns
+    ``(branch_out, residual)`` and the next pre-norm completes the add; a branch without a pre-norm
+    adds explicitly. HuggingFace's view of this layer's output is ``branch_out + residual``.
     """
 
     returns_residual = True
     norms = NormSlots()
-    rms_norm: Callable[[int, float], RMSNorm] = RMSNorm
+    norm_layer: Callable[[int, float], RMSNorm | LayerNorm] = RMSNorm
+    norm_eps_field = "rms_norm_eps"
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, branch_scale: float | None = None):
         super().__init__()
@@ -86,7 +90,7 @@ class DecoderLayer(nn.Module):
         names = astuple(self.norms)
         for name in names:
             if name is not None:
-                self.add_module(name, self.rms_norm(config.hidden_size, config.rms_norm_eps))
+                self.add_module(name, self.norm_layer(config.hidden_size, getattr(config, self.norm_eps_field)))
         # In slot order; a tuple, so that the norms stay registered under their HF names alone.
         self.slot_norms = tuple(None if name is None else getattr(self, name) for name in names)
 
@@ -107,7 +111,7 @@ class DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
-def branch_input(norm: RMSNorm | None, hidden_states, residual):
+def branch_input(norm: RMSNorm | LayerNorm | None, hidden_states, residual):
     """Completes the deferred residual add (in ``norm`` when there is one): returns the branch's
     input and the residual stream. ``residual`` is None at the first layer."""
     if residual is None:
@@ -129,7 +133,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, embedding_scale)
         self.input_multiplier = input_multiplier
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = decoder_layer.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = decoder_layer.norm_layer(config.hidden_size, getattr(config, decoder_layer.norm_eps_field))
         self.rotary_emb = RotaryEmbedding(config, head_dim(config), partial_rotary)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, inputs_embeds=None) -> torch.Tensor:

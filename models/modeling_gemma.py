@@ -12,7 +12,7 @@ GemmaRMSNorm = partial(RMSNorm, weight_offset=1.0, multiply_in_float32=True)
 
 
 class GemmaDecoderLayer(DecoderLayer):
-    rms_norm = GemmaRMSNorm
+    norm_layer = GemmaRMSNorm
 
     def __init__(self, config, layer_idx: int):
         if getattr(config, "use_bidirectional_attention", False):

@@ -30,7 +30,7 @@ class Gemma2DecoderLayer(DecoderLayer):
         pre_attention="input_layernorm", post_attention="post_attention_layernorm",
         pre_mlp="pre_feedforward_layernorm", post_mlp="post_feedforward_layernorm",
     )
-    rms_norm = GemmaRMSNorm
+    norm_layer = GemmaRMSNorm
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, Gemma2Attention(config, layer_idx), Gemma2MLP(config))

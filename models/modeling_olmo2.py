@@ -28,7 +28,7 @@ class Olmo2DecoderLayer(DecoderLayer):
         pre_attention=None, post_attention="post_attention_layernorm", pre_mlp=None,
         post_mlp="post_feedforward_layernorm",
     )
-    rms_norm = Olmo2RMSNorm
+    norm_layer = Olmo2RMSNorm
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, Olmo2Attention(config), LlamaMLP(config))

@@ -1,4 +1,4 @@
-"""RMSNorm's variants and the scaled embedding against HuggingFace's modules, bit for bit."""
+"""RMSNorm's variants, LayerNorm and the scaled embedding against HuggingFace's modules, bit for bit."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from transformers.models.gemma2 import modeling_gemma2 as hf_gemma2
 from transformers.models.llama import modeling_llama as hf_llama
 from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
 
-from layers import RMSNorm, VocabEmbedding
+from layers import LayerNorm, RMSNorm, VocabEmbedding
 
 VARIANTS = {  # HF's module -> the options of zoo's RMSNorm that reproduce it
     "llama": (hf_llama.LlamaRMSNorm, {}),
@@ -31,6 +31,29 @@ def test_rms_norm_variants_equal_hf(variant, dtype):
         normed, summed = norm(x, residual)
         assert torch.equal(summed, x + residual)
         assert torch.equal(normed, reference(x + residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_layer_norm_equals_torch_and_adds_the_residual_first(dtype, bias):
+    """Starcoder2's norms are torch's LayerNorm, after HF's residual add in the input dtype."""
+    torch.manual_seed(0)
+    reference = torch.nn.LayerNorm(64, eps=1e-5, bias=bias)
+    with torch.no_grad():
+        reference.weight.normal_()
+        if bias:
+            reference.bias.normal_()
+    reference.to(dtype)
+    norm = LayerNorm(64, 1e-5, bias=bias)
+    norm.weight.data = reference.weight.data.clone()
+    if bias:
+        norm.bias.data = reference.bias.data.clone()
+    x, residual = torch.randn(2, 5, 64, dtype=dtype), torch.randn(2, 5, 64, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(norm(x), reference(x))
+        normed, summed = norm(x, residual)
+        assert torch.equal(summed, residual + x)
+        assert torch.equal(normed, reference(residual + x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -40,6 +40,8 @@ UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its
     "heads": (tiny_config("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48),
               ValueError, "attention heads (3) is not a multiple of 2"),
     "olmo2": (tiny_config("olmo2"), NotImplementedError, "q/k norm spans all heads"),
+    "starcoder2": (tiny_config("starcoder2"), NotImplementedError,
+                   "cannot split model.layers.0.mlp.c_fc (Linear): it splits attention, latent attention, gated MLPs"),
 }
 
 

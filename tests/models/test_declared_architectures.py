@@ -1,6 +1,6 @@
-"""Gemma, Gemma 2, OLMo 2, Phi-3 and Granite, brought up as declarations of the shared layers: token-identical
-greedy generation through the runtime, every ``zoo diff`` row within tolerance, and each forward
-path computing its logits once."""
+"""Gemma, Gemma 2, OLMo 2, Phi-3, Granite and Starcoder2, brought up as declarations of the shared
+layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within
+tolerance, and each forward path computing its logits once."""
 
 import json
 
@@ -23,7 +23,9 @@ BLOCK_NORMS = {
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "phi3": ["input_layernorm", "post_attention_layernorm"],
     "granite": ["input_layernorm", "post_attention_layernorm"],
+    "starcoder2": ["input_layernorm", "post_attention_layernorm"],
 }
+NORM_PARAMETERS = {"starcoder2": ["weight", "bias"]}  # LayerNorm's; RMSNorm has a weight alone
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def test_blocks_hold_the_declared_norms_under_hf_names(name, checkpoints):
     layer = model.model.layers[0]
     assert sorted(child for child, _ in layer.named_children()) == sorted(["self_attn", "mlp", *BLOCK_NORMS[name]])
     assert [n for n, _ in layer.named_parameters() if "norm" in n and "self_attn" not in n] == [
-        f"{norm}.weight" for norm in BLOCK_NORMS[name]
+        f"{norm}.{parameter}" for norm in BLOCK_NORMS[name] for parameter in NORM_PARAMETERS.get(name, ["weight"])
     ]
 
 
@@ -80,6 +82,7 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("phi3", "sliding_window", None), ("phi3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
     ("granite", "embedding_multiplier", 1.0), ("granite", "attention_multiplier", 0.25),  # 1 / sqrt(head_dim)
     ("granite", "residual_multiplier", 1.0), ("granite", "logits_scaling", 1.0),
+    ("starcoder2", "sliding_window", None), ("starcoder2", "norm_epsilon", 1.0),  # the field its norms read
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""

@@ -13,6 +13,7 @@ from tests.conftest import relative_error, tiny_config
 
 TOLERANCE = 1e-5
 PHI3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+STARCODER2_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (50256) lie outside this vocabulary
 
 
 def partial_rope(factor: float) -> dict:
@@ -84,6 +85,10 @@ VARIANTS = {
     "granite-bias-tied": tiny_config("granite", attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
                                      embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.5,
                                      logits_scaling=8.0),
+    # LayerNorm with bias, biases on every projection, an ungated gelu-tanh MLP; a window on every layer
+    "starcoder2": tiny_config("starcoder2", sliding_window=7, **STARCODER2_IDS),
+    "starcoder2-mha-no-bias-tied": tiny_config("starcoder2", num_key_value_heads=4, use_bias=False,
+                                               tie_word_embeddings=True, **STARCODER2_IDS),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),
