@@ -109,7 +109,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 class RotaryEmbedding(nn.Module):
     """Maps token positions [N] to (cos, sin) [N, rotary_dim] in float32, scaled by the rope type's
     attention factor. Computed once per forward and shared by every layer. ``rotary_dim`` is the
-    head's, or, for an architecture that reads it (``partial``: Phi-3's), ``int(head_dim *
+    head's, or, for an architecture that reads it (``partial``: Phi-3's, StableLM's), ``int(head_dim *
     partial_rotary_factor)`` as HF computes it: the first channels of each head rotate, the rest
     pass (the rotary ops take cos and sin narrower than the head).
 

@@ -168,7 +168,7 @@ class CausalLM(nn.Module):
     where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), ``multipliers`` where the
     config's ``embedding_multiplier`` multiplies the decoder's input and its ``logits_scaling``
     divides the logits (Granite), and ``partial_rotary`` where the config's
-    ``partial_rotary_factor`` says how much of each head rotates (Phi-3). A config's
+    ``partial_rotary_factor`` says how much of each head rotates (Phi-3, StableLM). A config's
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;

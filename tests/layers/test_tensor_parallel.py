@@ -34,6 +34,7 @@ VARIANTS = {
     "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),  # scaled embeddings
     "phi3": PARITY["phi3"],  # q/k/v and gate/up stacked in the checkpoint: each rank reads its rows of each
     "granite": PARITY["granite"],  # each branch scaled after its all-reduce
+    "stablelm": PARITY["stablelm"],  # LayerNorm replicated, partial rotary
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

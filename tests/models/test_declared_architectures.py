@@ -1,4 +1,4 @@
-"""Gemma, Gemma 2, OLMo 2, Phi-3, Granite and Starcoder2, brought up as declarations of the shared
+"""Gemma, Gemma 2, OLMo 2, Phi-3, Granite, Starcoder2 and StableLM, brought up as declarations of the shared
 layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within
 tolerance, and each forward path computing its logits once."""
 
@@ -24,8 +24,9 @@ BLOCK_NORMS = {
     "phi3": ["input_layernorm", "post_attention_layernorm"],
     "granite": ["input_layernorm", "post_attention_layernorm"],
     "starcoder2": ["input_layernorm", "post_attention_layernorm"],
+    "stablelm": ["input_layernorm", "post_attention_layernorm"],
 }
-NORM_PARAMETERS = {"starcoder2": ["weight", "bias"]}  # LayerNorm's; RMSNorm has a weight alone
+NORM_PARAMETERS = {"starcoder2": ["weight", "bias"], "stablelm": ["weight", "bias"]}  # LayerNorm's; RMSNorm: a weight
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("granite", "embedding_multiplier", 1.0), ("granite", "attention_multiplier", 0.25),  # 1 / sqrt(head_dim)
     ("granite", "residual_multiplier", 1.0), ("granite", "logits_scaling", 1.0),
     ("starcoder2", "sliding_window", None), ("starcoder2", "norm_epsilon", 1.0),  # the field its norms read
+    ("stablelm", "layer_norm_eps", 1.0),
+    ("stablelm", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""

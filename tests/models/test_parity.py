@@ -14,6 +14,7 @@ from tests.conftest import relative_error, tiny_config
 TOLERANCE = 1e-5
 PHI3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 STARCODER2_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (50256) lie outside this vocabulary
+STABLELM_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (0) are ids HF's init leaves no special role
 
 
 def partial_rope(factor: float) -> dict:
@@ -89,6 +90,10 @@ VARIANTS = {
     "starcoder2": tiny_config("starcoder2", sliding_window=7, **STARCODER2_IDS),
     "starcoder2-mha-no-bias-tied": tiny_config("starcoder2", num_key_value_heads=4, use_bias=False,
                                                tie_word_embeddings=True, **STARCODER2_IDS),
+    # LayerNorm with bias, rotary on a quarter of each head (StableLM 2's default), q/k/v bias or none
+    "stablelm": tiny_config("stablelm", **STABLELM_IDS),
+    "stablelm-qkv_bias-mha-tied": tiny_config("stablelm", use_qkv_bias=True, num_key_value_heads=4,
+                                              tie_word_embeddings=True, **STABLELM_IDS),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),
@@ -250,6 +255,16 @@ def test_a_partial_rotary_factor_zoo_cannot_take_is_named(make_checkpoint, varia
     fields = json.loads((path / "config.json").read_text())
     fields["rope_parameters"]["partial_rotary_factor"] = factor
     (path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(CheckpointError, match=words):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("field, words", [
+    ("qk_layernorm", r"qk_layernorm=True \(a LayerNorm of its own for each head of q and k\) is not supported"),
+    ("use_parallel_residual", r"use_parallel_residual=True \(attention and the MLP side by side on one norm\)"),
+])
+def test_stablelm_layouts_zoo_does_not_build_are_named(make_checkpoint, field, words):
+    path, _ = make_checkpoint(tiny_config("stablelm", **{field: True}, **STABLELM_IDS))
     with pytest.raises(CheckpointError, match=words):
         AutoModelForCausalLM.from_pretrained(path)
 

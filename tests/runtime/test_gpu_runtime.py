@@ -6,7 +6,7 @@ import torch
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
-from tests.models.test_parity import PHI3_IDS, STARCODER2_IDS, longrope, partial_rope
+from tests.models.test_parity import PHI3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +38,7 @@ AGREEING = {
     "granite": tiny_config("granite", **SMALL, embedding_multiplier=12.0, attention_multiplier=1 / 64,
                            residual_multiplier=0.22, logits_scaling=16.0),
     "starcoder2": tiny_config("starcoder2", **SMALL, sliding_window=48, **STARCODER2_IDS),
+    "stablelm": tiny_config("stablelm", **SMALL, use_qkv_bias=True, **STABLELM_IDS),  # rotary on 16 of 64 channels
 }
 
 
@@ -105,6 +106,7 @@ GRAPHED = {
     "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
     "granite": AGREEING["granite"],
     "starcoder2": AGREEING["starcoder2"],  # LayerNorm, an ungated MLP
+    "stablelm": AGREEING["stablelm"],
     # Phi-4-mini's LongRoPE, the long factors fixed by max_model_len 512 (an original context of 64): capturable
     "phi3-longrope": tiny_config("phi3", **SMALL, rope_parameters=longrope(48), original_max_position_embeddings=64,
                                  **PHI3_IDS),
