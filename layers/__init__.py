@@ -24,13 +24,13 @@ from layers.parallel import (
     VocabParallelLMHead,
     tensor_parallel,
 )
-from layers.rotary import RotaryEmbedding, rope_parameters
+from layers.rotary import RotaryEmbedding, rope_layer_types, rope_parameters
 from layers.weights import OneOf, Shard
 
 __all__ = [
     "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "LayerNorm", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
     "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
     "TensorParallelExperts", "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
-    "pack_cpu_weights", "rope_parameters", "score_modifiers_used",
+    "pack_cpu_weights", "rope_layer_types", "rope_parameters", "score_modifiers_used",
     "select_backend", "tensor_parallel",
 ]

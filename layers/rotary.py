@@ -12,8 +12,20 @@ import torch
 from torch import nn
 
 
-def rope_parameters(config) -> dict:
+def rope_layer_types(config) -> list[str] | None:
+    """The layer types whose rope settings ``config.rope_parameters`` holds apart (Gemma 3's sliding
+    and full attention layers), or None where one setting serves every layer."""
+    rope, layer_types = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None)
+    if isinstance(rope, dict) and layer_types and all(isinstance(rope.get(kind), dict) for kind in layer_types):
+        return sorted(set(layer_types))
+    return None
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The rope settings of every layer, or of the layers of ``layer_type`` (``rope_layer_types``)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
@@ -111,7 +123,8 @@ class RotaryEmbedding(nn.Module):
     attention factor. Computed once per forward and shared by every layer. ``rotary_dim`` is the
     head's, or, for an architecture that reads it (``partial``: Phi-3's, StableLM's), ``int(head_dim *
     partial_rotary_factor)`` as HF computes it: the first channels of each head rotate, the rest
-    pass (the rotary ops take cos and sin narrower than the head).
+    pass (the rotary ops take cos and sin narrower than the head). ``layer_type``: the settings of
+    those layers, where the config holds them apart (``rope_layer_types``).
 
     LongRoPE has two sets of frequencies. HF picks one per forward: the long set where the
     forward's last position passes ``original_max_position_embeddings``, else the short. A paged
@@ -121,9 +134,9 @@ class RotaryEmbedding(nn.Module):
     sequences may pass the original context, the short one, HF's for every such sequence, where
     they may not. A forward without a fixed set (a cache-free one) picks as HF does."""
 
-    def __init__(self, config, head_dim: int, partial: bool = False):
+    def __init__(self, config, head_dim: int, partial: bool = False, layer_type: str | None = None):
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         self.rope_type = params["rope_type"]
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {list(ROPE_TYPES)}")

@@ -126,10 +126,14 @@ def validate_config(config, checkpoint: dict[str, TensorRef], origin: str) -> No
         _check_sizes(sub, prefix, len(checkpoint), elements, origin)
         for field in POSITIVE_FIELDS:
             _check_number(getattr(sub, field, None), prefix + field, origin)
-        rope = layers.rope_parameters(sub)
-        for field in POSITIVE_ROPE_FIELDS + NON_NEGATIVE_ROPE_FIELDS:
-            _check_number(rope.get(field), f"{prefix}rope_parameters.{field}", origin,
-                          zero_allowed=field in NON_NEGATIVE_ROPE_FIELDS)
+        kinds = [None]
+        if layers.rope_layer_types(sub) is not None:  # settings per layer type (Gemma 3): each one it holds
+            kinds = [kind for kind, rope in sub.rope_parameters.items() if isinstance(rope, dict)]
+        for layer_type in kinds:
+            rope = layers.rope_parameters(sub, layer_type)
+            where = f"{prefix}rope_parameters." + (f"{layer_type}." if layer_type else "")
+            for field in POSITIVE_ROPE_FIELDS + NON_NEGATIVE_ROPE_FIELDS:
+                _check_number(rope.get(field), where + field, origin, zero_allowed=field in NON_NEGATIVE_ROPE_FIELDS)
 
 
 def _named_configs(config, prefix: str = ""):

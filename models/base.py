@@ -11,6 +11,7 @@ epsilon (``norm_eps_field``), a scale of each branch's output (``DecoderLayer``'
 and the logits (``CausalLM.multipliers``), partial rotary (``CausalLM.partial_rotary``).
 """
 
+import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from layers import (Attention, AttentionMetadata, LayerNorm, LMHead, MLAttention, RMSNorm, RotaryEmbedding,
-                    VocabEmbedding)
+                    VocabEmbedding, rope_layer_types)
 
 
 def head_dim(config) -> int:
@@ -123,7 +124,9 @@ def branch_input(norm: RMSNorm | LayerNorm | None, hidden_states, residual):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, a stack of decoder layers and the final norm (HF's ``XxxModel``). ``embedding_scale``
+    """Embedding, a stack of decoder layers and the final norm (HF's ``XxxModel``), and the rotary
+    embedding the layers share, or, where the config sets rope apart per layer type, one per type,
+    each layer taking its own type's (``rope_layer_types``). ``embedding_scale``
     multiplies the embedding's rows inside ``embed_tokens`` (Gemma's); ``input_multiplier`` the
     decoder's input after it, image rows included (Granite's ``embedding_multiplier``)."""
 
@@ -134,7 +137,18 @@ class DecoderModel(nn.Module):
         self.input_multiplier = input_multiplier
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = decoder_layer.norm_layer(config.hidden_size, getattr(config, decoder_layer.norm_eps_field))
-        self.rotary_emb = RotaryEmbedding(config, head_dim(config), partial_rotary)
+        layer_types = rope_layer_types(config)
+        if layer_types is None:
+            self.rotary_emb = RotaryEmbedding(config, head_dim(config), partial_rotary)
+            self.rope_of_layer = None
+        else:  # rotary of its own per layer type (Gemma 3's sliding and full attention layers)
+            self.rotary_emb = nn.ModuleDict(
+                {kind: RotaryEmbedding(config, head_dim(config), partial_rotary, kind) for kind in layer_types}
+            )
+            self.rope_of_layer = list(config.layer_types)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        return [self.rotary_emb] if self.rope_of_layer is None else list(self.rotary_emb.values())
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, inputs_embeds=None) -> torch.Tensor:
         """Final hidden states of the tokens ``input_ids``, or of the embeddings ``inputs_embeds``
@@ -142,9 +156,13 @@ class DecoderModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.input_multiplier is not None:
             hidden_states = hidden_states * self.input_multiplier
-        position_embeddings = self.rotary_emb(positions)
+        if self.rope_of_layer is None:
+            layer_position_embeddings = itertools.repeat(self.rotary_emb(positions))
+        else:
+            of_kind = {kind: rotary(positions) for kind, rotary in self.rotary_emb.items()}
+            layer_position_embeddings = [of_kind[kind] for kind in self.rope_of_layer]
         residual = None
-        for layer in self.layers:
+        for layer, position_embeddings in zip(self.layers, layer_position_embeddings):
             hidden_states, residual = layer(hidden_states, residual, position_embeddings, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -271,9 +289,10 @@ class CausalLM(nn.Module):
         """No sequence will pass ``max_model_len`` tokens: LongRoPE fixes its set of frequencies by
         the positions the forwards reach (``layers.RotaryEmbedding.fix_context``), one fewer, as
         the token that completes a sequence is sampled and never fed."""
-        rotary = self.model.rotary_emb
-        rotary.fix_context(max_model_len - 1)
-        if rotary.long_context:
+        for rotary in self.model.rotary_embeddings():
+            rotary.fix_context(max_model_len - 1)
+            if not rotary.long_context:
+                continue
             original = rotary.params["original_max_position_embeddings"]
             warnings.warn(f"LongRoPE with max_model_len {max_model_len}: every position takes the long factors, "
                           f"where HF takes the short ones for a sequence of at most {original} positions; "
@@ -286,7 +305,8 @@ class CausalLM(nn.Module):
         an attention layer says its paged path does (``capturable``: latent attention's on the torch
         backend reads the sequences' lengths)."""
         layers_capturable = all(layer.capturable for layer in self._attention_layers())
-        return not self.model.rotary_emb.reads_positions_on_host and layers_capturable
+        rotary_capturable = not any(rotary.reads_positions_on_host for rotary in self.model.rotary_embeddings())
+        return rotary_capturable and layers_capturable
 
     def _attention_layers(self) -> list[Attention | MLAttention]:
         return [module for module in self.modules() if isinstance(module, (Attention, MLAttention))]

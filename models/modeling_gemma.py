@@ -11,12 +11,17 @@ from models.modeling_llama import LlamaAttention, LlamaMLP
 GemmaRMSNorm = partial(RMSNorm, weight_offset=1.0, multiply_in_float32=True)
 
 
+def refuse_bidirectional(config) -> None:
+    """Gemma's embedding models attend over later tokens too; zoo's decoders attend causally."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True (attention over later tokens too) is not supported")
+
+
 class GemmaDecoderLayer(DecoderLayer):
     norm_layer = GemmaRMSNorm
 
     def __init__(self, config, layer_idx: int):
-        if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention=True (attention over later tokens too) is not supported")
+        refuse_bidirectional(config)
         super().__init__(config, LlamaAttention(config), LlamaMLP(config))
 
 

@@ -352,6 +352,7 @@ TINY_MODELS = {
     "llava": lambda: hf_llava(llava_config()),
     "qwen3_moe": lambda: hf_model(tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     "granite": lambda: hf_model(tiny_config("granite")),
+    "gemma3": lambda: hf_model(tiny_config("gemma3_text", head_dim=16)),
 }
 NAN, INF = float("nan"), float("inf")
 
@@ -388,6 +389,8 @@ def set_field(fields: dict, dotted_name: str, value):
     ("gemma2", "final_logit_softcapping", 0.0, r"'final_logit_softcapping' must be a finite positive number, got 0\.0"),
     ("gemma2", "query_pre_attn_scalar", -24, r"'query_pre_attn_scalar' must be a finite positive number, got -24"),
     ("deepseek_v3", "routed_scaling_factor", INF, r"'routed_scaling_factor' must be a finite positive number, got inf"),
+    ("gemma3", "rope_parameters.full_attention.rope_theta", -1.0,
+     r"'rope_parameters\.full_attention\.rope_theta' must be a finite positive number, got -1\.0"),
     ("granite", "logits_scaling", 0.0, r"'logits_scaling' must be a finite positive number, got 0\.0"),
     ("granite", "residual_multiplier", NAN, r"'residual_multiplier' must be a finite positive number, got nan"),
     ("deepseek_v3", "rope_parameters", {**YARN, "mscale_all_dim": NAN},

@@ -1,4 +1,4 @@
-"""Gemma, Gemma 2, OLMo 2, Phi-3, Granite, Starcoder2 and StableLM, brought up as declarations of the shared
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, Granite, Starcoder2 and StableLM, brought up as declarations of the shared
 layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within
 tolerance, and each forward path computing its logits once."""
 
@@ -20,6 +20,7 @@ TOKENS = torch.tensor([[5, 17, 3, 88, 42, 7, 1, 60, 23, 9, 14]])
 BLOCK_NORMS = {
     "gemma": ["input_layernorm", "post_attention_layernorm"],
     "gemma2": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+    "gemma3": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "phi3": ["input_layernorm", "post_attention_layernorm"],
     "granite": ["input_layernorm", "post_attention_layernorm"],
@@ -85,6 +86,7 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("granite", "residual_multiplier", 1.0), ("granite", "logits_scaling", 1.0),
     ("starcoder2", "sliding_window", None), ("starcoder2", "norm_epsilon", 1.0),  # the field its norms read
     ("stablelm", "layer_norm_eps", 1.0),
+    ("gemma3", "layer_types", ["sliding_attention", "sliding_attention"]),  # layer 1's rope and window
     ("stablelm", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):

@@ -94,6 +94,16 @@ VARIANTS = {
     "stablelm": tiny_config("stablelm", **STABLELM_IDS),
     "stablelm-qkv_bias-mha-tied": tiny_config("stablelm", use_qkv_bias=True, num_key_value_heads=4,
                                               tie_word_embeddings=True, **STABLELM_IDS),
+    # Gemma 3: a sliding layer and a full one, each with its own rope (the full one's linearly scaled, as
+    # in the larger models), q/k norms per head
+    "gemma3": tiny_config("gemma3_text", head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                          sliding_window=7),
+    "gemma3-linear-mqa-tied-capped": tiny_config(
+        "gemma3_text", head_dim=16, layer_types=["full_attention", "sliding_attention"], sliding_window=5,
+        num_key_value_heads=1, tie_word_embeddings=True, query_pre_attn_scalar=24, final_logit_softcapping=4.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+    ),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),

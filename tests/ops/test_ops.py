@@ -9,12 +9,13 @@ import torch
 import transformers
 from transformers.activations import ACT2FN
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek_v3
+from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.glm import modeling_glm as hf_glm
 from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
 from transformers.models.llama import modeling_llama as hf_llama
 from transformers.models.phi3 import modeling_phi3 as hf_phi3
 
-from layers import RotaryEmbedding
+from layers import RotaryEmbedding, rope_layer_types
 from ops_cuda import ACTIVATIONS, act_and_mul, apply_rotary, fused_add_rms_norm, rms_norm
 from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.linear import PackedWeight, linear
@@ -218,6 +219,18 @@ def test_rotary_tables_equal_hf(variant):
     rotary = hf_llama.LlamaRotaryEmbedding(config)
     theirs = rotary(torch.zeros(1, dtype=torch.float32), positions[None])
     assert torch.equal(ours[0], theirs[0][0]) and torch.equal(ours[1], theirs[1][0])
+
+
+def test_rotary_tables_of_each_layer_type_equal_hf():
+    config = VARIANTS["gemma3-linear-mqa-tied-capped"]  # the full layers' rope linearly scaled
+    hf_rotary = hf_gemma3.Gemma3RotaryEmbedding(config)
+    positions = torch.arange(40)
+    assert rope_layer_types(config) == ["full_attention", "sliding_attention"]
+    for kind in ("full_attention", "sliding_attention"):
+        ours = RotaryEmbedding(config, 16, layer_type=kind)(positions)
+        theirs = hf_rotary(torch.zeros(1, dtype=torch.float32), positions[None], kind)
+        assert torch.equal(ours[0], theirs[0][0]) and torch.equal(ours[1], theirs[1][0])
+    assert rope_layer_types(VARIANTS["qwen2-window-layers"]) is None  # layer types, one rope
 
 
 def test_longrope_tables_equal_hf_and_keep_the_set_they_are_fixed_to():

@@ -39,6 +39,9 @@ AGREEING = {
                            residual_multiplier=0.22, logits_scaling=16.0),
     "starcoder2": tiny_config("starcoder2", **SMALL, sliding_window=48, **STARCODER2_IDS),
     "stablelm": tiny_config("stablelm", **SMALL, use_qkv_bias=True, **STABLELM_IDS),  # rotary on 16 of 64 channels
+    # three sliding layers, then a full one with its own rope; q/k norms per head in the KV-write kernel
+    "gemma3": tiny_config("gemma3_text", **SMALL, head_dim=64, sliding_window=48,
+                          layer_types=["sliding_attention"] * 3 + ["full_attention"]),
 }
 
 
@@ -107,6 +110,7 @@ GRAPHED = {
     "granite": AGREEING["granite"],
     "starcoder2": AGREEING["starcoder2"],  # LayerNorm, an ungated MLP
     "stablelm": AGREEING["stablelm"],
+    "gemma3": AGREEING["gemma3"],
     # Phi-4-mini's LongRoPE, the long factors fixed by max_model_len 512 (an original context of 64): capturable
     "phi3-longrope": tiny_config("phi3", **SMALL, rope_parameters=longrope(48), original_max_position_embeddings=64,
                                  **PHI3_IDS),
