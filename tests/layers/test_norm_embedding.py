@@ -15,6 +15,17 @@ VARIANTS = {  # HF's module -> the options of zoo's RMSNorm that reproduce it
 }
 
 
+def assert_norms_alike(norm, reference, dtype):
+    """``norm(x)`` is ``reference(x)``, and ``norm(x, residual)`` is ``(reference(x + residual), x + residual)``,
+    the residual added in the input dtype as HF's blocks add it."""
+    x, residual = torch.randn(2, 5, 64, dtype=dtype), torch.randn(2, 5, 64, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(norm(x), reference(x))
+        normed, summed = norm(x, residual)
+        assert torch.equal(summed, x + residual)
+        assert torch.equal(normed, reference(x + residual))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rms_norm_variants_equal_hf(variant, dtype):
@@ -25,18 +36,13 @@ def test_rms_norm_variants_equal_hf(variant, dtype):
     reference.to(dtype)
     norm = RMSNorm(64, 1e-6, **options)
     norm.weight.data = reference.weight.data.clone()
-    x, residual = torch.randn(2, 5, 64, dtype=dtype), torch.randn(2, 5, 64, dtype=dtype)
-    with torch.no_grad():
-        assert torch.equal(norm(x), reference(x))
-        normed, summed = norm(x, residual)
-        assert torch.equal(summed, x + residual)
-        assert torch.equal(normed, reference(x + residual))
+    assert_norms_alike(norm, reference, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_layer_norm_equals_torch_and_adds_the_residual_first(dtype, bias):
-    """Starcoder2's norms are torch's LayerNorm, after HF's residual add in the input dtype."""
+def test_layer_norm_equals_torch(dtype, bias):
+    """Starcoder2's and StableLM's norms are torch's LayerNorm."""
     torch.manual_seed(0)
     reference = torch.nn.LayerNorm(64, eps=1e-5, bias=bias)
     with torch.no_grad():
@@ -48,12 +54,7 @@ def test_layer_norm_equals_torch_and_adds_the_residual_first(dtype, bias):
     norm.weight.data = reference.weight.data.clone()
     if bias:
         norm.bias.data = reference.bias.data.clone()
-    x, residual = torch.randn(2, 5, 64, dtype=dtype), torch.randn(2, 5, 64, dtype=dtype)
-    with torch.no_grad():
-        assert torch.equal(norm(x), reference(x))
-        normed, summed = norm(x, residual)
-        assert torch.equal(summed, residual + x)
-        assert torch.equal(normed, reference(residual + x))
+    assert_norms_alike(norm, reference, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
