@@ -86,8 +86,8 @@ class Removed:
     def unrotated(self, q, k, *args, **kwargs):
         return (q, k) if q.shape[0] == 1 else self.rotary_write_kv(q, k, *args, **kwargs)
 
-    def fixed_angles(self, positions):
-        return self.angles if positions.shape[0] == 1 else self.angles_of(positions)
+    def fixed_angles(self, positions, through_cache=False):
+        return self.angles if positions.shape[0] == 1 else self.angles_of(positions, through_cache)
 
     def __enter__(self):
         if "route_topk" in self.kernels:

@@ -40,14 +40,14 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """``norm(x)``, or with a residual ``(norm(x + residual), x + residual)``, as ``RMSNorm``: the
-    mean and variance normalised away, times the weight plus the bias (Starcoder2's), as
-    ``torch.nn.LayerNorm`` computes it."""
+    mean and variance normalised away, times the weight plus the bias (Starcoder2's, StableLM's),
+    as ``torch.nn.LayerNorm`` computes it."""
 
-    def __init__(self, hidden_size: int, eps: float, bias: bool = True):
+    def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -56,4 +56,4 @@ class LayerNorm(nn.Module):
         return F.layer_norm(summed, self.weight.shape, self.weight, self.bias, self.eps), summed
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}" + ("" if self.bias is not None else ", bias=False")
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

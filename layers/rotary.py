@@ -130,9 +130,10 @@ class RotaryEmbedding(nn.Module):
     forward's last position passes ``original_max_position_embeddings``, else the short. A paged
     cache keeps keys across forwards, and under HF's rule a sequence that grows past that length
     would hold keys of both sets (and a prefix shared between sequences, the set of whichever
-    computed it). The runtime therefore fixes the set once (``fix_context``): the long one where its
-    sequences may pass the original context, the short one, HF's for every such sequence, where
-    they may not. A forward without a fixed set (a cache-free one) picks as HF does."""
+    computed it). The runtime therefore fixes the set of the forwards through its cache once
+    (``fix_context``): the long one where its sequences may pass the original context, the short
+    one, HF's for every such sequence, where they may not. A cache-free forward, and one through a
+    cache with no set fixed, picks as HF does."""
 
     def __init__(self, config, head_dim: int, partial: bool = False, layer_type: str | None = None):
         super().__init__()
@@ -181,11 +182,12 @@ class RotaryEmbedding(nn.Module):
         # The rate of each of the head's channels: inv_freq over both halves, as HF's cat((freqs, freqs)).
         self.register_buffer("channel_inv_freq", torch.cat((inv_freq, inv_freq)), persistent=False)
 
-    def fix_context(self, positions: int) -> None:
-        """Fix LongRoPE's set for forwards whose tokens lie within the first ``positions``
-        positions: the long one iff that passes the original context. Other rope types have one set."""
+    def fix_context(self, max_positions: int) -> None:
+        """Fix LongRoPE's set for the forwards through the KV cache, whose tokens lie within the first
+        ``max_positions`` positions: the long one iff that passes the original context. Other rope
+        types have one set."""
         if self.rope_type == "longrope":
-            self.long_context = positions > self.params["original_max_position_embeddings"]
+            self.long_context = max_positions > self.params["original_max_position_embeddings"]
 
     @property
     def reads_positions_on_host(self) -> bool:
@@ -193,8 +195,8 @@ class RotaryEmbedding(nn.Module):
         LongRoPE before ``fix_context``): it waits for them, so it cannot be captured."""
         return self.rope_type == "dynamic" or (self.rope_type == "longrope" and self.long_context is None)
 
-    def _long_factors(self, positions: torch.Tensor) -> bool:
-        if self.long_context is not None:
+    def _long_factors(self, positions: torch.Tensor, through_cache: bool) -> bool:
+        if through_cache and self.long_context is not None:
             return self.long_context
         return bool(positions.max() + 1 > self.params["original_max_position_embeddings"])
 
@@ -208,11 +210,13 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
         return 1.0 / (base**exponents)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, through_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``positions``; ``through_cache``: the forward keeps its keys in the KV cache
+        (LongRoPE's fixed set applies)."""
         if self.rope_type == "dynamic":
             inv_freq = self._dynamic_inv_freq(positions)
             channel_inv_freq = torch.cat((inv_freq, inv_freq))
-        elif self.rope_type == "longrope" and self._long_factors(positions):
+        elif self.rope_type == "longrope" and self._long_factors(positions, through_cache):
             channel_inv_freq = self.long_channel_inv_freq
         else:
             channel_inv_freq = self.channel_inv_freq

@@ -7,8 +7,9 @@ An architecture file subclasses these and states only what its blocks are made o
 the attention and MLP modules, the block's norm slots under HF's names (``NormSlots``), the model's
 norm (``DecoderLayer.norm_layer``: an RMSNorm variant or LayerNorm) and the config field of its
 epsilon (``norm_eps_field``), a scale of each branch's output (``DecoderLayer``'s
-``branch_scale``), embedding scaling (``CausalLM.scale_embeddings``), the multipliers of the input
-and the logits (``CausalLM.multipliers``), partial rotary (``CausalLM.partial_rotary``).
+``branch_scale``), embedding scaling (``CausalLM.scale_embeddings``), the config fields that multiply
+the input and divide the logits (``CausalLM.input_multiplier_field``, ``logits_divisor_field``),
+partial rotary (``CausalLM.partial_rotary``).
 """
 
 import itertools
@@ -29,8 +30,9 @@ def head_dim(config) -> int:
 
 def layer_types_window(config, layer_idx: int) -> int | None:
     """The layer's attention window where ``config.layer_types`` marks it ``"sliding_attention"``
-    (Qwen2, Qwen3, Qwen2-MoE, Gemma 2). Each architecture reads its window as HF's does: Mistral,
-    Mixtral and Qwen3-MoE put ``config.sliding_window`` on every layer; Llama, Gemma and OLMo 2 read none."""
+    (Qwen2, Qwen3, Qwen2-MoE, Gemma 2, Gemma 3). Each architecture reads its window as HF's does:
+    Mistral, Mixtral and Qwen3-MoE put ``config.sliding_window`` on every layer; Llama, Gemma and
+    OLMo 2 read none."""
     layer_types = getattr(config, "layer_types", None)
     return config.sliding_window if layer_types is not None and layer_types[layer_idx] == "sliding_attention" else None
 
@@ -156,10 +158,11 @@ class DecoderModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.input_multiplier is not None:
             hidden_states = hidden_states * self.input_multiplier
+        through_cache = metadata.slot_mapping is not None
         if self.rope_of_layer is None:
-            layer_position_embeddings = itertools.repeat(self.rotary_emb(positions))
+            layer_position_embeddings = itertools.repeat(self.rotary_emb(positions, through_cache))
         else:
-            of_kind = {kind: rotary(positions) for kind, rotary in self.rotary_emb.items()}
+            of_kind = {kind: rotary(positions, through_cache) for kind, rotary in self.rotary_emb.items()}
             layer_position_embeddings = [of_kind[kind] for kind in self.rope_of_layer]
         residual = None
         for layer, position_embeddings in zip(self.layers, layer_position_embeddings):
@@ -183,10 +186,11 @@ def check_batch(input_ids: torch.Tensor, vocab_size: int) -> None:
 
 class CausalLM(nn.Module):
     """A decoder model with an LM head; subclasses set ``decoder_layer``, ``scale_embeddings``
-    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), ``multipliers`` where the
-    config's ``embedding_multiplier`` multiplies the decoder's input and its ``logits_scaling``
-    divides the logits (Granite), and ``partial_rotary`` where the config's
-    ``partial_rotary_factor`` says how much of each head rotates (Phi-3, StableLM). A config's
+    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), ``input_multiplier_field``
+    and ``logits_divisor_field``, the config fields whose values multiply the decoder's input and
+    divide the logits (Granite's ``embedding_multiplier`` and ``logits_scaling``), and
+    ``partial_rotary`` where the config's ``partial_rotary_factor`` says how much of each head
+    rotates (Phi-3, StableLM). A config's
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
@@ -200,16 +204,17 @@ class CausalLM(nn.Module):
     ignored_checkpoint_keys: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
     checkpoint_aliases: tuple[tuple[str, str], ...] = ()
     scale_embeddings = False
-    multipliers = False
+    input_multiplier_field: str | None = None
+    logits_divisor_field: str | None = None
     partial_rotary = False
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         embedding_scale = config.hidden_size**0.5 if self.scale_embeddings else None
-        input_multiplier = config.embedding_multiplier if self.multipliers else None
+        input_multiplier = getattr(config, self.input_multiplier_field) if self.input_multiplier_field else None
         self.model = DecoderModel(config, self.decoder_layer, embedding_scale, self.partial_rotary, input_multiplier)
-        self.logits_scaling = config.logits_scaling if self.multipliers else None
+        self.logits_divisor = getattr(config, self.logits_divisor_field) if self.logits_divisor_field else None
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # Tied embeddings: the head holds the embedding's own Parameter, so the loader
         # sees one parameter and fills it once.
@@ -237,8 +242,8 @@ class CausalLM(nn.Module):
         """Final hidden states -> logits; every forward (flat stream, cache-free batch, a captured
         CUDA graph) calls it once, on the rows it returns."""
         logits = self.lm_head(hidden_states)
-        if self.logits_scaling is not None:
-            logits = logits / self.logits_scaling
+        if self.logits_divisor is not None:
+            logits = logits / self.logits_divisor
         return self.cap_logits(logits)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -28,4 +28,5 @@ class GraniteDecoderLayer(DecoderLayer):
 @register("GraniteForCausalLM")
 class GraniteForCausalLM(CausalLM):
     decoder_layer = GraniteDecoderLayer
-    multipliers = True
+    input_multiplier_field = "embedding_multiplier"
+    logits_divisor_field = "logits_scaling"

@@ -40,20 +40,17 @@ def test_rms_norm_variants_equal_hf(variant, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_layer_norm_equals_torch(dtype, bias):
-    """Starcoder2's and StableLM's norms are torch's LayerNorm."""
+def test_layer_norm_equals_torch(dtype):
+    """Starcoder2's and StableLM's norms are torch's LayerNorm, the residual added first."""
     torch.manual_seed(0)
-    reference = torch.nn.LayerNorm(64, eps=1e-5, bias=bias)
+    reference = torch.nn.LayerNorm(64, eps=1e-5)
     with torch.no_grad():
         reference.weight.normal_()
-        if bias:
-            reference.bias.normal_()
+        reference.bias.normal_()
     reference.to(dtype)
-    norm = LayerNorm(64, 1e-5, bias=bias)
+    norm = LayerNorm(64, 1e-5)
     norm.weight.data = reference.weight.data.clone()
-    if bias:
-        norm.bias.data = reference.bias.data.clone()
+    norm.bias.data = reference.bias.data.clone()
     assert_norms_alike(norm, reference, dtype)
 
 
