@@ -107,9 +107,9 @@ UNBOUNDED_FIELDS = ("max_position_embeddings",)  # sizes the KV cache, which the
 # factor makes NaN or Inf, a soft-cap divides by zero, Gemma 2's score scale (a square root) is complex,
 # DeepSeek's routing scale silences or inverts the routed experts, and Granite's multipliers the input,
 # the scores or the branches (its logits_scaling divides by zero).
-POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "query_pre_attn_scalar", "attn_logit_softcapping",
-                   "final_logit_softcapping", "routed_scaling_factor", "embedding_multiplier", "attention_multiplier",
-                   "residual_multiplier", "logits_scaling")
+POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "query_pre_attn_scalar",
+                   "attn_logit_softcapping", "final_logit_softcapping", "routed_scaling_factor",
+                   "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 # The same of the rope settings that layers/rotary.py reads (``layers.rope_parameters``); YaRN's betas
 # and mscales at zero mean their defaults, so they are finite and non-negative.
 POSITIVE_ROPE_FIELDS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",

@@ -12,11 +12,11 @@ from models.modeling_gemma import GemmaRMSNorm
 
 
 class Gemma2Attention(Attention):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, **options):
         bias = config.attention_bias
         super().__init__(
             **attention_shape(config, layer_types_window(config, layer_idx)), qkv_bias=bias, o_bias=bias,
-            scale=config.query_pre_attn_scalar**-0.5, logit_softcap=config.attn_logit_softcapping,
+            scale=config.query_pre_attn_scalar**-0.5, logit_softcap=config.attn_logit_softcapping, **options,
         )
 
 

@@ -7,21 +7,17 @@ and the full layers (bases 10,000 and 1,000,000; linear scaling on the full ones
     x -> RMSNorm -> attn (q/k RMSNorm per head) -> RMSNorm -> + x -> RMSNorm -> MLP -> RMSNorm -> +
 """
 
-from layers import Attention
 from models.auto import register
-from models.base import CausalLM, DecoderLayer, attention_shape, layer_types_window
+from models.base import CausalLM, DecoderLayer
 from models.modeling_gemma import GemmaRMSNorm, refuse_bidirectional
-from models.modeling_gemma2 import Gemma2DecoderLayer, Gemma2MLP
+from models.modeling_gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2MLP
 
 
-class Gemma3Attention(Attention):
+class Gemma3Attention(Gemma2Attention):
+    """Gemma 2's attention with Gemma's RMSNorm on each head of q and k."""
+
     def __init__(self, config, layer_idx: int):
-        bias = config.attention_bias
-        super().__init__(
-            **attention_shape(config, layer_types_window(config, layer_idx)), qkv_bias=bias, o_bias=bias,
-            scale=config.query_pre_attn_scalar**-0.5, logit_softcap=config.attn_logit_softcapping,
-            qk_norm_eps=config.rms_norm_eps, rms_norm=GemmaRMSNorm,
-        )
+        super().__init__(config, layer_idx, qk_norm_eps=config.rms_norm_eps, rms_norm=GemmaRMSNorm)
 
 
 class Gemma3DecoderLayer(DecoderLayer):
