@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's lo
 
 The variants are the tiny random checkpoints of tests/models/test_parity.py, those of tests/models/test_moe.py
 in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts), and those of
-tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2), and
+tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2), those of
+tests/models/test_glm4_moe.py (GLM-4.5, with a non-zero score correction bias, in both layouts), and
 those of tests/models/test_llava.py (LLaVA 1.5 and LLaVA-NeXT, images of odd sizes through transformers' processors).
 """
 
@@ -22,6 +23,7 @@ from models import AutoModelForCausalLM, architecture_of  # noqa: E402
 from runtime.diff import load_reference, tokenize  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
 from tests.models.test_deepseek_v3 import V2_VARIANTS, VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model  # noqa: E402
+from tests.models.test_glm4_moe import VARIANTS as GLM4_MOE_VARIANTS  # noqa: E402
 from tests.models.test_llava import (  # noqa: E402
     IMAGE_SIZES, NEXT_PROMPTS, NEXT_VARIANTS, VARIANTS as LLAVA_VARIANTS, hf_llava, inputs, tiny_tokenizer,
 )
@@ -46,8 +48,10 @@ def main():
         with tempfile.TemporaryDirectory() as directory:
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
         print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits), flush=True)
-    for name, config in MOE_VARIANTS.items():
-        reference = hf_model(config)
+    moe = [(name, config, hf_model) for name, config in MOE_VARIANTS.items()]
+    moe += [(f"glm4_moe-{name}", config, deepseek_hf_model) for name, config in GLM4_MOE_VARIANTS.items()]
+    for name, config, make_reference in moe:
+        reference = make_reference(config)
         for layout in LAYOUTS:
             with tempfile.TemporaryDirectory() as directory:
                 path = write_checkpoint(reference, Path(directory) / layout, layout)

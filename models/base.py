@@ -194,7 +194,10 @@ class CausalLM(nn.Module):
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
-    any other tensor the model has no place for is a loading error. ``checkpoint_aliases`` are
+    any other tensor the model has no place for is a loading error. ``prediction_layers_field`` names
+    the config field counting the multi-token-prediction layers checkpoints carry past
+    ``num_hidden_layers`` (DeepSeek-V3's, GLM-4.5's): generation does not use them, and their
+    tensors are ignored. ``checkpoint_aliases`` are
     ``(regex, replacement)`` rewrites from the model's tensor names (HF transformers 5's module
     tree) to another spelling its checkpoints use, e.g. Mixtral's ``block_sparse_moe.experts.{e}.w1``
     for ``mlp.experts.{e}.gate_proj``; the loader accepts either spelling.
@@ -207,10 +210,15 @@ class CausalLM(nn.Module):
     input_multiplier_field: str | None = None
     logits_divisor_field: str | None = None
     partial_rotary = False
+    prediction_layers_field: str | None = None
 
     def __init__(self, config):
         super().__init__()
         self.config = config
+        if self.prediction_layers_field and (count := getattr(config, self.prediction_layers_field)):
+            first = config.num_hidden_layers
+            skipped = "|".join(str(i) for i in range(first, first + count))
+            self.ignored_checkpoint_keys = (*self.ignored_checkpoint_keys, rf"^model\.layers\.({skipped})\.")
         embedding_scale = config.hidden_size**0.5 if self.scale_embeddings else None
         input_multiplier = getattr(config, self.input_multiplier_field) if self.input_multiplier_field else None
         self.model = DecoderModel(config, self.decoder_layer, embedding_scale, self.partial_rotary, input_multiplier)

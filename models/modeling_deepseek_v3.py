@@ -64,14 +64,7 @@ class DeepseekV3DecoderLayer(DecoderLayer):
 @register("DeepseekV3ForCausalLM")
 class DeepseekV3ForCausalLM(CausalLM):
     decoder_layer = DeepseekV3DecoderLayer
-
-    def __init__(self, config):
-        super().__init__(config)
-        mtp_layers = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
-        if mtp_layers:
-            self.ignored_checkpoint_keys = (
-                *CausalLM.ignored_checkpoint_keys, rf"^model\.layers\.({'|'.join(map(str, mtp_layers))})\."
-            )
+    prediction_layers_field = "num_nextn_predict_layers"
 
 
 class DeepseekV2MoE(SparseMoE):

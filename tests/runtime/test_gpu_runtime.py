@@ -47,6 +47,11 @@ AGREEING = {
     # three sliding layers, then a full one with its own rope; q/k norms per head in the KV-write kernel
     "gemma3": tiny_config("gemma3_text", **SMALL, head_dim=64, sliding_window=48,
                           layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    # GLM-4.5's layout: rotary on half of each head, q/k/v bias and per-head q/k norms in the KV-write kernel,
+    # a dense first layer, then DeepSeek's grouped sigmoid routing with a shared expert
+    "glm4_moe": tiny_config("glm4_moe", **SMALL, head_dim=64, attention_bias=True, use_qk_norm=True,
+                            n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                            moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1),
 }
 
 
@@ -119,6 +124,7 @@ GRAPHED = {
     "stablelm": AGREEING["stablelm"],
     "gemma3": AGREEING["gemma3"],
     "phi3-longrope": AGREEING["phi3-longrope"],  # the long factors fixed by max_model_len 512: capturable
+    "glm4_moe": AGREEING["glm4_moe"],
 }
 
 

@@ -1,0 +1,121 @@
+"""GLM-4.5 (Glm4MoeForCausalLM) against HuggingFace, float32 on CPU: logits from checkpoints with experts
+per expert (as hub repos ship them) and stacked (transformers 5's layout), its multi-token-prediction
+layer skipped on load, greedy generation through the runtime and the layer-by-layer diff."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import AutoModelForCausalLM
+from runtime import LLM
+from runtime.diff import diff_checkpoint
+from tests.conftest import relative_error, tiny_config
+from tests.models.test_deepseek_v3 import deepseek_hf_model
+from tests.models.test_moe import LAYOUTS, write_checkpoint
+from tests.models.test_parity import TOLERANCE, assert_matches
+from tests.runtime.test_runtime import GREEDY
+from tests.runtime.test_runtime import prompts as runtime_prompts
+
+GLM4_MOE = dict(
+    head_dim=16, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=16,
+    n_shared_experts=2, first_k_dense_replace=1, num_hidden_layers=3, routed_scaling_factor=2.5,
+    attention_bias=True, use_qk_norm=True, norm_topk_prob=True, eos_token_id=2,
+)
+
+
+def glm4_moe_config(**overrides):
+    return tiny_config("glm4_moe", **{**GLM4_MOE, **overrides})
+
+
+VARIANTS = {
+    # GLM-4.5's layout: rotary on half of each head, q/k/v bias, q/k norms, a dense first layer, grouped routing
+    "qk_norm-bias-groups": glm4_moe_config(),
+    "no_qk_norm-no_bias-one_group-no_norm_topk": glm4_moe_config(
+        use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1, norm_topk_prob=False,
+    ),
+    "full_rotary-all_sparse-tied": glm4_moe_config(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+        first_k_dense_replace=0, tie_word_embeddings=True,
+    ),
+}
+
+
+@pytest.fixture
+def make_glm4_moe(tmp_path):
+    """A checkpoint of HF's model with a non-zero score correction bias (deepseek_hf_model's)."""
+
+    def make(config, layout="per_expert"):
+        model = deepseek_hf_model(config)
+        return write_checkpoint(model, tmp_path / layout, layout), model
+
+    return make
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_huggingface(variant, layout, make_glm4_moe, input_ids):
+    path, reference = make_glm4_moe(VARIANTS[variant], layout)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+    ("routed_scaling_factor", 1.0),
+    ("first_k_dense_replace", 0),
+])
+def test_declarations_are_visible_in_the_logits(field, value, make_glm4_moe, input_ids):
+    """Each setting moves the logits far past the tolerance: dropping one is caught. (A model that
+    skipped the q/k norms or the biases would find their tensors unexpected.)"""
+    config = VARIANTS["qk_norm-bias-groups"]
+    if field == "first_k_dense_replace":  # a dense first layer has an MLP of its own; start from all sparse
+        config = glm4_moe_config(first_k_dense_replace=0)
+        value = 1
+    path, reference = make_glm4_moe(config)
+    fields = json.loads((path / "config.json").read_text())
+    fields[field] = value
+    (path / "config.json").write_text(json.dumps(fields))
+    if field == "first_k_dense_replace":  # the dense MLP's tensors in place of layer 0's experts
+        tensors = {name: t for name, t in load_file(path / "model.safetensors").items()
+                   if not name.startswith("model.layers.0.mlp.")}
+        generator = torch.Generator().manual_seed(1)
+        for name, shape in (("gate_proj", (112, 64)), ("up_proj", (112, 64)), ("down_proj", (64, 112))):
+            tensors[f"model.layers.0.mlp.{name}.weight"] = torch.randn(shape, generator=generator) * 0.02
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
+
+
+def test_the_prediction_layer_in_the_checkpoint_is_skipped(make_glm4_moe, input_ids):
+    """GLM-4.5's checkpoints carry ``num_nextn_predict_layers`` (1) layers past ``num_hidden_layers``."""
+    path, reference = make_glm4_moe(VARIANTS["qk_norm-bias-groups"])
+    tensors = load_file(path / "model.safetensors")
+    extra = {name.replace("model.layers.2.", "model.layers.3."): t.clone()
+             for name, t in tensors.items() if name.startswith("model.layers.2.")}
+    extra.update({"model.layers.3.enorm.weight": torch.ones(64), "model.layers.3.eh_proj.weight": torch.ones(64, 128)})
+    save_file({**tensors, **extra}, path / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+    fields = json.loads((path / "config.json").read_text())
+    fields["num_nextn_predict_layers"] = 0  # then layer 3's tensors have no place in the model
+    (path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=r"model\.layers\.3\."):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_greedy_matches_hf_generate_and_diff_rows_agree(make_glm4_moe, input_ids):
+    path, reference = make_glm4_moe(VARIANTS["qk_norm-bias-groups"])
+    batch = runtime_prompts(4, seed=0, low=1, high=40)
+    outputs = LLM(str(path), device="cpu", block_size=4).generate(batch, GREEDY, use_tqdm=False)
+    for prompt, output in zip(batch, outputs):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert output.token_ids == expected.tolist()
+    rows = diff_checkpoint(path, input_ids=input_ids[:1, :11], runtime_steps=2)
+    assert {row.path.partition("/")[0] for row in rows} == {"prefill", "decode 1", "decode 2"}
+    assert all(row.ok for row in rows)
