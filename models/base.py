@@ -215,7 +215,7 @@ class CausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        if self.prediction_layers_field and (count := getattr(config, self.prediction_layers_field)):
+        if self.prediction_layers_field and (count := getattr(config, self.prediction_layers_field, 0)):
             first = config.num_hidden_layers
             skipped = "|".join(str(i) for i in range(first, first + count))
             self.ignored_checkpoint_keys = (*self.ignored_checkpoint_keys, rf"^model\.layers\.({skipped})\.")

@@ -1,6 +1,7 @@
-"""GLM-4.5 (Glm4MoeForCausalLM) against HuggingFace, float32 on CPU: logits from checkpoints with experts
-per expert (as hub repos ship them) and stacked (transformers 5's layout), its multi-token-prediction
-layer skipped on load, greedy generation through the runtime and the layer-by-layer diff."""
+"""GLM-4.5 (Glm4MoeForCausalLM) and GLM-4.7-Flash (Glm4MoeLiteForCausalLM) against HuggingFace, float32 on
+CPU: logits from checkpoints with experts per expert (as hub repos ship them) and stacked (transformers 5's
+layout), the multi-token-prediction layer skipped on load, greedy generation through the runtime and the
+layer-by-layer diff."""
 
 import json
 
@@ -12,7 +13,8 @@ from models import AutoModelForCausalLM
 from runtime import LLM
 from runtime.diff import diff_checkpoint
 from tests.conftest import relative_error, tiny_config
-from tests.models.test_deepseek_v3 import deepseek_hf_model
+from loaders import CheckpointError
+from tests.models.test_deepseek_v3 import DEEPSEEK, deepseek_hf_model
 from tests.models.test_moe import LAYOUTS, write_checkpoint
 from tests.models.test_parity import TOLERANCE, assert_matches
 from tests.runtime.test_runtime import GREEDY
@@ -40,6 +42,16 @@ VARIANTS = {
         first_k_dense_replace=0, tie_word_embeddings=True,
     ),
 }
+
+
+# GLM-4.7-Flash: DeepSeek-V3's latent attention and MoE, each layer's MLP kind from mlp_layer_types
+LITE = {name: value for name, value in DEEPSEEK.items() if name != "first_k_dense_replace"}
+LITE_VARIANTS = {
+    "lite-dense_first": tiny_config("glm4_moe_lite", **LITE, mlp_layer_types=["dense", "sparse", "sparse"]),
+    "lite-dense_between-no_q_lora": tiny_config("glm4_moe_lite", **{**LITE, "q_lora_rank": None},
+                                                mlp_layer_types=["sparse", "dense", "sparse"]),
+}
+VARIANTS.update(LITE_VARIANTS)
 
 
 @pytest.fixture
@@ -75,9 +87,7 @@ def test_declarations_are_visible_in_the_logits(field, value, make_glm4_moe, inp
         config = glm4_moe_config(first_k_dense_replace=0)
         value = 1
     path, reference = make_glm4_moe(config)
-    fields = json.loads((path / "config.json").read_text())
-    fields[field] = value
-    (path / "config.json").write_text(json.dumps(fields))
+    set_config_field(path, field, value)
     if field == "first_k_dense_replace":  # the dense MLP's tensors in place of layer 0's experts
         tensors = {name: t for name, t in load_file(path / "model.safetensors").items()
                    if not name.startswith("model.layers.0.mlp.")}
@@ -90,27 +100,41 @@ def test_declarations_are_visible_in_the_logits(field, value, make_glm4_moe, inp
         assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
 
 
-def test_the_prediction_layer_in_the_checkpoint_is_skipped(make_glm4_moe, input_ids):
-    """GLM-4.5's checkpoints carry ``num_nextn_predict_layers`` (1) layers past ``num_hidden_layers``."""
-    path, reference = make_glm4_moe(VARIANTS["qk_norm-bias-groups"])
+def set_config_field(path, field, value):
+    fields = json.loads((path / "config.json").read_text())
+    fields[field] = value
+    (path / "config.json").write_text(json.dumps(fields))
+
+
+@pytest.mark.parametrize("variant", ["qk_norm-bias-groups", "lite-dense_first"])
+def test_the_prediction_layer_in_the_checkpoint_is_skipped(variant, make_glm4_moe, input_ids):
+    """GLM's checkpoints carry ``num_nextn_predict_layers`` (1) layers past ``num_hidden_layers``: a
+    field of GLM-4.5's config class, an extra field of GLM-4.7-Flash's config.json."""
+    path, reference = make_glm4_moe(VARIANTS[variant])
     tensors = load_file(path / "model.safetensors")
     extra = {name.replace("model.layers.2.", "model.layers.3."): t.clone()
              for name, t in tensors.items() if name.startswith("model.layers.2.")}
     extra.update({"model.layers.3.enorm.weight": torch.ones(64), "model.layers.3.eh_proj.weight": torch.ones(64, 128)})
     save_file({**tensors, **extra}, path / "model.safetensors", metadata={"format": "pt"})
-    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    set_config_field(path, "num_nextn_predict_layers", 1)
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         assert_matches(model(input_ids), reference(input_ids).logits)
-    fields = json.loads((path / "config.json").read_text())
-    fields["num_nextn_predict_layers"] = 0  # then layer 3's tensors have no place in the model
-    (path / "config.json").write_text(json.dumps(fields))
+    set_config_field(path, "num_nextn_predict_layers", 0)  # then layer 3's tensors have no place in the model
     with pytest.raises(ValueError, match=r"model\.layers\.3\."):
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_greedy_matches_hf_generate_and_diff_rows_agree(make_glm4_moe, input_ids):
-    path, reference = make_glm4_moe(VARIANTS["qk_norm-bias-groups"])
+def test_mlp_layer_types_zoo_cannot_build_are_named(make_glm4_moe):
+    path, _ = make_glm4_moe(LITE_VARIANTS["lite-dense_first"])
+    set_config_field(path, "mlp_layer_types", ["dense", "sparse", "moe"])
+    with pytest.raises(CheckpointError, match=r"mlp_layer_types must name one of \('dense', 'sparse'\) for each of the 3"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("variant", ["qk_norm-bias-groups", "lite-dense_between-no_q_lora"])
+def test_greedy_matches_hf_generate_and_diff_rows_agree(variant, make_glm4_moe, input_ids):
+    path, reference = make_glm4_moe(VARIANTS[variant])
     batch = runtime_prompts(4, seed=0, low=1, high=40)
     outputs = LLM(str(path), device="cpu", block_size=4).generate(batch, GREEDY, use_tqdm=False)
     for prompt, output in zip(batch, outputs):

@@ -52,6 +52,11 @@ AGREEING = {
     "glm4_moe": tiny_config("glm4_moe", **SMALL, head_dim=64, attention_bias=True, use_qk_norm=True,
                             n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
                             moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1),
+    # GLM-4.7-Flash's latent attention shapes (192 + 64 query/key channels, values of 256, a latent of 512),
+    # its MLP kinds by mlp_layer_types
+    "glm4_moe_lite": tiny_config("glm4_moe_lite", **SMALL, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=192,
+                                 qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=256, mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
 }
 
 
@@ -125,6 +130,7 @@ GRAPHED = {
     "gemma3": AGREEING["gemma3"],
     "phi3-longrope": AGREEING["phi3-longrope"],  # the long factors fixed by max_model_len 512: capturable
     "glm4_moe": AGREEING["glm4_moe"],
+    "glm4_moe_lite": AGREEING["glm4_moe_lite"],
 }
 
 
