@@ -1,5 +1,6 @@
 """Llama, and the checkpoints that share its block: Mistral (``config.sliding_window`` on every layer),
-Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks) and Phi-3 (Mistral's block;
+Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks), Seed-OSS (o_proj's bias a setting
+of its own) and Phi-3 (Mistral's block;
 its checkpoints hold q/k/v and gate/up stacked, as ``qkv_proj`` and ``gate_up_proj``, which the
 fused layers read whole; its ``partial_rotary_factor`` rotates the first channels of each head).
 
@@ -65,3 +66,20 @@ class Qwen2DecoderLayer(DecoderLayer):
 @register("Qwen2ForCausalLM")
 class Qwen2ForCausalLM(CausalLM):
     decoder_layer = Qwen2DecoderLayer
+
+
+class SeedOssAttention(Attention):
+    """Llama attention with q/k/v bias where ``attention_bias`` and an o_proj bias where ``attention_out_bias``."""
+
+    def __init__(self, config):
+        super().__init__(**attention_shape(config), qkv_bias=config.attention_bias, o_bias=config.attention_out_bias)
+
+
+class SeedOssDecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, SeedOssAttention(config), LlamaMLP(config))
+
+
+@register("SeedOssForCausalLM")
+class SeedOssForCausalLM(CausalLM):
+    decoder_layer = SeedOssDecoderLayer

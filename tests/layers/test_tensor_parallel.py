@@ -35,6 +35,7 @@ VARIANTS = {
     "phi3": PARITY["phi3"],  # q/k/v and gate/up stacked in the checkpoint: each rank reads its rows of each
     "granite": PARITY["granite"],  # each branch scaled after its all-reduce
     "stablelm": PARITY["stablelm"],  # LayerNorm replicated, partial rotary
+    "seed_oss": PARITY["seed_oss-out_bias-mlp_bias-tied"],  # o_proj's and down_proj's biases added once
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

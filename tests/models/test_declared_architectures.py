@@ -1,4 +1,4 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, Granite, Starcoder2 and StableLM, brought up as declarations of the shared
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, Granite, Starcoder2, StableLM and Seed-OSS, brought up as declarations of the shared
 layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within
 tolerance, and each forward path computing its logits once."""
 
@@ -26,6 +26,7 @@ BLOCK_NORMS = {
     "granite": ["input_layernorm", "post_attention_layernorm"],
     "starcoder2": ["input_layernorm", "post_attention_layernorm"],
     "stablelm": ["input_layernorm", "post_attention_layernorm"],
+    "seed_oss": ["input_layernorm", "post_attention_layernorm"],
 }
 NORM_PARAMETERS = {"starcoder2": ["weight", "bias"], "stablelm": ["weight", "bias"]}  # LayerNorm's; RMSNorm: a weight
 

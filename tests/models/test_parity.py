@@ -15,6 +15,7 @@ TOLERANCE = 1e-5
 PHI3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 STARCODER2_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (50256) lie outside this vocabulary
 STABLELM_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (0) are ids HF's init leaves no special role
+SEED_OSS_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def partial_rope(factor: float) -> dict:
@@ -104,6 +105,10 @@ VARIANTS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
     ),
+    # Seed-OSS: q/k/v bias by default, o_proj's and the MLP's biases settings of their own
+    "seed_oss": tiny_config("seed_oss", head_dim=16, **SEED_OSS_IDS),
+    "seed_oss-out_bias-mlp_bias-tied": tiny_config("seed_oss", attention_bias=False, attention_out_bias=True,
+                                                   mlp_bias=True, tie_word_embeddings=True, **SEED_OSS_IDS),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),
