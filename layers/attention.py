@@ -282,7 +282,9 @@ class Attention(nn.Module):
     ``head_dim**-0.5``); ``qk_norm_eps`` adds RMSNorm on q and k before rotary, per head (Qwen3) or,
     with ``qk_norm_per_head`` False, over the whole projection (OLMo 2), built by ``rms_norm`` (the
     model's RMSNorm variant); ``sliding_window`` limits how far back a token looks (Mistral);
-    ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``).
+    ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``); ``rotary`` False makes a layer
+    without position embedding (NoPE, SmolLM3's): it rotates none of q's and k's channels, handing
+    the rotary ops zero-width cos/sin, so the KV-cache write stays in ``rotary_write_kv``.
     """
 
     capturable = True  # the Triton backend's paged ops read nothing on the host (see CausalLM.capturable)
@@ -301,6 +303,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         scale: float | None = None,
         logit_softcap: float | None = None,
+        rotary: bool = True,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -308,6 +311,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.rotary = rotary
         self.score_modifiers = ScoreModifiers(softcap=logit_softcap or 0.0)
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(
@@ -349,6 +353,8 @@ class Attention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         cos, sin = position_embeddings
+        if not self.rotary:
+            cos, sin = cos[:, :0], sin[:, :0]
         if metadata.slot_mapping is None:  # cache-free: nothing to write
             if self.q_norm is not None and self.qk_norm_per_head:
                 q, k = self.q_norm(q), self.k_norm(k)

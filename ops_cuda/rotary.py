@@ -1,5 +1,6 @@
 """Rotary position embedding applied to query and key heads: neox (rotate-half) or interleaved
-layout, over all of head_dim or its first rotary_dim channels (partial rotary)."""
+layout, over all of head_dim, its first rotary_dim channels (partial rotary) or none (a NoPE layer's
+zero-width cos/sin: q and k pass through)."""
 
 import torch
 
@@ -43,7 +44,8 @@ def apply_rotary_reference(
 
     cos/sin are [N, rotary_dim] (float32) in the layout ``layers.RotaryEmbedding`` produces:
     ``cos(cat(freqs, freqs))``, the per-pair angles duplicated in both halves. rotary_dim < D is
-    partial rotary: the first rotary_dim channels of each head rotate, the rest pass through.
+    partial rotary: the first rotary_dim channels of each head rotate, the rest pass through (all of
+    them at rotary_dim 0, a NoPE layer's).
 
     ``interleaved=False`` (Llama, GPT-NeoX): channel i pairs with i + rotary_dim/2 (rotate-half).
     ``interleaved=True`` (DeepSeek's ``rope_interleave``): channels (2i, 2i+1) rotate together by

@@ -244,6 +244,15 @@ def _rotary_kernel(
                        BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
 
 
+def _rotary_tiles(head_dim: int, rotary_dim: int) -> tuple[int, int]:
+    """BLOCK_HALF and BLOCK_PASS of the rotary kernels: lanes for the rotated pairs and for the channels
+    past ``rotary_dim`` (0: none pass). Where no channel rotates (a NoPE layer's zero-width cos/sin),
+    one pair lane, masked off: every channel passes."""
+    block_half = triton.next_power_of_2(max(rotary_dim // 2, 1))
+    block_pass = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    return block_half, block_pass
+
+
 def apply_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,9 +261,7 @@ def apply_rotary_triton(
     q, k, cos, sin = _unit_stride(q), _unit_stride(k), _unit_stride(cos), _unit_stride(sin)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     rotary_dim = cos.shape[-1]
-    block_half = triton.next_power_of_2(rotary_dim // 2)
-    pass_dim = max(q.shape[-1], k.shape[-1]) - rotary_dim
-    block_pass = triton.next_power_of_2(pass_dim) if pass_dim else 0
+    block_half, block_pass = _rotary_tiles(max(q.shape[-1], k.shape[-1]), rotary_dim)
     # Tiles of ~1024 pairs: wide loads, no register spills, and several programs per token.
     max_heads = max(q.shape[1], k.shape[1])
     block_h = min(max(1024 // block_half, 1), triton.next_power_of_2(max_heads))
@@ -519,8 +526,7 @@ def rotary_write_kv_triton(
     v_weight = v_norm_weight.contiguous() if v_norm else v
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     head_dim, rotary_dim = q.shape[2], cos.shape[-1]
-    block_half = triton.next_power_of_2(rotary_dim // 2)
-    block_pass = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    block_half, block_pass = _rotary_tiles(head_dim, rotary_dim)
     block_d = triton.next_power_of_2(head_dim)
     # Tiles of ~2048 channels: a whole head per row (its RMS statistics), several programs per token.
     max_heads = max(q.shape[1], k.shape[1])

@@ -188,6 +188,16 @@ def test_apply_rotary_interleaved_partial_matches_hf():
     assert torch.equal(ours[1], torch.cat([rotated[1], k[..., 16:]], -1))
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+def test_apply_rotary_of_zero_channels_passes_every_channel(interleaved):
+    # A NoPE layer (SmolLM3's) hands the op zero-width cos/sin: q and k as they came, as HF's skipped rotary.
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 16), torch.randn(7, 2, 16)
+    cos, sin = rope_table(torch.arange(7) * 5, 16)
+    ours = apply_rotary(q, k, cos[:, :0], sin[:, :0], interleaved=interleaved)
+    assert torch.equal(ours[0], q) and torch.equal(ours[1], k)
+
+
 def test_apply_rotary_interleaved_scores_match_glm():
     # GLM rotates the same pairs but writes them back in place: the channels differ by a fixed
     # permutation, the attention scores q.k do not.

@@ -124,6 +124,18 @@ def test_reference_normalises_v_before_its_write():
     assert not torch.equal(v_normed, v)
 
 
+def test_reference_of_zero_channels_writes_k_as_it_came():
+    # A NoPE layer's zero-width cos/sin: q and k leave unrotated, and the cache holds k and v themselves.
+    args, _ = make_inputs(torch.float32, "no_norm", rotary_dim=0)
+    q, k, v, cos, sin, k_cache, v_cache, slots = args
+    assert cos.shape == (len(SLOTS), 0)
+    q_out, k_out = rotary_write_kv_reference(*args)
+    assert torch.equal(q_out, q) and torch.equal(k_out, k)
+    written = slots >= 0
+    for cache, values in ((k_cache, k), (v_cache, v)):
+        assert torch.equal(cache.view(-1, *values.shape[1:])[slots[written]], values[written])
+
+
 def test_bad_inputs_name_the_culprit():
     args, norm_args = make_inputs(torch.float32, "llama")
     q, k, v, cos, sin, k_cache, v_cache, slots = args
@@ -157,7 +169,7 @@ def run_interpreted(args, scales, interleaved, norm_args):
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8_cache"])
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
-@pytest.mark.parametrize("rotary_dim", [24, 16, 8], ids=["full", "partial16", "partial8"])
+@pytest.mark.parametrize("rotary_dim", [24, 16, 8, 0], ids=["full", "partial16", "partial8", "nope"])
 def test_rotary_write_kv_fp16_is_bit_equal_interpreted(rotary_dim, interleaved, norm, fp8):
     args, norm_args = make_inputs(torch.float16, norm, torch.float8_e4m3fn if fp8 else None, rotary_dim=rotary_dim)
     assert is_key_minor(args[6]) == fp8
@@ -242,6 +254,7 @@ GPU_SHAPES = {  # n, q_heads, kv_heads, head_dim, rotary_dim
     "decode_llama8b": (1, 32, 8, 128, 128), "decode_qwen3_30b": (1, 32, 4, 128, 128),
     "batch_256": (256, 32, 8, 128, 128), "prefill_4097": (4097, 16, 8, 128, 128),
     "partial_rotary": (37, 28, 4, 128, 64), "odd_head_dim": (9, 6, 2, 80, 32),
+    "nope": (37, 16, 4, 128, 0),  # SmolLM3's NoPE layers: the norm and the write, no channel rotated
 }
 
 

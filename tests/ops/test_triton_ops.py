@@ -175,7 +175,7 @@ def test_act_and_mul_interpreted(shape, activation, dtype):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", INTERPRETER_TOL)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
-@pytest.mark.parametrize("rotary_dim", [24, 16, 8], ids=["full", "partial16", "partial8"])
+@pytest.mark.parametrize("rotary_dim", [24, 16, 8, 0], ids=["full", "partial16", "partial8", "nope"])
 def test_apply_rotary_interpreted(rotary_dim, interleaved, dtype):
     torch.manual_seed(0)
     q, k, _ = qkv_views(5, 4, 2, 24, dtype)
@@ -505,7 +505,8 @@ def test_act_and_mul_gpu(shape, activation, dtype):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize(
     "n, q_heads, kv_heads, head_dim, rotary_dim",
-    [(1, 32, 8, 128, 128), (4097, 32, 8, 128, 128), (37, 28, 4, 128, 64), (5, 16, 1, 64, 64), (9, 6, 2, 80, 32)],
+    [(1, 32, 8, 128, 128), (4097, 32, 8, 128, 128), (37, 28, 4, 128, 64), (5, 16, 1, 64, 64), (9, 6, 2, 80, 32),
+     (37, 16, 4, 128, 0)],  # a NoPE layer (SmolLM3's): no channel rotates
 )
 def test_apply_rotary_gpu(n, q_heads, kv_heads, head_dim, rotary_dim, interleaved, dtype):
     # Bit-equal, not merely close: a unit off in a sixth of the bf16 outputs (a fused multiply-add
