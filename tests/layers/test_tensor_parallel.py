@@ -36,6 +36,7 @@ VARIANTS = {
     "granite": PARITY["granite"],  # each branch scaled after its all-reduce
     "stablelm": PARITY["stablelm"],  # LayerNorm replicated, partial rotary
     "seed_oss": PARITY["seed_oss-out_bias-mlp_bias-tied"],  # o_proj's and down_proj's biases added once
+    "smollm3": PARITY["smollm3-windows-mqa"],  # NoPE layers, windows, the one KV head replicated on both ranks
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

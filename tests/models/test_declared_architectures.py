@@ -1,5 +1,5 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, Granite, Starcoder2, StableLM and Seed-OSS, brought up as declarations of the shared
-layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS and SmolLM3, brought up as
+declarations of the shared layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within
 tolerance, and each forward path computing its logits once."""
 
 import json
@@ -27,6 +27,7 @@ BLOCK_NORMS = {
     "starcoder2": ["input_layernorm", "post_attention_layernorm"],
     "stablelm": ["input_layernorm", "post_attention_layernorm"],
     "seed_oss": ["input_layernorm", "post_attention_layernorm"],
+    "smollm3-windows-mqa": ["input_layernorm", "post_attention_layernorm"],
 }
 NORM_PARAMETERS = {"starcoder2": ["weight", "bias"], "stablelm": ["weight", "bias"]}  # LayerNorm's; RMSNorm: a weight
 
@@ -89,6 +90,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("stablelm", "layer_norm_eps", 1.0),
     ("gemma3", "layer_types", ["sliding_attention", "sliding_attention"]),  # layer 1's rope and window
     ("stablelm", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+    ("smollm3-windows-mqa", "no_rope_layers", [1, 1, 1, 1]),  # rotary on the NoPE layers too
+    ("smollm3-windows-mqa", "layer_types", ["full_attention"] * 4),
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""

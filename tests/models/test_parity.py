@@ -16,6 +16,7 @@ PHI3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 STARCODER2_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (50256) lie outside this vocabulary
 STABLELM_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (0) are ids HF's init leaves no special role
 SEED_OSS_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+SMOLLM3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its defaults (128000...) exceed the vocabulary
 
 
 def partial_rope(factor: float) -> dict:
@@ -95,6 +96,18 @@ VARIANTS = {
     "stablelm": tiny_config("stablelm", **STABLELM_IDS),
     "stablelm-qkv_bias-mha-tied": tiny_config("stablelm", use_qkv_bias=True, num_key_value_heads=4,
                                               tie_word_embeddings=True, **STABLELM_IDS),
+    # SmolLM3: no rotary on the layers no_rope_layers marks 0, by default the 4th; a window where
+    # layer_types marks it (with use_sliding_window, HF's config marks the NoPE layers)
+    "smollm3": tiny_config("smollm3", num_hidden_layers=4, **SMOLLM3_IDS),
+    "smollm3-no_rope_layers-bias-tied": tiny_config("smollm3", num_hidden_layers=3, no_rope_layers=[0, 1, 0],
+                                                    attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                                                    **SMOLLM3_IDS),
+    "smollm3-window": tiny_config("smollm3", num_hidden_layers=4, use_sliding_window=True, sliding_window=5,
+                                  **SMOLLM3_IDS),
+    "smollm3-windows-mqa": tiny_config(  # NoPE every 2nd layer; windows on a rotary layer and a NoPE one
+        "smollm3", num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=7,
+        layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+        num_key_value_heads=1, **SMOLLM3_IDS),
     # Gemma 3: a sliding layer and a full one, each with its own rope (the full one's linearly scaled, as
     # in the larger models), q/k norms per head
     "gemma3": tiny_config("gemma3_text", head_dim=16, layer_types=["sliding_attention", "full_attention"],
@@ -280,6 +293,19 @@ def test_a_partial_rotary_factor_zoo_cannot_take_is_named(make_checkpoint, varia
 ])
 def test_stablelm_layouts_zoo_does_not_build_are_named(make_checkpoint, field, words):
     path, _ = make_checkpoint(tiny_config("stablelm", **{field: True}, **STABLELM_IDS))
+    with pytest.raises(CheckpointError, match=words):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"use_sliding_window": False},
+     r"layer_types marks layer 3 sliding_attention with use_sliding_window=False \(HF's eager and sdpa attention"),
+    ({"no_rope_layers": [1, 1, 1]}, r"no_rope_layers has no entry for layer 3 \(num_hidden_layers=4\)"),
+])
+def test_smollm3_layouts_zoo_does_not_build_are_named(make_checkpoint, fields, words):
+    path, _ = make_checkpoint(VARIANTS["smollm3-window"])
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, **fields}))
     with pytest.raises(CheckpointError, match=words):
         AutoModelForCausalLM.from_pretrained(path)
 

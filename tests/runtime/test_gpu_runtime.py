@@ -6,7 +6,7 @@ import torch
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
-from tests.models.test_parity import PHI3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope
+from tests.models.test_parity import PHI3_IDS, SMOLLM3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope
 
 pytestmark = pytest.mark.gpu
 
@@ -44,6 +44,8 @@ AGREEING = {
                            residual_multiplier=0.22, logits_scaling=0.25),
     "starcoder2": tiny_config("starcoder2", **SMALL, sliding_window=48, **STARCODER2_IDS),
     "stablelm": tiny_config("stablelm", **SMALL, use_qkv_bias=True, **STABLELM_IDS),  # rotary on 16 of 64 channels
+    # layer 3 without rotary (NoPE), and windowed: HF's config windows the NoPE layers
+    "smollm3": tiny_config("smollm3", **SMALL, use_sliding_window=True, sliding_window=48, **SMOLLM3_IDS),
     # three sliding layers, then a full one with its own rope; q/k norms per head in the KV-write kernel
     "gemma3": tiny_config("gemma3_text", **SMALL, head_dim=64, sliding_window=48,
                           layer_types=["sliding_attention"] * 3 + ["full_attention"]),
@@ -127,6 +129,7 @@ GRAPHED = {
     "granite": AGREEING["granite"],
     "starcoder2": AGREEING["starcoder2"],  # LayerNorm, an ungated MLP
     "stablelm": AGREEING["stablelm"],
+    "smollm3": AGREEING["smollm3"],  # the NoPE layer's zero-width cos/sin in the KV-write kernel
     "gemma3": AGREEING["gemma3"],
     "phi3-longrope": AGREEING["phi3-longrope"],  # the long factors fixed by max_model_len 512: capturable
     "glm4_moe": AGREEING["glm4_moe"],
