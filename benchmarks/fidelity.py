@@ -4,9 +4,10 @@ SmolLM2-135M-Instruct GGUF, as relative error (max abs diff / max abs of HF's lo
     .venv/bin/python benchmarks/fidelity.py
 
 The variants are the tiny random checkpoints of tests/models/test_parity.py, those of tests/models/test_moe.py
-in both checkpoint layouts (one tensor per expert, and transformers 5's stacked experts), and those of
+in both checkpoint layouts (as hub repos ship them: one tensor per expert, or GraniteMoe's experts stacked
+under names of their own; and transformers 5's stacked experts), those of
 tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2), those of
-tests/models/test_glm4_moe.py (GLM-4.5, with a non-zero score correction bias, in both layouts), and
+tests/models/test_glm4_moe.py (GLM-4.5 and GLM-4.7-Flash, with a non-zero score correction bias, in both layouts), and
 those of tests/models/test_llava.py (LLaVA 1.5 and LLaVA-NeXT, images of odd sizes through transformers' processors).
 """
 
@@ -27,7 +28,7 @@ from tests.models.test_glm4_moe import VARIANTS as GLM4_MOE_VARIANTS  # noqa: E4
 from tests.models.test_llava import (  # noqa: E402
     IMAGE_SIZES, NEXT_PROMPTS, NEXT_VARIANTS, VARIANTS as LLAVA_VARIANTS, hf_llava, inputs, tiny_tokenizer,
 )
-from tests.models.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, write_checkpoint  # noqa: E402
+from tests.models.test_moe import LAYOUTS, VARIANTS as MOE_VARIANTS, layouts, write_checkpoint  # noqa: E402
 from tests.models.test_parity import VARIANTS  # noqa: E402
 from tests.models.test_smollm2 import SENTENCE  # noqa: E402
 
@@ -48,11 +49,11 @@ def main():
         with tempfile.TemporaryDirectory() as directory:
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
         print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits), flush=True)
-    moe = [(name, config, hf_model) for name, config in MOE_VARIANTS.items()]
-    moe += [(f"glm4_moe-{name}", config, deepseek_hf_model) for name, config in GLM4_MOE_VARIANTS.items()]
-    for name, config, make_reference in moe:
+    moe = [(name, config, hf_model, layouts(name)) for name, config in MOE_VARIANTS.items()]
+    moe += [(f"glm4_moe-{name}", config, deepseek_hf_model, LAYOUTS) for name, config in GLM4_MOE_VARIANTS.items()]
+    for name, config, make_reference, checkpoint_layouts in moe:
         reference = make_reference(config)
-        for layout in LAYOUTS:
+        for layout in checkpoint_layouts:
             with tempfile.TemporaryDirectory() as directory:
                 path = write_checkpoint(reference, Path(directory) / layout, layout)
                 model = AutoModelForCausalLM.from_pretrained(path)

@@ -102,6 +102,9 @@ SIZE_FIELDS = (
     "qk_nope_head_dim", "v_head_dim", "image_size", "patch_size", "num_channels",
 )
 UNBOUNDED_FIELDS = ("max_position_embeddings",)  # sizes the KV cache, which the engine's budget bounds
+# Sizes whose 0 means the part is absent (GraniteMoeShared's shared MLP): non-negative integers, bounded
+# as the other sizes are.
+OPTIONAL_SIZE_FIELDS = ("shared_intermediate_size",)
 # The config fields of numbers the layers compute with: each, where a config has it (null: a soft-cap
 # that caps nothing), a finite positive number. At zero or below, a norm's epsilon or a rope base or
 # factor makes NaN or Inf, a soft-cap divides by zero, Gemma 2's score scale (a square root) is complex,
@@ -146,12 +149,14 @@ def _named_configs(config, prefix: str = ""):
 
 
 def _check_sizes(config, prefix: str, tensors: int, elements: int, origin: str) -> None:
-    for field in SIZE_FIELDS:
+    for field in SIZE_FIELDS + OPTIONAL_SIZE_FIELDS:
         value = getattr(config, field, None)
         if value is None:
             continue
-        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise CheckpointError(f"{origin}: config field {prefix + field!r} must be a positive integer, "
+        optional = field in OPTIONAL_SIZE_FIELDS
+        if not (isinstance(value, int) and not isinstance(value, bool) and (value > 0 or optional and value == 0)):
+            kind = "non-negative" if optional else "positive"
+            raise CheckpointError(f"{origin}: config field {prefix + field!r} must be a {kind} integer, "
                                   f"got {value!r}")
         limit, what = (tensors, "tensors") if field == "num_hidden_layers" else (elements, "elements")
         if field not in UNBOUNDED_FIELDS and value > limit:

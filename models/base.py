@@ -4,12 +4,13 @@
     model.rotary_emb, lm_head
 
 An architecture file subclasses these and states only what its blocks are made of, as declarations:
-the attention and MLP modules, the block's norm slots under HF's names (``NormSlots``), the model's
-norm (``DecoderLayer.norm_layer``: an RMSNorm variant or LayerNorm) and the config field of its
-epsilon (``norm_eps_field``), a scale of each branch's output (``DecoderLayer``'s
-``branch_scale``), embedding scaling (``CausalLM.scale_embeddings``), the config fields that multiply
-the input and divide the logits (``CausalLM.input_multiplier_field``, ``logits_divisor_field``),
-partial rotary (``CausalLM.partial_rotary``).
+the attention and MLP modules (the MLP under HF's name for it, ``DecoderLayer.mlp_name``, and a
+shared MLP beside it, ``DecoderLayer``'s ``shared_mlp``), the block's norm slots under HF's names
+(``NormSlots``), the model's norm (``DecoderLayer.norm_layer``: an RMSNorm variant or LayerNorm) and
+the config field of its epsilon (``norm_eps_field``), a scale of each branch's output
+(``DecoderLayer``'s ``branch_scale``), embedding scaling (``CausalLM.scale_embeddings``), the config
+fields that multiply the input and divide the logits (``CausalLM.input_multiplier_field``,
+``logits_divisor_field``), partial rotary (``CausalLM.partial_rotary``).
 """
 
 import itertools
@@ -72,9 +73,12 @@ class DecoderLayer(nn.Module):
         h = x + post_attention(attn(pre_attention(x))); out = h + post_mlp(mlp(pre_mlp(h)))
 
     A subclass declares ``norms`` (the slots filled and HF's names for them), ``norm_layer`` (the
-    model's norm, an RMSNorm variant or LayerNorm, also used for the final norm) and
-    ``norm_eps_field`` (the config field of its epsilon); ``branch_scale``, where given,
-    multiplies each branch's output before its residual add (Granite's ``residual_multiplier``).
+    model's norm, an RMSNorm variant or LayerNorm, also used for the final norm),
+    ``norm_eps_field`` (the config field of its epsilon) and ``mlp_name`` (HF's name of the MLP,
+    ``block_sparse_moe`` in GraniteMoe). ``branch_scale``, where given, multiplies each branch's
+    output before its residual add (Granite's ``residual_multiplier``); ``shared_mlp``, where given,
+    runs beside the MLP on its input, ``mlp(y) + shared_mlp(y)`` (GraniteMoeShared's dense MLP
+    beside its experts).
     Each residual add is deferred into the pre-norm that follows it, so ``forward`` returns
     ``(branch_out, residual)`` and the next pre-norm completes the add; a branch without a pre-norm
     adds explicitly. HuggingFace's view of this layer's output is ``branch_out + residual``.
@@ -84,11 +88,14 @@ class DecoderLayer(nn.Module):
     norms = NormSlots()
     norm_layer: Callable[[int, float], RMSNorm | LayerNorm] = RMSNorm
     norm_eps_field = "rms_norm_eps"
+    mlp_name = "mlp"
 
-    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, branch_scale: float | None = None):
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, branch_scale: float | None = None,
+                 shared_mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = mlp
+        self.add_module(self.mlp_name, mlp)
+        self.shared_mlp = shared_mlp
         self.branch_scale = branch_scale
         names = astuple(self.norms)
         for name in names:
@@ -106,7 +113,10 @@ class DecoderLayer(nn.Module):
         if self.branch_scale is not None:
             hidden_states = hidden_states * self.branch_scale
         hidden_states, residual = branch_input(pre_mlp, hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
+        mlp_input = hidden_states
+        hidden_states = getattr(self, self.mlp_name)(mlp_input)
+        if self.shared_mlp is not None:
+            hidden_states = hidden_states + self.shared_mlp(mlp_input)
         if post_mlp is not None:
             hidden_states = post_mlp(hidden_states)
         if self.branch_scale is not None:

@@ -24,6 +24,9 @@ from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, t
 from tests.models.test_moe import per_expert_state_dict
 
 QWEN3_MOE = tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+GRANITEMOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=12.0,
+                  attention_multiplier=1 / 16, residual_multiplier=0.22, logits_scaling=6.0)
+GRANITEMOESHARED = tiny_config("granitemoeshared", **GRANITEMOE, shared_intermediate_size=48)
 
 # name -> (config, HF model maker, save_pretrained options, expert_parallel); experts per rank: E / 2 or all of them.
 VARIANTS = {
@@ -34,6 +37,10 @@ VARIANTS = {
     "qwen2_moe-ep": (tiny_config("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=48), hf_model, {}, None),  # a gated shared expert
     "mixtral-ep": (tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2), hf_model, {}, None),
+    # the hub's stacked input_linear: a rank reads its experts' slice, or its gate rows and up rows of each expert
+    "granitemoe-ep": (tiny_config("granitemoe", **GRANITEMOE), hf_model, {}, None),
+    "granitemoeshared-tp": (GRANITEMOESHARED, hf_model, {}, False),  # the shared MLP split, all-reduced on its own
+    "granitemoeshared-ep-stacked": (GRANITEMOESHARED, hf_model, {"save_original_format": False}, True),
     # heads 2 per rank, the latent replicated; 8 experts in 4 groups, 4 per rank; two shared experts split
     "deepseek_v3-ep": (deepseek_config(), deepseek_hf_model, {}, None),
     "deepseek_v3-no_q_lora-tp": (deepseek_config(q_lora_rank=None), deepseek_hf_model, {}, False),
@@ -167,6 +174,8 @@ def test_experts_split_as_chosen(ranks_run):
         ep, tp = results["qwen3_moe-ep"]["experts"], results["qwen3_moe-tp"]["experts"]
         assert ep == [("ExpertParallelExperts", slice(2 * rank, 2 * rank + 2), None)] * 2
         assert tp == [("TensorParallelExperts", None, slice(16 * rank, 16 * rank + 16))] * 2
+        assert results["granitemoe-ep"]["experts"] == ep
+        assert results["granitemoeshared-tp"]["experts"] == tp
         # DeepSeek-V3: the first layer is dense, the other two hold 4 of the 8 experts
         assert results["deepseek_v3-ep"]["experts"] == [("ExpertParallelExperts", slice(4 * rank, 4 * rank + 4),
                                                          None)] * 2
@@ -213,7 +222,7 @@ def test_each_rank_reads_only_its_part(variant, ranks_run):
     _, (paths, _), _, outputs = ranks_run
     whole = sum(t.numel() * t.element_size() for t in load_file(f"{paths[variant]}/model.safetensors").values())
     checkpoint_experts = sum(t.numel() * t.element_size() for name, t in
-                             load_file(f"{paths[variant]}/model.safetensors").items() if ".experts." in name)
+                             load_file(f"{paths[variant]}/model.safetensors").items() if is_expert_tensor(name))
     for output in outputs:
         result = output["results"][variant]
         # Every byte read fills one parameter element of the rank: an expert-parallel rank reads its
@@ -221,6 +230,11 @@ def test_each_rank_reads_only_its_part(variant, ranks_run):
         assert result["counts"]["whole"] + result["counts"]["part"] == result["held"] < whole
         if result["experts"]:
             assert result["expert_bytes"] * RANKS == checkpoint_experts
+
+
+def is_expert_tensor(name: str) -> bool:
+    """A routed expert's tensor: one per expert or stacked (``experts.``), or GraniteMoe's stacked ones."""
+    return ".experts." in name or any(f".block_sparse_moe.{stack}_linear." in name for stack in ("input", "output"))
 
 
 @pytest.mark.parametrize("name", UNSPLITTABLE)

@@ -352,6 +352,8 @@ TINY_MODELS = {
     "llava": lambda: hf_llava(llava_config()),
     "qwen3_moe": lambda: hf_model(tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     "granite": lambda: hf_model(tiny_config("granite")),
+    "granitemoeshared": lambda: hf_model(tiny_config("granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
+                                                     intermediate_size=32, shared_intermediate_size=48)),
     "gemma3": lambda: hf_model(tiny_config("gemma3_text", head_dim=16)),
 }
 NAN, INF = float("nan"), float("inf")
@@ -393,6 +395,9 @@ def set_field(fields: dict, dotted_name: str, value):
      r"'rope_parameters\.full_attention\.rope_theta' must be a finite positive number, got -1\.0"),
     ("granite", "logits_scaling", 0.0, r"'logits_scaling' must be a finite positive number, got 0\.0"),
     ("granite", "residual_multiplier", NAN, r"'residual_multiplier' must be a finite positive number, got nan"),
+    # 0: no shared MLP (a size that may be zero)
+    ("granitemoeshared", "shared_intermediate_size", -48,
+     r"'shared_intermediate_size' must be a non-negative integer, got -48"),
     ("deepseek_v3", "rope_parameters", {**YARN, "mscale_all_dim": NAN},
      r"'rope_parameters\.mscale_all_dim' must be a finite non-negative number, got nan"),
     ("llava", "text_config.rms_norm_eps", NAN, r"'text_config\.rms_norm_eps' must be a finite positive number, got nan"),

@@ -1,6 +1,7 @@
-"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against HuggingFace, float32 on CPU: logits,
-greedy generation and the layer-by-layer diff, from checkpoints in both layouts (one tensor per expert as
-hub repos ship them, and transformers 5's stacked experts); the router, the experts op, strict loading."""
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, GraniteMoe, GraniteMoeShared) against
+HuggingFace, float32 on CPU: logits, greedy generation and the layer-by-layer diff, from checkpoints in both
+layouts (as hub repos ship them: one tensor per expert, or GraniteMoe's experts stacked under names of their
+own; and transformers 5's stacked experts); the router, the experts op, strict loading."""
 
 import json
 import random
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers.activations import ACT2FN
+from transformers.models.granitemoe import modeling_granitemoe as hf_granitemoe
 from transformers.models.mixtral import modeling_mixtral as hf_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3_moe
 
@@ -28,6 +30,10 @@ from tests.models.test_parity import TOLERANCE, assert_matches
 QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+# granite-3.0-1b-a400m's multipliers (its attention's as 1 / head_dim), each moving the logits
+# (test_granitemoe_multipliers_are_visible_in_the_logits)
+GRANITEMOE = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=12.0,
+                  attention_multiplier=1 / 16, residual_multiplier=0.22, logits_scaling=6.0)
 
 VARIANTS = {
     "qwen3_moe-norm_topk": tiny_config("qwen3_moe", **QWEN3_MOE, norm_topk_prob=True),
@@ -51,8 +57,23 @@ VARIANTS = {
         "qwen2_moe", **QWEN2_MOE, norm_topk_prob=True, use_sliding_window=True, sliding_window=5, max_window_layers=2,
         mlp_only_layers=[2], num_hidden_layers=3,
     ),
+    "granitemoe": tiny_config("granitemoe", **GRANITEMOE),
+    "granitemoe-bias-tied-top3": tiny_config("granitemoe", **{**GRANITEMOE, "num_experts_per_tok": 3},
+                                             attention_bias=True, tie_word_embeddings=True),
+    "granitemoeshared": tiny_config("granitemoeshared", **GRANITEMOE, shared_intermediate_size=48),
+    "granitemoeshared-no_shared": tiny_config("granitemoeshared", **GRANITEMOE, shared_intermediate_size=0),
 }
 LAYOUTS = ["per_expert", "stacked"]
+GRANITE_LAYOUTS = ["hub", "stacked"]
+
+
+def layouts(variant: str) -> list[str]:
+    """The layouts of a variant's checkpoints: as hub repos ship them (one tensor per expert; GraniteMoe's
+    ``hub`` layout, stacked under names of its own), and transformers 5's stacked experts."""
+    return GRANITE_LAYOUTS if variant.startswith("granitemoe") else LAYOUTS
+
+
+VARIANT_LAYOUTS = [(variant, layout) for variant in VARIANTS for layout in layouts(variant)]
 
 
 def per_expert_state_dict(model) -> dict[str, torch.Tensor]:
@@ -76,13 +97,34 @@ def per_expert_state_dict(model) -> dict[str, torch.Tensor]:
     return {name: t.contiguous().clone() for name, t in tensors.items()}
 
 
+# transformers 5's module tree -> GraniteMoe's hub names (the experts as stacked, each expert's gate rows first)
+GRANITE_HUB_NAMES = {".block_sparse_moe.router.weight": ".block_sparse_moe.router.layer.weight",
+                     ".block_sparse_moe.experts.gate_up_proj": ".block_sparse_moe.input_linear.weight",
+                     ".block_sparse_moe.experts.down_proj": ".block_sparse_moe.output_linear.weight"}
+
+
+def granite_hub_state_dict(model) -> dict[str, torch.Tensor]:
+    """GraniteMoe's tensors as hub repos ship them: ``block_sparse_moe.{router.layer, input_linear,
+    output_linear}.weight``; the shared MLP as its module holds it, ``shared_mlp.{input,output}_linear``."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        for suffix, hub in GRANITE_HUB_NAMES.items():
+            if name.endswith(suffix):
+                name = name.removesuffix(suffix) + hub
+        tensors[name] = tensor.contiguous().clone()
+    return tensors
+
+
 def write_checkpoint(model, path, layout: str):
     if layout == "stacked":  # transformers 5 keeps its own module layout only when asked to
         return save_checkpoint(model, path, save_original_format=False)
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
-    save_file(per_expert_state_dict(model), path / "model.safetensors", metadata={"format": "pt"})
+    tensors = granite_hub_state_dict(model) if layout == "hub" else per_expert_state_dict(model)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 
@@ -95,8 +137,7 @@ def make_moe_checkpoint(tmp_path):
     return make
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant, layout", VARIANT_LAYOUTS)
 def test_logits_match_huggingface(variant, layout, make_moe_checkpoint, input_ids):
     path, reference = make_moe_checkpoint(VARIANTS[variant], layout)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -115,16 +156,20 @@ def test_wrong_router_is_caught(make_moe_checkpoint, input_ids):
         assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
 
 
-@pytest.mark.parametrize("variant", ["qwen3_moe-sparse_step2", "mixtral-window", "qwen2_moe"])
-def test_save_pretrained_writes_the_per_expert_layout(variant, tmp_path):
+@pytest.mark.parametrize("variant", ["qwen3_moe-sparse_step2", "mixtral-window", "qwen2_moe",
+                                     "granitemoe-bias-tied-top3", "granitemoeshared"])
+def test_save_pretrained_writes_the_hub_layout(variant, tmp_path):
     """transformers 5.23's default ``save_pretrained`` converts back to the hub layout: the same tensors
-    as ``per_expert_state_dict`` (so both layouts the tests use are ones real checkpoints have)."""
-    from safetensors import safe_open
+    as ``per_expert_state_dict`` or ``granite_hub_state_dict`` (so both layouts the tests use are ones
+    real checkpoints have)."""
+    from safetensors.torch import load_file
 
     model = hf_model(VARIANTS[variant])
     save_checkpoint(model, tmp_path)
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        assert set(f.keys()) == set(per_expert_state_dict(model))
+    hub = granite_hub_state_dict(model) if "hub" in layouts(variant) else per_expert_state_dict(model)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert set(saved) == set(hub)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in hub.items())
 
 
 def test_layers_follow_the_config():
@@ -171,6 +216,28 @@ def test_router_matches_hf_mixtral_and_topk_then_softmax():
     top_logits, top_ids = F.linear(x, ours.weight).topk(2, dim=-1)
     assert torch.equal(ids, top_ids)
     assert (weights - top_logits.softmax(-1, dtype=torch.float32)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_router_matches_hf_granitemoe(top_k):
+    """GraniteMoe's router (a softmax over the top-k logits, in float32) is Mixtral's: the same experts in
+    the same order, weights within float32 rounding; in bfloat16, HF rounds the weights to the model's
+    dtype, zoo weighs the experts by them unrounded: rounded, they are HF's."""
+    config = tiny_config("granitemoe", **{**GRANITEMOE, "num_experts_per_tok": top_k})
+    torch.manual_seed(0)
+    theirs = hf_granitemoe.GraniteMoeTopKRouter(config)
+    theirs.weight.data.normal_(std=0.5)
+    ours = TopKRouter(64, 8, top_k, renormalize=True)
+    ours.weight.data.copy_(theirs.weight)
+    x = torch.randn(500, 64)
+    weights, ids = ours(x)
+    _, expected_weights, expected_ids = theirs(x)
+    assert torch.equal(ids, expected_ids)
+    assert (weights - expected_weights).abs().max() < 1e-6
+    weights, ids = ours.to(torch.bfloat16)(x.bfloat16())
+    _, expected_weights, expected_ids = theirs.to(torch.bfloat16)(x.bfloat16())
+    assert weights.dtype == torch.float32 and expected_weights.dtype == torch.bfloat16
+    assert torch.equal(ids, expected_ids) and torch.equal(weights.bfloat16(), expected_weights)
 
 
 def naive_moe(hidden, topk_weights, topk_ids, gate_up, down, activation):
@@ -229,13 +296,14 @@ def test_experts_op_is_a_checked_custom_op():
 
 # Runtime, diff, loading errors.
 
-GENERATION = ["qwen3_moe-no_norm_topk", "mixtral-window", "qwen2_moe"]
+GENERATION = [("qwen3_moe-no_norm_topk", "stacked"), ("mixtral-window", "per_expert"), ("qwen2_moe", "per_expert"),
+              ("granitemoe-bias-tied-top3", "hub"), ("granitemoeshared", "stacked")]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-@pytest.mark.parametrize("variant", GENERATION)
-def test_greedy_matches_hf_generate(variant, make_moe_checkpoint):
-    path, reference = make_moe_checkpoint(VARIANTS[variant], "stacked" if variant.startswith("qwen3") else "per_expert")
+@pytest.mark.parametrize("variant, layout", GENERATION)
+def test_greedy_matches_hf_generate(variant, layout, make_moe_checkpoint):
+    path, reference = make_moe_checkpoint(VARIANTS[variant], layout)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(1, 30))] for _ in range(4)]
     outputs = LLM(str(path), device="cpu", block_size=4).generate(prompts, GREEDY, use_tqdm=False)
@@ -247,14 +315,51 @@ def test_greedy_matches_hf_generate(variant, make_moe_checkpoint):
 TOKENS = torch.tensor([[5, 17, 3, 88, 42, 7, 1, 60, 23, 9, 14]])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("variant", ["qwen3_moe-sparse_step2", "mixtral-window"])
+@pytest.mark.parametrize("variant, layout", [(variant, layout) for layout in LAYOUTS
+                                             for variant in ("qwen3_moe-sparse_step2", "mixtral-window")])
 def test_diff_rows_all_ok(variant, layout, make_moe_checkpoint):
     path, _ = make_moe_checkpoint(VARIANTS[variant], layout)
     rows = diff_checkpoint(path, input_ids=TOKENS)
     layers = VARIANTS[variant].num_hidden_layers
     assert [r.path for r in rows if r.path.endswith(".mlp")] == [f"model.layers.{i}.mlp" for i in range(layers)]
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize("runtime_steps", [None, 3], ids=["cache-free", "runtime"])
+@pytest.mark.parametrize("variant, layout", [("granitemoe", "hub"), ("granitemoeshared", "hub"),
+                                             ("granitemoeshared", "stacked")])
+def test_granitemoe_diff_rows_cover_the_experts_and_the_shared_mlp(variant, layout, runtime_steps,
+                                                                   make_moe_checkpoint):
+    """The experts' and the shared MLP's rows apart, under HF's names, as HF's layer runs them."""
+    path, _ = make_moe_checkpoint(VARIANTS[variant], layout)
+    rows = diff_checkpoint(path, input_ids=TOKENS, runtime_steps=runtime_steps)
+    paths = {r.path.rpartition("/")[2] for r in rows}
+    branches = ["block_sparse_moe", "shared_mlp"] if variant == "granitemoeshared" else ["block_sparse_moe"]
+    assert {f"model.layers.1.{branch}" for branch in branches} <= paths
+    assert all(r.ok and r.relative < TOLERANCE for r in rows), [(r.path, r.relative) for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize("variant", ["granitemoe", "granitemoeshared", "granitemoeshared-no_shared"])
+def test_granitemoe_layers_hold_hf_s_modules(variant, make_moe_checkpoint):
+    path, reference = make_moe_checkpoint(VARIANTS[variant], "hub")
+    layer = AutoModelForCausalLM.from_pretrained(path).model.layers[0]
+    theirs = reference.model.layers[0]
+    assert {name for name, _ in layer.named_children()} == {name for name, _ in theirs.named_children()}
+    shared = variant == "granitemoeshared"
+    assert (layer.shared_mlp is not None) == (getattr(theirs, "shared_mlp", None) is not None) == shared
+
+
+@pytest.mark.parametrize("field, value", [("embedding_multiplier", 1.0), ("attention_multiplier", 0.25),
+                                          ("residual_multiplier", 1.0), ("logits_scaling", 1.0)])
+def test_granitemoe_multipliers_are_visible_in_the_logits(field, value, make_moe_checkpoint, input_ids):
+    """Each multiplier moves the logits far past the tolerance: dropping one is caught."""
+    path, reference = make_moe_checkpoint(VARIANTS["granitemoeshared"], "hub")
+    fields = json.loads((path / "config.json").read_text())
+    fields[field] = value
+    (path / "config.json").write_text(json.dumps(fields))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("variant, dropped", [
@@ -268,13 +373,24 @@ def test_missing_expert_tensor_is_named(variant, dropped, make_moe_checkpoint):
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_tensor_missing_in_every_spelling_names_them_all(make_moe_checkpoint):
-    path, _ = make_moe_checkpoint(VARIANTS["mixtral-window"], "per_expert")
-    rewrite_tensors(path, lambda t: t.pop("model.layers.1.block_sparse_moe.gate.weight"))
-    with pytest.raises(CheckpointError, match=(
-        r"missing tensors: model\.layers\.1\.mlp\.gate\.weight or model\.layers\.1\.block_sparse_moe\.gate\.weight$"
-    )):
+@pytest.mark.parametrize("variant, layout, dropped, spellings", [
+    ("mixtral-window", "per_expert", "model.layers.1.block_sparse_moe.gate.weight",
+     ["model.layers.1.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"]),
+    ("granitemoe", "hub", "model.layers.1.block_sparse_moe.router.layer.weight",
+     [f"model.layers.1.block_sparse_moe.{name}.weight" for name in ("gate", "router", "router.layer")]),
+    ("granitemoe", "hub", "model.layers.0.block_sparse_moe.input_linear.weight",
+     ["model.layers.0.block_sparse_moe.experts.0.gate_proj.weight (+15 more)",
+      "model.layers.0.block_sparse_moe.experts.gate_up_proj", "model.layers.0.block_sparse_moe.input_linear.weight"]),
+    ("granitemoeshared", "hub", "model.layers.1.shared_mlp.input_linear.weight",
+     ["model.layers.1.shared_mlp.gate_proj.weight (+1 more)", "model.layers.1.shared_mlp.gate_up_proj.weight",
+      "model.layers.1.shared_mlp.input_linear.weight"]),
+])
+def test_tensor_missing_in_every_spelling_names_them_all(variant, layout, dropped, spellings, make_moe_checkpoint):
+    path, _ = make_moe_checkpoint(VARIANTS[variant], layout)
+    rewrite_tensors(path, lambda t: t.pop(dropped))
+    with pytest.raises(CheckpointError) as error:
         AutoModelForCausalLM.from_pretrained(path)
+    assert str(error.value).endswith("missing tensors: " + " or ".join(spellings))
 
 
 def test_missing_stacked_tensor_is_named(make_moe_checkpoint):

@@ -42,6 +42,10 @@ AGREEING = {
     # would flatten every distribution (a KL of 1e-9, rounding noise)
     "granite": tiny_config("granite", **SMALL, embedding_multiplier=12.0, attention_multiplier=1 / 64,
                            residual_multiplier=0.22, logits_scaling=0.25),
+    # granite-3.0-1b-a400m's routing (top-8 of 32 experts), a shared MLP beside them; logits_scaling as Granite's
+    "granitemoeshared": tiny_config("granitemoeshared", **{**SMALL, "intermediate_size": 256}, num_local_experts=32,
+                                    num_experts_per_tok=8, shared_intermediate_size=512, embedding_multiplier=12.0,
+                                    attention_multiplier=1 / 64, residual_multiplier=0.22, logits_scaling=0.25),
     "starcoder2": tiny_config("starcoder2", **SMALL, sliding_window=48, **STARCODER2_IDS),
     "stablelm": tiny_config("stablelm", **SMALL, use_qkv_bias=True, **STABLELM_IDS),  # rotary on 16 of 64 channels
     # layer 3 without rotary (NoPE), and windowed: HF's config windows the NoPE layers
@@ -127,6 +131,7 @@ GRAPHED = {
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
     "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
     "granite": AGREEING["granite"],
+    "granitemoeshared": AGREEING["granitemoeshared"],
     "starcoder2": AGREEING["starcoder2"],  # LayerNorm, an ungated MLP
     "stablelm": AGREEING["stablelm"],
     "smollm3": AGREEING["smollm3"],  # the NoPE layer's zero-width cos/sin in the KV-write kernel
