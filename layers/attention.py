@@ -281,10 +281,12 @@ class Attention(nn.Module):
     is independent of ``hidden_size / num_heads``; ``scale`` multiplies the scores (by default
     ``head_dim**-0.5``); ``qk_norm_eps`` adds RMSNorm on q and k before rotary, per head (Qwen3) or,
     with ``qk_norm_per_head`` False, over the whole projection (OLMo 2), built by ``rms_norm`` (the
-    model's RMSNorm variant); ``sliding_window`` limits how far back a token looks (Mistral);
-    ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``); ``rotary`` False makes a layer
-    without position embedding (NoPE, SmolLM3's): it rotates none of q's and k's channels, handing
-    the rotary ops zero-width cos/sin, so the KV-cache write stays in ``rotary_write_kv``.
+    model's RMSNorm variant); ``clip_qkv`` clamps q, k and v to ``[-clip_qkv, clip_qkv]`` after the
+    projection and a whole-projection norm, before rotary (OLMoE's); ``sliding_window`` limits how far
+    back a token looks (Mistral); ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``);
+    ``rotary`` False makes a layer without position embedding (NoPE, SmolLM3's): it rotates none of
+    q's and k's channels, handing the rotary ops zero-width cos/sin, so the KV-cache write stays in
+    ``rotary_write_kv``.
     """
 
     capturable = True  # the Triton backend's paged ops read nothing on the host (see CausalLM.capturable)
@@ -304,10 +306,14 @@ class Attention(nn.Module):
         scale: float | None = None,
         logit_softcap: float | None = None,
         rotary: bool = True,
+        clip_qkv: float | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        if clip_qkv is not None and qk_norm_eps is not None and qk_norm_per_head:
+            # A per-head norm runs inside rotary_write_kv, after where the clamp is.
+            raise ValueError("clip_qkv after a per-head q/k norm is not implemented")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
@@ -319,6 +325,7 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.qk_norm_per_head = qk_norm_per_head
+        self.clip_qkv = clip_qkv
         if qk_norm_eps is not None:
             self.q_norm = rms_norm(head_dim if qk_norm_per_head else q_size, qk_norm_eps)
             self.k_norm = rms_norm(head_dim if qk_norm_per_head else kv_size, qk_norm_eps)
@@ -349,6 +356,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)

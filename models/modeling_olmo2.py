@@ -15,10 +15,12 @@ Olmo2RMSNorm = partial(RMSNorm, multiply_in_float32=True)
 
 
 class Olmo2Attention(Attention):
-    def __init__(self, config):
+    """OLMo 2's reads no window; OLMo 3's the layer's ``sliding_window``."""
+
+    def __init__(self, config, sliding_window: int | None = None):
         bias = config.attention_bias
         super().__init__(
-            **attention_shape(config), qkv_bias=bias, o_bias=bias, qk_norm_eps=config.rms_norm_eps,
+            **attention_shape(config, sliding_window), qkv_bias=bias, o_bias=bias, qk_norm_eps=config.rms_norm_eps,
             qk_norm_per_head=False, rms_norm=Olmo2RMSNorm,
         )
 

@@ -1,5 +1,5 @@
 """The attention contract: the score modifiers each backend implements, and the fallback; who
-writes the KV cache."""
+writes the KV cache; which q/k norm a clamp of q, k and v may follow."""
 
 import pytest
 import torch
@@ -21,6 +21,13 @@ def test_a_layer_states_the_modifiers_it_uses():
 
 def test_every_backend_implements_softcapping():
     assert all("softcap" in backend.score_modifiers for backend in BACKENDS.values())
+
+
+def test_clip_qkv_follows_a_norm_over_the_whole_projection_only():
+    Attention(64, 4, 2, 16, qk_norm_eps=1e-6, qk_norm_per_head=False, clip_qkv=8.0)  # OLMoE's
+    Attention(64, 4, 2, 16, clip_qkv=8.0)  # no norm
+    with pytest.raises(ValueError, match="clip_qkv after a per-head q/k norm is not implemented"):
+        Attention(64, 4, 2, 16, qk_norm_eps=1e-6, clip_qkv=8.0)
 
 
 def test_a_backend_lacking_a_modifier_falls_back_to_torch_with_a_warning(monkeypatch):

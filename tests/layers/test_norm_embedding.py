@@ -5,6 +5,8 @@ import torch
 from transformers.models.gemma2 import modeling_gemma2 as hf_gemma2
 from transformers.models.llama import modeling_llama as hf_llama
 from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
+from transformers.models.olmo3 import modeling_olmo3 as hf_olmo3
+from transformers.models.olmoe import modeling_olmoe as hf_olmoe
 
 from layers import LayerNorm, RMSNorm, VocabEmbedding
 
@@ -12,6 +14,8 @@ VARIANTS = {  # HF's module -> the options of zoo's RMSNorm that reproduce it
     "llama": (hf_llama.LlamaRMSNorm, {}),
     "gemma2": (hf_gemma2.Gemma2RMSNorm, {"weight_offset": 1.0, "multiply_in_float32": True}),
     "olmo2": (hf_olmo2.Olmo2RMSNorm, {"multiply_in_float32": True}),
+    "olmo3": (hf_olmo3.Olmo3RMSNorm, {"multiply_in_float32": True}),
+    "olmoe": (hf_olmoe.OlmoeRMSNorm, {}),  # Llama's
 }
 
 

@@ -43,6 +43,9 @@ UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its
     "heads": (tiny_config("llama", num_attention_heads=3, num_key_value_heads=3, hidden_size=48),
               ValueError, "attention heads (3) is not a multiple of 2"),
     "olmo2": (tiny_config("olmo2"), NotImplementedError, "q/k norm spans all heads"),
+    "olmo3": (tiny_config("olmo3"), NotImplementedError, "q/k norm spans all heads"),
+    "olmoe": (tiny_config("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32), NotImplementedError,
+              "q/k norm spans all heads"),
     "starcoder2": (tiny_config("starcoder2"), NotImplementedError,
                    "cannot split model.layers.0.mlp.c_fc (Linear): it splits attention, latent attention, gated MLPs"),
 }

@@ -355,6 +355,8 @@ TINY_MODELS = {
     "granitemoeshared": lambda: hf_model(tiny_config("granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
                                                      intermediate_size=32, shared_intermediate_size=48)),
     "gemma3": lambda: hf_model(tiny_config("gemma3_text", head_dim=16)),
+    "olmoe": lambda: hf_model(tiny_config("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                          clip_qkv=8.0, eos_token_id=2)),
 }
 NAN, INF = float("nan"), float("inf")
 
@@ -398,6 +400,7 @@ def set_field(fields: dict, dotted_name: str, value):
     # 0: no shared MLP (a size that may be zero)
     ("granitemoeshared", "shared_intermediate_size", -48,
      r"'shared_intermediate_size' must be a non-negative integer, got -48"),
+    ("olmoe", "clip_qkv", 0.0, r"'clip_qkv' must be a finite positive number, got 0\.0"),
     ("deepseek_v3", "rope_parameters", {**YARN, "mscale_all_dim": NAN},
      r"'rope_parameters\.mscale_all_dim' must be a finite non-negative number, got nan"),
     ("llava", "text_config.rms_norm_eps", NAN, r"'text_config\.rms_norm_eps' must be a finite positive number, got nan"),

@@ -1,6 +1,6 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS and SmolLM3, brought up as
-declarations of the shared layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within
-tolerance, and each forward path computing its logits once."""
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS and SmolLM3, brought up
+as declarations of the shared layers: token-identical greedy generation through the runtime, every ``zoo diff``
+row within tolerance, and each forward path computing its logits once."""
 
 import json
 
@@ -22,6 +22,7 @@ BLOCK_NORMS = {
     "gemma2": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "gemma3": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
+    "olmo3": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "phi3": ["input_layernorm", "post_attention_layernorm"],
     "granite": ["input_layernorm", "post_attention_layernorm"],
     "starcoder2": ["input_layernorm", "post_attention_layernorm"],
@@ -89,6 +90,9 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("starcoder2", "sliding_window", None), ("starcoder2", "norm_epsilon", 1.0),  # the field its norms read
     ("stablelm", "layer_norm_eps", 1.0),
     ("gemma3", "layer_types", ["sliding_attention", "sliding_attention"]),  # layer 1's rope and window
+    ("olmo3", "layer_types", ["full_attention", "full_attention"]),  # layer 0's window and rope
+    ("olmo3", "rope_parameters", {kind: {"rope_type": "default", "rope_theta": 500000.0}  # the full layer's YaRN
+                                  for kind in ("sliding_attention", "full_attention")}),
     ("stablelm", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     ("smollm3-windows-mqa", "no_rope_layers", [1, 1, 1, 1]),  # rotary on the NoPE layers too
     ("smollm3-windows-mqa", "layer_types", ["full_attention"] * 4),

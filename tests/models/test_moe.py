@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, GraniteMoe, GraniteMoeShared) against
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, GraniteMoe, GraniteMoeShared, OLMoE) against
 HuggingFace, float32 on CPU: logits, greedy generation and the layer-by-layer diff, from checkpoints in both
 layouts (as hub repos ship them: one tensor per expert, or GraniteMoe's experts stacked under names of their
 own; and transformers 5's stacked experts); the router, the experts op, strict loading."""
@@ -34,6 +34,7 @@ MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
 # (test_granitemoe_multipliers_are_visible_in_the_logits)
 GRANITEMOE = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=12.0,
                   attention_multiplier=1 / 16, residual_multiplier=0.22, logits_scaling=6.0)
+OLMOE = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, eos_token_id=2)  # its 50279 is no id here
 
 VARIANTS = {
     "qwen3_moe-norm_topk": tiny_config("qwen3_moe", **QWEN3_MOE, norm_topk_prob=True),
@@ -62,6 +63,12 @@ VARIANTS = {
                                              attention_bias=True, tie_word_embeddings=True),
     "granitemoeshared": tiny_config("granitemoeshared", **GRANITEMOE, shared_intermediate_size=48),
     "granitemoeshared-no_shared": tiny_config("granitemoeshared", **GRANITEMOE, shared_intermediate_size=0),
+    # OLMoE: q/k norms over all heads; OLMoE-1B-7B's MHA and router (no renormalising), or q, k and v
+    # clamped after the norms, GQA, renormalised, biased and tied. HF's OLMoE reads no window.
+    "olmoe": tiny_config("olmoe", **OLMOE, num_key_value_heads=4),
+    "olmoe-clip-norm_topk-bias-tied": tiny_config("olmoe", **OLMOE, clip_qkv=1.0, norm_topk_prob=True,
+                                                  attention_bias=True, tie_word_embeddings=True),
+    "olmoe-window-unread": tiny_config("olmoe", **OLMOE, sliding_window=5),
 }
 LAYOUTS = ["per_expert", "stacked"]
 GRANITE_LAYOUTS = ["hub", "stacked"]
@@ -145,11 +152,17 @@ def test_logits_match_huggingface(variant, layout, make_moe_checkpoint, input_id
         assert_matches(model(input_ids), reference(input_ids).logits)
 
 
-def test_wrong_router_is_caught(make_moe_checkpoint, input_ids):
-    """The tolerance sees a router mistake: a norm_topk_prob checkpoint run without renormalising."""
-    path, reference = make_moe_checkpoint(VARIANTS["qwen3_moe-norm_topk"])
+@pytest.mark.parametrize("variant, field, value", [
+    ("qwen3_moe-norm_topk", "norm_topk_prob", False),
+    ("olmoe-clip-norm_topk-bias-tied", "norm_topk_prob", False),
+    ("olmoe-clip-norm_topk-bias-tied", "clip_qkv", None),
+])
+def test_a_setting_read_wrongly_is_caught(variant, field, value, make_moe_checkpoint, input_ids):
+    """The tolerance sees a router or attention mistake: a checkpoint run with one setting dropped
+    (a norm_topk_prob checkpoint without renormalising, OLMoE's q, k and v unclamped)."""
+    path, reference = make_moe_checkpoint(VARIANTS[variant])
     fields = json.loads((path / "config.json").read_text())
-    fields["norm_topk_prob"] = False
+    fields[field] = value
     (path / "config.json").write_text(json.dumps(fields))
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
@@ -157,7 +170,7 @@ def test_wrong_router_is_caught(make_moe_checkpoint, input_ids):
 
 
 @pytest.mark.parametrize("variant", ["qwen3_moe-sparse_step2", "mixtral-window", "qwen2_moe",
-                                     "granitemoe-bias-tied-top3", "granitemoeshared"])
+                                     "granitemoe-bias-tied-top3", "granitemoeshared", "olmoe"])
 def test_save_pretrained_writes_the_hub_layout(variant, tmp_path):
     """transformers 5.23's default ``save_pretrained`` converts back to the hub layout: the same tensors
     as ``per_expert_state_dict`` or ``granite_hub_state_dict`` (so both layouts the tests use are ones
@@ -297,7 +310,8 @@ def test_experts_op_is_a_checked_custom_op():
 # Runtime, diff, loading errors.
 
 GENERATION = [("qwen3_moe-no_norm_topk", "stacked"), ("mixtral-window", "per_expert"), ("qwen2_moe", "per_expert"),
-              ("granitemoe-bias-tied-top3", "hub"), ("granitemoeshared", "stacked")]
+              ("granitemoe-bias-tied-top3", "hub"), ("granitemoeshared", "stacked"),
+              ("olmoe-clip-norm_topk-bias-tied", "per_expert")]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
@@ -315,8 +329,8 @@ def test_greedy_matches_hf_generate(variant, layout, make_moe_checkpoint):
 TOKENS = torch.tensor([[5, 17, 3, 88, 42, 7, 1, 60, 23, 9, 14]])
 
 
-@pytest.mark.parametrize("variant, layout", [(variant, layout) for layout in LAYOUTS
-                                             for variant in ("qwen3_moe-sparse_step2", "mixtral-window")])
+@pytest.mark.parametrize("variant, layout", [(variant, layout) for layout in LAYOUTS for variant in (
+    "qwen3_moe-sparse_step2", "mixtral-window", "olmoe-clip-norm_topk-bias-tied")])
 def test_diff_rows_all_ok(variant, layout, make_moe_checkpoint):
     path, _ = make_moe_checkpoint(VARIANTS[variant], layout)
     rows = diff_checkpoint(path, input_ids=TOKENS)

@@ -17,6 +17,10 @@ STARCODER2_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (50256) 
 STABLELM_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (0) are ids HF's init leaves no special role
 SEED_OSS_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 SMOLLM3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its defaults (128000...) exceed the vocabulary
+# OLMo 3 7B's long-context rope on its full layers (a checkpoint's rope_scaling; the sliding ones keep
+# the plain rope): YaRN by 8 of 8,192 positions, here by 4 of 16
+OLMO3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.2,
+              "beta_fast": 32, "beta_slow": 1}
 
 
 def partial_rope(factor: float) -> dict:
@@ -122,6 +126,13 @@ VARIANTS = {
     "seed_oss": tiny_config("seed_oss", head_dim=16, **SEED_OSS_IDS),
     "seed_oss-out_bias-mlp_bias-tied": tiny_config("seed_oss", attention_bias=False, attention_out_bias=True,
                                                    mlp_bias=True, tie_word_embeddings=True, **SEED_OSS_IDS),
+    # OLMo 3: OLMo 2's block, a sliding layer and a full one, the full one's rope YaRN-scaled, or the
+    # full layer first with plain rope on both
+    "olmo3": tiny_config("olmo3", layer_types=["sliding_attention", "full_attention"], sliding_window=7,
+                         rope_scaling=OLMO3_YARN, eos_token_id=2),
+    "olmo3-mha-bias-tied": tiny_config("olmo3", layer_types=["full_attention", "sliding_attention"], sliding_window=5,
+                                       num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True,
+                                       eos_token_id=2),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),
