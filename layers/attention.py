@@ -282,8 +282,10 @@ class Attention(nn.Module):
     ``head_dim**-0.5``); ``qk_norm_eps`` adds RMSNorm on q and k before rotary, per head (Qwen3) or,
     with ``qk_norm_per_head`` False, over the whole projection (OLMo 2), built by ``rms_norm`` (the
     model's RMSNorm variant); ``clip_qkv`` clamps q, k and v to ``[-clip_qkv, clip_qkv]`` after the
-    projection and a whole-projection norm, before rotary (OLMoE's); ``sliding_window`` limits how far
-    back a token looks (Mistral); ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``);
+    projection and a whole-projection norm, before rotary (OLMoE's); ``rotate_in_float32`` rotates
+    q and k by the float32 cos and sin and rounds once (OLMo 2's, OLMo 3's), where Llama's rotary
+    rounds cos and sin to the activations' dtype first; ``sliding_window`` limits how far back a
+    token looks (Mistral); ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``);
     ``rotary`` False makes a layer without position embedding (NoPE, SmolLM3's): it rotates none of
     q's and k's channels, handing the rotary ops zero-width cos/sin, so the KV-cache write stays in
     ``rotary_write_kv``.
@@ -307,6 +309,7 @@ class Attention(nn.Module):
         logit_softcap: float | None = None,
         rotary: bool = True,
         clip_qkv: float | None = None,
+        rotate_in_float32: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -326,6 +329,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.qk_norm_per_head = qk_norm_per_head
         self.clip_qkv = clip_qkv
+        self.rotate_in_float32 = rotate_in_float32
         if qk_norm_eps is not None:
             self.q_norm = rms_norm(head_dim if qk_norm_per_head else q_size, qk_norm_eps)
             self.k_norm = rms_norm(head_dim if qk_norm_per_head else kv_size, qk_norm_eps)
@@ -367,9 +371,10 @@ class Attention(nn.Module):
         if metadata.slot_mapping is None:  # cache-free: nothing to write
             if self.q_norm is not None and self.qk_norm_per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, k, cos, sin)
+            q, k = apply_rotary(q, k, cos, sin, rotate_in_float32=self.rotate_in_float32)
         else:  # one launch for the per-head q/k-norm, rotary and the cache write
             q, k = rotary_write_kv(q, k, v, cos, sin, *self.kv_cache, metadata.slot_mapping, self.k_scale,
-                                   self.v_scale, False, **self.per_head_norm())
+                                   self.v_scale, False, **self.per_head_norm(),
+                                   rotate_in_float32=self.rotate_in_float32)
         out = self.backend.forward(self, q, k, v, metadata)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

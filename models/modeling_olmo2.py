@@ -1,5 +1,6 @@
 """OLMo 2: Llama's attention and MLP in a block of post-norms only, RMSNorm on q and k over the
-whole projection (before splitting into heads), every norm's weight multiply in float32.
+whole projection (before splitting into heads), every norm's weight multiply in float32, q and k
+rotated by float32 cos and sin and rounded once (HF's OLMo 2 rotary keeps cos and sin in float32).
 
     x -> attn -> RMSNorm -> + x -> MLP -> RMSNorm -> +
 """
@@ -21,7 +22,7 @@ class Olmo2Attention(Attention):
         bias = config.attention_bias
         super().__init__(
             **attention_shape(config, sliding_window), qkv_bias=bias, o_bias=bias, qk_norm_eps=config.rms_norm_eps,
-            qk_norm_per_head=False, rms_norm=Olmo2RMSNorm,
+            qk_norm_per_head=False, rms_norm=Olmo2RMSNorm, rotate_in_float32=True,
         )
 
 

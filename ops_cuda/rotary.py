@@ -38,7 +38,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
 
 
 def apply_rotary_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+    rotate_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [N, Hq, D] and k [N, Hk, D] by the angles of each token; returns new tensors.
 
@@ -53,32 +54,37 @@ def apply_rotary_reference(
     HF's ``apply_rotary_pos_emb_interleave``: de-interleaved, the rotated even channels first, then
     the odd ones. GLM/GPT-J write the pairs back in place instead; that differs only by a fixed
     permutation of the rotated channels, which q.k does not see when q and k both use this op.
+
+    cos/sin are cast to the activations' dtype first, as HF's Llama rotary embedding returns them;
+    with ``rotate_in_float32`` (HF's OLMo 2 and OLMo 3) they stay float32, the products and sums are
+    float32's, and the result is rounded to the activations' dtype once.
     """
     check_rotary_shapes(q, k, cos, sin)
-    # cos/sin are cast to the activations' dtype, as HF's rotary embedding returns them.
-    cos = cos.to(q.dtype).unsqueeze(1)
-    sin = sin.to(q.dtype).unsqueeze(1)
-    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+    if not rotate_in_float32:
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _rotate(q, cos, sin, interleaved).to(q.dtype), _rotate(k, cos, sin, interleaved).to(k.dtype)
 
 
 @torch.library.custom_op("zoo::apply_rotary", mutates_args=())
 def apply_rotary_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+    rotate_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rotary_reference(q, k, cos, sin, interleaved)
+    return apply_rotary_reference(q, k, cos, sin, interleaved, rotate_in_float32)
 
 
 @apply_rotary_op.register_fake
-def _(q, k, cos, sin, interleaved=False):
+def _(q, k, cos, sin, interleaved=False, rotate_in_float32=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
 @cuda_implementation(apply_rotary_op)
-def _(q, k, cos, sin, interleaved=False):
+def _(q, k, cos, sin, interleaved=False, rotate_in_float32=False):
     from ops_cuda.triton_kernels import apply_rotary_triton  # triton is imported only where a kernel runs
 
     check_rotary_shapes(q, k, cos, sin)
-    return apply_rotary_triton(q, k, cos, sin, interleaved)
+    return apply_rotary_triton(q, k, cos, sin, interleaved, rotate_in_float32)
 
 
 apply_rotary = public_op(apply_rotary_op, apply_rotary_reference)

@@ -46,7 +46,7 @@ def rotary_write_kv_reference(
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
     interleaved: bool = False, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 0.0, weight_offset: float = 0.0, multiply_in_float32: bool = False,
-    v_norm_weight: torch.Tensor | None = None,
+    v_norm_weight: torch.Tensor | None = None, rotate_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns q [N, Hq, D] and k [N, Hkv, D] rotated, and writes the rotated k and v [N, Hkv, Dv]
     into the paged caches at ``slot_mapping`` (in place; slots < 0 skipped).
@@ -54,8 +54,8 @@ def rotary_write_kv_reference(
     With ``q_norm_weight``/``k_norm_weight`` ([D] each), q and k are first RMS-normalised per head,
     and with ``v_norm_weight`` ([Dv]) v (``rms_norm_reference`` with ``norm_eps``, ``weight_offset``,
     ``multiply_in_float32``, the options of every norm given). Then
-    ``apply_rotary_reference`` (``interleaved``, partial rotary where cos/sin are narrower than D),
-    then ``write_kv_cache_reference`` (``k_scale``/``v_scale``, FP8 caches): the composition of
+    ``apply_rotary_reference`` (``interleaved``, partial rotary where cos/sin are narrower than D,
+    ``rotate_in_float32``), then ``write_kv_cache_reference`` (``k_scale``/``v_scale``, FP8 caches): the composition of
     those references, operation for operation.
     """
     check_rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight,
@@ -65,7 +65,7 @@ def rotary_write_kv_reference(
         k = rms_norm_reference(k, k_norm_weight, norm_eps, weight_offset, multiply_in_float32)
     if v_norm_weight is not None:
         v = rms_norm_reference(v, v_norm_weight, norm_eps, weight_offset, multiply_in_float32)
-    q, k = apply_rotary_reference(q, k, cos, sin, interleaved)
+    q, k = apply_rotary_reference(q, k, cos, sin, interleaved, rotate_in_float32)
     write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k
 
@@ -76,31 +76,31 @@ def rotary_write_kv_op(
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
     interleaved: bool = False, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 0.0, weight_offset: float = 0.0, multiply_in_float32: bool = False,
-    v_norm_weight: torch.Tensor | None = None,
+    v_norm_weight: torch.Tensor | None = None, rotate_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary_write_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, interleaved,
                                      q_norm_weight, k_norm_weight, norm_eps, weight_offset, multiply_in_float32,
-                                     v_norm_weight)
+                                     v_norm_weight, rotate_in_float32)
 
 
 @rotary_write_kv_op.register_fake
 def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, interleaved=False,
       q_norm_weight=None, k_norm_weight=None, norm_eps=0.0, weight_offset=0.0, multiply_in_float32=False,
-      v_norm_weight=None):
+      v_norm_weight=None, rotate_in_float32=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
 @cuda_implementation(rotary_write_kv_op)
 def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, interleaved=False,
       q_norm_weight=None, k_norm_weight=None, norm_eps=0.0, weight_offset=0.0, multiply_in_float32=False,
-      v_norm_weight=None):
+      v_norm_weight=None, rotate_in_float32=False):
     from ops_cuda.triton_kernels import rotary_write_kv_triton  # triton is imported only where a kernel runs
 
     check_rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight,
                           v_norm_weight)
     return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, interleaved,
                                   q_norm_weight, k_norm_weight, norm_eps, weight_offset, multiply_in_float32,
-                                  v_norm_weight)
+                                  v_norm_weight, rotate_in_float32)
 
 
 rotary_write_kv = public_op(rotary_write_kv_op, rotary_write_kv_reference)

@@ -176,21 +176,32 @@ def act_and_mul_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 @triton.jit
+def _rotation_round(x, dtype: tl.constexpr, ROTATE_IN_FLOAT32: tl.constexpr):
+    # A value of the rotation rounded to the activations' dtype, where the reference rounds it: not
+    # where it rotates in float32.
+    if not ROTATE_IN_FLOAT32:
+        x = round_to(x, dtype)
+    return x
+
+
+@triton.jit
 def _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim, dtype: tl.constexpr,
-            INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+            INTERLEAVED: tl.constexpr, ROTATE_IN_FLOAT32: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # cos/sin of each output pair of one token, [1, BLOCK_HALF] each, as the activations' dtype
-    # (the reference casts them). The neox layout reads both halves of the table, the interleaved
-    # one (one angle per pair) the first half.
+    # (the reference casts them), or float32's with ROTATE_IN_FLOAT32. The neox layout reads both
+    # halves of the table, the interleaved one (one angle per pair) the first half.
     half = rotary_dim // 2
     i = tl.arange(0, BLOCK_HALF)[None, :]
     mask = i < half
-    cos1 = round_to(tl.load(cos_ptr + token * cos_stride + i, mask=mask, other=0.0).to(tl.float32), dtype)
-    sin1 = round_to(tl.load(sin_ptr + token * sin_stride + i, mask=mask, other=0.0).to(tl.float32), dtype)
+    cos1 = tl.load(cos_ptr + token * cos_stride + i, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * sin_stride + i, mask=mask, other=0.0).to(tl.float32)
+    cos1, sin1 = _rotation_round(cos1, dtype, ROTATE_IN_FLOAT32), _rotation_round(sin1, dtype, ROTATE_IN_FLOAT32)
     if INTERLEAVED:
         cos2, sin2 = cos1, sin1
     else:
-        cos2 = round_to(tl.load(cos_ptr + token * cos_stride + half + i, mask=mask, other=0.0).to(tl.float32), dtype)
-        sin2 = round_to(tl.load(sin_ptr + token * sin_stride + half + i, mask=mask, other=0.0).to(tl.float32), dtype)
+        cos2 = tl.load(cos_ptr + token * cos_stride + half + i, mask=mask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + token * sin_stride + half + i, mask=mask, other=0.0).to(tl.float32)
+        cos2, sin2 = _rotation_round(cos2, dtype, ROTATE_IN_FLOAT32), _rotation_round(sin2, dtype, ROTATE_IN_FLOAT32)
     return cos1, sin1, cos2, sin2
 
 
@@ -209,11 +220,11 @@ def _pair_channels(rotary_dim, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constex
 
 
 @triton.jit
-def _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype: tl.constexpr):
-    # Each product rounded like the reference's, then the sum: bit-equal in fp16/bf16 once the
-    # caller casts the float32 results to ``dtype``.
-    first = round_to(x1 * cos1, dtype) - round_to(x2 * sin1, dtype)
-    second = round_to(x2 * cos2, dtype) + round_to(x1 * sin2, dtype)
+def _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype: tl.constexpr, ROTATE_IN_FLOAT32: tl.constexpr):
+    # Each product rounded like the reference's (float32's alone with ROTATE_IN_FLOAT32), then the
+    # sum: bit-equal in fp16/bf16 once the caller casts the float32 results to ``dtype``.
+    first = _rotation_round(x1 * cos1, dtype, ROTATE_IN_FLOAT32) - _rotation_round(x2 * sin1, dtype, ROTATE_IN_FLOAT32)
+    second = _rotation_round(x2 * cos2, dtype, ROTATE_IN_FLOAT32) + _rotation_round(x1 * sin2, dtype, ROTATE_IN_FLOAT32)
     return first, second
 
 
@@ -222,26 +233,26 @@ def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
     q_heads, k_heads, q_dim, k_dim, rotary_dim, cos_stride, sin_stride,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h,
-    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ROTATE_IN_FLOAT32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (token, block of BLOCK_H heads), rotating those heads of both q and k.
     begin_after_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     cos1, sin1, cos2, sin2 = _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim,
-                                     q_out_ptr.dtype.element_ty, INTERLEAVED, BLOCK_HALF)
+                                     q_out_ptr.dtype.element_ty, INTERLEAVED, ROTATE_IN_FLOAT32, BLOCK_HALF)
     # rotary_write_kv's per-head step with no norm and no cache: its weights and cache pointer are unread.
     _norm_rotate_heads(q_ptr, 0.0, 0.0, 0.0, q_out_ptr, q_out_ptr, token, h, q_heads, 0, q_dim, rotary_dim, 0.0, 1.0,
                        q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
                        NORM=False, WEIGHT_OFFSET=0.0, MULTIPLY_IN_FLOAT32=False, INTERLEAVED=INTERLEAVED,
-                       WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False, BLOCK_HALF=BLOCK_HALF,
-                       BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
+                       ROTATE_IN_FLOAT32=ROTATE_IN_FLOAT32, WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False,
+                       BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
     _norm_rotate_heads(k_ptr, 0.0, 0.0, 0.0, k_out_ptr, k_out_ptr, token, h, k_heads, 0, k_dim, rotary_dim, 0.0, 1.0,
                        k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, 0, cos1, sin1, cos2, sin2,
                        NORM=False, WEIGHT_OFFSET=0.0, MULTIPLY_IN_FLOAT32=False, INTERLEAVED=INTERLEAVED,
-                       WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False, BLOCK_HALF=BLOCK_HALF,
-                       BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
+                       ROTATE_IN_FLOAT32=ROTATE_IN_FLOAT32, WRITE_CACHE=False, FP8=False, ROUND_TO_E4M3=False,
+                       BLOCK_HALF=BLOCK_HALF, BLOCK_PASS=BLOCK_PASS, BLOCK_D=16)
 
 
 def _rotary_tiles(head_dim: int, rotary_dim: int) -> tuple[int, int]:
@@ -254,7 +265,8 @@ def _rotary_tiles(head_dim: int, rotary_dim: int) -> tuple[int, int]:
 
 
 def apply_rotary_triton(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+    rotate_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """zoo::apply_rotary on shapes the op has checked (``ops_cuda.rotary.check_rotary_shapes``)."""
     check_dtypes("apply_rotary", q, k)
@@ -270,7 +282,8 @@ def apply_rotary_triton(
         q.shape[1], k.shape[1], q.shape[2], k.shape[2], rotary_dim, cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=4,
+        INTERLEAVED=interleaved, ROTATE_IN_FLOAT32=rotate_in_float32, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        BLOCK_PASS=block_pass, num_warps=4,
         # No fused multiply-adds: one would skip the rounding of a product that the reference
         # rounds, and move a sixth of bf16 outputs by one unit (zoo's bf16 logits then agreed with
         # HF's on 97.7% of top-1 tokens instead of 100%).
@@ -421,7 +434,7 @@ def _norm_rotate_heads(
     x_ptr, w1, w2, w_pass, out_ptr, cache_ptr, token, h, num_heads, cache_heads, head_dim, rotary_dim, eps, scale,
     x_stride_t, x_stride_h, out_stride_t, out_stride_h, cache_stride_h, cos1, sin1, cos2, sin2,
     NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr, INTERLEAVED: tl.constexpr,
-    WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
+    ROTATE_IN_FLOAT32: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Heads h ([BLOCK_H, 1]) of one token: normalised (NORM, by _norm_weights' w1, w2, w_pass), rotated,
@@ -443,7 +456,7 @@ def _norm_rotate_heads(
     mask = heads & pair_ok
     x1 = _load_normed(src, in1, mask, inv_rms, w1, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
     x2 = _load_normed(src, in2, mask, inv_rms, w2, dtype, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
-    first, second = _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype)
+    first, second = _rotate_pair(x1, x2, cos1, sin1, cos2, sin2, dtype, ROTATE_IN_FLOAT32)
     first, second = round_to(first, dtype), round_to(second, dtype)
     tl.store(dst + i, first.to(dtype), mask=mask)
     tl.store(dst + half + i, second.to(dtype), mask=mask)
@@ -472,9 +485,9 @@ def _rotary_write_kv_kernel(
     qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h,
     kc_stride_b, kc_stride_o, kc_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d,
     NORM: tl.constexpr, V_NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr,
-    INTERLEAVED: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HV: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ROTATE_IN_FLOAT32: tl.constexpr, FP8: tl.constexpr, ROUND_TO_E4M3: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HV: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (token, block of BLOCK_H heads): those heads of q and k, and BLOCK_HV of v's
     # (v has at most k's heads: no wider a tile than they fill, for a latent of 512 values).
@@ -493,16 +506,16 @@ def _rotary_write_kv_kernel(
     # A negative slot (padding of a captured batch) has no heads to write: every cache access is masked.
     cache_heads = tl.where(slot >= 0, kv_heads, 0)
     cos1, sin1, cos2, sin2 = _angles(cos_ptr, sin_ptr, token, cos_stride, sin_stride, rotary_dim,
-                                     q_out_ptr.dtype.element_ty, INTERLEAVED, BLOCK_HALF)
+                                     q_out_ptr.dtype.element_ty, INTERLEAVED, ROTATE_IN_FLOAT32, BLOCK_HALF)
     _norm_rotate_heads(q_ptr, q_w1, q_w2, q_w_pass, q_out_ptr, k_cache_ptr, token, h, q_heads, 0, head_dim,
                        rotary_dim, eps, 1.0, q_stride_t, q_stride_h, qo_stride_t, qo_stride_h, 0, cos1, sin1, cos2, sin2,
-                       NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, False, FP8, ROUND_TO_E4M3,
-                       BLOCK_HALF, BLOCK_PASS, BLOCK_D)
+                       NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, ROTATE_IN_FLOAT32, False, FP8,
+                       ROUND_TO_E4M3, BLOCK_HALF, BLOCK_PASS, BLOCK_D)
     k_row = k_cache_ptr + block * kc_stride_b + offset * kc_stride_o
     _norm_rotate_heads(k_ptr, k_w1, k_w2, k_w_pass, k_out_ptr, k_row, token, h, kv_heads, cache_heads, head_dim,
                        rotary_dim, eps, k_scale, k_stride_t, k_stride_h, ko_stride_t, ko_stride_h, kc_stride_h,
-                       cos1, sin1, cos2, sin2, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED, True, FP8,
-                       ROUND_TO_E4M3, BLOCK_HALF, BLOCK_PASS, BLOCK_D)
+                       cos1, sin1, cos2, sin2, NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32, INTERLEAVED,
+                       ROTATE_IN_FLOAT32, True, FP8, ROUND_TO_E4M3, BLOCK_HALF, BLOCK_PASS, BLOCK_D)
     _copy_to_slot(v_ptr, v_cache_ptr, token, block, offset, hv, cache_heads, v_dim, v_scale,
                   v_stride_t, v_stride_h, vc_stride_b, vc_stride_o, vc_stride_h, vc_stride_d, BLOCK_DV, FP8,
                   ROUND_TO_E4M3, v_w, eps, V_NORM, WEIGHT_OFFSET, MULTIPLY_IN_FLOAT32)
@@ -513,7 +526,7 @@ def rotary_write_kv_triton(
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
     interleaved: bool = False, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 0.0, weight_offset: float = 0.0, multiply_in_float32: bool = False,
-    v_norm_weight: torch.Tensor | None = None,
+    v_norm_weight: torch.Tensor | None = None, rotate_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """zoo::rotary_write_kv on inputs the op has checked (``ops_cuda.rotary_kv.check_rotary_write_kv``)."""
     norm, v_norm = q_norm_weight is not None, v_norm_weight is not None
@@ -539,7 +552,7 @@ def rotary_write_kv_triton(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         NORM=norm, V_NORM=v_norm, WEIGHT_OFFSET=float(weight_offset), MULTIPLY_IN_FLOAT32=multiply_in_float32,
-        INTERLEAVED=interleaved, FP8=k_cache.dtype == FP8_DTYPE,
+        INTERLEAVED=interleaved, ROTATE_IN_FLOAT32=rotate_in_float32, FP8=k_cache.dtype == FP8_DTYPE,
         ROUND_TO_E4M3=not q.is_cuda,  # the interpreter's tensors are on the CPU
         BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, BLOCK_D=block_d,
         BLOCK_HV=min(block_h, triton.next_power_of_2(k.shape[1])), BLOCK_DV=triton.next_power_of_2(v.shape[2]),

@@ -187,6 +187,22 @@ def test_sharded_checkpoint(make_checkpoint, input_ids):
         assert_matches(model(input_ids), reference(input_ids).logits)
 
 
+@pytest.mark.parametrize("variant", ["olmo2", "olmo3"])
+def test_olmo_rotates_in_float32_as_hf(variant, make_checkpoint, input_ids):
+    """HF's OLMo 2 and OLMo 3 rotate q and k by float32 cos and sin and round once: in bfloat16 on the
+    CPU, where zoo's ops are PyTorch's, their logits are HF's bit for bit, and rounding cos and sin to
+    bfloat16 first (Llama's rotary) moves them."""
+    path, _ = make_checkpoint(VARIANTS[variant], dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        assert torch.equal(model(input_ids), expected)
+        for layer in model.model.layers:
+            layer.self_attn.rotate_in_float32 = False
+        assert not torch.equal(model(input_ids), expected)
+
+
 def test_bfloat16_checkpoint_loaded_as_float32(make_checkpoint, input_ids):
     path, _ = make_checkpoint(tiny_config("llama"), dtype=torch.bfloat16)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

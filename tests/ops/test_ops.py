@@ -13,6 +13,8 @@ from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.glm import modeling_glm as hf_glm
 from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
 from transformers.models.llama import modeling_llama as hf_llama
+from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
+from transformers.models.olmo3 import modeling_olmo3 as hf_olmo3
 from transformers.models.phi3 import modeling_phi3 as hf_phi3
 
 from layers import RotaryEmbedding, rope_layer_types
@@ -149,6 +151,23 @@ def test_apply_rotary_matches_hf():
     ours = apply_rotary(q, k, cos, sin)
     theirs = hf_llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_apply_rotary_rounds_as_hf_llama_or_as_hf_olmo(dtype):
+    """Llama's rotary embedding rounds float32 cos and sin to the activations' dtype, and each product;
+    OLMo 2's and OLMo 3's keep them in float32 and round once (``rotate_in_float32``): each bit for bit."""
+    torch.manual_seed(0)
+    q, k = torch.randn(7, 4, 16).to(dtype), torch.randn(7, 2, 16).to(dtype)
+    cos, sin = rope_table(torch.arange(7) * 37, 16)
+    llama = hf_llama.apply_rotary_pos_emb(q, k, cos.to(dtype), sin.to(dtype), unsqueeze_dim=1)
+    ours = apply_rotary(q, k, cos, sin)
+    assert torch.equal(ours[0], llama[0]) and torch.equal(ours[1], llama[1])
+    ours = apply_rotary(q, k, cos, sin, rotate_in_float32=True)
+    for hf_olmo in (hf_olmo2, hf_olmo3):
+        theirs = hf_olmo.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert not torch.equal(ours[0], llama[0])
 
 
 def rope_table(positions: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,6 +183,24 @@ def test_rotary_write_kv_fp16_is_bit_equal_interpreted(rotary_dim, interleaved, 
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8_cache"])
+@pytest.mark.parametrize("norm", ["no_norm", "llama"])
+@pytest.mark.parametrize("rotary_dim", [24, 16], ids=["full", "partial16"])
+def test_rotary_write_kv_in_float32_fp16_is_bit_equal_interpreted(rotary_dim, norm, fp8):
+    # OLMo 2's and OLMo 3's rotation (their q/k norms run before the op): the float32 cos and sin,
+    # each output rounded once, into the cache.
+    args, norm_args = make_inputs(torch.float16, norm, torch.float8_e4m3fn if fp8 else None, rotary_dim=rotary_dim)
+    scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
+    options = {**norm_args, "rotate_in_float32": True}
+    (q_ref, k_ref), k_expected, v_expected = expected(args, scales, False, options)
+    (q_rounded_angles, _), _, _ = expected(args, scales, False, norm_args)
+    q_out, k_out = run_interpreted(args, scales, False, options)
+    for ours, theirs in ((q_out, q_ref), (k_out, k_ref), (args[5], k_expected), (args[6], v_expected)):
+        assert_same_bits(ours, theirs)
+    assert not torch.equal(q_out, q_rounded_angles)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 def test_rotary_write_kv_fp32_interpreted(interleaved, norm):
@@ -290,6 +308,27 @@ def test_rotary_write_kv_gpu(shape, interleaved, norm, fp8):
     ours, theirs = (cache.view(-1, kv_heads, head_dim)[written].float() for cache in (k_cache, k_expected))
     tol = 2**-3 if fp8 else GPU_TOL[torch.bfloat16]
     torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol * theirs.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8_cache"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_rotary_write_kv_in_float32_gpu(shape, fp8):
+    """OLMo 2's and OLMo 3's rotation (``rotate_in_float32``), bf16 and written, bit for bit."""
+    n, q_heads, kv_heads, head_dim, rotary_dim = GPU_SHAPES[shape]
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 caches need compute capability 8.9")
+    block_size = 16
+    args, _ = make_inputs(torch.bfloat16, "no_norm", torch.float8_e4m3fn if fp8 else None, n, q_heads, kv_heads,
+                          head_dim, rotary_dim, -(-2 * n // block_size), block_size, "cuda")
+    args[-1][3::7] = -1  # padding tokens
+    scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
+    options = {"rotate_in_float32": True}
+    (q_ref, k_ref), k_expected, v_expected = expected(args, scales, False, options)
+    # no norms (q_norm_weight, k_norm_weight, norm_eps, weight_offset, multiply_in_float32, v_norm_weight)
+    q_out, k_out = run_poisoned(rotary_write_kv, *args, *scales, False, None, None, 0.0, 0.0, False, None, True)
+    for ours, theirs in ((q_out, q_ref), (k_out, k_ref), (args[5], k_expected), (args[6], v_expected)):
+        assert_same_bits(ours, theirs)
 
 
 @pytest.mark.gpu

@@ -187,6 +187,20 @@ def test_apply_rotary_interpreted(rotary_dim, interleaved, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("rotary_dim", [24, 16], ids=["full", "partial16"])
+def test_apply_rotary_in_float32_interpreted(rotary_dim):
+    # OLMo 2's rounding: the float32 cos and sin, each output rounded once. In float16, where the
+    # interpreter rounds to nearest (bfloat16 it truncates).
+    torch.manual_seed(0)
+    q, k, _ = qkv_views(5, 4, 2, 24, torch.float16)
+    cos, sin = rope_table(torch.tensor([0, 1, 7, 30, 1000]), rotary_dim)
+    ours = kernels.apply_rotary_triton(q, k, cos, sin, False, True)
+    for mine, theirs in zip(ours, apply_rotary_reference(q, k, cos, sin, False, True)):
+        assert torch.equal(mine, theirs)
+    assert not torch.equal(ours[0], apply_rotary_reference(q, k, cos, sin)[0])
+
+
+@pytest.mark.interpreter
 def test_apply_rotary_any_table_interpreted():
     # The neox kernel reads both halves of cos/sin, so it follows the reference on any table.
     torch.manual_seed(0)
@@ -502,20 +516,21 @@ def test_act_and_mul_gpu(shape, activation, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_TOL)
+@pytest.mark.parametrize("rotate_in_float32", [False, True], ids=["rounded_angles", "float32_rotation"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize(
     "n, q_heads, kv_heads, head_dim, rotary_dim",
     [(1, 32, 8, 128, 128), (4097, 32, 8, 128, 128), (37, 28, 4, 128, 64), (5, 16, 1, 64, 64), (9, 6, 2, 80, 32),
      (37, 16, 4, 128, 0)],  # a NoPE layer (SmolLM3's): no channel rotates
 )
-def test_apply_rotary_gpu(n, q_heads, kv_heads, head_dim, rotary_dim, interleaved, dtype):
+def test_apply_rotary_gpu(n, q_heads, kv_heads, head_dim, rotary_dim, interleaved, rotate_in_float32, dtype):
     # Bit-equal, not merely close: a unit off in a sixth of the bf16 outputs (a fused multiply-add
     # skipping a rounding) cost zoo's bf16 logits 2% of top-1 agreement with HF.
     torch.manual_seed(0)
     q, k, _ = qkv_views(n, q_heads, kv_heads, head_dim, dtype, "cuda")
     cos, sin = rope_table(torch.randint(0, 32768, (n,), device="cuda"), rotary_dim)
-    ours = run_poisoned(apply_rotary, q, k, cos, sin, interleaved)
-    for mine, theirs in zip(ours, apply_rotary_reference(q, k, cos, sin, interleaved)):
+    ours = run_poisoned(apply_rotary, q, k, cos, sin, interleaved, rotate_in_float32)
+    for mine, theirs in zip(ours, apply_rotary_reference(q, k, cos, sin, interleaved, rotate_in_float32)):
         assert torch.equal(mine, theirs)
 
 
