@@ -64,13 +64,11 @@ AGREEING = {
                                  qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=8, num_experts_per_tok=2,
                                  moe_intermediate_size=256, mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
     # three sliding layers, then a full one with YaRN (OLMo 3 7B's long-context rope); q/k norms over all
-    # heads. Its default EOS id, 50279, lies outside the vocabulary: the runtime refuses it
+    # heads, q and k rotated in float32. Its default EOS id, 50279, lies outside the vocabulary: the
+    # runtime refuses it
     "olmo3": tiny_config("olmo3", **SMALL, sliding_window=48,
                          layer_types=["sliding_attention"] * 3 + ["full_attention"],
                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
-                         eos_token_id=2),
-    # OLMoE-1B-7B's router (top-2 of 8 here, not renormalised), q/k norms over all heads
-    "olmoe": tiny_config("olmoe", **{**SMALL, "intermediate_size": 256}, num_experts=8, num_experts_per_tok=2,
                          eos_token_id=2),
 }
 
@@ -146,7 +144,9 @@ GRAPHED = {
     "smollm3": AGREEING["smollm3"],  # the NoPE layer's zero-width cos/sin in the KV-write kernel
     "gemma3": AGREEING["gemma3"],
     "olmo3": AGREEING["olmo3"],
-    "olmoe": AGREEING["olmoe"],
+    # OLMoE-1B-7B's router (top-2 of 8 here, not renormalised), q/k norms over all heads
+    "olmoe": tiny_config("olmoe", **{**SMALL, "intermediate_size": 256}, num_experts=8, num_experts_per_tok=2,
+                         eos_token_id=2),
     "phi3-longrope": AGREEING["phi3-longrope"],  # the long factors fixed by max_model_len 512: capturable
     "glm4_moe": AGREEING["glm4_moe"],
     "glm4_moe_lite": AGREEING["glm4_moe_lite"],
