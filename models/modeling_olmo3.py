@@ -1,7 +1,8 @@
 """OLMo 3 (Olmo 3 7B and 32B, their Instruct and Think models): OLMo 2's block (post-norms only, RMSNorm
-on q and k over the whole projection, every norm's weight multiply in float32) with a sliding window on
-the layers ``config.layer_types`` marks (three of every four), and rope settings of their own for the
-sliding and the full layers (YaRN on the full ones only, where a checkpoint's ``rope_scaling`` asks for it).
+on q and k over the whole projection, every norm's weight multiply in float32, q and k rotated in
+float32) with a sliding window on the layers ``config.layer_types`` marks (three of every four), and
+rope settings of their own for the sliding and the full layers (YaRN on the full ones only, where a
+checkpoint's ``rope_scaling`` asks for it).
 
     x -> attn (windowed on sliding layers) -> RMSNorm -> + x -> MLP -> RMSNorm -> +
 """

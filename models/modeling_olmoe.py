@@ -4,7 +4,7 @@ clip_qkv]`` after it where the config sets ``clip_qkv``, and a sparse mixture of
 experts of ``intermediate_size`` as every layer's MLP.
 
     x -> RMSNorm -> attn (q/k RMSNorm over all heads) -> + x -> RMSNorm -> MoE -> +
-    router: softmax -> top ``num_experts_per_tok``, renormalised when ``norm_topk_prob`` (not in OLMoE's)
+    router: softmax -> top ``num_experts_per_tok``, renormalised when ``norm_topk_prob`` (not in OLMoE-1B-7B)
 
 Its checkpoints spell the MoE as Qwen-MoE's do (``mlp.gate``, ``mlp.experts.{e}.gate_proj/up_proj/down_proj``).
 """
