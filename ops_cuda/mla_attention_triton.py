@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ops_cuda.fp8 import FP8_DTYPE
 from ops_cuda.paged_attention_triton import (
-    LOG2_E, SCORE_FLOOR, UNALIGNED_METADATA, decode_num_splits, split_chunks,
+    LOG2_E, SCORE_FLOOR, UNALIGNED_METADATA, decode_num_splits, shared_memory_per_program, split_chunks,
 )
 from ops_cuda.triton_helpers import begin_after_previous, check_dtypes, pdl_launch
 
@@ -277,15 +277,22 @@ def mla_decode_attention_triton(q_latent, q_rope, cache, block_tables, seq_lens,
     return num_splits
 
 
-def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
+def _prefill_tiles(q_nope: torch.Tensor, rope: int, v_dim: int) -> tuple[int, int, int, int]:
     """(query tile rows, key tile rows, warps, pipeline stages) of the prefill kernel."""
-    if not q.is_cuda:
+    if not q_nope.is_cuda:
         return 16, 16, 4, 2
-    if q.dtype == torch.float32:
+    if q_nope.dtype == torch.float32:
         return 32, 32, 8, 2
     # 128 query rows x 64 keys on 8 warps, three stages: on DeepSeek-V3's heads the fastest of 24
-    # tilings, 1.18x two stages (docs/performance.md).
-    return 128, 64, 8, 3
+    # tilings, 1.18x two stages (docs/performance.md). Wider heads (GLM-4.7-Flash's 192 + 64 query
+    # and key channels, values of 256) take fewer stages, then fewer query rows, until the key
+    # stages, the query tile and 16 KiB of scratch fit in a program's shared memory.
+    query_row = (_block(q_nope.shape[-1]) + _block(rope)) * q_nope.element_size()
+    key_row = query_row + _block(v_dim) * q_nope.element_size()
+    for block_m, num_stages in ((128, 3), (128, 2), (64, 2)):
+        if num_stages * 64 * key_row + block_m * query_row + (16 << 10) <= shared_memory_per_program(q_nope.device):
+            return block_m, 64, 8, num_stages
+    return 64, 32, 4, 1
 
 
 def mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len,
@@ -294,7 +301,7 @@ def mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_
     _check("mla_prefill_attention", q_nope=q_nope, q_rope=q_rope, k_nope=k_nope, k_rope=k_rope, v=v, out=out)
     num_heads, nope = q_nope.shape[1], q_nope.shape[2]
     rope, v_dim = q_rope.shape[2], v.shape[2]
-    block_m, block_n, num_warps, num_stages = _prefill_tiles(q_nope)
+    block_m, block_n, num_warps, num_stages = _prefill_tiles(q_nope, rope, v_dim)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, query_start_loc.shape[0] - 1)
     _mla_prefill_kernel[grid](
         q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, out, scale * LOG2_E,

@@ -456,7 +456,7 @@ def _prefill_kernel(
 
 
 @functools.cache
-def _shared_memory(device: torch.device) -> int:
+def shared_memory_per_program(device: torch.device) -> int:
     """The shared memory one program may take on ``device``, in bytes."""
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
@@ -582,7 +582,7 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
         # 128-key tiles where their K and V stages, the query tile and 16 KiB of scratch fit in a
         # program's shared memory (176 of the H200's 227 KiB at D=128): 1.1-1.15x 64-key tiles
         # there on prompts of 1,024 and 4,096 tokens, with or without cached context.
-        wide = (128 + 4 * 128) * row_bytes + (16 << 10) <= _shared_memory(q.device)
+        wide = (128 + 4 * 128) * row_bytes + (16 << 10) <= shared_memory_per_program(q.device)
         return 128, (128 if wide else 64), block_d, 8
     return 64, max(16, 16384 // row_bytes), block_d, 4
 

@@ -344,6 +344,7 @@ def test_mla_layer_is_capturable_where_its_backend_is():
 # --- GPU -------------------------------------------------------------------------------------------
 
 DEEPSEEK_V3 = (128, 512, 64, 128, 128, 16)  # heads, rank, rope, nope, v_dim, block_size
+GLM_4_7_FLASH = (20, 512, 64, 192, 256, 16)  # wider heads: the prefill kernel's tiles fit by fewer stages and rows
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -360,10 +361,11 @@ def test_decode_kernel_cuda(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [DEEPSEEK_V3, GLM_4_7_FLASH], ids=["deepseek_v3", "glm_4_7_flash"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_prefill_kernel_cuda(dtype):
+def test_prefill_kernel_cuda(dtype, shape):
     # A long fresh prompt, a chunk after unaligned context, one query after long context, odd tails.
-    batch = LatentBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *DEEPSEEK_V3, dtype, "cuda")
+    batch = LatentBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *shape, dtype, "cuda")
     reference = batch.reference_prefill()
     assert_close(run_prefill(batch), reference, TOL[dtype])
     assert_close(mla_prefill_attention(*batch.prefill_args()), reference, TOL[dtype])
