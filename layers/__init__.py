@@ -18,6 +18,7 @@ from layers.norm import LayerNorm, RMSNorm
 from layers.parallel import (
     ColumnParallelLinear,
     ExpertParallelExperts,
+    HeadParallelLayerNorm,
     RowParallelLinear,
     TensorParallelExperts,
     VocabParallelEmbedding,
@@ -28,7 +29,7 @@ from layers.rotary import RotaryEmbedding, rope_layer_types, rope_parameters
 from layers.weights import OneOf, Shard
 
 __all__ = [
-    "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "LayerNorm", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
+    "Attention", "AttentionMetadata", "ColumnParallelLinear", "ExpertParallelExperts", "Experts", "GatedMLP", "HeadParallelLayerNorm", "LayerNorm", "LMHead", "Linear", "MergedLinear", "MLAttention", "RMSNorm",
     "OneOf", "RotaryEmbedding", "RowParallelLinear", "ScoreModifiers", "Shard", "SparseMoE", "TopKRouter", "TorchAttentionBackend",
     "TensorParallelExperts", "TritonAttentionBackend", "VocabEmbedding", "VocabParallelEmbedding", "VocabParallelLMHead",
     "pack_cpu_weights", "rope_layer_types", "rope_parameters", "score_modifiers_used",

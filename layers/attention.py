@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from layers.linear import Linear, MergedLinear
-from layers.norm import RMSNorm
+from layers.norm import LayerNorm, RMSNorm
 from ops_cuda import apply_rotary, prompt_attention, rotary_write_kv
 from ops_cuda.kv_cache import dequantize, holds_exactly
 from ops_cuda.mla_attention import (
@@ -274,21 +274,29 @@ def _triton_imports() -> bool:
     return True
 
 
+# Where a layer's rotation rounds, as its HF model computes it: "activations" (Llama's): cos and sin
+# rounded to q's dtype, each product and sum rounded as q's dtype; "float32" (Cohere's): cos and sin
+# rounded to q's dtype, the products and sums in float32, rounded once; "float32_tables" (OLMo 2's,
+# OLMo 3's): cos and sin kept in float32, the products and sums in float32, rounded once.
+ROTARY_PRECISIONS = frozenset({"activations", "float32", "float32_tables"})
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads.
 
     q/k/v are one fused projection (HF's ``q_proj``/``k_proj``/``v_proj`` stacked), ``head_dim``
     is independent of ``hidden_size / num_heads``; ``scale`` multiplies the scores (by default
-    ``head_dim**-0.5``); ``qk_norm_eps`` adds RMSNorm on q and k before rotary, per head (Qwen3) or,
-    with ``qk_norm_per_head`` False, over the whole projection (OLMo 2), built by ``rms_norm`` (the
-    model's RMSNorm variant); ``clip_qkv`` clamps q, k and v to ``[-clip_qkv, clip_qkv]`` after the
-    projection and a whole-projection norm, before rotary (OLMoE's); ``rotate_in_float32`` rotates
-    q and k by the float32 cos and sin and rounds once (OLMo 2's, OLMo 3's), where Llama's rotary
-    rounds cos and sin to the activations' dtype first; ``sliding_window`` limits how far back a
-    token looks (Mistral); ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``);
-    ``rotary`` False makes a layer without position embedding (NoPE, SmolLM3's): it rotates none of
-    q's and k's channels, handing the rotary ops zero-width cos/sin, so the KV-cache write stays in
-    ``rotary_write_kv``.
+    ``head_dim**-0.5``); ``qk_norm_eps`` adds a norm on q and k before rotary, built by ``qk_norm``
+    (the model's RMSNorm variant, or LayerNorm): over each head with one weight for all heads
+    (Qwen3), with ``qk_norm_weight_per_head`` a weight of its own for each head (Cohere's
+    LayerNorm), or, with ``qk_norm_per_head`` False, over the whole projection (OLMo 2);
+    ``clip_qkv`` clamps q, k and v to ``[-clip_qkv, clip_qkv]`` after the projection and a
+    whole-projection norm, before rotary (OLMoE's); ``rope_interleaved`` rotates the channel pairs
+    (2i, 2i+1) instead of (i, i + rotary_dim/2) (Cohere); ``rotary_precision`` is where the rotation
+    rounds (``ROTARY_PRECISIONS``); ``sliding_window`` limits how far back a token looks (Mistral);
+    ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``); ``rotary`` False makes a layer
+    without position embedding (NoPE, SmolLM3's): it rotates none of q's and k's channels, handing
+    the rotary ops zero-width cos/sin, so the KV-cache write stays in ``rotary_write_kv``.
     """
 
     capturable = True  # the Triton backend's paged ops read nothing on the host (see CausalLM.capturable)
@@ -303,17 +311,21 @@ class Attention(nn.Module):
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
         qk_norm_per_head: bool = True,
-        rms_norm: Callable[[int, float], RMSNorm] = RMSNorm,
+        qk_norm_weight_per_head: bool = False,
+        qk_norm: Callable[..., RMSNorm | LayerNorm] = RMSNorm,
+        rope_interleaved: bool = False,
+        rotary_precision: str = "activations",
         sliding_window: int | None = None,
         scale: float | None = None,
         logit_softcap: float | None = None,
         rotary: bool = True,
         clip_qkv: float | None = None,
-        rotate_in_float32: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        if rotary_precision not in ROTARY_PRECISIONS:
+            raise ValueError(f"rotary_precision {rotary_precision!r}; one of {sorted(ROTARY_PRECISIONS)}")
         if clip_qkv is not None and qk_norm_eps is not None and qk_norm_per_head:
             # A per-head norm runs inside rotary_write_kv, after where the clamp is.
             raise ValueError("clip_qkv after a per-head q/k norm is not implemented")
@@ -328,11 +340,17 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.qk_norm_per_head = qk_norm_per_head
+        self.qk_norm_weight_per_head = qk_norm_weight_per_head
         self.clip_qkv = clip_qkv
-        self.rotate_in_float32 = rotate_in_float32
+        self.rope_interleaved, self.rotary_precision = rope_interleaved, rotary_precision
         if qk_norm_eps is not None:
-            self.q_norm = rms_norm(head_dim if qk_norm_per_head else q_size, qk_norm_eps)
-            self.k_norm = rms_norm(head_dim if qk_norm_per_head else kv_size, qk_norm_eps)
+            if not qk_norm_per_head:
+                q_shape, k_shape = q_size, kv_size
+            elif qk_norm_weight_per_head:
+                q_shape, k_shape = (num_heads, head_dim), (num_kv_heads, head_dim)
+            else:
+                q_shape = k_shape = head_dim
+            self.q_norm, self.k_norm = qk_norm(q_shape, qk_norm_eps), qk_norm(k_shape, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         # Set through the model's bind_kv_cache: one pool per entry of kv_cache_shapes, [blocks, block_size, *shape].
@@ -343,8 +361,9 @@ class Attention(nn.Module):
 
     def per_head_norm(self) -> dict:
         """``rotary_write_kv``'s norm arguments: q_norm's and k_norm's weights and their shared
-        RMSNorm options where they normalise each head; none otherwise."""
-        if self.q_norm is None or not self.qk_norm_per_head:
+        RMSNorm options where they are RMSNorms of each head with one weight for all heads; none
+        otherwise (the layer applies other norms itself)."""
+        if not (isinstance(self.q_norm, RMSNorm) and self.qk_norm_per_head):
             return {}
         norm = self.q_norm
         return dict(q_norm_weight=norm.weight, k_norm_weight=self.k_norm.weight, norm_eps=norm.eps,
@@ -368,13 +387,18 @@ class Attention(nn.Module):
         cos, sin = position_embeddings
         if not self.rotary:
             cos, sin = cos[:, :0], sin[:, :0]
+        elif self.rotary_precision == "float32":  # the tables as the activations' dtype holds them
+            cos, sin = cos.to(q.dtype).float(), sin.to(q.dtype).float()
+        rotate_in_float32 = self.rotary_precision != "activations"
+        # Through the cache, one launch for a per-head RMSNorm of q/k, rotary and the cache write.
+        fused_norm = self.per_head_norm() if metadata.slot_mapping is not None else {}
+        if self.q_norm is not None and self.qk_norm_per_head and not fused_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if metadata.slot_mapping is None:  # cache-free: nothing to write
-            if self.q_norm is not None and self.qk_norm_per_head:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, k, cos, sin, rotate_in_float32=self.rotate_in_float32)
-        else:  # one launch for the per-head q/k-norm, rotary and the cache write
+            q, k = apply_rotary(q, k, cos, sin, self.rope_interleaved, rotate_in_float32)
+        else:
             q, k = rotary_write_kv(q, k, v, cos, sin, *self.kv_cache, metadata.slot_mapping, self.k_scale,
-                                   self.v_scale, False, **self.per_head_norm(),
-                                   rotate_in_float32=self.rotate_in_float32)
+                                   self.v_scale, self.rope_interleaved, rotate_in_float32=rotate_in_float32,
+                                   **fused_norm)
         out = self.backend.forward(self, q, k, v, metadata)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

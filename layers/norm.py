@@ -40,20 +40,31 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """``norm(x)``, or with a residual ``(norm(x + residual), x + residual)``, as ``RMSNorm``: the
-    mean and variance normalised away, times the weight plus the bias (Starcoder2's, StableLM's),
-    as ``torch.nn.LayerNorm`` computes it."""
+    mean and variance of the last dimension normalised away, times the weight plus the bias
+    (Starcoder2's, StableLM's), as ``torch.nn.LayerNorm`` computes it; ``bias=False``: none
+    (Cohere's). A ``hidden_size`` of two dimensions, ``(heads, head_dim)``, gives each head a
+    weight of its own (Cohere's q/k norms), multiplied in float32 before the cast to the input
+    dtype, as HF's ``CohereLayerNorm`` does (torch's LayerNorm does the same inside its kernel)."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+            return self._norm(x)
         summed = x + residual
-        return F.layer_norm(summed, self.weight.shape, self.weight, self.bias, self.eps), summed
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 1:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        normed = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight.float()
+        if self.bias is not None:
+            normed = normed + self.bias.float()
+        return normed.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + ("" if self.bias is not None else ", bias=False")

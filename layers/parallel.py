@@ -6,7 +6,8 @@ tensor it reads (``Shard.source``), so the one loader reads each rank's bytes al
 
 - column-parallel (``ColumnParallelLinear``): a slice of the output rows of each fused source;
   attention's q/k/v split by heads (a KV head replicated on several ranks where there are fewer KV
-  heads than ranks), the MLP's gate/up by intermediate rows; no communication.
+  heads than ranks), the MLP's gate/up by intermediate rows; no communication. A q/k norm with a
+  weight of its own for each head (``HeadParallelLayerNorm``) holds the rows of the rank's heads.
 - row-parallel (``RowParallelLinear``): a slice of the input columns; the partial products are
   summed over the ranks (all-reduce), then the bias is added once.
 - the vocabulary-parallel embedding (``VocabParallelEmbedding``: rows of the rank's vocabulary
@@ -20,7 +21,9 @@ tensor it reads (``Shard.source``), so the one loader reads each rank's bytes al
 - multi-head latent attention: heads split (``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
   column-parallel by heads, ``o_proj`` row-parallel), the latent path replicated, so every rank
   caches the same whole latent.
-Norms, rotary tables, routers, a vision tower and its projector are replicated.
+Norms, rotary tables, routers, a vision tower and its projector are replicated. A block whose
+attention and MLP sit side by side (``DecoderLayer``'s ``parallel``) all-reduces each branch's
+row-parallel output, as a block of one branch after the other does.
 """
 
 import itertools
@@ -108,6 +111,19 @@ class RowParallelLinear(Linear):
         if self.group is not None:
             dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
+
+
+class HeadParallelLayerNorm(LayerNorm):
+    """The rows of the rank's ``heads`` of a LayerNorm with a weight of its own for each head
+    (Cohere's q/k norms)."""
+
+    def __init__(self, heads: slice, head_dim: int, eps: float, bias: bool):
+        super().__init__((heads.stop - heads.start, head_dim), eps, bias)
+        self.heads = heads
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
+        return {name: [Shard(f"{prefix}.{name}", (), (self.heads,))]
+                for name, _ in self.named_parameters(recurse=False)}
 
 
 class VocabParallelEmbedding(VocabEmbedding):
@@ -288,6 +304,13 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
     o = attention.o_proj
     attention.o_proj = RowParallelLinear(rows[0], o.out_features, group, bias=o.bias is not None)
     attention.num_heads, attention.num_kv_heads = q_heads.stop - q_heads.start, kv.stop - kv.start
+    if attention.q_norm is not None and attention.qk_norm_weight_per_head:
+        attention.q_norm = _split_head_norm(attention.q_norm, q_heads)
+        attention.k_norm = _split_head_norm(attention.k_norm, kv)
+
+
+def _split_head_norm(norm: LayerNorm, heads: slice) -> HeadParallelLayerNorm:
+    return HeadParallelLayerNorm(heads, norm.weight.shape[-1], norm.eps, norm.bias is not None)
 
 
 def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks: int, group) -> None:

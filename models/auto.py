@@ -109,12 +109,12 @@ OPTIONAL_SIZE_FIELDS = ("shared_intermediate_size",)
 # that caps nothing), a finite positive number. At zero or below, a norm's epsilon or a rope base or
 # factor makes NaN or Inf, a soft-cap divides by zero, Gemma 2's score scale (a square root) is complex,
 # DeepSeek's routing scale silences or inverts the routed experts, Granite's multipliers the input,
-# the scores or the branches (its logits_scaling divides by zero), and OLMoE's clip_qkv (null: no
-# clamp) makes every value of q, k and v the same number.
+# the scores or the branches (its logits_scaling divides by zero), Cohere's logit_scale the logits, and
+# OLMoE's clip_qkv (null: no clamp) makes every value of q, k and v the same number.
 POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "query_pre_attn_scalar",
                    "attn_logit_softcapping", "final_logit_softcapping", "routed_scaling_factor",
                    "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
-                   "clip_qkv")
+                   "logit_scale", "clip_qkv")
 # The same of the rope settings that layers/rotary.py reads (``layers.rope_parameters``); YaRN's betas
 # and mscales at zero mean their defaults, so they are finite and non-negative.
 POSITIVE_ROPE_FIELDS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",

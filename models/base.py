@@ -8,9 +8,10 @@ the attention and MLP modules (the MLP under HF's name for it, ``DecoderLayer.ml
 shared MLP beside it, ``DecoderLayer``'s ``shared_mlp``), the block's norm slots under HF's names
 (``NormSlots``), the model's norm (``DecoderLayer.norm_layer``: an RMSNorm variant or LayerNorm) and
 the config field of its epsilon (``norm_eps_field``), a scale of each branch's output
-(``DecoderLayer``'s ``branch_scale``), embedding scaling (``CausalLM.scale_embeddings``), the config
-fields that multiply the input and divide the logits (``CausalLM.input_multiplier_field``,
-``logits_divisor_field``), partial rotary (``CausalLM.partial_rotary``).
+(``DecoderLayer``'s ``branch_scale``), attention and the MLP side by side (``DecoderLayer``'s
+``parallel``), embedding scaling (``CausalLM.scale_embeddings``), the config field that multiplies
+the input (``CausalLM.input_multiplier_field``) and the one that scales the logits, with its
+operation (``CausalLM.logits_scale``), partial rotary (``CausalLM.partial_rotary``).
 """
 
 import itertools
@@ -72,6 +73,11 @@ class DecoderLayer(nn.Module):
 
         h = x + post_attention(attn(pre_attention(x))); out = h + post_mlp(mlp(pre_mlp(h)))
 
+    or, ``parallel``, the two branches side by side on the one pre-attention norm (GPT-NeoX's
+    parallel residual: Cohere's, StableLM's ``use_parallel_residual``), with no pre-MLP norm:
+
+        n = pre_attention(x); out = x + post_attention(attn(n)) + post_mlp(mlp(n))
+
     A subclass declares ``norms`` (the slots filled and HF's names for them), ``norm_layer`` (the
     model's norm, an RMSNorm variant or LayerNorm, also used for the final norm),
     ``norm_eps_field`` (the config field of its epsilon) and ``mlp_name`` (HF's name of the MLP,
@@ -81,7 +87,9 @@ class DecoderLayer(nn.Module):
     beside its experts).
     Each residual add is deferred into the pre-norm that follows it, so ``forward`` returns
     ``(branch_out, residual)`` and the next pre-norm completes the add; a branch without a pre-norm
-    adds explicitly. HuggingFace's view of this layer's output is ``branch_out + residual``.
+    adds explicitly, and so does the parallel block's attention, whose output joins the residual
+    before the MLP's, in HF's order of the sums. HuggingFace's view of this layer's output is
+    ``branch_out + residual``.
     """
 
     returns_residual = True
@@ -91,13 +99,15 @@ class DecoderLayer(nn.Module):
     mlp_name = "mlp"
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, branch_scale: float | None = None,
-                 shared_mlp: nn.Module | None = None):
+                 shared_mlp: nn.Module | None = None, parallel: bool = False):
         super().__init__()
         self.self_attn = self_attn
         self.add_module(self.mlp_name, mlp)
         self.shared_mlp = shared_mlp
         self.branch_scale = branch_scale
-        names = astuple(self.norms)
+        self.parallel = parallel
+        pre_attention, post_attention, pre_mlp, post_mlp = astuple(self.norms)
+        names = (pre_attention, post_attention, None if parallel else pre_mlp, post_mlp)
         for name in names:
             if name is not None:
                 self.add_module(name, self.norm_layer(config.hidden_size, getattr(config, self.norm_eps_field)))
@@ -107,21 +117,25 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata):
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
         hidden_states, residual = branch_input(pre_attention, hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, position_embeddings, metadata)
-        if post_attention is not None:
-            hidden_states = post_attention(hidden_states)
+        attention_out = self.branch_output(self.self_attn(hidden_states, position_embeddings, metadata), post_attention)
+        if self.parallel:
+            mlp_in, residual = hidden_states, residual + attention_out
+        else:
+            mlp_in, residual = branch_input(pre_mlp, attention_out, residual)
+        return self.branch_output(self.mlp_output(mlp_in), post_mlp), residual
+
+    def branch_output(self, out: torch.Tensor, post_norm: RMSNorm | LayerNorm | None) -> torch.Tensor:
+        """A branch's output as it joins the residual: after its post-norm and ``branch_scale``."""
+        if post_norm is not None:
+            out = post_norm(out)
         if self.branch_scale is not None:
-            hidden_states = hidden_states * self.branch_scale
-        hidden_states, residual = branch_input(pre_mlp, hidden_states, residual)
-        mlp_input = hidden_states
-        hidden_states = getattr(self, self.mlp_name)(mlp_input)
-        if self.shared_mlp is not None:
-            hidden_states = hidden_states + self.shared_mlp(mlp_input)
-        if post_mlp is not None:
-            hidden_states = post_mlp(hidden_states)
-        if self.branch_scale is not None:
-            hidden_states = hidden_states * self.branch_scale
-        return hidden_states, residual
+            out = out * self.branch_scale
+        return out
+
+    def mlp_output(self, mlp_in: torch.Tensor) -> torch.Tensor:
+        """The MLP's output on its input, plus the shared MLP's where there is one."""
+        out = getattr(self, self.mlp_name)(mlp_in)
+        return out if self.shared_mlp is None else out + self.shared_mlp(mlp_in)
 
 
 def branch_input(norm: RMSNorm | LayerNorm | None, hidden_states, residual):
@@ -181,6 +195,15 @@ class DecoderModel(nn.Module):
         return hidden_states
 
 
+def config_number(config, field: str) -> float:
+    """The value of the config field a declaration names: a number the model computes with (finite
+    and positive, checked at load: ``models.auto.POSITIVE_FIELDS``), never unset."""
+    value = getattr(config, field, None)
+    if value is None:
+        raise ValueError(f"config field {field!r} is not set; the model computes with it")
+    return value
+
+
 def check_batch(input_ids: torch.Tensor, vocab_size: int) -> None:
     """What a cache-free forward ``model(input_ids[B, T])`` takes: a non-empty [B, T] batch of ids in the vocabulary."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
@@ -196,11 +219,12 @@ def check_batch(input_ids: torch.Tensor, vocab_size: int) -> None:
 
 class CausalLM(nn.Module):
     """A decoder model with an LM head; subclasses set ``decoder_layer``, ``scale_embeddings``
-    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), ``input_multiplier_field``
-    and ``logits_divisor_field``, the config fields whose values multiply the decoder's input and
-    divide the logits (Granite's ``embedding_multiplier`` and ``logits_scaling``), and
-    ``partial_rotary`` where the config's ``partial_rotary_factor`` says how much of each head
-    rotates (Phi-3, StableLM). A config's
+    where the embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma), ``input_multiplier_field``,
+    the config field whose value multiplies the decoder's input (Granite's ``embedding_multiplier``),
+    ``logits_scale``, the config field whose value scales the logits and the operation that applies
+    it, HF's (Granite's ``("logits_scaling", operator.truediv)``, Cohere's ``("logit_scale",
+    operator.mul)``), and ``partial_rotary`` where the config's ``partial_rotary_factor`` says how
+    much of each head rotates (Phi-3, StableLM). A config's
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
@@ -218,7 +242,7 @@ class CausalLM(nn.Module):
     checkpoint_aliases: tuple[tuple[str, str], ...] = ()
     scale_embeddings = False
     input_multiplier_field: str | None = None
-    logits_divisor_field: str | None = None
+    logits_scale: tuple[str, Callable[[torch.Tensor, float], torch.Tensor]] | None = None
     partial_rotary = False
     prediction_layers_field: str | None = None
 
@@ -230,9 +254,9 @@ class CausalLM(nn.Module):
             skipped = "|".join(str(i) for i in range(first, first + count))
             self.ignored_checkpoint_keys = (*self.ignored_checkpoint_keys, rf"^model\.layers\.({skipped})\.")
         embedding_scale = config.hidden_size**0.5 if self.scale_embeddings else None
-        input_multiplier = getattr(config, self.input_multiplier_field) if self.input_multiplier_field else None
+        input_multiplier = config_number(config, self.input_multiplier_field) if self.input_multiplier_field else None
         self.model = DecoderModel(config, self.decoder_layer, embedding_scale, self.partial_rotary, input_multiplier)
-        self.logits_divisor = getattr(config, self.logits_divisor_field) if self.logits_divisor_field else None
+        self.logits_factor = config_number(config, self.logits_scale[0]) if self.logits_scale else None
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # Tied embeddings: the head holds the embedding's own Parameter, so the loader
         # sees one parameter and fills it once.
@@ -260,8 +284,8 @@ class CausalLM(nn.Module):
         """Final hidden states -> logits; every forward (flat stream, cache-free batch, a captured
         CUDA graph) calls it once, on the rows it returns."""
         logits = self.lm_head(hidden_states)
-        if self.logits_divisor is not None:
-            logits = logits / self.logits_divisor
+        if self.logits_factor is not None:
+            logits = self.logits_scale[1](logits, self.logits_factor)
         return self.cap_logits(logits)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ class Gemma3Attention(Gemma2Attention):
     """Gemma 2's attention with Gemma's RMSNorm on each head of q and k."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx, qk_norm_eps=config.rms_norm_eps, rms_norm=GemmaRMSNorm)
+        super().__init__(config, layer_idx, qk_norm_eps=config.rms_norm_eps, qk_norm=GemmaRMSNorm)
 
 
 class Gemma3DecoderLayer(DecoderLayer):

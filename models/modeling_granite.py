@@ -6,6 +6,8 @@
     logits = lm_head(RMSNorm(x)) / logits_scaling
 """
 
+import operator
+
 from layers import Attention
 from models.auto import register
 from models.base import CausalLM, DecoderLayer, attention_shape
@@ -29,4 +31,4 @@ class GraniteDecoderLayer(DecoderLayer):
 class GraniteForCausalLM(CausalLM):
     decoder_layer = GraniteDecoderLayer
     input_multiplier_field = "embedding_multiplier"
-    logits_divisor_field = "logits_scaling"
+    logits_scale = ("logits_scaling", operator.truediv)

@@ -22,7 +22,7 @@ class Olmo2Attention(Attention):
         bias = config.attention_bias
         super().__init__(
             **attention_shape(config, sliding_window), qkv_bias=bias, o_bias=bias, qk_norm_eps=config.rms_norm_eps,
-            qk_norm_per_head=False, rms_norm=Olmo2RMSNorm, rotate_in_float32=True,
+            qk_norm_per_head=False, qk_norm=Olmo2RMSNorm, rotary_precision="float32_tables",
         )
 
 

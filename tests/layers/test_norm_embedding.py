@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers.models.cohere import modeling_cohere as hf_cohere
 from transformers.models.gemma2 import modeling_gemma2 as hf_gemma2
 from transformers.models.llama import modeling_llama as hf_llama
 from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
@@ -56,6 +57,27 @@ def test_layer_norm_equals_torch(dtype):
     norm.weight.data = reference.weight.data.clone()
     norm.bias.data = reference.bias.data.clone()
     assert_norms_alike(norm, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [64, (4, 16)], ids=["block", "weight_per_head"])
+def test_bias_free_layer_norm_equals_coheres(shape, dtype):
+    """Cohere's LayerNorm, of a block or with a weight per head (its q/k norms over [..., heads,
+    head_dim]): computed in float32, bit for bit HF's in bfloat16 and float16, and to float32
+    rounding in float32 (torch's kernel orders the sums its own way)."""
+    torch.manual_seed(0)
+    reference = hf_cohere.CohereLayerNorm(shape, eps=1e-5)
+    reference.weight.data = torch.randn(shape)
+    reference.to(dtype)
+    norm = LayerNorm(shape, 1e-5, bias=False)
+    norm.weight.data = reference.weight.data.clone()
+    x = (torch.randn(2, 5, 64) * 3 + 1).to(dtype).reshape(2, 5, *norm.weight.shape)
+    with torch.no_grad():
+        ours, theirs = norm(x), reference(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=4e-6)
+    else:
+        assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -20,7 +20,7 @@ from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from runtime.parallel import rank_device
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
-from tests.models.test_parity import VARIANTS as PARITY
+from tests.models.test_parity import COHERE_IDS, VARIANTS as PARITY
 
 RANKS = 2
 TIMEOUT_S = 120  # the whole two-rank run; a rank that fails or hangs ends the test, never CI
@@ -37,6 +37,12 @@ VARIANTS = {
     "stablelm": PARITY["stablelm"],  # LayerNorm replicated, partial rotary
     "seed_oss": PARITY["seed_oss-out_bias-mlp_bias-tied"],  # o_proj's and down_proj's biases added once
     "smollm3": PARITY["smollm3-windows-mqa"],  # NoPE layers, windows, the one KV head replicated on both ranks
+    "stablelm-parallel": PARITY["stablelm-parallel"],  # attention and the MLP side by side: each all-reduced
+    "cohere": PARITY["cohere"],
+    # q/k norms with a weight per head: each rank holds its heads' rows; o_proj's bias added once
+    "cohere-qk_norm": PARITY["cohere-qk_norm-bias-mha-tied"],
+    "cohere-qk_norm-kv1": tiny_config("cohere", use_qk_norm=True, num_key_value_heads=1, logit_scale=0.5,
+                                      **COHERE_IDS),  # the one KV head's k_norm row on both ranks
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

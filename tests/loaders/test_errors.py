@@ -16,6 +16,7 @@ from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_confi
 from tests.loaders import gguf_writer
 from tests.models.test_deepseek_v3 import YARN, deepseek_config
 from tests.models.test_llava import hf_llava, llava_config
+from tests.models.test_parity import COHERE_IDS
 
 
 @pytest.fixture
@@ -357,6 +358,7 @@ TINY_MODELS = {
     "gemma3": lambda: hf_model(tiny_config("gemma3_text", head_dim=16)),
     "olmoe": lambda: hf_model(tiny_config("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32,
                                           clip_qkv=8.0, eos_token_id=2)),
+    "cohere": lambda: hf_model(tiny_config("cohere", **COHERE_IDS)),
 }
 NAN, INF = float("nan"), float("inf")
 
@@ -366,6 +368,17 @@ def set_field(fields: dict, dotted_name: str, value):
     for parent in parents:
         fields = fields[parent]
     fields[name] = value
+
+
+def test_an_unset_logit_scale_is_named(tmp_path):
+    """Cohere's config takes a null logit_scale, which HF's model then multiplies by and fails."""
+    path = save_checkpoint(TINY_MODELS["cohere"](), tmp_path / "ckpt")
+    fields = json.loads((path / "config.json").read_text())
+    fields["logit_scale"] = None
+    (path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(CheckpointError,
+                       match=r"ckpt: config field 'logit_scale' is not set; the model computes with it"):
+        AutoModelForCausalLM.from_pretrained(path)
 
 
 @pytest.mark.parametrize("model, field, value, message", [
@@ -401,6 +414,7 @@ def set_field(fields: dict, dotted_name: str, value):
     ("granitemoeshared", "shared_intermediate_size", -48,
      r"'shared_intermediate_size' must be a non-negative integer, got -48"),
     ("olmoe", "clip_qkv", 0.0, r"'clip_qkv' must be a finite positive number, got 0\.0"),
+    ("cohere", "logit_scale", -0.0625, r"'logit_scale' must be a finite positive number, got -0\.0625"),
     ("deepseek_v3", "rope_parameters", {**YARN, "mscale_all_dim": NAN},
      r"'rope_parameters\.mscale_all_dim' must be a finite non-negative number, got nan"),
     ("llava", "text_config.rms_norm_eps", NAN, r"'text_config\.rms_norm_eps' must be a finite positive number, got nan"),

@@ -1,6 +1,6 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS and SmolLM3, brought up
-as declarations of the shared layers: token-identical greedy generation through the runtime, every ``zoo diff``
-row within tolerance, and each forward path computing its logits once."""
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3 and Cohere,
+brought up as declarations of the shared layers: token-identical greedy generation through the runtime, every
+``zoo diff`` row within tolerance, and each forward path computing its logits once."""
 
 import json
 
@@ -29,8 +29,12 @@ BLOCK_NORMS = {
     "stablelm": ["input_layernorm", "post_attention_layernorm"],
     "seed_oss": ["input_layernorm", "post_attention_layernorm"],
     "smollm3-windows-mqa": ["input_layernorm", "post_attention_layernorm"],
+    "stablelm-parallel": ["input_layernorm"],  # attention and the MLP on the one norm
+    "cohere": ["input_layernorm"],
+    "cohere-qk_norm-bias-mha-tied": ["input_layernorm"],
 }
-NORM_PARAMETERS = {"starcoder2": ["weight", "bias"], "stablelm": ["weight", "bias"]}  # LayerNorm's; RMSNorm: a weight
+# LayerNorm's (Cohere's without bias); RMSNorm: a weight
+NORM_PARAMETERS = {name: ["weight", "bias"] for name in ("starcoder2", "stablelm", "stablelm-parallel")}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +100,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("stablelm", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     ("smollm3-windows-mqa", "no_rope_layers", [1, 1, 1, 1]),  # rotary on the NoPE layers too
     ("smollm3-windows-mqa", "layer_types", ["full_attention"] * 4),
+    ("cohere", "logit_scale", 1.0), ("cohere", "layer_norm_eps", 1.0),
+    ("cohere-qk_norm-bias-mha-tied", "layer_norm_eps", 1.0),  # the q/k norms' too
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""
@@ -105,6 +111,31 @@ def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints,
     changed = save_checkpoint(hf_model(VARIANTS[name]), tmp_path / "changed")
     (changed / "config.json").write_text(json.dumps(fields))
     model = AutoModelForCausalLM.from_pretrained(changed)
+    with torch.no_grad():
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
+
+
+def rotate_half(model):
+    for layer in model.model.layers:
+        layer.self_attn.rope_interleaved = False
+
+
+def one_branch_after_the_other(model):
+    for layer in model.model.layers:
+        norm = layer.input_layernorm
+        layer.parallel, layer.slot_norms = False, (norm, None, norm, None)
+
+
+@pytest.mark.parametrize("name, undo", [
+    ("cohere", rotate_half), ("cohere", one_branch_after_the_other),
+    ("cohere-qk_norm-bias-mha-tied", rotate_half), ("stablelm-parallel", one_branch_after_the_other),
+])
+def test_block_declarations_are_visible_in_the_logits(name, undo, checkpoints, input_ids):
+    """Cohere's interleaved rotary and the parallel block, each undone, move the logits far past the
+    tolerance: neither is a no-op on these checkpoints."""
+    path, reference = checkpoints[name]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    undo(model)
     with torch.no_grad():
         assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from transformers.activations import ACT2FN
+from transformers.models.cohere import modeling_cohere as hf_cohere
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek_v3
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.glm import modeling_glm as hf_glm
@@ -230,6 +231,26 @@ def test_apply_rotary_interleaved_scores_match_glm():
         return torch.einsum("nhd,mgd->nmhg", q, k)
 
     torch.testing.assert_close(scores(*ours), scores(*theirs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_apply_rotary_interleaved_in_float32_matches_cohere(dtype):
+    # Cohere rotates the pairs (2i, 2i+1) in float32, from q, k and tables in the activations' dtype,
+    # and writes them back in place: its channels, de-interleaved, are ours bit for bit, the tables
+    # handed over as the activations' dtype holds them (Attention's rotary_precision "float32").
+    torch.manual_seed(0)
+    q, k = (torch.randn(7, 4, 16) * 3).to(dtype), (torch.randn(7, 2, 16) * 3).to(dtype)
+    cos, sin = rope_table(torch.arange(7) * 5, 16)
+    rounded_cos, rounded_sin = cos.to(dtype).float(), sin.to(dtype).float()
+    ours = apply_rotary(q, k, rounded_cos, rounded_sin, interleaved=True, rotate_in_float32=True)
+    # HF's table of the same angles: each pair's angle twice in a row, cast to the dtype by its rotary embedding
+    hf_cos, hf_sin = (t[:, :8].repeat_interleave(2, dim=-1).to(dtype) for t in (cos, sin))
+    theirs = hf_cohere.apply_rotary_pos_emb(q, k, hf_cos, hf_sin, unsqueeze_dim=1)
+    for mine, hf in zip(ours, theirs):
+        assert torch.equal(mine, torch.cat((hf[..., 0::2], hf[..., 1::2]), dim=-1))
+    if dtype != torch.float32:  # rounded after each product, as Llama's, it is not Cohere's
+        in_dtype = apply_rotary(q, k, cos, sin, interleaved=True)
+        assert not torch.equal(in_dtype[0], ours[0])
 
 
 def test_apply_rotary_rejects_bad_tables():

@@ -6,7 +6,9 @@ import torch
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
-from tests.models.test_parity import PHI3_IDS, SMOLLM3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope
+from tests.models.test_parity import (
+    COHERE_IDS, PHI3_IDS, SMOLLM3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,6 +72,10 @@ AGREEING = {
                          layer_types=["sliding_attention"] * 3 + ["full_attention"],
                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
                          eos_token_id=2),
+    # the parallel block, interleaved rotary in float32; logit_scale above Command R's 0.0625, which
+    # would flatten HF-initialised logits as Granite's logits_scaling would
+    "cohere": tiny_config("cohere", **SMALL, logit_scale=4.0, **COHERE_IDS),
+    "cohere-qk_norm": tiny_config("cohere", **SMALL, use_qk_norm=True, logit_scale=4.0, **COHERE_IDS),  # Command R+'s
 }
 
 
@@ -150,6 +156,8 @@ GRAPHED = {
     "phi3-longrope": AGREEING["phi3-longrope"],  # the long factors fixed by max_model_len 512: capturable
     "glm4_moe": AGREEING["glm4_moe"],
     "glm4_moe_lite": AGREEING["glm4_moe_lite"],
+    "cohere": AGREEING["cohere"],  # interleaved rotary in float32 in the KV-write kernel
+    "cohere-qk_norm": AGREEING["cohere-qk_norm"],  # the q/k LayerNorms with a weight per head, outside it
 }
 
 
