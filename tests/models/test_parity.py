@@ -208,7 +208,7 @@ def test_olmo_rotates_in_float32_as_hf(variant, make_checkpoint, input_ids):
         expected = reference(input_ids).logits
         assert torch.equal(model(input_ids), expected)
         for layer in model.model.layers:
-            layer.self_attn.rotate_in_float32 = False
+            layer.self_attn.rotary_precision = "activations"
         assert not torch.equal(model(input_ids), expected)
 
 
