@@ -121,9 +121,9 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 class RotaryEmbedding(nn.Module):
     """Maps token positions [N] to (cos, sin) [N, rotary_dim] in float32, scaled by the rope type's
     attention factor. Computed once per forward and shared by every layer. ``rotary_dim`` is the
-    head's, or, for an architecture that reads it (``partial``: Phi-3's, StableLM's), ``int(head_dim *
-    partial_rotary_factor)`` as HF computes it: the first channels of each head rotate, the rest
-    pass (the rotary ops take cos and sin narrower than the head). ``layer_type``: the settings of
+    head's, or, for an architecture that reads it (``partial``: Phi-3's, StableLM's, GLM-4's),
+    ``int(head_dim * partial_rotary_factor)`` as HF computes it: the first channels of each head
+    rotate, the rest pass (the rotary ops take cos and sin narrower than the head). ``layer_type``: the settings of
     those layers, where the config holds them apart (``rope_layer_types``).
 
     LongRoPE has two sets of frequencies. HF picks one per forward: the long set where the

@@ -224,7 +224,7 @@ class CausalLM(nn.Module):
     ``logits_scale``, the config field whose value scales the logits and the operation that applies
     it, HF's (Granite's ``("logits_scaling", operator.truediv)``, Cohere's ``("logit_scale",
     operator.mul)``), and ``partial_rotary`` where the config's ``partial_rotary_factor`` says how
-    much of each head rotates (Phi-3, StableLM). A config's
+    much of each head rotates (Phi-3, StableLM, GLM-4). A config's
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;

@@ -43,6 +43,7 @@ VARIANTS = {
     "cohere-qk_norm": PARITY["cohere-qk_norm-bias-mha-tied"],
     "cohere-qk_norm-kv1": tiny_config("cohere", use_qk_norm=True, num_key_value_heads=1, logit_scale=0.5,
                                       **COHERE_IDS),  # the one KV head's k_norm row on both ranks
+    "glm4": PARITY["glm4"],  # gate_up_proj stacked; q/k/v bias; four norms a block, replicated
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

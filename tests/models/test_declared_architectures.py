@@ -1,6 +1,6 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3 and Cohere,
-brought up as declarations of the shared layers: token-identical greedy generation through the runtime, every
-``zoo diff`` row within tolerance, and each forward path computing its logits once."""
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere and
+GLM-4, brought up as declarations of the shared layers: token-identical greedy generation through the runtime,
+every ``zoo diff`` row within tolerance, and each forward path computing its logits once."""
 
 import json
 
@@ -32,6 +32,7 @@ BLOCK_NORMS = {
     "stablelm-parallel": ["input_layernorm"],  # attention and the MLP on the one norm
     "cohere": ["input_layernorm"],
     "cohere-qk_norm-bias-mha-tied": ["input_layernorm"],
+    "glm4": ["input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"],
 }
 # LayerNorm's (Cohere's without bias); RMSNorm: a weight
 NORM_PARAMETERS = {name: ["weight", "bias"] for name in ("starcoder2", "stablelm", "stablelm-parallel")}
@@ -56,7 +57,7 @@ def test_blocks_hold_the_declared_norms_under_hf_names(name, checkpoints):
     model = AutoModelForCausalLM.from_pretrained(checkpoints[name][0])
     layer = model.model.layers[0]
     assert sorted(child for child, _ in layer.named_children()) == sorted(["self_attn", "mlp", *BLOCK_NORMS[name]])
-    assert [n for n, _ in layer.named_parameters() if "norm" in n and "self_attn" not in n] == [
+    assert [n for n, _ in layer.named_parameters() if "norm" in n and not n.startswith("self_attn.")] == [
         f"{norm}.{parameter}" for norm in BLOCK_NORMS[name] for parameter in NORM_PARAMETERS.get(name, ["weight"])
     ]
 
@@ -102,6 +103,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("smollm3-windows-mqa", "layer_types", ["full_attention"] * 4),
     ("cohere", "logit_scale", 1.0), ("cohere", "layer_norm_eps", 1.0),
     ("cohere-qk_norm-bias-mha-tied", "layer_norm_eps", 1.0),  # the q/k norms' too
+    ("glm4", "rms_norm_eps", 1.0),
+    ("glm4", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""
@@ -129,10 +132,11 @@ def one_branch_after_the_other(model):
 @pytest.mark.parametrize("name, undo", [
     ("cohere", rotate_half), ("cohere", one_branch_after_the_other),
     ("cohere-qk_norm-bias-mha-tied", rotate_half), ("stablelm-parallel", one_branch_after_the_other),
+    ("glm4", rotate_half),
 ])
 def test_block_declarations_are_visible_in_the_logits(name, undo, checkpoints, input_ids):
-    """Cohere's interleaved rotary and the parallel block, each undone, move the logits far past the
-    tolerance: neither is a no-op on these checkpoints."""
+    """Cohere's and GLM-4's interleaved rotary and the parallel block, each undone, move the logits far
+    past the tolerance: none is a no-op on these checkpoints."""
     path, reference = checkpoints[name]
     model = AutoModelForCausalLM.from_pretrained(path)
     undo(model)

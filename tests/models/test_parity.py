@@ -22,6 +22,7 @@ SMOLLM3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its d
 OLMO3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.2,
               "beta_fast": 32, "beta_slow": 1}
 COHERE_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its default eos (255001) lies outside this vocabulary
+GLM4_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its defaults (151329, ...) lie outside it
 
 
 def partial_rope(factor: float) -> dict:
@@ -121,6 +122,11 @@ VARIANTS = {
     # Command R+'s q/k LayerNorm with a weight per head; attention bias, MHA, a head_dim of its own, tied
     "cohere-qk_norm-bias-mha-tied": tiny_config("cohere", use_qk_norm=True, attention_bias=True, num_key_value_heads=4,
                                                 head_dim=24, tie_word_embeddings=True, logit_scale=2.0, **COHERE_IDS),
+    # GLM-4: a norm before and after each branch, q/k/v bias, rotary on the interleaved pairs of half of
+    # each head, gate/up stored as one gate_up_proj
+    "glm4": tiny_config("glm4", head_dim=16, **GLM4_IDS),
+    "glm4-mqa-no_bias-tied": tiny_config("glm4", head_dim=24, num_key_value_heads=1, attention_bias=False,
+                                         tie_word_embeddings=True, partial_rotary_factor=0.75, **GLM4_IDS),
     # Gemma 3: a sliding layer and a full one, each with its own rope (the full one's linearly scaled, as
     # in the larger models), q/k norms per head
     "gemma3": tiny_config("gemma3_text", head_dim=16, layer_types=["sliding_attention", "full_attention"],

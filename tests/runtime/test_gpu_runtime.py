@@ -7,7 +7,7 @@ from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
 from tests.models.test_parity import (
-    COHERE_IDS, PHI3_IDS, SMOLLM3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope,
+    COHERE_IDS, GLM4_IDS, PHI3_IDS, SMOLLM3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope,
 )
 
 pytestmark = pytest.mark.gpu
@@ -76,6 +76,8 @@ AGREEING = {
     # would flatten HF-initialised logits as Granite's logits_scaling would
     "cohere": tiny_config("cohere", **SMALL, logit_scale=4.0, **COHERE_IDS),
     "cohere-qk_norm": tiny_config("cohere", **SMALL, use_qk_norm=True, logit_scale=4.0, **COHERE_IDS),  # Command R+'s
+    # a norm before and after each branch, rotary on the interleaved pairs of 32 of each head's 64 channels
+    "glm4": tiny_config("glm4", **SMALL, head_dim=64, **GLM4_IDS),
 }
 
 
@@ -158,6 +160,7 @@ GRAPHED = {
     "glm4_moe_lite": AGREEING["glm4_moe_lite"],
     "cohere": AGREEING["cohere"],  # interleaved rotary in float32 in the KV-write kernel
     "cohere-qk_norm": AGREEING["cohere-qk_norm"],  # the q/k LayerNorms with a weight per head, outside it
+    "glm4": AGREEING["glm4"],
 }
 
 
