@@ -39,6 +39,7 @@ VARIANTS = {
     "smollm3": PARITY["smollm3-windows-mqa"],  # NoPE layers, windows, the one KV head replicated on both ranks
     "stablelm-parallel": PARITY["stablelm-parallel"],  # attention and the MLP side by side: each all-reduced
     "cohere": PARITY["cohere"],
+    "cohere2": PARITY["cohere2"],  # NoPE full layers, windowed sliding ones
     # q/k norms with a weight per head: each rank holds its heads' rows; o_proj's bias added once
     "cohere-qk_norm": PARITY["cohere-qk_norm-bias-mha-tied"],
     "cohere-qk_norm-kv1": tiny_config("cohere", use_qk_norm=True, num_key_value_heads=1, logit_scale=0.5,

@@ -1,5 +1,5 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere and
-GLM-4, brought up as declarations of the shared layers: token-identical greedy generation through the runtime,
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere,
+Cohere 2 and GLM-4, brought up as declarations of the shared layers: token-identical greedy generation through the runtime,
 every ``zoo diff`` row within tolerance, and each forward path computing its logits once."""
 
 import json
@@ -32,6 +32,7 @@ BLOCK_NORMS = {
     "stablelm-parallel": ["input_layernorm"],  # attention and the MLP on the one norm
     "cohere": ["input_layernorm"],
     "cohere-qk_norm-bias-mha-tied": ["input_layernorm"],
+    "cohere2": ["input_layernorm"],
     "glm4": ["input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"],
 }
 # LayerNorm's (Cohere's without bias); RMSNorm: a weight
@@ -103,6 +104,7 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("smollm3-windows-mqa", "layer_types", ["full_attention"] * 4),
     ("cohere", "logit_scale", 1.0), ("cohere", "layer_norm_eps", 1.0),
     ("cohere-qk_norm-bias-mha-tied", "layer_norm_eps", 1.0),  # the q/k norms' too
+    ("cohere2", "layer_types", ["sliding_attention"] * 4),  # rotary and the window on the full layer too
     ("glm4", "rms_norm_eps", 1.0),
     ("glm4", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
 ])

@@ -122,6 +122,12 @@ VARIANTS = {
     # Command R+'s q/k LayerNorm with a weight per head; attention bias, MHA, a head_dim of its own, tied
     "cohere-qk_norm-bias-mha-tied": tiny_config("cohere", use_qk_norm=True, attention_bias=True, num_key_value_heads=4,
                                                 head_dim=24, tie_word_embeddings=True, logit_scale=2.0, **COHERE_IDS),
+    # Cohere 2 (Command R7B): rotary and a window on the sliding layers, neither on the full one (every 4th)
+    "cohere2": tiny_config("cohere2", num_hidden_layers=4, sliding_window=7, logit_scale=0.5, **COHERE_IDS),
+    "cohere2-bias-mha": tiny_config("cohere2", num_hidden_layers=3, sliding_window=5, attention_bias=True,
+                                    num_key_value_heads=4, logit_scale=2.0,
+                                    layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                                    **COHERE_IDS),
     # GLM-4: a norm before and after each branch, q/k/v bias, rotary on the interleaved pairs of half of
     # each head, gate/up stored as one gate_up_proj
     "glm4": tiny_config("glm4", head_dim=16, **GLM4_IDS),

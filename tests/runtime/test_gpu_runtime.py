@@ -76,6 +76,8 @@ AGREEING = {
     # would flatten HF-initialised logits as Granite's logits_scaling would
     "cohere": tiny_config("cohere", **SMALL, logit_scale=4.0, **COHERE_IDS),
     "cohere-qk_norm": tiny_config("cohere", **SMALL, use_qk_norm=True, logit_scale=4.0, **COHERE_IDS),  # Command R+'s
+    # three windowed layers with rotary, then a full one without (no position embedding)
+    "cohere2": tiny_config("cohere2", **SMALL, sliding_window=48, logit_scale=4.0, **COHERE_IDS),
     # a norm before and after each branch, rotary on the interleaved pairs of 32 of each head's 64 channels
     "glm4": tiny_config("glm4", **SMALL, head_dim=64, **GLM4_IDS),
 }
@@ -160,6 +162,7 @@ GRAPHED = {
     "glm4_moe_lite": AGREEING["glm4_moe_lite"],
     "cohere": AGREEING["cohere"],  # interleaved rotary in float32 in the KV-write kernel
     "cohere-qk_norm": AGREEING["cohere-qk_norm"],  # the q/k LayerNorms with a weight per head, outside it
+    "cohere2": AGREEING["cohere2"],  # zero-width rotary on the full layer, in the KV-write kernel
     "glm4": AGREEING["glm4"],
 }
 
