@@ -61,10 +61,11 @@ AGREEING = {
                             n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
                             moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1),
     # GLM-4.7-Flash's latent attention shapes (192 + 64 query/key channels, values of 256, a latent of 512),
-    # its MLP kinds by mlp_layer_types
-    "glm4_moe_lite": tiny_config("glm4_moe_lite", **SMALL, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=192,
-                                 qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=8, num_experts_per_tok=2,
-                                 moe_intermediate_size=256, mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
+    # its MLP kinds by mlp_layer_types; as many KV heads as heads, as HF's eager attention of it needs
+    "glm4_moe_lite": tiny_config("glm4_moe_lite", **{**SMALL, "num_key_value_heads": 8}, q_lora_rank=128,
+                                 kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                 mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
     # three sliding layers, then a full one with YaRN (OLMo 3 7B's long-context rope); q/k norms over all
     # heads, q and k rotated in float32. Its default EOS id, 50279, lies outside the vocabulary: the
     # runtime refuses it
