@@ -4,6 +4,7 @@ layout), the multi-token-prediction layer skipped on load, greedy generation thr
 layer-by-layer diff."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from runtime.diff import diff_checkpoint
 from tests.conftest import relative_error, tiny_config
 from loaders import CheckpointError
 from tests.models.test_deepseek_v3 import DEEPSEEK, deepseek_hf_model
-from tests.models.test_moe import LAYOUTS, write_checkpoint
+from tests.models.test_moe import LAYOUTS, make_moe_checkpoint  # noqa: F401 (a fixture)
 from tests.models.test_parity import TOLERANCE, assert_matches
 from tests.runtime.test_runtime import GREEDY
 from tests.runtime.test_runtime import prompts as runtime_prompts
@@ -55,14 +56,9 @@ VARIANTS.update(LITE_VARIANTS)
 
 
 @pytest.fixture
-def make_glm4_moe(tmp_path):
+def make_glm4_moe(make_moe_checkpoint):
     """A checkpoint of HF's model with a non-zero score correction bias (deepseek_hf_model's)."""
-
-    def make(config, layout="per_expert"):
-        model = deepseek_hf_model(config)
-        return write_checkpoint(model, tmp_path / layout, layout), model
-
-    return make
+    return partial(make_moe_checkpoint, make_reference=deepseek_hf_model)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
