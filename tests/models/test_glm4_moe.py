@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loaders import CheckpointError
 from models import AutoModelForCausalLM
 from runtime import LLM
 from runtime.diff import diff_checkpoint
 from tests.conftest import relative_error, tiny_config
-from loaders import CheckpointError
 from tests.models.test_deepseek_v3 import DEEPSEEK, deepseek_hf_model
 from tests.models.test_moe import LAYOUTS, make_moe_checkpoint  # noqa: F401 (a fixture)
 from tests.models.test_parity import TOLERANCE, assert_matches
