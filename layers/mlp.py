@@ -1,5 +1,5 @@
-"""The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused; and the
-activations of ungated MLPs (down(act(up(x))): Starcoder2's, CLIP's), which their modules apply.
+"""The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused; the ungated
+MLP, down(act(up(x))) (Starcoder2's); and the activations of ungated MLPs (its, CLIP's).
 
 Where ``linear`` would multiply by gate_up with zoo::gemv (a single float16/bfloat16 GPU row, batch-1
 decode), zoo::gated_gemv computes act(gate x) * up x in that product's kernel.
@@ -45,3 +45,21 @@ class GatedMLP(nn.Module):
         else:
             h = act_and_mul(gate_up(x), self.hidden_act)
         return self.down_proj(h)
+
+
+class UngatedMLP(nn.Module):
+    """down(act(up(x))), its two projections under HF's names: ``up_name`` and ``down_name``
+    (by default ``up_proj`` and ``down_proj``; Starcoder2's ``c_fc`` and ``c_proj``). The activation is
+    one of ``PLAIN_ACTIVATIONS``, torch's elementwise ops on any device."""
+
+    up_name = "up_proj"
+    down_name = "down_proj"
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
+        super().__init__()
+        self.activation = plain_activation(hidden_act)
+        self.add_module(self.up_name, Linear(hidden_size, intermediate_size, bias=bias))
+        self.add_module(self.down_name, Linear(intermediate_size, hidden_size, bias=bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.down_name)(self.activation(getattr(self, self.up_name)(x)))

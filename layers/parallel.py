@@ -6,8 +6,9 @@ tensor it reads (``Shard.source``), so the one loader reads each rank's bytes al
 
 - column-parallel (``ColumnParallelLinear``): a slice of the output rows of each fused source;
   attention's q/k/v split by heads (a KV head replicated on several ranks where there are fewer KV
-  heads than ranks), the MLP's gate/up by intermediate rows; no communication. A q/k norm with a
-  weight of its own for each head (``HeadParallelLayerNorm``) holds the rows of the rank's heads.
+  heads than ranks), the MLP's gate/up (an ungated MLP's up, with its bias) by intermediate rows; no
+  communication. A q/k norm with a weight of its own for each head (``HeadParallelLayerNorm``) holds
+  the rows of the rank's heads.
 - row-parallel (``RowParallelLinear``): a slice of the input columns; the partial products are
   summed over the ranks (all-reduce), then the bias is added once.
 - the vocabulary-parallel embedding (``VocabParallelEmbedding``: rows of the rank's vocabulary
@@ -37,7 +38,7 @@ from layers.attention import Attention
 from layers.embedding import LMHead, VocabEmbedding
 from layers.linear import Linear, MergedLinear
 from layers.mla import MLAttention
-from layers.mlp import GatedMLP
+from layers.mlp import GatedMLP, UngatedMLP
 from layers.moe import Experts, SparseMoE, TopKRouter
 from layers.norm import LayerNorm, RMSNorm
 from layers.rotary import RotaryEmbedding
@@ -232,7 +233,7 @@ class TensorParallelExperts(Experts):
 def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None) -> nn.Module:
     """Replace, in place, the dense layers of ``model`` (built on the meta device, not loaded) by
     their parallel forms for this process's rank in ``group`` (a ``torch.distributed`` process
-    group): attention, latent attention, gated MLP, mixture of experts, embedding and LM head.
+    group): attention, latent attention, gated and ungated MLP, mixture of experts, embedding and LM head.
     ``expert_parallel``: a mixture of experts holds whole experts per rank (True) or every expert's
     slice of intermediate rows (False); None: whole experts where the ranks divide the experts.
     Routers, norms, rotary tables, a vision tower and its projector, and the parameters a module names
@@ -262,6 +263,8 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
                 replicated.add(id(module.shared_expert_gate))
         elif isinstance(module, GatedMLP):
             _split_mlp(module, rank, ranks, group)
+        elif isinstance(module, UngatedMLP):
+            _split_ungated_mlp(module, rank, ranks, group)
         elif type(module) is VocabEmbedding:
             vocab_size, hidden_size = module.weight.shape
             parallel = VocabParallelEmbedding(rank_range(vocab_size, rank, ranks), hidden_size, group, module.scale)
@@ -280,7 +283,7 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
         own = {local for local, _ in module.named_parameters(recurse=False)}
         if own - set(getattr(module, "replicated_parameters", ())):
             raise NotImplementedError(f"tensor parallelism cannot split {name} ({type(module).__name__}): it splits "
-                                      "attention, latent attention, gated MLPs, experts, embeddings and LM heads")
+                                      "attention, latent attention, MLPs, experts, embeddings and LM heads")
     return model
 
 
@@ -360,6 +363,14 @@ def _split_mlp(mlp: GatedMLP, rank: int, ranks: int, group) -> None:
     mlp.gate_up_proj = ColumnParallelLinear(gate_up.in_features, [rows, rows], gate_up.sources,
                                             gate_up.output_sizes, bias=gate_up.bias is not None)
     mlp.down_proj = RowParallelLinear(rows, down.out_features, group, bias=down.bias is not None)
+
+
+def _split_ungated_mlp(mlp: UngatedMLP, rank: int, ranks: int, group) -> None:
+    up, down = getattr(mlp, mlp.up_name), getattr(mlp, mlp.down_name)
+    rows = split_evenly(down.in_features, rank, ranks, "the MLP's intermediate size")
+    setattr(mlp, mlp.up_name, ColumnParallelLinear(up.in_features, [rows], [mlp.up_name], [up.out_features],
+                                                   bias=up.bias is not None))
+    setattr(mlp, mlp.down_name, RowParallelLinear(rows, down.out_features, group, bias=down.bias is not None))
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -4,11 +4,7 @@ projection (``use_bias``), an ungated MLP and ``config.sliding_window`` on every
     x -> LayerNorm -> GQA self-attention with rotary -> + x -> LayerNorm -> c_proj(act(c_fc(.))) -> +
 """
 
-import torch
-from torch import nn
-
-from layers import Attention, LayerNorm, Linear
-from layers.mlp import plain_activation
+from layers import Attention, LayerNorm, UngatedMLP
 from models.auto import register
 from models.base import CausalLM, DecoderLayer, attention_shape
 
@@ -19,15 +15,11 @@ class Starcoder2Attention(Attention):
         super().__init__(**attention_shape(config, config.sliding_window), qkv_bias=bias, o_bias=bias)
 
 
-class Starcoder2MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.activation = plain_activation(config.hidden_act)
-        self.c_fc = Linear(config.hidden_size, config.intermediate_size, bias=config.use_bias)
-        self.c_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.use_bias)
+class Starcoder2MLP(UngatedMLP):
+    up_name, down_name = "c_fc", "c_proj"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.activation(self.c_fc(x)))
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.use_bias)
 
 
 class Starcoder2DecoderLayer(DecoderLayer):

@@ -45,6 +45,8 @@ VARIANTS = {
     "cohere-qk_norm-kv1": tiny_config("cohere", use_qk_norm=True, num_key_value_heads=1, logit_scale=0.5,
                                       **COHERE_IDS),  # the one KV head's k_norm row on both ranks
     "glm4": PARITY["glm4"],  # gate_up_proj stacked; q/k/v bias; four norms a block, replicated
+    # ungated MLPs: c_fc's (up_proj's) rows and their bias sliced, c_proj's (down_proj's) bias added once
+    "starcoder2": PARITY["starcoder2"],
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message
@@ -54,8 +56,6 @@ UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its
     "olmo3": (tiny_config("olmo3"), NotImplementedError, "q/k norm spans all heads"),
     "olmoe": (tiny_config("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32), NotImplementedError,
               "q/k norm spans all heads"),
-    "starcoder2": (tiny_config("starcoder2"), NotImplementedError,
-                   "cannot split model.layers.0.mlp.c_fc (Linear): it splits attention, latent attention, gated MLPs"),
 }
 
 
