@@ -1,5 +1,5 @@
 """The gated MLP of Llama-style blocks: down(act(gate(x)) * up(x)), gate and up fused; the ungated
-MLP, down(act(up(x))) (Starcoder2's); and the activations of ungated MLPs (its, CLIP's).
+MLP, down(act(up(x))) (Starcoder2's, Arcee's); and the activations of ungated MLPs (theirs, CLIP's).
 
 Where ``linear`` would multiply by gate_up with zoo::gemv (a single float16/bfloat16 GPU row, batch-1
 decode), zoo::gated_gemv computes act(gate x) * up x in that product's kernel.
@@ -17,8 +17,13 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    # HF's ReLUSquaredActivation: relu, then its square, each rounded to x's dtype.
+    return torch.square(torch.relu(x))
+
+
 # HuggingFace `hidden_act` names of ungated MLPs -> the function.
-PLAIN_ACTIVATIONS = {**ACTIVATIONS, "quick_gelu": quick_gelu}
+PLAIN_ACTIVATIONS = {**ACTIVATIONS, "quick_gelu": quick_gelu, "relu2": relu_squared}
 
 
 def plain_activation(name: str):
@@ -49,7 +54,7 @@ class GatedMLP(nn.Module):
 
 class UngatedMLP(nn.Module):
     """down(act(up(x))), its two projections under HF's names: ``up_name`` and ``down_name``
-    (by default ``up_proj`` and ``down_proj``; Starcoder2's ``c_fc`` and ``c_proj``). The activation is
+    (Arcee's ``up_proj`` and ``down_proj``; Starcoder2's ``c_fc`` and ``c_proj``). The activation is
     one of ``PLAIN_ACTIVATIONS``, torch's elementwise ops on any device."""
 
     up_name = "up_proj"

@@ -1,4 +1,5 @@
-"""GatedMLP's gate_up product: zoo::gated_gemv where zoo::gemv would multiply its single row.
+"""GatedMLP's gate_up product: zoo::gated_gemv where zoo::gemv would multiply its single row; the
+ungated MLP's activations, HF's bit for bit, and its products on the GPU's single-row path.
 
 On the CPU the dispatch is made to take the GPU's branch (``takes_gemv``) and the ops' Triton
 kernels run in Triton's interpreter; on a GPU (``gpu`` tests) it runs as it is.
@@ -12,7 +13,8 @@ pytest.importorskip("triton")
 import layers.linear  # noqa: E402
 import layers.mlp  # noqa: E402
 import ops_cuda.linear  # noqa: E402
-from layers import GatedMLP  # noqa: E402
+from layers import GatedMLP, UngatedMLP  # noqa: E402
+from layers.mlp import PLAIN_ACTIVATIONS  # noqa: E402
 from ops_cuda import act_and_mul, gated_gemv  # noqa: E402
 from ops_cuda import triton_kernels as kernels  # noqa: E402
 
@@ -119,3 +121,37 @@ def test_gated_mlp_sends_single_gpu_rows_to_gated_gemv(monkeypatch, bias):
         mlp.gate_up_proj.weight.data = mlp.gate_up_proj.weight.t().contiguous().t()
         assert torch.equal(mlp(x[:1]), unfused(mlp, x[:1]))
         assert len(sent) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(PLAIN_ACTIVATIONS))
+def test_ungated_activations_are_hf_bit_for_bit(name, dtype):
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    x = (torch.randn(4096) * 4).to(dtype)
+    assert torch.equal(PLAIN_ACTIVATIONS[name](x), ACT2FN[name](x))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_ungated_mlp_on_the_gpus_single_row_path(monkeypatch, bias):
+    """Arcee's relu² MLP, each product of a single float16 row through zoo::gemv's kernel."""
+    torch.manual_seed(0)
+    mlp = UngatedMLP(72, 37, "relu2", bias=bias)
+    with torch.no_grad():
+        for parameter in mlp.parameters():
+            parameter.copy_(torch.randn(parameter.shape) / 8)
+    mlp = mlp.to(torch.float16)
+    x = torch.randn(1, 72).to(torch.float16)
+    linear = torch.nn.functional.linear
+    with torch.no_grad():
+        expected = linear(torch.square(torch.relu(linear(x, mlp.up_proj.weight, mlp.up_proj.bias))),
+                          mlp.down_proj.weight, mlp.down_proj.bias)
+        products_as_on_a_gpu(monkeypatch)
+        sent = []
+        gemv = ops_cuda.linear.gemv
+        monkeypatch.setattr(ops_cuda.linear, "gemv", lambda *args: sent.append(args[1]) or gemv(*args))
+        out = mlp(x)
+    assert len(sent) == 2 and sent[0] is mlp.up_proj.weight and sent[1] is mlp.down_proj.weight
+    assert_close(out, expected)

@@ -47,6 +47,7 @@ VARIANTS = {
     "glm4": PARITY["glm4"],  # gate_up_proj stacked; q/k/v bias; four norms a block, replicated
     # ungated MLPs: c_fc's (up_proj's) rows and their bias sliced, c_proj's (down_proj's) bias added once
     "starcoder2": PARITY["starcoder2"],
+    "arcee": PARITY["arcee-bias-mha-tied"],
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

@@ -1,6 +1,6 @@
 """Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere,
-Cohere 2 and GLM-4, brought up as declarations of the shared layers: token-identical greedy generation through the runtime,
-every ``zoo diff`` row within tolerance, and each forward path computing its logits once."""
+Cohere 2, GLM-4 and Arcee, brought up as declarations of the shared layers: token-identical greedy generation
+through the runtime, every ``zoo diff`` row within tolerance, and each forward path computing its logits once."""
 
 import json
 
@@ -34,6 +34,7 @@ BLOCK_NORMS = {
     "cohere-qk_norm-bias-mha-tied": ["input_layernorm"],
     "cohere2": ["input_layernorm"],
     "glm4": ["input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"],
+    "arcee": ["input_layernorm", "post_attention_layernorm"],
 }
 # LayerNorm's (Cohere's without bias); RMSNorm: a weight
 NORM_PARAMETERS = {name: ["weight", "bias"] for name in ("starcoder2", "stablelm", "stablelm-parallel")}
@@ -107,6 +108,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("cohere2", "layer_types", ["sliding_attention"] * 4),  # rotary and the window on the full layer too
     ("glm4", "rms_norm_eps", 1.0),
     ("glm4", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+    ("arcee", "hidden_act", "relu"),  # relu, not its square
+    ("arcee", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),  # the YaRN
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""

@@ -23,6 +23,7 @@ OLMO3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddi
               "beta_fast": 32, "beta_slow": 1}
 COHERE_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its default eos (255001) lies outside this vocabulary
 GLM4_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its defaults (151329, ...) lie outside it
+ARCEE_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (128000, 128001) lie outside this vocabulary
 
 
 def partial_rope(factor: float) -> dict:
@@ -154,6 +155,13 @@ VARIANTS = {
     "olmo3-mha-bias-tied": tiny_config("olmo3", layer_types=["full_attention", "sliding_attention"], sliding_window=5,
                                        num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True,
                                        eos_token_id=2),
+    # Arcee: Llama's block with an ungated relu² MLP (up_proj, down_proj); AFM-4.5B's YaRN, here by 4 of 16
+    # positions; or biases on q/k/v, o_proj and both MLP projections
+    "arcee": tiny_config("arcee", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+                         **ARCEE_IDS),
+    "arcee-bias-mha-tied": tiny_config("arcee", attention_bias=True, mlp_bias=True, num_key_value_heads=4,
+                                       tie_word_embeddings=True, **ARCEE_IDS),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),
