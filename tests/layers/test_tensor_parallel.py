@@ -48,6 +48,7 @@ VARIANTS = {
     # ungated MLPs: c_fc's (up_proj's) rows and their bias sliced, c_proj's (down_proj's) bias added once
     "starcoder2": PARITY["starcoder2"],
     "arcee": PARITY["arcee-bias-mha-tied"],
+    "helium": PARITY["helium"],  # interleaved rotary, no o_proj bias
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

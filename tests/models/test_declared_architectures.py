@@ -1,5 +1,5 @@
 """Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere,
-Cohere 2, GLM-4 and Arcee, brought up as declarations of the shared layers: token-identical greedy generation
+Cohere 2, GLM-4, Arcee and Helium, brought up as declarations of the shared layers: token-identical greedy generation
 through the runtime, every ``zoo diff`` row within tolerance, and each forward path computing its logits once."""
 
 import json
@@ -35,6 +35,7 @@ BLOCK_NORMS = {
     "cohere2": ["input_layernorm"],
     "glm4": ["input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"],
     "arcee": ["input_layernorm", "post_attention_layernorm"],
+    "helium": ["input_layernorm", "post_attention_layernorm"],
 }
 # LayerNorm's (Cohere's without bias); RMSNorm: a weight
 NORM_PARAMETERS = {name: ["weight", "bias"] for name in ("starcoder2", "stablelm", "stablelm-parallel")}
@@ -110,6 +111,7 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("glm4", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     ("arcee", "hidden_act", "relu"),  # relu, not its square
     ("arcee", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),  # the YaRN
+    ("helium", "rms_norm_eps", 1.0),
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""
@@ -137,10 +139,10 @@ def one_branch_after_the_other(model):
 @pytest.mark.parametrize("name, undo", [
     ("cohere", rotate_half), ("cohere", one_branch_after_the_other),
     ("cohere-qk_norm-bias-mha-tied", rotate_half), ("stablelm-parallel", one_branch_after_the_other),
-    ("glm4", rotate_half),
+    ("glm4", rotate_half), ("helium", rotate_half),
 ])
 def test_block_declarations_are_visible_in_the_logits(name, undo, checkpoints, input_ids):
-    """Cohere's and GLM-4's interleaved rotary and the parallel block, each undone, move the logits far
+    """Cohere's, GLM-4's and Helium's interleaved rotary and the parallel block, each undone, move the logits far
     past the tolerance: none is a no-op on these checkpoints."""
     path, reference = checkpoints[name]
     model = AutoModelForCausalLM.from_pretrained(path)

@@ -7,6 +7,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from layers import RMSNorm
 from loaders import CheckpointError
 from models import AutoModelForCausalLM
 from tests.conftest import relative_error, tiny_config
@@ -162,6 +163,11 @@ VARIANTS = {
                          **ARCEE_IDS),
     "arcee-bias-mha-tied": tiny_config("arcee", attention_bias=True, mlp_bias=True, num_key_value_heads=4,
                                        tie_word_embeddings=True, **ARCEE_IDS),
+    # Helium: RMSNorms multiplying in float32, rotary on the interleaved pairs; heads as wide as hidden_size
+    # in all, as HF's o_proj takes (its default head_dim, 128, is Helium-1 2B's)
+    "helium": tiny_config("helium", head_dim=16),
+    "helium-qkv_bias-mha-tied": tiny_config("helium", head_dim=16, attention_bias=True, num_key_value_heads=4,
+                                            tie_word_embeddings=True),
     # LongRoPE: the 40 positions pass an original context of 32 (the long factors) or stay within 48 (the short)
     "phi3-longrope": tiny_config("phi3", rope_parameters=longrope(12), original_max_position_embeddings=32,
                                  **PHI3_IDS),
@@ -230,6 +236,33 @@ def test_olmo_rotates_in_float32_as_hf(variant, make_checkpoint, input_ids):
         for layer in model.model.layers:
             layer.self_attn.rotary_precision = "activations"
         assert not torch.equal(model(input_ids), expected)
+
+
+def test_helium_rounds_as_hf(make_checkpoint, input_ids):
+    """HF's Helium rotates q and k in bfloat16 by cos and sin rounded to it, as Llama's rotary, and its
+    RMSNorms multiply by their weight in float32 before rounding: in bfloat16 on the CPU its logits are
+    HF's bit for bit, and rotating in float32 (Cohere's), or multiplying after the rounding (Llama's
+    RMSNorm), moves them."""
+    path, _ = make_checkpoint(VARIANTS["helium"], dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        assert torch.equal(model(input_ids), expected)
+        for layer in model.model.layers:
+            layer.self_attn.rotary_precision = "float32"
+        assert not torch.equal(model(input_ids), expected)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
+            norm.multiply_in_float32 = False
+        assert not torch.equal(model(input_ids), expected)
+
+
+def test_helium_heads_wider_than_hidden_size_in_all_are_named(make_checkpoint):
+    path, _ = make_checkpoint(tiny_config("helium"))  # 4 heads of 128 channels, a hidden_size of 64
+    with pytest.raises(CheckpointError, match=r"num_attention_heads \* head_dim \(4 \* 128\) differs from hidden_size "
+                                              r"\(64\), the width HF's Helium o_proj takes"):
+        AutoModelForCausalLM.from_pretrained(path)
 
 
 def test_bfloat16_checkpoint_loaded_as_float32(make_checkpoint, input_ids):

@@ -85,6 +85,8 @@ AGREEING = {
     "arcee": tiny_config("arcee", **SMALL, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                             "original_max_position_embeddings": 512,
                                                             "rope_theta": 10000.0}, **ARCEE_IDS),
+    # RMSNorms multiplying in float32, rotary on the interleaved pairs in bf16; eight heads of 64 channels
+    "helium": tiny_config("helium", **SMALL, head_dim=64),
 }
 
 
@@ -179,6 +181,7 @@ GRAPHED = {
     "cohere2": AGREEING["cohere2"],  # zero-width rotary on the full layer, in the KV-write kernel
     "glm4": AGREEING["glm4"],
     "arcee": AGREEING["arcee"],
+    "helium": AGREEING["helium"],
 }
 
 
