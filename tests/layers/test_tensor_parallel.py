@@ -49,6 +49,7 @@ VARIANTS = {
     "starcoder2": PARITY["starcoder2"],
     "arcee": PARITY["arcee-bias-mha-tied"],
     "helium": PARITY["helium"],  # interleaved rotary, no o_proj bias
+    "exaone4": PARITY["exaone4"],  # post-norms and per-head q/k norms replicated; NoPE full layer, windowed others
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

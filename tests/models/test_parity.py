@@ -135,6 +135,16 @@ VARIANTS = {
     "glm4": tiny_config("glm4", head_dim=16, **GLM4_IDS),
     "glm4-mqa-no_bias-tied": tiny_config("glm4", head_dim=24, num_key_value_heads=1, attention_bias=False,
                                          tie_word_embeddings=True, partial_rotary_factor=0.75, **GLM4_IDS),
+    # EXAONE 4: post-norms, per-head q/k norms; rotary and a window on the sliding layers, neither on the
+    # full one (every 4th), as the 32B; with no window (the 1.2B) rotary on every layer
+    "exaone4": tiny_config("exaone4", num_hidden_layers=4, sliding_window=7),
+    "exaone4-no_window-llama3-tied": tiny_config(
+        "exaone4", sliding_window=None, layer_types=["full_attention"] * 2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16, "rope_theta": 1e6}),
+    "exaone4-full_first-mha-head_dim": tiny_config(  # the 32B's pattern as a string, with layer_types given
+        "exaone4", num_hidden_layers=3, sliding_window=5, sliding_window_pattern="LLLG",
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_key_value_heads=4, head_dim=24),
     # Gemma 3: a sliding layer and a full one, each with its own rope (the full one's linearly scaled, as
     # in the larger models), q/k norms per head
     "gemma3": tiny_config("gemma3_text", head_dim=16, layer_types=["sliding_attention", "full_attention"],
@@ -393,6 +403,15 @@ def test_smollm3_layouts_zoo_does_not_build_are_named(make_checkpoint, fields, w
     saved = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**saved, **fields}))
     with pytest.raises(CheckpointError, match=words):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_exaone4_sliding_layer_without_a_window_is_named(make_checkpoint):
+    path, _ = make_checkpoint(VARIANTS["exaone4"])
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, "sliding_window": None}))
+    with pytest.raises(CheckpointError, match=r"layer_types marks layer 0 sliding_attention with sliding_window "
+                                              r"null \(HF's EXAONE 4 cannot build its sliding-window mask\)"):
         AutoModelForCausalLM.from_pretrained(path)
 
 

@@ -87,6 +87,9 @@ AGREEING = {
                                                             "rope_theta": 10000.0}, **ARCEE_IDS),
     # RMSNorms multiplying in float32, rotary on the interleaved pairs in bf16; eight heads of 64 channels
     "helium": tiny_config("helium", **SMALL, head_dim=64),
+    # post-norms; three windowed layers with rotary, then a full one without; per-head q/k norms in the
+    # KV-write kernel, on the full layer with zero-width rotary
+    "exaone4": tiny_config("exaone4", **SMALL, sliding_window=48),
 }
 
 
@@ -182,6 +185,7 @@ GRAPHED = {
     "glm4": AGREEING["glm4"],
     "arcee": AGREEING["arcee"],
     "helium": AGREEING["helium"],
+    "exaone4": AGREEING["exaone4"],
 }
 
 
