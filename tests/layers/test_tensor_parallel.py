@@ -50,6 +50,7 @@ VARIANTS = {
     "arcee": PARITY["arcee-bias-mha-tied"],
     "helium": PARITY["helium"],  # interleaved rotary, no o_proj bias
     "exaone4": PARITY["exaone4"],  # post-norms and per-head q/k norms replicated; NoPE full layer, windowed others
+    "ernie4_5": PARITY["ernie4_5-bias-mha"],  # interleaved rotary in float32; o_proj's and down_proj's biases once
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

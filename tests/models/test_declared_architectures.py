@@ -1,6 +1,7 @@
 """Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere,
-Cohere 2, GLM-4, Arcee, Helium and EXAONE 4, brought up as declarations of the shared layers: token-identical greedy generation
-through the runtime, every ``zoo diff`` row within tolerance, and each forward path computing its logits once."""
+Cohere 2, GLM-4, Arcee, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the shared layers:
+token-identical greedy generation through the runtime, every ``zoo diff`` row within tolerance, and each forward
+path computing its logits once."""
 
 import json
 
@@ -37,6 +38,7 @@ BLOCK_NORMS = {
     "arcee": ["input_layernorm", "post_attention_layernorm"],
     "helium": ["input_layernorm", "post_attention_layernorm"],
     "exaone4": ["post_attention_layernorm", "post_feedforward_layernorm"],
+    "ernie4_5": ["input_layernorm", "post_attention_layernorm"],
 }
 # LayerNorm's (Cohere's without bias); RMSNorm: a weight
 NORM_PARAMETERS = {name: ["weight", "bias"] for name in ("starcoder2", "stablelm", "stablelm-parallel")}
@@ -115,6 +117,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("helium", "rms_norm_eps", 1.0),
     ("exaone4", "layer_types", ["sliding_attention"] * 4),  # rotary and the window on the full layer too
     ("exaone4", "rms_norm_eps", 1.0),  # the q/k norms' too
+    ("ernie4_5", "rms_norm_eps", 1.0),
+    ("ernie4_5", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),  # ERNIE's base is 500,000
 ])
 def test_declarations_are_visible_in_the_logits(name, field, value, checkpoints, tmp_path, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught."""
@@ -147,10 +151,10 @@ def one_branch_after_the_other(model):
 @pytest.mark.parametrize("name, undo", [
     ("cohere", rotate_half), ("cohere", one_branch_after_the_other),
     ("cohere-qk_norm-bias-mha-tied", rotate_half), ("stablelm-parallel", one_branch_after_the_other),
-    ("glm4", rotate_half), ("helium", rotate_half), ("exaone4", rotary_on_every_layer),
+    ("glm4", rotate_half), ("helium", rotate_half), ("ernie4_5", rotate_half), ("exaone4", rotary_on_every_layer),
 ])
 def test_block_declarations_are_visible_in_the_logits(name, undo, checkpoints, input_ids):
-    """Cohere's, GLM-4's and Helium's interleaved rotary, the parallel block and EXAONE 4's NoPE full
+    """Cohere's, GLM-4's, Helium's and ERNIE 4.5's interleaved rotary, the parallel block and EXAONE 4's NoPE full
     layer, each undone, move the logits far past the tolerance: none is a no-op on these checkpoints."""
     path, reference = checkpoints[name]
     model = AutoModelForCausalLM.from_pretrained(path)

@@ -145,6 +145,10 @@ VARIANTS = {
     "exaone4-full_first-mha-head_dim": tiny_config(  # the 32B's pattern as a string, with layer_types given
         "exaone4", num_hidden_layers=3, sliding_window=5, sliding_window_pattern="LLLG",
         layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_key_value_heads=4, head_dim=24),
+    # ERNIE 4.5: rotary on the interleaved pairs in float32 from float32 tables; tied (the 0.3B's), or a
+    # bias on every projection
+    "ernie4_5": tiny_config("ernie4_5", head_dim=16, tie_word_embeddings=True),
+    "ernie4_5-bias-mha": tiny_config("ernie4_5", head_dim=24, use_bias=True, num_key_value_heads=4),
     # Gemma 3: a sliding layer and a full one, each with its own rope (the full one's linearly scaled, as
     # in the larger models), q/k norms per head
     "gemma3": tiny_config("gemma3_text", head_dim=16, layer_types=["sliding_attention", "full_attention"],
@@ -273,6 +277,24 @@ def test_helium_heads_wider_than_hidden_size_in_all_are_named(make_checkpoint):
     with pytest.raises(CheckpointError, match=r"num_attention_heads \* head_dim \(4 \* 128\) differs from hidden_size "
                                               r"\(64\), the width HF's Helium o_proj takes"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_ernie_rotates_interleaved_pairs_in_float32_as_hf(make_checkpoint, input_ids):
+    """HF's ERNIE 4.5 rotates the pairs (2i, 2i+1) by float32 cos and sin and rounds once: in bfloat16 on
+    the CPU its logits are HF's bit for bit, and rounding cos and sin first, before the float32
+    products (Cohere's) or with each product (Llama's), moves them. (zoo keeps the rotated pairs
+    de-interleaved, a permutation of q's and k's channels; at head_dim 24 the CPU attention kernel sums
+    their products in HF's order.)"""
+    path, _ = make_checkpoint(VARIANTS["ernie4_5-bias-mha"], dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        assert torch.equal(model(input_ids), expected)
+        for precision in ("float32", "activations"):
+            for layer in model.model.layers:
+                layer.self_attn.rotary_precision = precision
+            assert not torch.equal(model(input_ids), expected)
 
 
 def test_bfloat16_checkpoint_loaded_as_float32(make_checkpoint, input_ids):

@@ -10,6 +10,7 @@ import transformers
 from transformers.activations import ACT2FN
 from transformers.models.cohere import modeling_cohere as hf_cohere
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek_v3
+from transformers.models.ernie4_5 import modeling_ernie4_5 as hf_ernie4_5
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.glm import modeling_glm as hf_glm
 from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
@@ -251,6 +252,23 @@ def test_apply_rotary_interleaved_in_float32_matches_cohere(dtype):
     if dtype != torch.float32:  # rounded after each product, as Llama's, it is not Cohere's
         in_dtype = apply_rotary(q, k, cos, sin, interleaved=True)
         assert not torch.equal(in_dtype[0], ours[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_apply_rotary_interleaved_in_float32_matches_ernie(dtype):
+    # ERNIE 4.5 rotates the pairs (2i, 2i+1) in float32 by float32 tables and writes them back in place:
+    # its channels, de-interleaved, are ours bit for bit (Attention's rotary_precision "float32_tables").
+    torch.manual_seed(0)
+    q, k = (torch.randn(7, 4, 16) * 3).to(dtype), (torch.randn(7, 2, 16) * 3).to(dtype)
+    cos, sin = rope_table(torch.arange(7) * 5, 16)
+    ours = apply_rotary(q, k, cos, sin, interleaved=True, rotate_in_float32=True)
+    theirs = hf_ernie4_5.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    for mine, hf in zip(ours, theirs):
+        assert torch.equal(mine, torch.cat((hf[..., 0::2], hf[..., 1::2]), dim=-1))
+    if dtype != torch.float32:  # the tables rounded to the dtype first, as Cohere's, it is not ERNIE's
+        rounded = apply_rotary(q, k, cos.to(dtype).float(), sin.to(dtype).float(), interleaved=True,
+                               rotate_in_float32=True)
+        assert not torch.equal(rounded[0], ours[0])
 
 
 def test_apply_rotary_rejects_bad_tables():

@@ -185,16 +185,17 @@ def test_rotary_write_kv_fp16_is_bit_equal_interpreted(rotary_dim, interleaved, 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8_cache"])
 @pytest.mark.parametrize("norm", ["no_norm", "llama"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [24, 16], ids=["full", "partial16"])
-def test_rotary_write_kv_in_float32_fp16_is_bit_equal_interpreted(rotary_dim, norm, fp8):
-    # OLMo 2's and OLMo 3's rotation (their q/k norms run before the op): the float32 cos and sin,
-    # each output rounded once, into the cache.
+def test_rotary_write_kv_in_float32_fp16_is_bit_equal_interpreted(rotary_dim, interleaved, norm, fp8):
+    # OLMo 2's and OLMo 3's rotation (their q/k norms run before the op), and ERNIE 4.5's of interleaved
+    # pairs: the float32 cos and sin, each output rounded once, into the cache.
     args, norm_args = make_inputs(torch.float16, norm, torch.float8_e4m3fn if fp8 else None, rotary_dim=rotary_dim)
     scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
     options = {**norm_args, "rotate_in_float32": True}
-    (q_ref, k_ref), k_expected, v_expected = expected(args, scales, False, options)
-    (q_rounded_angles, _), _, _ = expected(args, scales, False, norm_args)
-    q_out, k_out = run_interpreted(args, scales, False, options)
+    (q_ref, k_ref), k_expected, v_expected = expected(args, scales, interleaved, options)
+    (q_rounded_angles, _), _, _ = expected(args, scales, interleaved, norm_args)
+    q_out, k_out = run_interpreted(args, scales, interleaved, options)
     for ours, theirs in ((q_out, q_ref), (k_out, k_ref), (args[5], k_expected), (args[6], v_expected)):
         assert_same_bits(ours, theirs)
     assert not torch.equal(q_out, q_rounded_angles)

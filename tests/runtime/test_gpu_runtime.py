@@ -90,6 +90,8 @@ AGREEING = {
     # post-norms; three windowed layers with rotary, then a full one without; per-head q/k norms in the
     # KV-write kernel, on the full layer with zero-width rotary
     "exaone4": tiny_config("exaone4", **SMALL, sliding_window=48),
+    # interleaved rotary in float32 from float32 tables; a bias on every projection
+    "ernie4_5": tiny_config("ernie4_5", **SMALL, head_dim=64, use_bias=True),
 }
 
 
@@ -186,6 +188,7 @@ GRAPHED = {
     "arcee": AGREEING["arcee"],
     "helium": AGREEING["helium"],
     "exaone4": AGREEING["exaone4"],
+    "ernie4_5": AGREEING["ernie4_5"],  # the float32 rotation of interleaved pairs in the KV-write kernel
 }
 
 
