@@ -297,9 +297,13 @@ class Attention(nn.Module):
     ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``); ``rotary`` False makes a layer
     without position embedding (NoPE, SmolLM3's): it rotates none of q's and k's channels, handing
     the rotary ops zero-width cos/sin, so the KV-cache write stays in ``rotary_write_kv``.
+
+    A subclass declares its q/k norms' HF module names in ``qk_norm_names`` (StableLM's
+    ``q_layernorm``, ``k_layernorm``); ``qk_norms`` returns them, None where the layer has none.
     """
 
     capturable = True  # the Triton backend's paged ops read nothing on the host (see CausalLM.capturable)
+    qk_norm_names = ("q_norm", "k_norm")
 
     def __init__(
         self,
@@ -343,6 +347,7 @@ class Attention(nn.Module):
         self.qk_norm_weight_per_head = qk_norm_weight_per_head
         self.clip_qkv = clip_qkv
         self.rope_interleaved, self.rotary_precision = rope_interleaved, rotary_precision
+        norms = (None, None)
         if qk_norm_eps is not None:
             if not qk_norm_per_head:
                 q_shape, k_shape = q_size, kv_size
@@ -350,24 +355,29 @@ class Attention(nn.Module):
                 q_shape, k_shape = (num_heads, head_dim), (num_kv_heads, head_dim)
             else:
                 q_shape = k_shape = head_dim
-            self.q_norm, self.k_norm = qk_norm(q_shape, qk_norm_eps), qk_norm(k_shape, qk_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+            norms = (qk_norm(q_shape, qk_norm_eps), qk_norm(k_shape, qk_norm_eps))
+        for name, norm in zip(self.qk_norm_names, norms):
+            self.add_module(name, norm)
         # Set through the model's bind_kv_cache: one pool per entry of kv_cache_shapes, [blocks, block_size, *shape].
         self.backend = TorchAttentionBackend()
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # The per-tensor scales of its cached keys and values: the cache holds k / k_scale and v / v_scale.
         self.k_scale = self.v_scale = 1.0
 
+    @property
+    def qk_norms(self) -> tuple[RMSNorm | LayerNorm | None, RMSNorm | LayerNorm | None]:
+        """q's norm and k's, under their ``qk_norm_names``."""
+        return tuple(getattr(self, name) for name in self.qk_norm_names)
+
     def per_head_norm(self) -> dict:
-        """``rotary_write_kv``'s norm arguments: q_norm's and k_norm's weights and their shared
+        """``rotary_write_kv``'s norm arguments: the q and k norms' weights and their shared
         RMSNorm options where they are RMSNorms of each head with one weight for all heads; none
         otherwise (the layer applies other norms itself)."""
-        if not (isinstance(self.q_norm, RMSNorm) and self.qk_norm_per_head):
+        q_norm, k_norm = self.qk_norms
+        if not (isinstance(q_norm, RMSNorm) and self.qk_norm_per_head):
             return {}
-        norm = self.q_norm
-        return dict(q_norm_weight=norm.weight, k_norm_weight=self.k_norm.weight, norm_eps=norm.eps,
-                    weight_offset=norm.weight_offset, multiply_in_float32=norm.multiply_in_float32)
+        return dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps,
+                    weight_offset=q_norm.weight_offset, multiply_in_float32=q_norm.multiply_in_float32)
 
     @property
     def kv_cache_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -377,8 +387,9 @@ class Attention(nn.Module):
     def forward(self, hidden_states, position_embeddings, metadata: AttentionMetadata) -> torch.Tensor:
         n = hidden_states.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        if self.q_norm is not None and not self.qk_norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q_norm, k_norm = self.qk_norms
+        if q_norm is not None and not self.qk_norm_per_head:
+            q, k = q_norm(q), k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -392,8 +403,8 @@ class Attention(nn.Module):
         rotate_in_float32 = self.rotary_precision != "activations"
         # Through the cache, one launch for a per-head RMSNorm of q/k, rotary and the cache write.
         fused_norm = self.per_head_norm() if metadata.slot_mapping is not None else {}
-        if self.q_norm is not None and self.qk_norm_per_head and not fused_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if q_norm is not None and self.qk_norm_per_head and not fused_norm:
+            q, k = q_norm(q), k_norm(k)
         if metadata.slot_mapping is None:  # cache-free: nothing to write
             q, k = apply_rotary(q, k, cos, sin, self.rope_interleaved, rotate_in_float32)
         else:

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers.weights import OneOf, Shard
 from ops_cuda import fused_add_rms_norm, rms_norm
 
 
@@ -43,14 +44,23 @@ class LayerNorm(nn.Module):
     mean and variance of the last dimension normalised away, times the weight plus the bias
     (Starcoder2's, StableLM's), as ``torch.nn.LayerNorm`` computes it; ``bias=False``: none
     (Cohere's). A ``hidden_size`` of two dimensions, ``(heads, head_dim)``, gives each head a
-    weight of its own (Cohere's q/k norms), multiplied in float32 before the cast to the input
-    dtype, as HF's ``CohereLayerNorm`` does (torch's LayerNorm does the same inside its kernel)."""
+    weight of its own (Cohere's and StableLM 2 12B's q/k norms), multiplied in float32 before the
+    cast to the input dtype, as HF's ``CohereLayerNorm`` does (torch's LayerNorm does the same
+    inside its kernel); checkpoints hold it stacked (Cohere's ``q_norm.weight`` [heads, head_dim])
+    or as one LayerNorm per head (StableLM's ``q_layernorm.norms.{h}.weight``)."""
 
     def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
+        if self.weight.dim() == 1:
+            return {}
+        heads = range(self.weight.shape[0])
+        return {name: OneOf([Shard(f"{prefix}.{name}")], [Shard(f"{prefix}.norms.{h}.{name}", (h,)) for h in heads])
+                for name, _ in self.named_parameters(recurse=False)}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

@@ -115,16 +115,22 @@ class RowParallelLinear(Linear):
 
 
 class HeadParallelLayerNorm(LayerNorm):
-    """The rows of the rank's ``heads`` of a LayerNorm with a weight of its own for each head
-    (Cohere's q/k norms)."""
+    """The rows of the rank's ``heads`` of the ``num_heads`` of a LayerNorm with a weight of its own
+    for each head (Cohere's and StableLM's q/k norms): of the stacked tensor, or the rank's heads'
+    tensors of one per head (the others ``Shard.elsewhere``)."""
 
-    def __init__(self, heads: slice, head_dim: int, eps: float, bias: bool):
+    def __init__(self, heads: slice, num_heads: int, head_dim: int, eps: float, bias: bool):
         super().__init__((heads.stop - heads.start, head_dim), eps, bias)
-        self.heads = heads
+        self.heads, self.num_heads = heads, num_heads
 
-    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
-        return {name: [Shard(f"{prefix}.{name}", (), (self.heads,))]
-                for name, _ in self.named_parameters(recurse=False)}
+    def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
+        layouts = {}
+        for name, _ in self.named_parameters(recurse=False):
+            per_head = [Shard(f"{prefix}.norms.{h}.{name}", (h - self.heads.start,))
+                        if self.heads.start <= h < self.heads.stop else Shard.elsewhere(f"{prefix}.norms.{h}.{name}")
+                        for h in range(self.num_heads)]
+            layouts[name] = OneOf([Shard(f"{prefix}.{name}", (), (self.heads,))], per_head)
+        return layouts
 
 
 class VocabParallelEmbedding(VocabEmbedding):
@@ -288,7 +294,8 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
 
 
 def _split_attention(attention: Attention, name: str, rank: int, ranks: int, group) -> None:
-    if attention.q_norm is not None and not attention.qk_norm_per_head:
+    q_norm, k_norm = attention.qk_norms
+    if q_norm is not None and not attention.qk_norm_per_head:
         raise NotImplementedError(f"tensor parallelism cannot split {name}: its q/k norm spans all heads")
     heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
     q_heads = split_evenly(heads, rank, ranks, f"{name}'s attention heads")
@@ -307,13 +314,14 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
     o = attention.o_proj
     attention.o_proj = RowParallelLinear(rows[0], o.out_features, group, bias=o.bias is not None)
     attention.num_heads, attention.num_kv_heads = q_heads.stop - q_heads.start, kv.stop - kv.start
-    if attention.q_norm is not None and attention.qk_norm_weight_per_head:
-        attention.q_norm = _split_head_norm(attention.q_norm, q_heads)
-        attention.k_norm = _split_head_norm(attention.k_norm, kv)
+    if q_norm is not None and attention.qk_norm_weight_per_head:
+        for norm_name, norm, held in zip(attention.qk_norm_names, (q_norm, k_norm), (q_heads, kv)):
+            setattr(attention, norm_name, _split_head_norm(norm, held))
 
 
 def _split_head_norm(norm: LayerNorm, heads: slice) -> HeadParallelLayerNorm:
-    return HeadParallelLayerNorm(heads, norm.weight.shape[-1], norm.eps, norm.bias is not None)
+    num_heads, head_dim = norm.weight.shape
+    return HeadParallelLayerNorm(heads, num_heads, head_dim, norm.eps, norm.bias is not None)
 
 
 def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks: int, group) -> None:

@@ -20,7 +20,7 @@ from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from runtime.parallel import rank_device
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
-from tests.models.test_parity import COHERE_IDS, VARIANTS as PARITY
+from tests.models.test_parity import COHERE_IDS, STABLELM_IDS, VARIANTS as PARITY
 
 RANKS = 2
 TIMEOUT_S = 120  # the whole two-rank run; a rank that fails or hangs ends the test, never CI
@@ -51,6 +51,10 @@ VARIANTS = {
     "helium": PARITY["helium"],  # interleaved rotary, no o_proj bias
     "exaone4": PARITY["exaone4"],  # post-norms and per-head q/k norms replicated; NoPE full layer, windowed others
     "ernie4_5": PARITY["ernie4_5-bias-mha"],  # interleaved rotary in float32; o_proj's and down_proj's biases once
+    # StableLM 2 12B's layout: q/k norms stored one per head, each rank reading its heads' tensors
+    "stablelm-qk_layernorm": PARITY["stablelm-qk_layernorm-parallel"],
+    "stablelm-qk_layernorm-kv1": tiny_config("stablelm", qk_layernorm=True, num_key_value_heads=1,
+                                             **STABLELM_IDS),  # the one KV head's k_layernorm on both ranks
 }
 
 UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its message

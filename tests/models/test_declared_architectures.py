@@ -31,6 +31,8 @@ BLOCK_NORMS = {
     "seed_oss": ["input_layernorm", "post_attention_layernorm"],
     "smollm3-windows-mqa": ["input_layernorm", "post_attention_layernorm"],
     "stablelm-parallel": ["input_layernorm"],  # attention and the MLP on the one norm
+    "stablelm-qk_layernorm-qkv_bias": ["input_layernorm", "post_attention_layernorm"],  # q/k LayerNorms per head
+    "stablelm-qk_layernorm-parallel": ["input_layernorm"],  # StableLM 2 12B's layout
     "cohere": ["input_layernorm"],
     "cohere-qk_norm-bias-mha-tied": ["input_layernorm"],
     "cohere2": ["input_layernorm"],
@@ -41,7 +43,7 @@ BLOCK_NORMS = {
     "ernie4_5": ["input_layernorm", "post_attention_layernorm"],
 }
 # LayerNorm's (Cohere's without bias); RMSNorm: a weight
-NORM_PARAMETERS = {name: ["weight", "bias"] for name in ("starcoder2", "stablelm", "stablelm-parallel")}
+NORM_PARAMETERS = {name: ["weight", "bias"] for name in BLOCK_NORMS if name.startswith(("starcoder2", "stablelm"))}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,19 @@ def test_blocks_hold_the_declared_norms_under_hf_names(name, checkpoints):
     assert [n for n, _ in layer.named_parameters() if "norm" in n and not n.startswith("self_attn.")] == [
         f"{norm}.{parameter}" for norm in BLOCK_NORMS[name] for parameter in NORM_PARAMETERS.get(name, ["weight"])
     ]
+
+
+def test_stablelm_qk_norms_hold_a_weight_per_head_under_hf_names(checkpoints):
+    """HF's q_layernorm and k_layernorm, each a LayerNorm per head without bias (``norms.{h}``): zoo's
+    modules of the same names hold the weights of the 4 query heads and the 2 KV heads stacked."""
+    path, reference = checkpoints["stablelm-qk_layernorm-parallel"]
+    attention = AutoModelForCausalLM.from_pretrained(path).model.layers[0].self_attn
+    hf_attention = reference.model.layers[0].self_attn
+    for name, heads in (("q_layernorm", 4), ("k_layernorm", 2)):
+        assert name in dict(hf_attention.named_children()) and len(getattr(hf_attention, name).norms) == heads
+        weights = [(n, tuple(p.shape)) for n, p in getattr(attention, name).named_parameters()]
+        assert weights == [("weight", (heads, 16))]
+    assert attention.qk_norms == (attention.q_layernorm, attention.k_layernorm)
 
 
 @pytest.mark.parametrize("name", BLOCK_NORMS)
@@ -148,14 +163,29 @@ def one_branch_after_the_other(model):
         layer.parallel, layer.slot_norms = False, (norm, None, norm, None)
 
 
+def without_qk_norms(model):
+    for layer in model.model.layers:
+        for name in layer.self_attn.qk_norm_names:
+            setattr(layer.self_attn, name, None)
+
+
+def first_head_weight_for_all(model):
+    for layer in model.model.layers:
+        for norm in layer.self_attn.qk_norms:
+            norm.weight[1:] = norm.weight[:1]
+
+
 @pytest.mark.parametrize("name, undo", [
     ("cohere", rotate_half), ("cohere", one_branch_after_the_other),
     ("cohere-qk_norm-bias-mha-tied", rotate_half), ("stablelm-parallel", one_branch_after_the_other),
     ("glm4", rotate_half), ("helium", rotate_half), ("ernie4_5", rotate_half), ("exaone4", rotary_on_every_layer),
+    ("stablelm-qk_layernorm-parallel", one_branch_after_the_other),
+    ("stablelm-qk_layernorm-parallel", without_qk_norms), ("stablelm-qk_layernorm-parallel", first_head_weight_for_all),
 ])
 def test_block_declarations_are_visible_in_the_logits(name, undo, checkpoints, input_ids):
-    """Cohere's, GLM-4's, Helium's and ERNIE 4.5's interleaved rotary, the parallel block and EXAONE 4's NoPE full
-    layer, each undone, move the logits far past the tolerance: none is a no-op on these checkpoints."""
+    """Cohere's, GLM-4's, Helium's and ERNIE 4.5's interleaved rotary, the parallel block, EXAONE 4's NoPE full
+    layer and StableLM's q/k LayerNorms (or their weights of their own per head), each undone, move the logits far
+    past the tolerance: none is a no-op on these checkpoints."""
     path, reference = checkpoints[name]
     model = AutoModelForCausalLM.from_pretrained(path)
     undo(model)

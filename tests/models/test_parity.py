@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -118,6 +119,12 @@ VARIANTS = {
         num_key_value_heads=1, **SMOLLM3_IDS),
     # StableLM 2 12B's parallel residual: attention and the MLP on the one input_layernorm
     "stablelm-parallel": tiny_config("stablelm", use_parallel_residual=True, use_qkv_bias=True, **STABLELM_IDS),
+    # StableLM 2 12B's bias-free LayerNorm on each head of q (4 heads) and k (2 heads), a weight of its own
+    # per head: in the block of one branch after the other with q/k/v bias, and in 12B's layout (with the
+    # parallel residual, no q/k/v bias)
+    "stablelm-qk_layernorm-qkv_bias": tiny_config("stablelm", qk_layernorm=True, use_qkv_bias=True, **STABLELM_IDS),
+    "stablelm-qk_layernorm-parallel": tiny_config("stablelm", qk_layernorm=True, use_parallel_residual=True,
+                                                  **STABLELM_IDS),
     # Cohere: the parallel block on one bias-free LayerNorm, interleaved rotary, logits times logit_scale
     # (Command R's 0.0625 leaves HF-initialised logits near zero; the variants take larger ones)
     "cohere": tiny_config("cohere", logit_scale=0.5, **COHERE_IDS),
@@ -408,11 +415,45 @@ def test_a_partial_rotary_factor_zoo_cannot_take_is_named(make_checkpoint, varia
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_stablelm_qk_layernorm_is_named(make_checkpoint):
-    path, _ = make_checkpoint(tiny_config("stablelm", qk_layernorm=True, **STABLELM_IDS))
-    with pytest.raises(CheckpointError,
-                       match=r"qk_layernorm=True \(a LayerNorm of its own for each head of q and k\) is not supported"):
+def test_per_head_norms_load_apart_or_stacked(make_checkpoint, tmp_path, input_ids):
+    """StableLM's checkpoints hold its q/k LayerNorms one per head (``q_layernorm.norms.{h}.weight``): the
+    loader stacks them in head order into the layer's [heads, head_dim] weight. The same weights stacked
+    under the layer's own name (Cohere's layout) fill it too; a head's tensor missing is named."""
+    path, reference = make_checkpoint(VARIANTS["stablelm-qk_layernorm-parallel"])
+    apart = load_file(path / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    stacked = {name: tensor for name, tensor in apart.items() if ".norms." not in name}
+    for layer in range(2):
+        for norm, heads in (("q_layernorm", 4), ("k_layernorm", 2)):
+            prefix = f"model.layers.{layer}.self_attn.{norm}"
+            stacked[f"{prefix}.weight"] = torch.stack([apart[f"{prefix}.norms.{h}.weight"] for h in range(heads)])
+            assert torch.equal(model.get_parameter(f"{prefix}.weight"), stacked[f"{prefix}.weight"])
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(stacked, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        for checkpoint in (path, tmp_path):
+            assert_matches(AutoModelForCausalLM.from_pretrained(checkpoint)(input_ids), expected)
+    del apart["model.layers.1.self_attn.k_layernorm.norms.1.weight"]
+    save_file(apart, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing tensors: model.layers.1.self_attn.k_layernorm.norms.1.weight"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_stablelm_qk_layernorm_in_bfloat16_is_hfs_bit_for_bit(make_checkpoint, input_ids):
+    """In bfloat16 on the CPU, where zoo's ops are PyTorch's, StableLM 2 12B's layout gives HF's logits
+    bit for bit: each head's LayerNorm multiplies by its weight in float32 and rounds once, as torch's
+    LayerNorm kernel does in HF's. Rounding before the weight's product moves them."""
+    path, _ = make_checkpoint(VARIANTS["stablelm-qk_layernorm-parallel"], dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        assert torch.equal(model(input_ids), expected)
+        for layer in model.model.layers:
+            for norm in layer.self_attn.qk_norms:
+                norm.forward = lambda x, norm=norm: F.layer_norm(x, x.shape[-1:], eps=norm.eps) * norm.weight
+        assert not torch.equal(model(input_ids), expected)
 
 
 @pytest.mark.parametrize("fields, words", [

@@ -50,6 +50,9 @@ AGREEING = {
                                     attention_multiplier=1 / 64, residual_multiplier=0.22, logits_scaling=0.25),
     "starcoder2": tiny_config("starcoder2", **SMALL, sliding_window=48, **STARCODER2_IDS),
     "stablelm": tiny_config("stablelm", **SMALL, use_qkv_bias=True, **STABLELM_IDS),  # rotary on 16 of 64 channels
+    # StableLM 2 12B's layout: a LayerNorm on each head of q and k, a weight per head, and the parallel residual
+    "stablelm-qk_layernorm": tiny_config("stablelm", **SMALL, qk_layernorm=True, use_parallel_residual=True,
+                                         **STABLELM_IDS),
     # layer 3 without rotary (NoPE), and windowed: HF's config windows the NoPE layers
     "smollm3": tiny_config("smollm3", **SMALL, use_sliding_window=True, sliding_window=48, **SMOLLM3_IDS),
     # three sliding layers, then a full one with its own rope; q/k norms per head in the KV-write kernel
@@ -172,6 +175,7 @@ GRAPHED = {
     "granitemoeshared": AGREEING["granitemoeshared"],
     "starcoder2": AGREEING["starcoder2"],  # LayerNorm, an ungated MLP
     "stablelm": AGREEING["stablelm"],
+    "stablelm-qk_layernorm": AGREEING["stablelm-qk_layernorm"],  # the per-head q/k LayerNorms, outside that kernel
     "smollm3": AGREEING["smollm3"],  # the NoPE layer's zero-width cos/sin in the KV-write kernel
     "gemma3": AGREEING["gemma3"],
     "olmo3": AGREEING["olmo3"],
