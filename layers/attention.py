@@ -1,4 +1,4 @@
-"""Self-attention (MHA/GQA, optional q/k RMSNorm, sliding window) and the metadata its backend reads.
+"""Self-attention (MHA/GQA, optional q/k norms, sliding window) and the metadata its backend reads.
 
 A forward pass works on a flat stream of N tokens from one or more sequences. The layer
 computes q/k/v, applies q/k-norm and rotary, writes the new keys and values into its paged KV
@@ -356,6 +356,10 @@ class Attention(nn.Module):
             else:
                 q_shape = k_shape = head_dim
             norms = (qk_norm(q_shape, qk_norm_eps), qk_norm(k_shape, qk_norm_eps))
+            if qk_norm_weight_per_head and not (qk_norm_per_head and isinstance(norms[0], LayerNorm)):
+                # the one norm with a weight per head that the layer, its tensor-parallel split and
+                # the loader know: a LayerNorm over each head
+                raise ValueError("q/k norms with a weight of their own per head are LayerNorms over each head")
         for name, norm in zip(self.qk_norm_names, norms):
             self.add_module(name, norm)
         # Set through the model's bind_kv_cache: one pool per entry of kv_cache_shapes, [blocks, block_size, *shape].

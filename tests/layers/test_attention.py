@@ -1,11 +1,14 @@
 """The attention contract: the score modifiers each backend implements, and the fallback; who
-writes the KV cache; which q/k norm a clamp of q, k and v may follow."""
+writes the KV cache; which q/k norm a clamp of q, k and v may follow, and which norm has a weight per head."""
+
+from functools import partial
 
 import pytest
 import torch
 
 import layers.attention
-from layers import Attention, ScoreModifiers, TorchAttentionBackend, TritonAttentionBackend, score_modifiers_used
+from layers import (Attention, LayerNorm, RMSNorm, ScoreModifiers, TorchAttentionBackend, TritonAttentionBackend,
+                    score_modifiers_used)
 from layers.attention import BACKENDS, AttentionMetadata, select_backend
 from ops_cuda.rotary import apply_rotary_reference
 from tests.ops.test_triton_ops import rope_table
@@ -28,6 +31,15 @@ def test_clip_qkv_follows_a_norm_over_the_whole_projection_only():
     Attention(64, 4, 2, 16, clip_qkv=8.0)  # no norm
     with pytest.raises(ValueError, match="clip_qkv after a per-head q/k norm is not implemented"):
         Attention(64, 4, 2, 16, qk_norm_eps=1e-6, clip_qkv=8.0)
+
+
+def test_a_weight_per_head_is_a_layer_norm_over_each_head():
+    bias_free = partial(LayerNorm, bias=False)
+    attention = Attention(64, 4, 2, 16, qk_norm_eps=1e-5, qk_norm_weight_per_head=True, qk_norm=bias_free)  # Cohere's
+    assert attention.q_norm.weight.shape == (4, 16) and attention.k_norm.weight.shape == (2, 16)
+    for options in (dict(qk_norm=RMSNorm), dict(qk_norm=bias_free, qk_norm_per_head=False)):
+        with pytest.raises(ValueError, match="a weight of their own per head are LayerNorms over each head"):
+            Attention(64, 4, 2, 16, qk_norm_eps=1e-5, qk_norm_weight_per_head=True, **options)
 
 
 def test_a_backend_lacking_a_modifier_falls_back_to_torch_with_a_warning(monkeypatch):

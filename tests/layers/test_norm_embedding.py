@@ -63,8 +63,9 @@ def test_layer_norm_equals_torch(dtype):
 @pytest.mark.parametrize("shape", [64, (4, 16)], ids=["block", "weight_per_head"])
 def test_bias_free_layer_norm_equals_coheres(shape, dtype):
     """Cohere's LayerNorm, of a block or with a weight per head (its q/k norms over [..., heads,
-    head_dim]): computed in float32, bit for bit HF's in bfloat16 and float16, and to float32
-    rounding in float32 (torch's kernel orders the sums its own way)."""
+    head_dim]), computed in float32: HF's to float32 rounding in float32 (torch's kernel orders the
+    sums its own way), so that in bfloat16 and float16 an output rounds the other way now and then:
+    at most one unit of the dtype apart, on a small share of the outputs."""
     torch.manual_seed(0)
     reference = hf_cohere.CohereLayerNorm(shape, eps=1e-5)
     reference.weight.data = torch.randn(shape)
@@ -77,7 +78,9 @@ def test_bias_free_layer_norm_equals_coheres(shape, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(ours, theirs, rtol=0, atol=4e-6)
     else:
-        assert torch.equal(ours, theirs)
+        unit = torch.finfo(dtype).eps  # one unit in the last place, relative
+        torch.testing.assert_close(ours, theirs, rtol=unit, atol=unit)
+        assert (ours != theirs).float().mean() <= 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -157,12 +157,15 @@ def assert_graphs_give_the_eager_tokens(model):
     again = graphed_llm.generate(prompts, params, use_tqdm=False)
     assert all(o.error is None and len(o.token_ids) == 40 for o in eager)
     assert [o.token_ids for o in again] == [o.token_ids for o in graphed]
+    parted_sequences = 0
     for ours, theirs in zip(graphed, eager):
         parted = next((step for step, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
         if parted is not None:
+            parted_sequences += 1
             best, second = sorted(theirs.logprobs[parted].values(), reverse=True)[:2]
             assert best == second, (f"graphed token {ours.token_ids[parted]} for eager {theirs.token_ids[parted]} at "
                                     f"step {parted}, whose eager log-probabilities {best} and {second} do not tie")
+    assert parted_sequences <= 1  # an exact tie is rare: one sequence of five at most
 
 
 GRAPHED = {
