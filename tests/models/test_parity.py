@@ -243,16 +243,27 @@ def test_sharded_checkpoint(make_checkpoint, input_ids):
         assert_matches(model(input_ids), reference(input_ids).logits)
 
 
+def bfloat16_pair(make_checkpoint, variant: str, input_ids):
+    """A variant's checkpoint saved in bfloat16: its directory and HF's bfloat16 logits of ``input_ids``
+    (on the CPU, where zoo's ops are PyTorch's, zoo can give them bit for bit)."""
+    path, _ = make_checkpoint(VARIANTS[variant], dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        return path, reference(input_ids).logits
+
+
+def bfloat16_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("variant", ["olmo2", "olmo3"])
 def test_olmo_rotates_in_float32_as_hf(variant, make_checkpoint, input_ids):
     """HF's OLMo 2 and OLMo 3 rotate q and k by float32 cos and sin and round once: in bfloat16 on the
     CPU, where zoo's ops are PyTorch's, their logits are HF's bit for bit, and rounding cos and sin to
     bfloat16 first (Llama's rotary) moves them."""
-    path, _ = make_checkpoint(VARIANTS[variant], dtype=torch.bfloat16)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    path, expected = bfloat16_pair(make_checkpoint, variant, input_ids)
+    model = bfloat16_model(path)
     with torch.no_grad():
-        expected = reference(input_ids).logits
         assert torch.equal(model(input_ids), expected)
         for layer in model.model.layers:
             layer.self_attn.rotary_precision = "activations"
@@ -264,16 +275,14 @@ def test_helium_rounds_as_hf(make_checkpoint, input_ids):
     RMSNorms multiply by their weight in float32 before rounding: in bfloat16 on the CPU its logits are
     HF's bit for bit, and rotating in float32 (Cohere's), or multiplying after the rounding (Llama's
     RMSNorm), moves them."""
-    path, _ = make_checkpoint(VARIANTS["helium"], dtype=torch.bfloat16)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    path, expected = bfloat16_pair(make_checkpoint, "helium", input_ids)
     with torch.no_grad():
-        expected = reference(input_ids).logits
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model = bfloat16_model(path)
         assert torch.equal(model(input_ids), expected)
         for layer in model.model.layers:
             layer.self_attn.rotary_precision = "float32"
         assert not torch.equal(model(input_ids), expected)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model = bfloat16_model(path)
         for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
             norm.multiply_in_float32 = False
         assert not torch.equal(model(input_ids), expected)
@@ -292,11 +301,9 @@ def test_ernie_rotates_interleaved_pairs_in_float32_as_hf(make_checkpoint, input
     products (Cohere's) or with each product (Llama's), moves them. (zoo keeps the rotated pairs
     de-interleaved, a permutation of q's and k's channels; at head_dim 24 the CPU attention kernel sums
     their products in HF's order.)"""
-    path, _ = make_checkpoint(VARIANTS["ernie4_5-bias-mha"], dtype=torch.bfloat16)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    path, expected = bfloat16_pair(make_checkpoint, "ernie4_5-bias-mha", input_ids)
+    model = bfloat16_model(path)
     with torch.no_grad():
-        expected = reference(input_ids).logits
         assert torch.equal(model(input_ids), expected)
         for precision in ("float32", "activations"):
             for layer in model.model.layers:
@@ -444,11 +451,9 @@ def test_stablelm_qk_layernorm_in_bfloat16_is_hfs_bit_for_bit(make_checkpoint, i
     """In bfloat16 on the CPU, where zoo's ops are PyTorch's, StableLM 2 12B's layout gives HF's logits
     bit for bit: each head's LayerNorm multiplies by its weight in float32 and rounds once, as torch's
     LayerNorm kernel does in HF's. Rounding before the weight's product moves them."""
-    path, _ = make_checkpoint(VARIANTS["stablelm-qk_layernorm-parallel"], dtype=torch.bfloat16)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    path, expected = bfloat16_pair(make_checkpoint, "stablelm-qk_layernorm-parallel", input_ids)
+    model = bfloat16_model(path)
     with torch.no_grad():
-        expected = reference(input_ids).logits
         assert torch.equal(model(input_ids), expected)
         for layer in model.model.layers:
             for norm in layer.self_attn.qk_norms:
