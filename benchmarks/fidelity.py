@@ -7,7 +7,8 @@ The variants are the tiny random checkpoints of tests/models/test_parity.py, tho
 in both checkpoint layouts (as hub repos ship them: one tensor per expert, or GraniteMoe's experts stacked
 under names of their own; and transformers 5's stacked experts), those of
 tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2), those of
-tests/models/test_glm4_moe.py (GLM-4.5 and GLM-4.7-Flash, with a non-zero score correction bias, in both layouts), and
+tests/models/test_glm4_moe.py (GLM-4.5, GLM-4.7-Flash and dots.llm1, with a non-zero score correction bias, in
+both layouts), and
 those of tests/models/test_llava.py (LLaVA 1.5 and LLaVA-NeXT, images of odd sizes through transformers' processors).
 """
 
@@ -50,7 +51,7 @@ def main():
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
         print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits), flush=True)
     moe = [(name, config, hf_model, layouts(name)) for name, config in MOE_VARIANTS.items()]
-    moe += [(f"glm4_moe-{name}", config, deepseek_hf_model, LAYOUTS) for name, config in GLM4_MOE_VARIANTS.items()]
+    moe += [(name, config, deepseek_hf_model, LAYOUTS) for name, config in GLM4_MOE_VARIANTS.items()]
     for name, config, make_reference, checkpoint_layouts in moe:
         reference = make_reference(config)
         for layout in checkpoint_layouts:

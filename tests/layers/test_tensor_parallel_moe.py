@@ -19,7 +19,7 @@ from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_confi
 from tests.layers.test_tensor_parallel import RANKS, TOLERANCE, counting_reads, run_ranks
 from tests.loaders.test_fp8 import QUANTIZATION, write_pair
 from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
-from tests.models.test_glm4_moe import LITE_VARIANTS, glm4_moe_config
+from tests.models.test_glm4_moe import LITE_VARIANTS, VARIANTS as GLM4_MOE_VARIANTS, glm4_moe_config
 from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, tiny_tokenizer
 from tests.models.test_moe import per_expert_state_dict
 
@@ -45,7 +45,8 @@ VARIANTS = {
     "deepseek_v3-ep": (deepseek_config(), deepseek_hf_model, {}, None),
     "deepseek_v3-no_q_lora-tp": (deepseek_config(q_lora_rank=None), deepseek_hf_model, {}, False),
     "glm4_moe-ep": (glm4_moe_config(), deepseek_hf_model, {}, None),  # q/k norms per head, partial rotary, q/k/v bias
-    "glm4_moe_lite-tp": (LITE_VARIANTS["lite-dense_between-no_q_lora"], deepseek_hf_model, {}, False),
+    "glm4_moe_lite-tp": (LITE_VARIANTS["glm4_moe_lite-dense_between-no_q_lora"], deepseek_hf_model, {}, False),
+    "dots1-ep": (GLM4_MOE_VARIANTS["dots1-window-groups"], deepseek_hf_model, {}, None),  # windows, q/k norms per head
     "llava_next": (llava_config(text=tiny_config("mistral", head_dim=16), next_pinpoints=PINPOINTS["wide-and-tall"]),
                    hf_llava, {}, None),  # the vision tower, projector and image_newline replicated
 }

@@ -1,7 +1,7 @@
-"""GLM-4.5 (Glm4MoeForCausalLM) and GLM-4.7-Flash (Glm4MoeLiteForCausalLM) against HuggingFace, float32 on
-CPU: logits from checkpoints with experts per expert (as hub repos ship them) and stacked (transformers 5's
-layout), the multi-token-prediction layer skipped on load, greedy generation through the runtime and the
-layer-by-layer diff."""
+"""GLM-4.5 (Glm4MoeForCausalLM), GLM-4.7-Flash (Glm4MoeLiteForCausalLM) and dots.llm1 (Dots1ForCausalLM), the
+architectures that take DeepSeek-V3's mixture of experts, against HuggingFace, float32 on CPU: logits from
+checkpoints with experts per expert (as hub repos ship them) and stacked (transformers 5's layout), the
+multi-token-prediction layer skipped on load, greedy generation through the runtime and the layer-by-layer diff."""
 
 import json
 from functools import partial
@@ -34,11 +34,11 @@ def glm4_moe_config(**overrides):
 
 VARIANTS = {
     # GLM-4.5's layout: rotary on half of each head, q/k/v bias, q/k norms, a dense first layer, grouped routing
-    "qk_norm-bias-groups": glm4_moe_config(),
-    "no_qk_norm-no_bias-one_group-no_norm_topk": glm4_moe_config(
+    "glm4_moe-qk_norm-bias-groups": glm4_moe_config(),
+    "glm4_moe-no_qk_norm-no_bias-one_group-no_norm_topk": glm4_moe_config(
         use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1, norm_topk_prob=False,
     ),
-    "full_rotary-all_sparse-tied": glm4_moe_config(
+    "glm4_moe-full_rotary-all_sparse-tied": glm4_moe_config(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
         first_k_dense_replace=0, tie_word_embeddings=True,
     ),
@@ -48,11 +48,19 @@ VARIANTS = {
 # GLM-4.7-Flash: DeepSeek-V3's latent attention and MoE, each layer's MLP kind from mlp_layer_types
 LITE = {name: value for name, value in DEEPSEEK.items() if name != "first_k_dense_replace"}
 LITE_VARIANTS = {
-    "lite-dense_first": tiny_config("glm4_moe_lite", **LITE, mlp_layer_types=["dense", "sparse", "sparse"]),
-    "lite-dense_between-no_q_lora": tiny_config("glm4_moe_lite", **{**LITE, "q_lora_rank": None},
+    "glm4_moe_lite-dense_first": tiny_config("glm4_moe_lite", **LITE, mlp_layer_types=["dense", "sparse", "sparse"]),
+    "glm4_moe_lite-dense_between-no_q_lora": tiny_config("glm4_moe_lite", **{**LITE, "q_lora_rank": None},
                                                 mlp_layer_types=["sparse", "dense", "sparse"]),
 }
 VARIANTS.update(LITE_VARIANTS)
+# dots.llm1: Qwen3's attention, windowed from layer max_window_layers on; DeepSeek-V3's MoE
+DOTS1 = {name: value for name, value in GLM4_MOE.items() if name not in ("attention_bias", "use_qk_norm")}
+VARIANTS.update({
+    "dots1-window-groups": tiny_config("dots1", **DOTS1, sliding_window=5, max_window_layers=1),
+    "dots1-bias-one_group-all_sparse-tied": tiny_config(
+        "dots1", **{**DOTS1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0}, attention_bias=True,
+        tie_word_embeddings=True),
+})
 
 
 @pytest.fixture
@@ -78,7 +86,7 @@ def test_logits_match_huggingface(variant, layout, make_glm4_moe, input_ids):
 def test_declarations_are_visible_in_the_logits(field, value, make_glm4_moe, input_ids):
     """Each setting moves the logits far past the tolerance: dropping one is caught. (A model that
     skipped the q/k norms or the biases would find their tensors unexpected.)"""
-    config = VARIANTS["qk_norm-bias-groups"]
+    config = VARIANTS["glm4_moe-qk_norm-bias-groups"]
     if field == "first_k_dense_replace":  # a dense first layer has an MLP of its own; start from all sparse
         config = glm4_moe_config(first_k_dense_replace=0)
         value = 1
@@ -102,7 +110,7 @@ def set_config_field(path, field, value):
     (path / "config.json").write_text(json.dumps(fields))
 
 
-@pytest.mark.parametrize("variant", ["qk_norm-bias-groups", "lite-dense_first"])
+@pytest.mark.parametrize("variant", ["glm4_moe-qk_norm-bias-groups", "glm4_moe_lite-dense_first"])
 def test_the_prediction_layer_in_the_checkpoint_is_skipped(variant, make_glm4_moe, input_ids):
     """GLM's checkpoints carry ``num_nextn_predict_layers`` (1) layers past ``num_hidden_layers``: a
     field of GLM-4.5's config class, an extra field of GLM-4.7-Flash's config.json."""
@@ -122,13 +130,16 @@ def test_the_prediction_layer_in_the_checkpoint_is_skipped(variant, make_glm4_mo
 
 
 def test_mlp_layer_types_zoo_cannot_build_are_named(make_glm4_moe):
-    path, _ = make_glm4_moe(LITE_VARIANTS["lite-dense_first"])
+    path, _ = make_glm4_moe(LITE_VARIANTS["glm4_moe_lite-dense_first"])
     set_config_field(path, "mlp_layer_types", ["dense", "sparse", "moe"])
-    with pytest.raises(CheckpointError, match=r"mlp_layer_types must name one of \('dense', 'sparse'\) for each of the 3"):
+    with pytest.raises(CheckpointError,
+                       match=r"mlp_layer_types must name one of \('dense', 'sparse'\) for each of the 3"):
         AutoModelForCausalLM.from_pretrained(path)
 
 
-@pytest.mark.parametrize("variant", ["qk_norm-bias-groups", "lite-dense_between-no_q_lora"])
+@pytest.mark.parametrize("variant", [
+    "glm4_moe-qk_norm-bias-groups", "glm4_moe_lite-dense_between-no_q_lora", "dots1-window-groups",
+])
 def test_greedy_matches_hf_generate_and_diff_rows_agree(variant, make_glm4_moe, input_ids):
     path, reference = make_glm4_moe(VARIANTS[variant])
     batch = runtime_prompts(4, seed=0, low=1, high=40)

@@ -65,6 +65,10 @@ AGREEING = {
                             moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1),
     # GLM-4.7-Flash's latent attention shapes (192 + 64 query/key channels, values of 256, a latent of 512),
     # its MLP kinds by mlp_layer_types; as many KV heads as heads, as HF's eager attention of it needs
+    # dots.llm1: Qwen3's attention, windows from layer 2 on; DeepSeek's grouped sigmoid routing, a shared expert
+    "dots1": tiny_config("dots1", **SMALL, head_dim=64, sliding_window=48, max_window_layers=2, n_routed_experts=8,
+                         n_group=4, topk_group=2, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
+                         first_k_dense_replace=1),
     "glm4_moe_lite": tiny_config("glm4_moe_lite", **{**SMALL, "num_key_value_heads": 8}, q_lora_rank=128,
                                  kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
                                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
@@ -188,6 +192,7 @@ GRAPHED = {
     "phi3-longrope": AGREEING["phi3-longrope"],  # the long factors fixed by max_model_len 512: capturable
     "glm4_moe": AGREEING["glm4_moe"],
     "glm4_moe_lite": AGREEING["glm4_moe_lite"],
+    "dots1": AGREEING["dots1"],
     "cohere": AGREEING["cohere"],  # interleaved rotary in float32 in the KV-write kernel
     "cohere-qk_norm": AGREEING["cohere-qk_norm"],  # the q/k LayerNorms with a weight per head, outside it
     "cohere2": AGREEING["cohere2"],  # zero-width rotary on the full layer, in the KV-write kernel
