@@ -1,5 +1,7 @@
 """CPU decode steps compiled with torch.compile."""
 
+import itertools
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -28,6 +30,9 @@ def check_compilable(model, device: torch.device) -> None:
         get_cpp_compiler()
     except Exception as exc:  # inductor says which compiler it looked for
         raise ValueError(f"compile_decode needs a C++ compiler to build inductor's kernels: {exc}") from exc
+
+
+_ENGINES = itertools.count()
 
 
 class CompiledDecode:
@@ -66,8 +71,12 @@ class CompiledDecode:
         # dynamo files each graph under the code object it traced from, guarded by the weights' ids.
         # Compiled through the model's own forward, every engine's graph would pile up on that one
         # code object, and the ninth engine of a process pass dynamo's recompile limit (8): each
-        # engine compiles through a copy of ``step``'s code instead.
-        step.__code__ = step.__code__.replace()
+        # engine compiles through a copy of ``step``'s code instead, under a name of its own, since
+        # dynamo keeps the sizes it has seen by file, line and name, and an engine whose KV cache
+        # entries differ from an earlier engine's would find its cache's sizes turned dynamic (a
+        # symbolic stride its attention's read cannot trace).
+        name = f"decode_step_{next(_ENGINES)}"
+        step.__code__ = step.__code__.replace(co_name=name, co_qualname=name)
         self.forward = torch.compile(step, fullgraph=True)
         rows = self.MIN_ROWS
         zeros, padding = np.zeros(rows, dtype=np.int64), np.full(rows, self.padding_slot)

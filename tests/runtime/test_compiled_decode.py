@@ -97,12 +97,14 @@ def test_compiled_decode_steps_give_hf_tokens_from_one_compile(name, tmp_path, m
 
 @pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
 def test_each_engine_compiles_its_own_graph(tmp_path, monkeypatch):
-    """Engines of one process, each on its own weights, past dynamo's recompile limit (lowered to 1
-    here from 8): each compiles its own graph and decodes with its own weights."""
+    """Engines of one process, each on its own weights and KV cache entries ([KV heads, head_dim]),
+    past dynamo's recompile limit (lowered to 1 here from 8): each compiles its own graph and decodes
+    with its own weights."""
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     prompt = PROMPTS[5]
-    for seed in range(3):
-        reference = hf_model(tiny_config("llama"))
+    configs = [tiny_config("llama", head_dim=24), tiny_config("llama"), tiny_config("llama", num_key_value_heads=4)]
+    for seed, config in enumerate(configs):
+        reference = hf_model(config)
         with torch.no_grad():
             for parameter in reference.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(seed)) * seed)
