@@ -41,11 +41,15 @@ class TopKRouter(nn.Module):
     Either way the weights are then renormalised when ``renormalize`` and multiplied by
     ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``). All of it after the linear layer is the
     op ``zoo::route_topk`` (one Triton kernel on CUDA).
+
+    The logits are taken in float32 wherever the scores are more than a softmax of them, as HF's
+    DeepSeek and GLM routers take them; ``model_dtype_logits`` keeps them in the model's dtype
+    (MiniMax-M2's sigmoid router), the scores still computed from them in float32.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
                  score_correction_bias: bool = False, num_groups: int = 1, topk_groups: int = 1,
-                 group_score: str = "top2_sum", scaling_factor: float = 1.0):
+                 group_score: str = "top2_sum", scaling_factor: float = 1.0, model_dtype_logits: bool = False):
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"unsupported router scoring {scoring!r}; supported: softmax, sigmoid")
@@ -64,6 +68,7 @@ class TopKRouter(nn.Module):
         self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
         self.num_groups, self.topk_groups, self.group_score = num_groups, topk_groups, group_score
         self.scaling_factor = scaling_factor
+        self.model_dtype_logits = model_dtype_logits
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         if score_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
@@ -78,9 +83,9 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
-        # The logits in float32 wherever the scores are more than a softmax of them (as HF computes them).
         plain_softmax = self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None
-        logits = linear(x, self.weight, out_dtype=None if plain_softmax else torch.float32)
+        in_model_dtype = plain_softmax or self.model_dtype_logits
+        logits = linear(x, self.weight, out_dtype=None if in_model_dtype else torch.float32)
         return route_topk(logits, self.e_score_correction_bias, self.top_k, self.scoring, self.renormalize,
                           self.num_groups, self.topk_groups, self.group_score, self.scaling_factor)
 

@@ -64,6 +64,8 @@ UNSPLITTABLE = {  # config -> the error tensor_parallel raises, and words of its
     "olmo3": (tiny_config("olmo3"), NotImplementedError, "q/k norm spans all heads"),
     "olmoe": (tiny_config("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32), NotImplementedError,
               "q/k norm spans all heads"),
+    "minimax_m2": (tiny_config("minimax_m2", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                               head_dim=16), NotImplementedError, "q/k norm spans all heads"),
 }
 
 

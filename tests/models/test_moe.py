@@ -24,6 +24,7 @@ from ops_cuda.moe import moe_experts_dense_reference
 from runtime import LLM, SamplingParams
 from runtime.diff import diff_checkpoint
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+from tests.models.test_deepseek_v3 import deepseek_hf_model
 from tests.loaders.test_errors import rewrite_tensors
 from tests.models.test_parity import TOLERANCE, assert_matches
 
@@ -34,6 +35,8 @@ MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
 # (test_a_setting_read_wrongly_is_caught)
 GRANITEMOE = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=12.0,
                   attention_multiplier=1 / 16, residual_multiplier=0.22, logits_scaling=6.0)
+MINIMAX_M2 = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, rotary_dim=8,
+                  eos_token_id=2)  # its 200020 is no id here
 OLMOE = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, eos_token_id=2)  # its 50279 is no id here
 
 VARIANTS = {
@@ -69,6 +72,11 @@ VARIANTS = {
     "olmoe-clip-norm_topk-bias-tied": tiny_config("olmoe", **OLMOE, clip_qkv=1.0, norm_topk_prob=True,
                                                   attention_bias=True, tie_word_embeddings=True),
     "olmoe-window-unread": tiny_config("olmoe", **OLMOE, sliding_window=5),
+    # MiniMax-M2: a sigmoid router with a score correction bias (HF starts it at zero: see
+    # test_minimax_m2_chooses_by_the_corrected_scores), q/k norms over all heads, rotary on half of each head
+    "minimax_m2": tiny_config("minimax_m2", **MINIMAX_M2),
+    "minimax_m2-top3-tied": tiny_config("minimax_m2", **{**MINIMAX_M2, "num_experts_per_tok": 3},
+                                        tie_word_embeddings=True),
 }
 LAYOUTS = ["per_expert", "stacked"]
 GRANITE_LAYOUTS = ["hub", "stacked"]
@@ -86,7 +94,7 @@ VARIANT_LAYOUTS = [(variant, layout) for variant in VARIANTS for layout in layou
 def per_expert_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's tensors as hub repos ship them: ``mlp.experts.{e}.{gate,up,down}_proj.weight``, or for
     Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` and ``block_sparse_moe.gate.weight``."""
-    mixtral = model.config.model_type == "mixtral"
+    mixtral = model.config.model_type in ("mixtral", "minimax_m2")  # MiniMax-M2's hub spelling is Mixtral's
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     tensors = {}
     for name, tensor in model.state_dict().items():
@@ -154,6 +162,19 @@ def test_logits_match_huggingface(variant, layout, make_moe_checkpoint, input_id
         assert_matches(model(input_ids), reference(input_ids).logits)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_minimax_m2_chooses_by_the_corrected_scores(layout, make_moe_checkpoint, input_ids):
+    """With a non-zero score correction bias (as trained checkpoints hold), large enough to change which
+    experts are chosen: HF's logits, in either layout; without the bias they move."""
+    path, reference = make_moe_checkpoint(VARIANTS["minimax_m2"], layout, make_reference=deepseek_hf_model)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        assert_matches(model(input_ids), reference(input_ids).logits)
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+        assert relative_error(model(input_ids), reference(input_ids).logits) > 100 * TOLERANCE
+
+
 @pytest.mark.parametrize("variant, field, value", [
     ("qwen3_moe-norm_topk", "norm_topk_prob", False),
     ("olmoe-clip-norm_topk-bias-tied", "norm_topk_prob", False),
@@ -176,7 +197,7 @@ def test_a_setting_read_wrongly_is_caught(variant, field, value, make_moe_checkp
 
 
 @pytest.mark.parametrize("variant", ["qwen3_moe-sparse_step2", "mixtral-window", "qwen2_moe",
-                                     "granitemoe-bias-tied-top3", "granitemoeshared", "olmoe"])
+                                     "granitemoe-bias-tied-top3", "granitemoeshared", "olmoe", "minimax_m2"])
 def test_save_pretrained_writes_the_hub_layout(variant, tmp_path):
     """transformers 5.23's default ``save_pretrained`` converts back to the hub layout: the same tensors
     as ``per_expert_state_dict`` or ``granite_hub_state_dict`` (so both layouts the tests use are ones
@@ -317,7 +338,7 @@ def test_experts_op_is_a_checked_custom_op():
 
 GENERATION = [("qwen3_moe-no_norm_topk", "stacked"), ("mixtral-window", "per_expert"), ("qwen2_moe", "per_expert"),
               ("granitemoe-bias-tied-top3", "hub"), ("granitemoeshared", "stacked"),
-              ("olmoe-clip-norm_topk-bias-tied", "per_expert")]
+              ("olmoe-clip-norm_topk-bias-tied", "per_expert"), ("minimax_m2", "per_expert")]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 

@@ -193,6 +193,9 @@ GRAPHED = {
     "glm4_moe": AGREEING["glm4_moe"],
     "glm4_moe_lite": AGREEING["glm4_moe_lite"],
     "dots1": AGREEING["dots1"],
+    # MiniMax-M2's sigmoid router with its score correction bias, q/k norms over all heads, rotary on half
+    "minimax_m2": tiny_config("minimax_m2", **{**SMALL, "intermediate_size": 256}, head_dim=64, rotary_dim=32,
+                              num_local_experts=8, num_experts_per_tok=2, eos_token_id=2),
     "cohere": AGREEING["cohere"],  # interleaved rotary in float32 in the KV-write kernel
     "cohere-qk_norm": AGREEING["cohere-qk_norm"],  # the q/k LayerNorms with a weight per head, outside it
     "cohere2": AGREEING["cohere2"],  # zero-width rotary on the full layer, in the KV-write kernel
