@@ -54,7 +54,8 @@ class GatedMLP(nn.Module):
 
 class UngatedMLP(nn.Module):
     """down(act(up(x))), its two projections under HF's names: ``up_name`` and ``down_name``
-    (Arcee's ``up_proj`` and ``down_proj``; Starcoder2's ``c_fc`` and ``c_proj``). The activation is
+    (Arcee's ``up_proj`` and ``down_proj``; Starcoder2's ``c_fc`` and ``c_proj``; CLIP's ``fc1`` and
+    ``fc2``). The activation is
     one of ``PLAIN_ACTIVATIONS``, torch's elementwise ops on any device."""
 
     up_name = "up_proj"

@@ -16,7 +16,7 @@ from torch import nn
 
 from layers.embedding import VocabEmbedding
 from layers.linear import Linear, MergedLinear
-from layers.mlp import plain_activation
+from layers.mlp import UngatedMLP, plain_activation
 from ops_cuda.paged_attention import sdpa
 
 
@@ -64,15 +64,11 @@ class CLIPAttention(nn.Module):
         return self.out_proj(out.reshape(batch, length, hidden))
 
 
-class CLIPMLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.activation = plain_activation(config.hidden_act)
-        self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=True)
+class CLIPMLP(UngatedMLP):
+    up_name, down_name = "fc1", "fc2"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.activation(self.fc1(x)))
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act, bias=True)
 
 
 class CLIPEncoderLayer(nn.Module):
