@@ -213,7 +213,8 @@ def moe(results):
         touched = ids.unique().numel()
         row = dict(tokens=tokens, experts=touched, bf16_dispatch=moe_cuda_kernel(hidden, ids, gate_up, down, "silu"))
         paths = {
-            "fp8 triton": (lambda: moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", scales), 1),
+            "fp8 triton": (lambda: moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", fp8=scales),
+                           1),
             "bf16 triton": (lambda: moe_experts_triton(hidden, weights, ids, gate_up, down, "silu"), 2),
             "bf16 dispatch": (lambda: moe_experts_op(hidden, weights, ids, gate_up, down, "silu"), 2),
         }
@@ -226,11 +227,11 @@ def moe(results):
 
         def shared_apart(hidden=hidden, weights=weights, ids=ids):
             h = act_and_mul(fp8_block_linear(hidden, shared.gate_up, shared.gate_up_scale, BLOCK, None), "silu")
-            return (moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", scales)
+            return (moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", fp8=scales)
                     + fp8_block_linear(h, shared.down, shared.down_scale, BLOCK, None))
 
         row["shared_in_launch_us"] = graph_us(
-            lambda: moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", scales, shared),
+            lambda: moe_experts_triton(hidden, weights, ids, gate_up_fp8, down_fp8, "silu", fp8=scales, shared=shared),
             flush_l2_bytes=L2_FLUSH_BYTES)
         row["shared_apart_us"] = graph_us(shared_apart, flush_l2_bytes=L2_FLUSH_BYTES)
         rows.append(row)

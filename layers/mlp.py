@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from layers.linear import Linear, MergedLinear
-from ops_cuda import ACTIVATIONS, act_and_mul, gated_gemv
+from ops_cuda import ACTIVATIONS, GATED_ACTIVATIONS, act_and_mul, gated_gemv
 from ops_cuda.linear import takes_gemv
 
 
@@ -35,8 +35,8 @@ def plain_activation(name: str):
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
         super().__init__()
-        if hidden_act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {sorted(GATED_ACTIVATIONS)}")
         self.hidden_act = hidden_act
         self.gate_up_proj = MergedLinear(
             hidden_size, [intermediate_size] * 2, sources=["gate_proj", "up_proj"], bias=bias

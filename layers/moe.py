@@ -3,6 +3,8 @@
     mlp.gate                                  router: a linear [E, H] -> softmax -> top-k
     mlp.experts.gate_up_proj [E, 2 * I, H]    the experts' gate and up projections, stacked
     mlp.experts.down_proj    [E, H, I]        the experts' down projections, stacked
+    mlp.experts.gate_up_proj_bias [E, 2 * I]  optional: the experts' biases (GPT-OSS)
+    mlp.experts.down_proj_bias    [E, H]
     mlp.gate.e_score_correction_bias          optional: DeepSeek's bias on the scores that choose the experts
     mlp.shared_expert, mlp.shared_expert_gate optional: a dense expert every token takes, gated by a sigmoid (Qwen2-MoE)
     mlp.shared_experts                        optional: dense experts every token takes, ungated (DeepSeek)
@@ -19,7 +21,7 @@ from torch import nn
 from layers.linear import Linear
 from layers.mlp import GatedMLP
 from layers.weights import OneOf, Shard
-from ops_cuda import ACTIVATIONS, fp8_moe_experts, moe_experts, route_topk
+from ops_cuda import GATED_ACTIVATIONS, fp8_moe_experts, moe_experts, route_topk
 from ops_cuda.linear import linear
 
 
@@ -108,19 +110,28 @@ class Experts(nn.Module):
     writes them with ``save_original_format=False``); both are declared and the loader takes the
     one the checkpoint has.
 
+    With ``bias``, each projection has a bias per expert (GPT-OSS's): ``gate_up_proj_bias`` [E, 2 * I] (gate
+    then up, as gate_up_proj's rows) and ``down_proj_bias`` [E, H], read from stacked tensors of those names.
+
     FP8 block-quantised experts kept in FP8 by the loader (as ``Linear``'s weight: float8_e4m3fn
     parameters, their scales in ``gate_up_proj_scale_inv`` and ``down_proj_scale_inv``, the block in
-    ``fp8_block``) run through ``zoo::fp8_moe_experts``.
+    ``fp8_block``) run through ``zoo::fp8_moe_experts``, which takes no biases.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 bias: bool = False):
         super().__init__()
-        if hidden_act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {sorted(GATED_ACTIVATIONS)}")
         self.num_experts, self.intermediate_size, self.hidden_act = num_experts, intermediate_size, hidden_act
         gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
         self.fp8_parameters = ("gate_up_proj", "down_proj")  # the loader's declaration: see loaders.load
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("gate_up_proj_scale_inv", None)
@@ -135,10 +146,14 @@ class Experts(nn.Module):
             for source, rows in (("gate_proj", gate), ("up_proj", up))
         ]
         per_expert_down = [Shard(f"{prefix}.{e}.down_proj.weight", (e,)) for e in experts]
-        return {
+        shards = {
             "gate_up_proj": OneOf(per_expert_gate_up, [Shard(f"{prefix}.gate_up_proj")]),
             "down_proj": OneOf(per_expert_down, [Shard(f"{prefix}.down_proj")]),
         }
+        if self.gate_up_proj_bias is not None:  # stacked, in zoo's layout
+            shards["gate_up_proj_bias"] = [Shard(f"{prefix}.gate_up_proj_bias")]
+            shards["down_proj_bias"] = [Shard(f"{prefix}.down_proj_bias")]
+        return shards
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared: GatedMLP | None = None) -> torch.Tensor:
@@ -147,13 +162,17 @@ class Experts(nn.Module):
             raise ValueError(f"{type(self).__name__} cannot take this shared expert into its op: it takes an FP8 "
                              f"expert of its own shape, block and activation (see takes_shared)")
         if self.fp8_block is not None:
+            if self.gate_up_proj_bias is not None:
+                raise ValueError(f"{type(self).__name__}: FP8 experts with biases are not supported "
+                                 "(zoo::fp8_moe_experts takes no biases)")
             shared_weights = () if shared is None else (
                 shared.gate_up_proj.weight, shared.gate_up_proj.weight_scale_inv,
                 shared.down_proj.weight, shared.down_proj.weight_scale_inv)
             return fp8_moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.gate_up_proj_scale_inv,
                                    self.down_proj, self.down_proj_scale_inv, self.fp8_block, self.hidden_act,
                                    *shared_weights)
-        return moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.down_proj, self.hidden_act)
+        return moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.down_proj, self.hidden_act,
+                           self.gate_up_proj_bias, self.down_proj_bias)
 
     def takes_shared(self, shared: GatedMLP | None) -> bool:
         """Whether ``shared``, an ungated shared expert, runs inside these experts' op: FP8 experts and an
@@ -166,7 +185,8 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
-        return f"num_experts={e}, hidden_size={h}, intermediate_size={two_i // 2}, hidden_act={self.hidden_act}"
+        return (f"num_experts={e}, hidden_size={h}, intermediate_size={two_i // 2}, hidden_act={self.hidden_act}, "
+                f"bias={self.gate_up_proj_bias is not None}")
 
 
 class SparseMoE(nn.Module):

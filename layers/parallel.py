@@ -346,6 +346,9 @@ def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks:
 
 def _split_moe(moe: SparseMoE, name: str, rank: int, ranks: int, group, expert_parallel: bool | None) -> None:
     experts = moe.experts
+    if experts.gate_up_proj_bias is not None:
+        raise NotImplementedError(f"tensor parallelism cannot split {name}: its experts have biases, and neither "
+                                  "expert nor tensor parallelism of biased experts is supported")
     num_experts, intermediate = experts.num_experts, experts.intermediate_size
     hidden_size = experts.gate_up_proj.shape[2]
     if expert_parallel is None:

@@ -14,7 +14,7 @@ a CUDA kernel first runs: ``import ops_cuda`` never imports triton. ``ops_cuda.l
 linear layers' products (packed CPU weights, zoo::gemv, zoo::gated_gemv).
 """
 
-from ops_cuda.activation import ACTIVATIONS, act_and_mul
+from ops_cuda.activation import ACTIVATIONS, GATED_ACTIVATIONS, act_and_mul
 from ops_cuda.argmax import argmax
 from ops_cuda.fp8_linear import fp8_block_linear
 from ops_cuda.gemv import gated_gemv, gemv
@@ -29,7 +29,8 @@ from ops_cuda.rotary_kv import rotary_write_kv
 from ops_cuda.router import route_topk
 
 __all__ = [
-    "ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fp8_block_linear", "fp8_moe_experts", "fused_add_rms_norm",
-    "gated_gemv", "gemv", "mla_decode_attention", "mla_prefill_attention", "moe_experts", "paged_decode_attention",
-    "paged_prefill_attention", "prompt_attention", "rms_norm", "rotary_write_kv", "route_topk", "write_kv_cache",
+    "ACTIVATIONS", "GATED_ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fp8_block_linear", "fp8_moe_experts",
+    "fused_add_rms_norm", "gated_gemv", "gemv", "mla_decode_attention", "mla_prefill_attention", "moe_experts",
+    "paged_decode_attention", "paged_prefill_attention", "prompt_attention", "rms_norm", "rotary_write_kv",
+    "route_topk", "write_kv_cache",
 ]

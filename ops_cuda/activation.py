@@ -1,10 +1,12 @@
-"""Gated activations: act(gate) * up on a fused [..., 2 * d] input."""
+"""Gated activations on a fused [..., 2 * d] input holding gate then up: act(gate) * up, or a form that
+combines the two otherwise (GPT-OSS's clamped SwiGLU)."""
 
 import math
 
 import torch
 import torch.nn.functional as F
 
+from ops_cuda.clamped_swiglu import clamped_swiglu
 from ops_cuda.dispatch import cuda_implementation, public_op
 
 
@@ -28,10 +30,23 @@ ACTIVATIONS = {
 }
 
 
+def _times_up(activation):
+    return lambda gate, up: activation(gate) * up
+
+
+# The names act_and_mul takes -> the gated form f(gate, up): act(gate) * up for each of ``ACTIVATIONS``,
+# and the forms that use gate and up otherwise.
+GATED_ACTIVATIONS = {
+    **{name: _times_up(activation) for name, activation in ACTIVATIONS.items()},
+    "clamped_swiglu": clamped_swiglu,
+}
+
+
 def act_and_mul_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up for x [..., 2 * d] holding gate then up; ``activation`` is a key of ``ACTIVATIONS``."""
+    """The gated form ``activation`` (a key of ``GATED_ACTIVATIONS``) of x [..., 2 * d] holding gate then up:
+    act(gate) * up, or GPT-OSS's clamped SwiGLU."""
     gate, up = x.chunk(2, dim=-1)
-    return ACTIVATIONS[activation](gate) * up
+    return GATED_ACTIVATIONS[activation](gate, up)
 
 
 @torch.library.custom_op("zoo::act_and_mul", mutates_args=())

@@ -52,7 +52,7 @@ gemv = public_op(gemv_op, gemv_reference)
 def gated_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          activation: str) -> torch.Tensor:
     """act(gate) * up of x W^T + b for x [..., K] holding one row and W [2I, K] holding I gate rows then I up
-    rows (b [2I] likewise): h [..., I]; ``activation`` is a key of ``ops_cuda.ACTIVATIONS``."""
+    rows (b [2I] likewise): h [..., I]; ``activation`` is a key of ``ops_cuda.GATED_ACTIVATIONS``."""
     return act_and_mul_reference(gemv_reference(x, weight, bias), activation)
 
 

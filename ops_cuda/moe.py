@@ -1,9 +1,11 @@
 """Mixture-of-experts: every token through the gated MLPs of the experts its router picked.
 
 Experts are stacked as HuggingFace transformers 5 stores them: ``gate_up [E, 2 * I, H]`` (gate rows
-first, then up) and ``down [E, H, I]``. A token's output is the sum over its top-k experts of
-``weight * down_e(act(gate_e(x)) * up_e(x))``. An id of -1 names an expert this rank does not hold
-(expert parallelism, ``layers.parallel``): every path skips that slot, as if its weight were zero.
+first, then up) and ``down [E, H, I]``, with optional biases (GPT-OSS's) ``gate_up_bias [E, 2 * I]`` and
+``down_bias [E, H]``. A token's output is the sum over its top-k experts of
+``weight * down_e(act(gate_e(x)) * up_e(x))`` (or another of ``ops_cuda.activation.GATED_ACTIVATIONS``),
+each projection plus its expert's bias where there are biases. An id of -1 names an expert this rank does
+not hold (expert parallelism, ``layers.parallel``): every path skips that slot, as if its weight were zero.
 
 On CUDA, up to ``DECODE_MAX_PAIRS`` (token, slot) pairs in fp16/bf16 (a decode step) run the decode kernel
 (``ops_cuda/moe_decode.py``): each picked expert's weights streamed once, no sort. More pairs are grouped by
@@ -12,7 +14,8 @@ the number of pairs (``GROUPED_MM_MIN_PAIRS``, set by measurement): the Triton f
 (``ops_cuda/moe_triton.py``; fp16, bf16, fp32), which reads only the experts that have tokens, or PyTorch's
 grouped GEMM (``ops_cuda/moe_grouped_mm.py``; bf16 on sm90/sm100 with H and I multiples of 8). Anything neither
 takes runs the reference below, whose grouped form reads the expert loads on the host and so under
-CUDA-graph capture switches to its dense form.
+CUDA-graph capture switches to its dense form. Experts with biases skip the grouped GEMM (no bias in its
+epilogue): the other kernels add each bias to the float32 product before rounding it, as ``F.linear`` does.
 
 ``zoo::fp8_moe_experts`` is the same with FP8 block-scaled experts (``ops_cuda/fp8.py``): its reference
 dequantises them to the activation dtype; on CUDA the Triton fused-MoE kernel multiplies FP8 operands,
@@ -37,14 +40,18 @@ def moe_experts_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden [N, H] through the experts each token picked (topk_ids [N, K], -1 for none), weighted by
-    topk_weights [N, K] and summed: [N, H]."""
+    topk_weights [N, K] and summed: [N, H]. ``gate_up_bias`` [E, 2 * I] and ``down_bias`` [E, H], in the
+    experts' dtype: their biases, or None."""
     # The (token, slot) pairs are grouped by expert; each expert that has tokens runs one pair of
     # matmuls over its group. Contributions are weighted and summed in float32, expert by expert.
     # Group sizes are data-dependent (read on the host), so under CUDA-graph capture the dense form runs.
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        return moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+        return moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias,
+                                           down_bias)
     num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)  # pair indices, grouped by expert, the skipped (-1) first
@@ -58,12 +65,19 @@ def moe_experts_reference(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        h = act_and_mul_reference(F.linear(hidden[tokens], gate_up[expert]), activation)
-        out.index_add_(0, tokens, F.linear(h, down[expert]).to(torch.float32) * weights[pairs])
+        h = act_and_mul_reference(F.linear(hidden[tokens], gate_up[expert], _bias_of(gate_up_bias, expert)),
+                                  activation)
+        y = F.linear(h, down[expert], _bias_of(down_bias, expert))
+        out.index_add_(0, tokens, y.to(torch.float32) * weights[pairs])
     return out.to(hidden.dtype)
 
 
-def moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, activation) -> torch.Tensor:
+def _bias_of(biases: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if biases is None else biases[expert]
+
+
+def moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias=None,
+                                down_bias=None) -> torch.Tensor:
     """Every expert over every token, weighted by zero where the token did not pick it (-1 matches no
     expert): static shapes (capturable in a CUDA graph) at num_experts / top_k times the work. Same
     sums, in the same order."""
@@ -71,8 +85,8 @@ def moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, a
     weights = topk_weights.to(torch.float32)
     for expert in range(gate_up.shape[0]):
         weight = torch.where(topk_ids == expert, weights, 0.0).sum(dim=-1, keepdim=True)  # [N, 1]
-        h = act_and_mul_reference(F.linear(hidden, gate_up[expert]), activation)
-        out += F.linear(h, down[expert]).to(torch.float32) * weight
+        h = act_and_mul_reference(F.linear(hidden, gate_up[expert], _bias_of(gate_up_bias, expert)), activation)
+        out += F.linear(h, down[expert], _bias_of(down_bias, expert)).to(torch.float32) * weight
     return out.to(hidden.dtype)
 
 
@@ -84,12 +98,14 @@ def moe_experts_op(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias)
 
 
 @moe_experts_op.register_fake
-def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
+def _(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias=None, down_bias=None):
     return torch.empty_like(hidden)
 
 
@@ -111,7 +127,7 @@ DECODE_MAX_PAIRS = 128
 DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
+def cuda_kernel(hidden, topk_ids, gate_up, down, activation, gate_up_bias=None, down_bias=None) -> str:
     """Which kernel the op's CUDA dispatch runs on these inputs: "decode", "grouped_mm", "triton" or
     "reference"."""
     # triton (and the grouped-GEMM path) are imported only where a kernel runs
@@ -119,10 +135,15 @@ def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
     from ops_cuda.moe_grouped_mm import grouped_mm_supported
     from ops_cuda.moe_triton import triton_supported
 
+    for bias, weight in ((gate_up_bias, gate_up), (down_bias, down)):
+        # The kernels read a bias as [E, rows of the weight] in the weight's dtype.
+        if bias is not None and (bias.dtype != weight.dtype or bias.shape != weight.shape[:2]):
+            return "reference"
     if (topk_ids.numel() <= DECODE_MAX_PAIRS and hidden.dtype in DECODE_DTYPES
             and decode_supported(hidden, topk_ids, gate_up, down, activation)):
         return "decode"
-    if topk_ids.numel() >= GROUPED_MM_MIN_PAIRS and grouped_mm_supported(hidden, gate_up, down):
+    unbiased = gate_up_bias is None and down_bias is None  # torch._grouped_mm adds no bias before rounding
+    if unbiased and topk_ids.numel() >= GROUPED_MM_MIN_PAIRS and grouped_mm_supported(hidden, gate_up, down):
         return "grouped_mm"
     if triton_supported(hidden, gate_up, down, activation):
         return "triton"
@@ -130,20 +151,21 @@ def cuda_kernel(hidden, topk_ids, gate_up, down, activation) -> str:
 
 
 @cuda_implementation(moe_experts_op)
-def _(hidden, topk_weights, topk_ids, gate_up, down, activation):
+def _(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias=None, down_bias=None):
     from ops_cuda.moe_decode import moe_experts_decode
     from ops_cuda.moe_grouped_mm import moe_experts_grouped_mm
     from ops_cuda.moe_triton import moe_experts_triton
 
-    kernel = cuda_kernel(hidden, topk_ids, gate_up, down, activation)
+    kernel = cuda_kernel(hidden, topk_ids, gate_up, down, activation, gate_up_bias, down_bias)
     if kernel == "decode":
-        return moe_experts_decode(hidden, topk_weights, topk_ids, gate_up, down, activation)
+        return moe_experts_decode(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias)
     if kernel == "grouped_mm":
         return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, gate_up, down, activation)
     if kernel == "triton":
-        return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation)
-    # Other or mixed dtypes, unknown activations: the reference (which raises where F.linear or the lookup does).
-    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation)
+        return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias)
+    # Other or mixed dtypes, unknown activations, biases of another dtype or shape: the reference (which raises
+    # where F.linear or the lookup does).
+    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias)
 
 
 moe_experts = public_op(moe_experts_op, moe_experts_reference, reads_host=True)
@@ -248,8 +270,9 @@ def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_sca
     if shared is not None:
         shared = SharedExpert(gate_up=shared[0], down=shared[2], gate_up_scale=shared[1], down_scale=shared[3])
         if hidden.shape[0] <= SHARED_IN_LAUNCH_MAX_TOKENS and shared_supported(shared, gate_up, down, scales):
-            return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales, shared)
-    out = moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, scales)
+            return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, fp8=scales,
+                                      shared=shared)
+    out = moe_experts_triton(hidden, topk_weights, topk_ids, gate_up, down, activation, fp8=scales)
     if shared is None:
         return out
     h = act_and_mul(fp8_block_linear(hidden, shared.gate_up, shared.gate_up_scale, block, None), activation)

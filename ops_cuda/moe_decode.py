@@ -3,7 +3,8 @@
 no sort and no layout pass.
 
     gate_up: program (p, n) for pair p whose expert e = ids[p] no earlier pair has picked (the expert's
-             "leader"; the others return at once): columns n*BLOCK_N.. of act(gate_e x) * up_e x for every
+             "leader"; the others return at once): columns n*BLOCK_N.. of act(gate_e x) * up_e x (or
+             the other gated form; each product plus its expert's bias where there are biases) for every
              token that picked e, the tokens as the rows of one tile, so e's rows are read once whatever
              the number of tokens that share it                                        h [P, I]
     down:    program (p, n), the same leaders: columns n*BLOCK_N.. of down_e h for those tokens      y [P, H]
@@ -23,7 +24,8 @@ computes them (a tensor-core tile would hold one real row of 16):
 
 Every grid depends on the number of pairs only, and nothing is read back to the host: the op runs under
 CUDA-graph capture as it runs eagerly. Numerics are the fused-MoE kernel's (``moe_triton.py``): float32
-accumulation, rounded to the activation dtype where ``F.linear`` and the activation round.
+accumulation, a bias added to it, rounded to the activation dtype where ``F.linear`` and the activation
+round. Without biases (HAS_BIAS false) the kernels read none.
 """
 
 from typing import NamedTuple
@@ -37,6 +39,8 @@ from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     begin_after_previous,
     begin_after_previous_holding_next,
+    bias_or,
+    expert_bias,
     gated_activation,
     gated_rows_times_vector,
     gated_weight_rows,
@@ -129,10 +133,10 @@ def _lead_expert(ids_ptr, num_pairs, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr,
 
 @triton.jit
 def _decode_gate_up_kernel(
-    hidden_ptr, ids_ptr, gate_up_ptr, h_ptr,
+    hidden_ptr, ids_ptr, gate_up_ptr, bias_ptr, h_ptr,
     num_pairs, hidden_size, intermediate,
     hidden_stride, w_stride_e, w_stride_n, w_stride_k, h_stride,
-    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
@@ -158,6 +162,9 @@ def _decode_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * w_stride_k
         up_ptrs += BLOCK_K * w_stride_k
+    if HAS_BIAS:  # the gate row's and the up row's, before the rounding, as F.linear adds them
+        gate += expert_bias(bias_ptr, expert, cols, col_ok, 2 * intermediate)[None, :]
+        up += expert_bias(bias_ptr, expert, intermediate + cols, col_ok, 2 * intermediate)[None, :]
     dtype = h_ptr.dtype.element_ty
     h = gated_activation(gate, up, dtype, ACTIVATION)
     tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=picked[:, None] & col_ok[None, :])
@@ -165,10 +172,10 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    h_ptr, ids_ptr, down_ptr, y_ptr,
+    h_ptr, ids_ptr, down_ptr, bias_ptr, y_ptr,
     num_pairs, hidden_size, intermediate,
     h_stride, w_stride_e, w_stride_n, w_stride_k, y_stride,
-    TOP_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     begin_after_previous(PDL)  # the ids choose the weights: nothing can be read before
@@ -188,6 +195,8 @@ def _decode_down_kernel(
         acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * w_stride_k
+    if HAS_BIAS:
+        acc += expert_bias(bias_ptr, expert, cols, col_ok, hidden_size)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], out, mask=picked[:, None] & col_ok[None, :])
 
@@ -218,56 +227,68 @@ def _decode_combine_kernel(
 
 @triton.jit
 def _token_gate_up_kernel(
-    hidden_ptr, ids_ptr, gate_up_ptr, h_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
-    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    hidden_ptr, ids_ptr, gate_up_ptr, bias_ptr, h_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The ids choose the weights: nothing can be read before the wait. The down kernel reads them
     # before its own wait, so it starts only once the router has written them.
     begin_after_previous_holding_next(PDL)
     # One token, program (k, n): columns n*BLOCK_N.. of h for its k-th expert, from that expert's gate
     # and up rows interleaved as one [2 * BLOCK_N, BLOCK_K] tile.
-    # An id below zero (another rank's expert) reads nothing and writes zeros, which the down kernel reads.
+    # An id below zero (another rank's expert) reads nothing and writes zeros (every gated form of zero
+    # gate and up is zero), which the down kernel reads.
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     weight_rows, cols = gated_weight_rows(tl.program_id(1) * BLOCK_N, intermediate, BLOCK_N)
-    row_ok = (cols < tl.where(expert >= 0, intermediate, 0))[:, None]
+    row_ok = cols < tl.where(expert >= 0, intermediate, 0)
     row_starts = gate_up_ptr + tl.maximum(expert, 0) * w_stride_e + weight_rows[:, None].to(tl.int64) * w_stride_n
-    first_tile = weight_tile(row_starts, row_ok, tl.arange(0, BLOCK_K), hidden_size)
+    first_tile = weight_tile(row_starts, row_ok[:, None], tl.arange(0, BLOCK_K), hidden_size)
+    if HAS_BIAS:
+        bias = expert_bias(bias_ptr, tl.maximum(expert, 0), weight_rows, row_ok, 2 * intermediate)
+    else:
+        bias = 0.0
     dtype = h_ptr.dtype.element_ty
-    h = gated_rows_times_vector(hidden_ptr, row_starts, row_ok, hidden_size, first_tile, 0.0, dtype, ACTIVATION,
-                                BLOCK_N, BLOCK_K)
+    h = gated_rows_times_vector(hidden_ptr, row_starts, row_ok[:, None], hidden_size, first_tile, bias, dtype,
+                                ACTIVATION, BLOCK_N, BLOCK_K)
     h_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + slot * intermediate + h_cols, h.to(dtype), mask=h_cols < intermediate)
 
 
 @triton.jit
 def _token_down_combine_kernel(
-    h_ptr, ids_ptr, weights_ptr, down_ptr, out_ptr, hidden_size, intermediate, top_k, w_stride_e, w_stride_n,
-    BLOCK_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    h_ptr, ids_ptr, weights_ptr, down_ptr, bias_ptr, out_ptr, hidden_size, intermediate, top_k, w_stride_e,
+    w_stride_n, HAS_BIAS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k],
-    # each expert's output rounded to the activation dtype first, as the reference's combine reads it.
-    # The ids are the router's, finished before the gate_up kernel passed its wait and let this one
-    # start: they and every expert's first weight tile are read while gate_up still runs, h only after.
+    # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k]
+    # (plus that expert's bias), each expert's output rounded to the activation dtype first, as the
+    # reference's combine reads it. The ids are the router's, finished before the gate_up kernel passed
+    # its wait and let this one start: they, every expert's first weight tile and its bias are read
+    # while gate_up still runs, h only after.
     slots = tl.arange(0, BLOCK_SLOTS)
     slot_ok = slots < top_k
     experts = tl.load(ids_ptr + slots, mask=slot_ok, other=-1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # [slots, rows, 1]: an id below zero (another rank's expert) reads nothing; its h row is zeros.
-    present = ((experts[:, None] >= 0) & (rows[None, :] < hidden_size))[:, :, None]
+    # [slots, rows]: an id below zero (another rank's expert) reads nothing; its h row is zeros.
+    present = (experts[:, None] >= 0) & (rows[None, :] < hidden_size)
     row_starts = down_ptr + tl.maximum(experts, 0)[:, None, None] * w_stride_e \
         + rows[None, :, None].to(tl.int64) * w_stride_n
     cols = tl.arange(0, BLOCK_K)
-    w = weight_tile(row_starts, present, cols, intermediate)
+    w = weight_tile(row_starts, present[:, :, None], cols, intermediate)
+    if HAS_BIAS:
+        bias = expert_bias(bias_ptr, tl.maximum(experts, 0)[:, None], rows[None, :], present, hidden_size)
     begin_after_previous(PDL)
     y = tl.zeros([BLOCK_SLOTS, BLOCK_N], dtype=tl.float32)
     for start in range(0, intermediate, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         if start > 0:
-            w = weight_tile(row_starts, present, cols, intermediate)
+            w = weight_tile(row_starts, present[:, :, None], cols, intermediate)
         h = tl.load(h_ptr + slots[:, None] * intermediate + cols[None, :],
                     mask=slot_ok[:, None] & (cols < intermediate)[None, :], other=0.0)
         y += tl.sum(w.to(tl.float32) * h[:, None, :].to(tl.float32), axis=2)
+    if HAS_BIAS:
+        y += bias
     dtype = out_ptr.dtype.element_ty
     weighted = round_to(y, dtype) * tl.load(weights_ptr + slots, mask=slot_ok, other=0.0)[:, None]
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -288,10 +309,13 @@ def moe_experts_decode(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
     token_tiles: TokenTiles | None = None,
 ) -> torch.Tensor:
-    """``zoo::moe_experts`` for a few tokens; the caller checks ``decode_supported`` first.
-    ``token_tiles``: one token's tiles in place of the device's (`bench_moe.py --task token-tiles` sweeps them)."""
+    """``zoo::moe_experts`` for a few tokens; the caller checks ``decode_supported`` first (and the biases'
+    dtype and shape). ``token_tiles``: one token's tiles in place of the device's (`bench_moe.py --task
+    token-tiles` sweeps them)."""
     num_tokens, hidden_size = hidden.shape
     intermediate, top_k = down.shape[2], topk_ids.shape[1]
     num_pairs = topk_ids.numel()
@@ -299,7 +323,7 @@ def moe_experts_decode(
         hidden = hidden.contiguous()
     ids = topk_ids.contiguous()
     if num_tokens == 1 and gate_up.stride(-1) == down.stride(-1) == 1:
-        return _one_token(hidden, topk_weights, ids, gate_up, down, activation, token_tiles)
+        return _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, token_tiles)
     tiles = GPU_TILES if hidden.is_cuda else INTERPRETER_TILES
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
     # TOP_K is a power of two for the [tokens, slots] view: pad each token's slots with -1 where it is not.
@@ -314,17 +338,18 @@ def moe_experts_decode(
 
     h = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, tiles.gate_up_n))](
-        hidden, ids, gate_up, h,
+        hidden, ids, gate_up, bias_or(gate_up_bias, gate_up), h,
         num_pairs, hidden_size, intermediate,
         hidden.stride(0), *gate_up.stride(), h.stride(0),
-        ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=tiles.gate_up_n, **launch,
+        ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None, BLOCK_N=tiles.gate_up_n,
+        **launch,
     )
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _decode_down_kernel[(num_pairs, triton.cdiv(hidden_size, tiles.down_n))](
-        h, ids, down, y,
+        h, ids, down, bias_or(down_bias, down), y,
         num_pairs, hidden_size, intermediate,
         h.stride(0), *down.stride(), y.stride(0),
-        BLOCK_N=tiles.down_n, **launch,
+        HAS_BIAS=down_bias is not None, BLOCK_N=tiles.down_n, **launch,
     )
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -336,7 +361,7 @@ def moe_experts_decode(
     return out
 
 
-def _one_token(hidden, topk_weights, ids, gate_up, down, activation, tiles):
+def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, tiles):
     # Two launches: gate_up with the activation for every slot, then down with the weighted sum.
     hidden_size, intermediate, top_k = hidden.shape[1], down.shape[2], ids.shape[1]
     if tiles is None:
@@ -344,14 +369,16 @@ def _one_token(hidden, topk_weights, ids, gate_up, down, activation, tiles):
     launch = dict(num_warps=tiles.num_warps, **pdl_launch(hidden))
     h = torch.empty(top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
     _token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](
-        hidden, ids, gate_up, h, hidden_size, intermediate, gate_up.stride(0), gate_up.stride(1),
-        ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=tiles.gate_up_n,
+        hidden, ids, gate_up, bias_or(gate_up_bias, gate_up), h, hidden_size, intermediate, gate_up.stride(0),
+        gate_up.stride(1), ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None,
+        BLOCK_N=tiles.gate_up_n,
         BLOCK_K=min(tiles.gate_up_k, triton.next_power_of_2(hidden_size)), **launch,
     )
     out = torch.empty_like(hidden)
     _token_down_combine_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
-        h, ids, topk_weights.to(torch.float32).contiguous(), down, out, hidden_size, intermediate, top_k,
-        down.stride(0), down.stride(1), BLOCK_SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_n,
+        h, ids, topk_weights.to(torch.float32).contiguous(), down, bias_or(down_bias, down), out, hidden_size,
+        intermediate, top_k, down.stride(0), down.stride(1), HAS_BIAS=down_bias is not None,
+        BLOCK_SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_n,
         BLOCK_K=min(tiles.down_k, triton.next_power_of_2(intermediate)), **launch,
     )
     return out

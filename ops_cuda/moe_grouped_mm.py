@@ -20,7 +20,8 @@ token.
 
 What ``torch._grouped_mm`` (torch 2.8 onward, same schema through 2.13) needs for its fast path, from
 ``aten/src/ATen/native/cuda/GroupedBlas.cpp`` and ``GroupedMMUtils.h``; the dispatch sends anything
-else to the Triton kernel (``grouped_mm_supported``):
+else to the Triton kernel (``grouped_mm_supported``), and experts with biases too (its bf16 output
+would round each product before the bias is added):
 - bf16 operands and output (no ``out_dtype``), on a device of compute capability 9.x or 10.x. Other
   dtypes or devices take ``_grouped_mm_fallback``, which copies the offsets to the host: a sync per
   call, and not capturable.

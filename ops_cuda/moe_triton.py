@@ -26,7 +26,8 @@ rows, so every shape and grid depends on P only and nothing is read back to the 
 under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed return at once.
 
 Numerics follow the reference: both GEMMs accumulate in float32 and round to the activation dtype, as
-``F.linear`` does; the activation-and-mul epilogue is the ``act_and_mul`` kernel's formula and rounding
+``F.linear`` does, an expert's bias (where the experts have biases; HAS_BIAS) added before the rounding;
+the activation-and-mul epilogue is the ``act_and_mul`` kernel's formula and rounding
 (``triton_helpers.gated_activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
 
 FP8 block-scaled experts (``zoo::fp8_moe_experts``, ``Fp8Scales``): the same kernels read float8_e4m3fn
@@ -45,7 +46,7 @@ from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
-from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, gated_activation
+from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, bias_or, expert_bias, gated_activation
 
 
 class Tiles(NamedTuple):
@@ -239,7 +240,7 @@ def _expert_weights(expert, w_ptr, w_scale_ptr, w_stride_e, w_scale_stride_e, sh
 
 @triton.jit
 def _moe_gate_up_kernel(
-    hidden_ptr, gate_up_ptr, row_pair_ptr, block_expert_ptr, h_ptr,
+    hidden_ptr, gate_up_ptr, bias_ptr, row_pair_ptr, block_expert_ptr, h_ptr,
     num_pairs, hidden_size, intermediate,
     hidden_stride, w_stride_e, w_stride_n, w_stride_k, h_stride,
     hidden_scale_ptr, w_scale_ptr, hidden_scale_stride_m, hidden_scale_stride_g,
@@ -247,7 +248,7 @@ def _moe_gate_up_kernel(
     shared_ptr, shared_scale_ptr, num_experts, routed_pairs,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of h for the block's rows: the gate and up tiles side by
     # side over the hidden size, then act(gate) * up, each rounded where the reference rounds. With
@@ -292,6 +293,9 @@ def _moe_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * w_stride_k
         up_ptrs += BLOCK_K * w_stride_k
+    if HAS_BIAS:  # the gate row's and the up row's, before the rounding, as F.linear adds them
+        gate += expert_bias(bias_ptr, expert, cols, col_ok, 2 * intermediate)[None, :]
+        up += expert_bias(bias_ptr, expert, intermediate + cols, col_ok, 2 * intermediate)[None, :]
     dtype = h_ptr.dtype.element_ty
     h = gated_activation(gate, up, dtype, ACTIVATION)
     tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
@@ -299,14 +303,14 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, down_ptr, row_pair_ptr, block_expert_ptr, y_ptr,
+    h_ptr, down_ptr, bias_ptr, row_pair_ptr, block_expert_ptr, y_ptr,
     num_pairs, hidden_size, intermediate,
     h_stride, w_stride_e, w_stride_n, w_stride_k, y_stride,
     h_scale_ptr, w_scale_ptr, h_scale_stride_m, h_scale_stride_g,
     w_scale_stride_e, w_scale_stride_n, w_scale_stride_k,
     shared_ptr, shared_scale_ptr, num_experts,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of y = h down_e^T for the block's rows. Padding rows of h
     # were never written: they are read as zeros and their outputs not stored.
@@ -337,6 +341,8 @@ def _moe_down_kernel(
             acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * w_stride_k
+    if HAS_BIAS:
+        acc += expert_bias(bias_ptr, expert, cols, col_ok, hidden_size)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -386,11 +392,16 @@ def moe_experts_triton(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
     fp8: Fp8Scales | None = None,
     shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """``zoo::moe_experts`` with the fused-MoE kernels, or with ``fp8`` scales ``zoo::fp8_moe_experts``;
-    with ``shared``, plus that expert for every token; the caller checks ``triton_supported`` first."""
+    with ``shared``, plus that expert for every token; the caller checks ``triton_supported`` first (and
+    the biases' dtype and shape). Biases are the routed experts' only: not taken with ``shared``."""
+    if shared is not None and (gate_up_bias is not None or down_bias is not None):
+        raise ValueError("moe_experts_triton: the shared expert has no bias, and its id would read past the experts'")
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     if num_tokens == 0:  # a static shape: no launch has anything to do
@@ -410,22 +421,22 @@ def moe_experts_triton(
     x, x_scales = quantise_groups(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
     h = torch.empty(rows, intermediate, dtype=hidden.dtype, device=hidden.device)
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(intermediate, tiles.block_n))](
-        x, gate_up, layout.row_pair, layout.block_expert, h,
+        x, gate_up, bias_or(gate_up_bias, gate_up), layout.row_pair, layout.block_expert, h,
         num_pairs, hidden_size, intermediate,
         x.stride(0), *gate_up.stride(), h.stride(0),
         *_scale_arguments(x_scales, fp8.gate_up if fp8 else None),
         *_shared_arguments(shared, "gate_up", x_scales, gate_up, num_experts), routed_pairs,
-        TOP_K=top_k, ACTIVATION=KERNEL_ACTIVATIONS[activation], **launch,
+        TOP_K=top_k, ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None, **launch,
     )
     # Padding rows of h were never written: their quantised rows and scales are never read.
     h_in, h_scales = quantise_groups(h, fp8.block[1]) if fp8 else (h, h)
     y = torch.empty(rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, tiles.block_n))](
-        h_in, down, layout.row_pair, layout.block_expert, y,
+        h_in, down, bias_or(down_bias, down), layout.row_pair, layout.block_expert, y,
         num_pairs, hidden_size, intermediate,
         h_in.stride(0), *down.stride(), y.stride(0),
         *_scale_arguments(h_scales, fp8.down if fp8 else None),
-        *_shared_arguments(shared, "down", h_scales, down, num_experts), **launch,
+        *_shared_arguments(shared, "down", h_scales, down, num_experts), HAS_BIAS=down_bias is not None, **launch,
     )
     return moe_combine(y, layout.pair_row, topk_weights, topk_ids, hidden.dtype, shared=shared is not None)
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ops_cuda.clamped_swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from ops_cuda.dispatch import KERNEL_DTYPES
 
 
@@ -22,6 +23,12 @@ def check_dtypes(op: str, *tensors: torch.Tensor) -> None:
         raise TypeError(
             f"the CUDA kernel of zoo::{op} takes one of {KERNEL_DTYPES} for all inputs, got {sorted(map(str, dtypes))}"
         )
+
+
+def bias_or(bias: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """A kernel's bias argument: the bias, contiguous, or without one ``stand_in``, which a kernel
+    launched with HAS_BIAS false never reads."""
+    return stand_in if bias is None else bias.contiguous()
 
 
 # Whether kernels use programmatic dependent launch where the GPU has it. `profile_decode.py
@@ -114,11 +121,15 @@ def tanh(x):
     return tl.where(x < 0.0, -magnitude, magnitude)
 
 
-# HuggingFace `hidden_act` names -> the formula ``apply_activation`` computes.
+# HuggingFace `hidden_act` names -> the formula ``gated_activation`` computes (``apply_activation``'s
+# act(gate) * up, or clamped_swiglu's).
 KERNEL_ACTIVATIONS = {
     "silu": "silu", "swish": "silu", "gelu": "gelu_erf",
-    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu", "clamped_swiglu": "clamped_swiglu",
 }
+# Kernels read module globals only as constexprs.
+_SWIGLU_ALPHA = tl.constexpr(CLAMPED_SWIGLU_ALPHA)
+_SWIGLU_LIMIT = tl.constexpr(CLAMPED_SWIGLU_LIMIT)
 
 
 @triton.jit
@@ -133,6 +144,13 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
         return 0.5 * x * (1.0 + tanh(inner))
     else:  # relu; `where` rather than `maximum` so NaN propagates as in torch.relu
         return tl.where(x < 0.0, 0.0, x)
+
+
+@triton.jit
+def expert_bias(bias_ptr, experts, cols, mask, width):
+    # float32 biases of `experts` at `cols` (shapes that broadcast) from experts' biases [E, width],
+    # contiguous; zeros where `mask` is false, as it must be for an expert below zero.
+    return tl.load(bias_ptr + experts * width + cols, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -174,9 +192,9 @@ def gated_weight_rows(first_col, intermediate, BLOCK_N: tl.constexpr):
 @triton.jit
 def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtype: tl.constexpr,
                             ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # [BLOCK_N] float32: act(gate x) * up x from the rows of `gated_weight_rows` (`first_tile`:
-    # their first BLOCK_K columns, already read), plus `bias` (one value per row, or 0.0), with the
-    # reference's rounding: the product rounded to `dtype`, the activation of it rounded, times up.
+    # [BLOCK_N] float32: act(gate x) * up x (or the other gated form of ACTIVATION) from the rows of
+    # `gated_weight_rows` (`first_tile`: their first BLOCK_K columns, already read), plus `bias` (one
+    # value per row, or 0.0), with the reference's rounding (`gated_activation`).
     products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) + bias
     gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
     return gated_activation(gate, up, dtype, ACTIVATION)
@@ -184,7 +202,22 @@ def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtyp
 
 @triton.jit
 def gated_activation(gate, up, dtype: tl.constexpr, ACTIVATION: tl.constexpr):
-    # act(gate) * up in float32 from float32 gate and up values, rounded where the reference rounds:
-    # gate and up to `dtype` (a product the reference writes in it; values read from it are already
-    # exact), and the activation of gate.
-    return round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)
+    # act(gate) * up (or clamped_swiglu) in float32 from float32 gate and up values, rounded where the
+    # reference rounds: gate and up to `dtype` (a product the reference writes in it; values read
+    # from it are already exact), then each intermediate the reference writes. The result's own
+    # rounding is the caller's store.
+    if ACTIVATION == "clamped_swiglu":
+        return clamped_swiglu(round_to(gate, dtype), round_to(up, dtype), dtype)
+    else:
+        return round_to(apply_activation(round_to(gate, dtype), ACTIVATION), dtype) * round_to(up, dtype)
+
+
+@triton.jit
+def clamped_swiglu(gate, up, dtype: tl.constexpr):
+    # GPT-OSS's (up + 1) * gate * sigmoid(alpha * gate), gate clamped from above and up from both sides,
+    # from values already in `dtype`: the clamps are exact, and each later op's result is rounded to
+    # `dtype` as the reference's ops in that dtype round it (alpha * gate, the sigmoid, the glu, up + 1).
+    gate = tl.minimum(gate, _SWIGLU_LIMIT)
+    up = tl.minimum(tl.maximum(up, -_SWIGLU_LIMIT), _SWIGLU_LIMIT)
+    sigmoid = round_to(1.0 / (1.0 + tl.exp(-round_to(gate * _SWIGLU_ALPHA, dtype))), dtype)
+    return round_to(up + 1.0, dtype) * round_to(gate * sigmoid, dtype)

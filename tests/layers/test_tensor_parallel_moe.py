@@ -1,15 +1,16 @@
 """Expert parallelism and the tensor-parallel forms of MoE, latent attention and LLaVA: two ranks (gloo
 on the CPU, NCCL on two GPUs) in one process group load tiny checkpoints split over them; their logits
 equal the one-rank model's, an expert-parallel rank reads only its experts' bytes, and experts the
-ranks divide in neither way are refused by name."""
+ranks divide in neither way, or with biases, are refused by name."""
 
 
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch import nn
 
-from layers import ExpertParallelExperts, TensorParallelExperts, tensor_parallel
+from layers import Experts, ExpertParallelExperts, SparseMoE, TensorParallelExperts, tensor_parallel
 from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from ops_cuda.fp8 import FP8_DTYPE
@@ -243,3 +244,16 @@ def test_experts_the_ranks_cannot_split_are_refused(name, ranks_run):
     _, _, _, outputs = ranks_run
     for output in outputs:
         assert UNSPLITTABLE[name][1] in output["errors"][name]
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_experts_with_biases_are_refused(expert_parallel, monkeypatch):
+    """Neither parallel form holds the experts' biases: refused by name rather than dropped."""
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)  # rank 0 of 2, without a process group
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    with torch.device("meta"):
+        moe = SparseMoE(16, 4, 2, 8, "clamped_swiglu", renormalize=True)
+        moe.experts = Experts(4, 16, 8, "clamped_swiglu", bias=True)
+        model = nn.ModuleDict({"mlp": moe})
+    with pytest.raises(NotImplementedError, match="cannot split mlp: its experts have biases"):
+        tensor_parallel(model, None, expert_parallel)

@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, GraniteMoe, GraniteMoeShared, OLMoE) against
 HuggingFace, float32 on CPU: logits, greedy generation and the layer-by-layer diff, from checkpoints in both
 layouts (as hub repos ship them: one tensor per expert, or GraniteMoe's experts stacked under names of their
-own; and transformers 5's stacked experts); the router, the experts op, strict loading."""
+own; and transformers 5's stacked experts); the router, the experts op (and GPT-OSS's experts: biases and the
+clamped SwiGLU, against HF's GptOssExperts), strict loading."""
 
 import json
 import random
@@ -9,14 +10,19 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from safetensors.torch import save_file
+from torch import nn
 from transformers.activations import ACT2FN
+from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 from transformers.models.granitemoe import modeling_granitemoe as hf_granitemoe
 from transformers.models.mixtral import modeling_mixtral as hf_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3_moe
 
-from layers import TopKRouter
+from layers import Experts, TopKRouter
 from loaders import CheckpointError
+from loaders.hf_dir import safetensors_tensors
+from loaders.load import load_weights
 from models import AutoModelForCausalLM
 from models.modeling_qwen3_moe import Qwen3MoeForCausalLM
 from ops_cuda import moe_experts
@@ -325,11 +331,77 @@ def test_experts_op_matches_naive_reference(case, activation, form):
         assert (ours.double() - expected).abs().max() / expected.abs().max() < 1e-6
 
 
+def gpt_oss_experts(num_experts, hidden_size, intermediate, seed=0):
+    """HF's GptOssExperts with random weights and biases (the config's swiglu_alpha and swiglu_limit), and
+    the same experts in zoo's layout: (gate_up [E, 2I, H], gate_up_bias [E, 2I], down [E, H, I], down_bias
+    [E, H]). HF stores gate_up [E, H, 2I] with gate and up interleaved (gate at even columns) and down [E, I, H]."""
+    config = transformers.GptOssConfig(num_local_experts=num_experts, hidden_size=hidden_size,
+                                       intermediate_size=intermediate)
+    theirs = hf_gpt_oss.GptOssExperts(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in theirs.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=g) * 0.3)
+
+    def gate_then_up(interleaved: torch.Tensor) -> torch.Tensor:  # [..., 2I] interleaved -> [..., 2I] halves
+        return torch.cat((interleaved[..., 0::2], interleaved[..., 1::2]), dim=-1)
+
+    ours = (gate_then_up(theirs.gate_up_proj.detach()).transpose(1, 2).contiguous(),
+            gate_then_up(theirs.gate_up_proj_bias.detach()), theirs.down_proj.detach().transpose(1, 2).contiguous(),
+            theirs.down_proj_bias.detach().clone())
+    return theirs, ours
+
+
+@pytest.mark.parametrize("form", ["op", "dense", "layer"])
+def test_gpt_oss_experts_match_hf(form):
+    """Biases and the clamped SwiGLU, float32: the op, its dense form and the Experts layer against HF's
+    GptOssExperts (the same sums, in the same order of experts)."""
+    num_experts, hidden_size, intermediate = 8, 64, 32
+    theirs, (gate_up, gate_up_bias, down, down_bias) = gpt_oss_experts(num_experts, hidden_size, intermediate)
+    hidden = torch.randn(37, hidden_size, generator=torch.Generator().manual_seed(1))
+    weights, ids = routed(37, 2, [0, 2, 3, 6, 7], seed=1)  # experts 1, 4, 5 get no tokens
+    gate, up = F.linear(hidden, gate_up[0], gate_up_bias[0]).chunk(2, dim=-1)
+    assert (gate > 7).any() and (up > 7).any() and (up < -7).any()  # every clamp bites
+    if form == "layer":
+        layer = Experts(num_experts, hidden_size, intermediate, "clamped_swiglu", bias=True)
+        for name, tensor in dict(gate_up_proj=gate_up, gate_up_proj_bias=gate_up_bias, down_proj=down,
+                                 down_proj_bias=down_bias).items():
+            getattr(layer, name).data.copy_(tensor)
+        ours = layer(hidden, weights, ids)
+    else:
+        op = moe_experts if form == "op" else moe_experts_dense_reference
+        ours = op(hidden, weights, ids, gate_up, down, "clamped_swiglu", gate_up_bias, down_bias)
+    with torch.no_grad():
+        expected = theirs(hidden, router_indices=ids, routing_weights=weights)
+    assert relative_error(ours, expected) < 1e-6
+
+
+def test_biased_experts_load_their_stacked_biases(tmp_path):
+    tensors = {"experts.gate_up_proj": torch.randn(4, 16, 8), "experts.gate_up_proj_bias": torch.randn(4, 16),
+               "experts.down_proj": torch.randn(4, 8, 8), "experts.down_proj_bias": torch.randn(4, 8)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = nn.ModuleDict({"experts": Experts(4, 8, 8, "clamped_swiglu", bias=True)})
+    load_weights(model, safetensors_tensors(tmp_path), torch.float32, torch.device("cpu"))
+    assert all(torch.equal(model.get_parameter(name), tensor) for name, tensor in tensors.items())
+    assert "hidden_act=clamped_swiglu, bias=True" in repr(model.experts)
+
+
+def test_fp8_experts_with_biases_are_refused():
+    experts = Experts(4, 8, 8, "clamped_swiglu", bias=True)
+    experts.fp8_block = (16, 32)  # as the loader marks experts it keeps in FP8
+    weights, ids = routed(3, 2, list(range(4)), seed=0)
+    with pytest.raises(ValueError, match="FP8 experts with biases are not supported"):
+        experts(torch.randn(3, 8), weights, ids)
+
+
 def test_experts_op_is_a_checked_custom_op():
     torch.manual_seed(0)
     weights, ids = routed(9, 2, [0, 1, 3], seed=2)
     args = (torch.randn(9, 16), weights, ids, torch.randn(4, 16, 16), torch.randn(4, 16, 8), "silu")
     torch.library.opcheck(torch.ops.zoo.moe_experts.default, args, test_utils=("test_schema", "test_faketensor"))
+    biased = (*args[:5], "clamped_swiglu", torch.randn(4, 16), torch.randn(4, 16))
+    torch.library.opcheck(torch.ops.zoo.moe_experts.default, biased, test_utils=("test_schema", "test_faketensor"))
     bf16 = moe_experts(args[0].bfloat16(), weights, ids, args[3].bfloat16(), args[4].bfloat16(), "silu")
     assert bf16.dtype == torch.bfloat16
 

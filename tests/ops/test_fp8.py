@@ -333,7 +333,8 @@ def test_fp8_fused_moe_interpreted(tokens, top_k, allowed):
     down, down_scale = fp8_weight(48, 40, block, leading=(4,), seed=1)
     hidden = torch.randn(tokens, 48)
     weights, ids = routed(tokens, top_k, allowed)
-    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu", Fp8Scales(gate_up_scale, down_scale, block))
+    scales = Fp8Scales(gate_up_scale, down_scale, block)
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu", fp8=scales)
     expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu")
     assert relative_error(ours, expected) <= KERNEL_TOL[torch.float32]
     reference = fp8_moe_experts_reference(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, list(block), "silu")
@@ -356,7 +357,7 @@ def test_fp8_fused_moe_with_the_shared_expert_interpreted(tokens, dtype):
     shared_expert = SharedExpert(shared[0], shared[2], shared[1], shared[3])
     assert shared_supported(shared_expert, gate_up, down, scales)
     assert not shared_supported(shared_expert._replace(gate_up=shared[0].t().contiguous().t()), gate_up, down, scales)
-    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu", scales, shared_expert)
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu", fp8=scales, shared=shared_expert)
     expected = quantised_moe(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, block, "silu", *shared)
     assert relative_error(ours, expected) <= KERNEL_TOL[dtype]
     reference = fp8_moe_experts_reference(hidden, weights, ids, gate_up, gate_up_scale, down, down_scale, list(block),

@@ -2,7 +2,8 @@
 reference, in Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1): tiny
 experts in float32 and float16 (the interpreter's bfloat16 tl.dot is wrong), one token and several,
 experts shared by several tokens, ids of -1 (experts on another rank), a token listing an expert twice,
-a top-k that is not a power of two. The bf16/fp16 GPU cases, CUDA-graph replay and the dispatch are in
+a top-k that is not a power of two; each with the plain experts and with GPT-OSS's (biases, the clamped
+SwiGLU). The bf16/fp16 GPU cases, CUDA-graph replay and the dispatch are in
 ``tests/ops/test_moe_gpu.py``.
 """
 
@@ -13,22 +14,23 @@ pytest.importorskip("triton")
 
 from ops_cuda.moe import moe_experts_reference  # noqa: E402
 from ops_cuda.moe_decode import DECODE_MAX_TOKENS, TokenTiles, decode_supported, moe_experts_decode  # noqa: E402
-from tests.ops.test_moe_triton import TOL, assert_close, experts  # noqa: E402
+from tests.ops.test_moe_triton import MATH, TOL, assert_close, expert_math, experts  # noqa: E402
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 40, 24  # H and I: partial column and K tiles
 
 
-def reference_skipping_missing(hidden, weights, ids, gate_up, down, activation):
+def reference_skipping_missing(hidden, weights, ids, gate_up, down, activation, *biases):
     """The reference with each id of -1 (not on this rank) read as expert 0 at weight zero: what skipping it gives."""
     missing = ids < 0
     return moe_experts_reference(hidden, weights.masked_fill(missing, 0.0), ids.masked_fill(missing, 0), gate_up,
-                                 down, activation)
+                                 down, activation, *biases)
 
 
-def inputs(ids, dtype, seed=0):
+def inputs(ids, dtype, seed=0, scale=1.0):
     ids = torch.tensor(ids, dtype=torch.int64)
     gate_up, down = experts(NUM_EXPERTS, HIDDEN, INTERMEDIATE, dtype, seed=seed)
-    hidden = torch.randn(ids.shape[0], HIDDEN, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    hidden = torch.randn(ids.shape[0], HIDDEN, generator=torch.Generator().manual_seed(seed + 1)) * scale
+    hidden = hidden.to(dtype)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(seed + 2)).softmax(-1)
     return hidden, weights, ids, gate_up, down
 
@@ -49,12 +51,16 @@ CASES = {
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("math", MATH)
 @pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference_interpreted(case, dtype):
-    args = inputs(CASES[case], dtype)
-    ours = moe_experts_decode(*args, "silu")
-    assert_close(ours, reference_skipping_missing(*args, "silu"), TOL[dtype])
+def test_matches_reference_interpreted(case, dtype, math):
+    """Both forms: the one-token kernels (``one_token*``) and the kernels of several tokens."""
+    activation, biases, scale = expert_math(math, NUM_EXPERTS, HIDDEN, INTERMEDIATE, dtype)
+    args = inputs(CASES[case], dtype, scale=scale)
+    ours = moe_experts_decode(*args, activation, *biases)
+    # The kernels get the ids of -1 with their weights: a bias added for one would show.
+    assert_close(ours, reference_skipping_missing(*args, activation, *biases), TOL[dtype])
     if case == "missing_experts":
         assert torch.equal(ours[2], torch.zeros(HIDDEN, dtype=dtype)), "a token with no expert here gives zeros"
 

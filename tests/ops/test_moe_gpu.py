@@ -3,9 +3,10 @@
 (``ops_cuda/moe_triton.py``, fp16 and bf16 here; float32 and the CPU interpreter in
 ``tests/ops/test_moe_triton.py``) and the decode kernel (``ops_cuda/moe_decode.py``; its interpreter
 tests in ``tests/ops/test_moe_decode.py``), each forced through the dispatch's thresholds: uneven expert loads,
-experts without tokens, one expert for all, one token, none; Qwen3-30B-A3B layer shapes; buffers poisoned
-with NaN; under CUDA-graph capture with the routing changed between replays; and a tiny Qwen3-MoE through
-the runtime giving the same greedy tokens eagerly and with CUDA graphs. The dispatch itself: which kernel
+experts without tokens, one expert for all, one token, none; Qwen3-30B-A3B layer shapes; GPT-OSS's experts
+(biases, the clamped SwiGLU) at gpt-oss-20b's shapes; buffers poisoned with NaN; under CUDA-graph capture
+with the routing changed between replays; and a tiny Qwen3-MoE through the runtime giving the same greedy
+tokens eagerly and with CUDA graphs. The dispatch itself: which kernel
 runs for which dtype, shape and number of pairs.
 """
 
@@ -19,6 +20,7 @@ from ops_cuda import moe_experts
 from ops_cuda.moe import DECODE_MAX_PAIRS, GROUPED_MM_MIN_PAIRS, cuda_kernel, moe_experts_reference
 from ops_cuda.moe_decode import DECODE_MAX_TOKENS
 from tests.conftest import poison_allocator
+from tests.ops.test_moe_triton import expert_biases
 
 pytestmark = pytest.mark.gpu
 
@@ -85,17 +87,18 @@ def run_poisoned(*args):
     return out
 
 
-def check(hidden, weights, ids, gate_up, down, activation, kernel):
+def check(hidden, weights, ids, gate_up, down, activation, kernel, *biases):
     """The op (NaN-poisoned buffers) against the reference in the same dtype and in float32, after
-    checking that the dispatch runs ``kernel``."""
-    assert cuda_kernel(hidden, ids, gate_up, down, activation) == kernel
-    ours = run_poisoned(hidden, weights, ids, gate_up, down, activation)
+    checking that the dispatch runs ``kernel``; ``biases``: the experts' (gate_up_bias, down_bias), if any."""
+    assert cuda_kernel(hidden, ids, gate_up, down, activation, *biases) == kernel
+    ours = run_poisoned(hidden, weights, ids, gate_up, down, activation, *biases)
     assert ours.shape == hidden.shape and ours.dtype == hidden.dtype
     if hidden.shape[0] == 0:
         return
     assert not ours.isnan().any(), "NaN in the output: a buffer row read before it was written"
-    reference = moe_experts_reference(hidden, weights, ids, gate_up, down, activation)
-    exact = moe_experts_reference(hidden.float(), weights, ids, gate_up.float(), down.float(), activation)
+    reference = moe_experts_reference(hidden, weights, ids, gate_up, down, activation, *biases)
+    exact = moe_experts_reference(hidden.float(), weights, ids, gate_up.float(), down.float(), activation,
+                                  *(bias.float() for bias in biases))
     dtype = hidden.dtype
     error, reference_error = relative_error(ours, reference), relative_error(reference, exact)
     ours_exact = relative_error(ours, exact)
@@ -131,6 +134,11 @@ def test_dispatch_picks_the_kernel():
     unaligned_up, unaligned_down = experts(8, 64, 36, torch.bfloat16)  # I = 36: rows of 72 bytes
     assert cuda_kernel(many, many_ids, unaligned_up, unaligned_down, "silu") == "triton"
     assert cuda_kernel(many.half(), many_ids, gate_up, down, "silu") == "reference"
+    # Biased experts: never grouped_mm (no bias before its rounding); biases of another dtype: the reference.
+    biases = expert_biases(8, 64, 32, torch.bfloat16, device="cuda")
+    assert cuda_kernel(few, few_ids, gate_up, down, "clamped_swiglu", *biases) == "decode"
+    assert cuda_kernel(many, many_ids, gate_up, down, "clamped_swiglu", *biases) == "triton"
+    assert cuda_kernel(few, few_ids, gate_up, down, "silu", biases[0].float(), biases[1]) == "reference"
 
 
 @pytest.mark.skipif(not fast_path_device(), reason="torch's grouped GEMM kernel needs sm90/sm100")
@@ -257,6 +265,31 @@ def test_decode_kernel_skips_experts_of_other_ranks(tokens, dtype):
     assert torch.equal(ours[0], torch.zeros_like(ours[0]))
     if tokens > 1:
         assert relative_error(ours, reference) < TOL[dtype]
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["", "missing"])
+@pytest.mark.parametrize("tokens, kernel", [(1, "decode"), (4, "decode"), (300, "triton"),
+                                            (GROUPED_MM_MIN_PAIRS // 4, "triton")])
+def test_gpt_oss_experts(tokens, kernel, missing):
+    """GPT-OSS's experts, bf16: biases and the clamped SwiGLU, gpt-oss-20b's shapes (32 experts of
+    2880 -> 2880 -> 2880, top-4), the hidden states scaled so that gate and up pass the clamps at ±7.
+    Decode steps, a fused-MoE batch, and GROUPED_MM_MIN_PAIRS pairs, which biased experts run in the Triton
+    kernel. ``missing``: every other slot's id -1 (an expert on another rank), which adds nothing, nor its biases."""
+    gate_up, down = experts(32, 2880, 2880, torch.bfloat16)
+    biases = expert_biases(32, 2880, 2880, torch.bfloat16, device="cuda")
+    hidden = (torch.randn(tokens, 2880, device="cuda") * 5).to(torch.bfloat16)
+    weights, ids = router(tokens, 32, 4, seed=tokens)
+    if not missing:
+        check(hidden, weights, ids, gate_up, down, "clamped_swiglu", kernel, *biases)
+        return
+    local_ids = ids.clone()
+    local_ids[:, 1::2] = -1
+    assert cuda_kernel(hidden, local_ids, gate_up, down, "clamped_swiglu", *biases) == kernel
+    ours = run_poisoned(hidden, weights, local_ids, gate_up, down, "clamped_swiglu", *biases)
+    reference = moe_experts_reference(hidden, weights.masked_fill(local_ids < 0, 0.0), ids, gate_up, down,
+                                      "clamped_swiglu", *biases)
+    assert not ours.isnan().any()
+    assert relative_error(ours, reference) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("tokens", [1, 8])

@@ -4,9 +4,10 @@ PyTorch reference.
 Without a GPU the launcher runs on CPU tensors in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1): tiny experts (H=32, I=16..24) in float32 and float16 (the interpreter's bfloat16
 tl.dot is wrong), both tile sizes, uneven loads, experts without tokens, runs that are not a multiple of
-the block, and the padded layout itself. On a GPU the ``gpu`` tests here check the layout and float32;
-the op-level GPU tests (bf16 and fp16 on Qwen3-30B-A3B shapes, NaN-poisoned buffers, CUDA-graph replay)
-run both kernels of the dispatch, this one included, in ``tests/test_moe_gpu.py``.
+the block, GPT-OSS's experts (biases, the clamped SwiGLU), and the padded layout itself. On a GPU the
+``gpu`` tests here check the layout and float32; the op-level GPU tests (bf16 and fp16 on Qwen3-30B-A3B
+shapes, NaN-poisoned buffers, CUDA-graph replay) run both kernels of the dispatch, this one included, in
+``tests/test_moe_gpu.py``.
 """
 
 import random
@@ -17,7 +18,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from ops_cuda.moe import moe_experts_dense_reference, moe_experts_reference  # noqa: E402
+from ops_cuda.moe import (  # noqa: E402
+    GROUPED_MM_MIN_PAIRS,
+    cuda_kernel,
+    moe_experts_dense_reference,
+    moe_experts_reference,
+)
+import ops_cuda.moe_grouped_mm  # noqa: E402
 from ops_cuda.moe_grouped_mm import moe_experts_grouped_mm  # noqa: E402
 from ops_cuda.moe_triton import (  # noqa: E402
     INTERPRETER_TILES,
@@ -43,6 +50,26 @@ def experts(num_experts, hidden_size, intermediate, dtype, device="cpu", seed=0)
     gate_up = torch.randn(num_experts, 2 * intermediate, hidden_size, device=device, generator=g) / hidden_size**0.5
     down = torch.randn(num_experts, hidden_size, intermediate, device=device, generator=g) / intermediate**0.5
     return gate_up.to(dtype), down.to(dtype)
+
+
+def expert_biases(num_experts, hidden_size, intermediate, dtype, device="cpu", seed=0):
+    """gate_up_bias [E, 2I], down_bias [E, H] of order one, as GPT-OSS's experts have."""
+    g = torch.Generator(device=device).manual_seed(seed + 100)
+    gate_up_bias = torch.randn(num_experts, 2 * intermediate, device=device, generator=g)
+    down_bias = torch.randn(num_experts, hidden_size, device=device, generator=g)
+    return gate_up_bias.to(dtype), down_bias.to(dtype)
+
+
+# The experts' math: name -> (activation, biased, scale of the hidden states). GPT-OSS's hidden states are
+# scaled so that its gate and up values of ``experts``' weights pass the clamps at ±7.
+MATH = {"silu": ("silu", False, 1.0), "gpt_oss": ("clamped_swiglu", True, 5.0)}
+
+
+def expert_math(name, num_experts, hidden_size, intermediate, dtype, device="cpu"):
+    """(activation, biases: () or (gate_up_bias, down_bias), hidden scale) of ``MATH[name]``."""
+    activation, biased, scale = MATH[name]
+    biases = expert_biases(num_experts, hidden_size, intermediate, dtype, device) if biased else ()
+    return activation, biases, scale
 
 
 def routed(num_tokens, top_k, allowed, seed=0, device="cpu"):
@@ -107,6 +134,24 @@ def test_tiles_follow_the_rows_per_expert():
     assert tiles_for(torch.empty(0), 8, 128) == INTERPRETER_TILES[SMALL_TILES]
 
 
+def test_dispatch_takes_biases_of_the_experts_dtype_and_shape(monkeypatch):
+    """Biases in the experts' dtype and shape go to a kernel, but never the grouped GEMM (which would round
+    each product before adding its bias; here made to take any experts); others to the reference, which
+    raises where F.linear does."""
+    monkeypatch.setattr(ops_cuda.moe_grouped_mm, "grouped_mm_supported", lambda hidden, gate_up, down: True)
+    gate_up, down = experts(NUM_EXPERTS, HIDDEN, 16, torch.float16)
+    gate_up_bias, down_bias = expert_biases(NUM_EXPERTS, HIDDEN, 16, torch.float16)
+    few, many = torch.randn(2, HIDDEN).half(), torch.randn(GROUPED_MM_MIN_PAIRS, HIDDEN).half()
+    few_ids, many_ids = routed(2, 2, list(range(8)))[1], routed(len(many), 1, list(range(8)))[1]
+    assert cuda_kernel(few, few_ids, gate_up, down, "clamped_swiglu", gate_up_bias, down_bias) == "decode"
+    assert cuda_kernel(few, few_ids, gate_up, down, "silu", None, down_bias) == "decode"
+    assert cuda_kernel(many, many_ids, gate_up, down, "clamped_swiglu") == "grouped_mm"
+    assert cuda_kernel(many, many_ids, gate_up, down, "clamped_swiglu", gate_up_bias, down_bias) == "triton"
+    assert cuda_kernel(many, many_ids, gate_up, down, "silu", gate_up_bias) == "triton"
+    assert cuda_kernel(few, few_ids, gate_up, down, "silu", gate_up_bias.float(), down_bias) == "reference"
+    assert cuda_kernel(few, few_ids, gate_up, down, "silu", gate_up_bias, down_bias[:, :-1]) == "reference"
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES)
 def test_layout_interpreted(case):
@@ -140,15 +185,18 @@ def test_layout_worst_case_fills_every_block_interpreted():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("math", MATH)
 @pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference_interpreted(case, dtype):
+def test_matches_reference_interpreted(case, dtype, math):
     tokens, top_k, allowed = CASES[case]
     gate_up, down = experts(NUM_EXPERTS, HIDDEN, 24, dtype)  # I = 24: a partial N tile
-    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    activation, biases, scale = expert_math(math, NUM_EXPERTS, HIDDEN, 24, dtype)
+    hidden = (torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1)) * scale).to(dtype)
     weights, ids = routed(tokens, top_k, allowed, seed=2)
-    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, "silu")
-    assert_close(ours, moe_experts_reference(hidden, weights, ids, gate_up, down, "silu"), TOL[dtype])
+    ours = moe_experts_triton(hidden, weights, ids, gate_up, down, activation, *biases)
+    expected = moe_experts_reference(hidden, weights, ids, gate_up, down, activation, *biases)
+    assert_close(ours, expected, TOL[dtype])
 
 
 @pytest.mark.interpreter
@@ -180,32 +228,38 @@ def not_on_this_rank(ids, weights, held):
     return ids.masked_fill(skipped, -1), weights.masked_fill(skipped, 0.0)
 
 
-def test_skipped_ids_add_nothing_in_the_references():
+@pytest.mark.parametrize("math", MATH)
+def test_skipped_ids_add_nothing_in_the_references(math):
+    """A pair of id -1 adds nothing, its expert's biases included."""
     gate_up, down = experts(NUM_EXPERTS, HIDDEN, 16, torch.float32)
-    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+    activation, biases, scale = expert_math(math, NUM_EXPERTS, HIDDEN, 16, torch.float32)
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1)) * scale
     weights, ids = routed(9, 3, list(range(8)), seed=5)
     local_ids, zeroed = not_on_this_rank(ids, weights, [0, 1, 2, 3])
     assert (local_ids == -1).any() and (local_ids >= 0).any()
-    expected = moe_experts_reference(hidden, zeroed, ids, gate_up, down, "silu")
-    assert_close(moe_experts_reference(hidden, weights, local_ids, gate_up, down, "silu"), expected, 1e-6)
-    assert_close(moe_experts_dense_reference(hidden, weights, local_ids, gate_up, down, "silu"), expected, 1e-6)
+    expected = moe_experts_reference(hidden, zeroed, ids, gate_up, down, activation, *biases)
+    for reference in (moe_experts_reference, moe_experts_dense_reference):
+        assert_close(reference(hidden, weights, local_ids, gate_up, down, activation, *biases), expected, 1e-6)
     none_held = torch.full_like(ids, -1)
-    assert torch.equal(moe_experts_reference(hidden, weights, none_held, gate_up, down, "silu"),
+    assert torch.equal(moe_experts_reference(hidden, weights, none_held, gate_up, down, activation, *biases),
                        torch.zeros_like(hidden))
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("math", MATH)
 @pytest.mark.parametrize("held", [[0, 1, 2, 3], [4, 5, 6, 7], []], ids=["first_half", "second_half", "none"])
-def test_skipped_ids_add_nothing_interpreted(held):
-    """Ids of -1 get no row of the padded layout and add nothing, in the fused-MoE kernel and in the
-    grouped-GEMM path (its permute and combine kernels interpreted; torch._grouped_mm's CPU form)."""
+def test_skipped_ids_add_nothing_interpreted(held, math):
+    """Ids of -1 get no row of the padded layout and add nothing (nor their expert's biases), in the
+    fused-MoE kernel and in the grouped-GEMM path (its permute and combine kernels interpreted;
+    torch._grouped_mm's CPU form), which the dispatch gives no biased experts."""
     gate_up, down = experts(NUM_EXPERTS, HIDDEN, 24, torch.float32)
-    hidden = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(1))
+    activation, biases, scale = expert_math(math, NUM_EXPERTS, HIDDEN, 24, torch.float32)
+    hidden = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(1)) * scale
     weights, ids = routed(11, 2, list(range(8)), seed=6)
     local_ids, zeroed = not_on_this_rank(ids, weights, held)
-    expected = moe_experts_reference(hidden, zeroed, ids, gate_up, down, "silu")
-    for kernel in (moe_experts_triton, moe_experts_grouped_mm):
-        ours = kernel(hidden, weights, local_ids, gate_up, down, "silu")
+    expected = moe_experts_reference(hidden, zeroed, ids, gate_up, down, activation, *biases)
+    for kernel in (moe_experts_triton,) if biases else (moe_experts_triton, moe_experts_grouped_mm):
+        ours = kernel(hidden, weights, local_ids, gate_up, down, activation, *biases)
         assert torch.isfinite(ours).all()
         assert_close(ours, expected, TOL[torch.float32])
     layout = moe_align(local_ids, NUM_EXPERTS, 16)

@@ -14,6 +14,7 @@ from transformers.models.ernie4_5 import modeling_ernie4_5 as hf_ernie4_5
 from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
 from transformers.models.glm import modeling_glm as hf_glm
 from transformers.models.gpt_neox import modeling_gpt_neox as hf_gpt_neox
+from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 from transformers.models.llama import modeling_llama as hf_llama
 from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
 from transformers.models.olmo3 import modeling_olmo3 as hf_olmo3
@@ -144,6 +145,19 @@ def test_act_and_mul_matches_hf(activation):
     torch.manual_seed(0)
     x = torch.randn(4, 32)
     assert torch.equal(act_and_mul(x, activation), ACT2FN[activation](x[:, :16]) * x[:, 16:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_clamped_swiglu_matches_hf_gpt_oss(dtype):
+    """GPT-OSS's gated form, bit for bit, with the default swiglu_alpha and swiglu_limit of its config;
+    HF reads gate and up interleaved, zoo's layout has the gate half then the up half."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 64) * 5).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    assert (gate > 7).any() and (up > 7).any() and (up < -7).any()  # every clamp bites
+    config = transformers.GptOssConfig(num_local_experts=1, hidden_size=4, intermediate_size=32)
+    theirs = hf_gpt_oss.GptOssExperts(config)._apply_gate(torch.stack((gate, up), dim=-1).flatten(-2))
+    assert torch.equal(act_and_mul(x, "clamped_swiglu"), theirs)
 
 
 def test_apply_rotary_matches_hf():
