@@ -85,9 +85,12 @@ class ScoreModifiers:
     ``score_modifiers``, and ``select_backend`` falls back to one that implements what a model uses.
 
     ``softcap``: ``s -> softcap * tanh(s / softcap)`` (Gemma 2); 0 for none.
+    ``sinks``: the layer's ``sinks`` [Hq], one learned logit per query head, joins each softmax as a
+    key whose value is zero (GPT-OSS's attention sinks); False for none.
     """
 
     softcap: float = 0.0
+    sinks: bool = False
 
     @property
     def used(self) -> frozenset[str]:
@@ -127,7 +130,7 @@ class TorchAttentionBackend:
     CUDA). Works on any device and is the oracle for faster ones."""
 
     name = "torch"
-    score_modifiers = frozenset({"softcap"})
+    score_modifiers = frozenset({"softcap", "sinks"})
     prefill = staticmethod(paged_prefill_attention_reference)
     # Whether MLAttention's paged path (attend_latent) reads nothing on the host, so a CUDA graph or a
     # compiled graph can hold it: not the reference's, which reads the prompts' lengths there.
@@ -136,10 +139,10 @@ class TorchAttentionBackend:
     def forward(self, layer: "Attention", q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]. Prefill tokens first, then one per decode.
         # With a cache, the layer has written the new tokens' keys and values into it (rotary_write_kv).
-        softcap, window = layer.score_modifiers.softcap, layer.sliding_window or 0
+        softcap, window, sinks = layer.score_modifiers.softcap, layer.sliding_window or 0, layer.sinks
         if metadata.slot_mapping is None:  # no cache: every sequence is a prompt of new tokens
             return prompt_attention(q, k, v, sequence_starts(metadata, q.device), max(metadata.query_lens),
-                                    layer.scale, window, softcap)
+                                    layer.scale, window, softcap, sinks)
         k_cache, v_cache = layer.kv_cache
         k_scale, v_scale = layer.k_scale, layer.v_scale
         prefills, tokens = metadata.num_prefills, metadata.num_prefill_tokens
@@ -151,14 +154,14 @@ class TorchAttentionBackend:
             # scale 1.0), attend the k/v they have rather than read them back from the cache.
             new = metadata.context_lens is not None and not any(metadata.context_lens[:prefills])
             if new and holds_exactly(k_cache, q.dtype, k_scale, v_scale):
-                out.append(prompt_attention(*args, starts, longest, layer.scale, window, softcap))
+                out.append(prompt_attention(*args, starts, longest, layer.scale, window, softcap, sinks))
             else:
                 out.append(self.prefill(*args, k_cache, v_cache, metadata.block_tables[:prefills],
                                         metadata.seq_lens[:prefills], starts, longest, layer.scale, window, softcap,
-                                        k_scale, v_scale))
+                                        k_scale, v_scale, sinks))
         if tokens < q.shape[0]:  # decodes follow; a shape, which a compiled graph leaves dynamic
             out.append(self.attend_decodes(q[tokens:], k_cache, v_cache, metadata, layer.scale, window, softcap,
-                                           k_scale, v_scale))
+                                           k_scale, v_scale, sinks))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def attend_latent(self, layer, q_nope, q_rope, metadata: AttentionMetadata) -> torch.Tensor:
@@ -197,10 +200,10 @@ class TorchAttentionBackend:
                                              kv_scale)
 
     def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap, k_scale,
-                       v_scale) -> torch.Tensor:
+                       v_scale, sinks) -> torch.Tensor:
         # paged_decode_attention_reference in two parts: where the keys are, then attention at them.
         return decode_attention_at_slots(q, k_cache, v_cache, *decode_keys(metadata, k_cache.shape[1], window),
-                                         scale, softcap, k_scale, v_scale)
+                                         scale, softcap, k_scale, v_scale, sinks)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -216,11 +219,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
     latent_capturable = True  # its latent path reads the host's lists (the prompts' lengths), never the device
 
     def attend_decodes(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale, window, softcap, k_scale,
-                       v_scale) -> torch.Tensor:
+                       v_scale, sinks) -> torch.Tensor:
         prefills = metadata.num_prefills
         return self.decode(
             q, k_cache, v_cache, metadata.block_tables[prefills:], metadata.seq_lens[prefills:], scale, window, softcap,
-            k_scale, v_scale,
+            k_scale, v_scale, sinks,
         )
 
     def prefill_latent(self, layer, q_nope, q_rope, cache, metadata: AttentionMetadata) -> torch.Tensor:
@@ -294,7 +297,8 @@ class Attention(nn.Module):
     whole-projection norm, before rotary (OLMoE's); ``rope_interleaved`` rotates the channel pairs
     (2i, 2i+1) instead of (i, i + rotary_dim/2) (Cohere); ``rotary_precision`` is where the rotation
     rounds (``ROTARY_PRECISIONS``); ``sliding_window`` limits how far back a token looks (Mistral);
-    ``logit_softcap`` soft-caps the scores (see ``ScoreModifiers``); ``rotary`` False makes a layer
+    ``logit_softcap`` soft-caps the scores and ``sinks`` gives each query head a learned logit in
+    its softmax, the parameter ``sinks`` (see ``ScoreModifiers``); ``rotary`` False makes a layer
     without position embedding (NoPE, SmolLM3's): it rotates none of q's and k's channels, handing
     the rotary ops zero-width cos/sin, so the KV-cache write stays in ``rotary_write_kv``.
 
@@ -324,6 +328,7 @@ class Attention(nn.Module):
         logit_softcap: float | None = None,
         rotary: bool = True,
         clip_qkv: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -337,7 +342,8 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.rotary = rotary
-        self.score_modifiers = ScoreModifiers(softcap=logit_softcap or 0.0)
+        self.score_modifiers = ScoreModifiers(softcap=logit_softcap or 0.0, sinks=sinks)
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(
             hidden_size, [q_size, kv_size, kv_size], sources=["q_proj", "k_proj", "v_proj"], bias=qkv_bias

@@ -13,6 +13,9 @@ block_tables [sequences, max_blocks] int32; seq_lens [sequences] int32 (cached +
 ``sliding_window`` 0 means none; otherwise the query at position p sees keys t with
 p - window < t <= p (HuggingFace's window). ``softcap`` 0 means none; otherwise each score
 s = q.k * scale becomes softcap * tanh(s / softcap) before the mask and softmax (Gemma 2).
+``sinks`` None means none; otherwise a [Hq] tensor of learned logits, one per query head, each joining
+its head's softmax as one more key whose value is zero (GPT-OSS's attention sinks): every weight shrinks
+by the sink's share of the mass, out = sum_t p_t v_t with p = softmax([s_1..s_T, sink])[:T].
 The caches are the model's dtype or float8_e4m3fn, holding keys divided by ``k_scale`` and values
 by ``v_scale`` (``ops_cuda/kv_cache.py``); the ops read them back as q's dtype times the scale.
 """
@@ -35,31 +38,39 @@ def attention_mask(query_positions: torch.Tensor, key_len: int, sliding_window: 
     return mask
 
 
-def attend(q, k, v, mask, scale, softcap=0.0, causal=True):
+def attend(q, k, v, mask, scale, softcap=0.0, causal=True, sinks=None):
     """Softmax attention in heads-first layout: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], mask bool
     [B or 1, 1 or Hq, Tq, Tk] (True = attend) or None: causal, aligned at the first key, or every
-    query sees every key where not ``causal`` (a vision encoder's attention)."""
+    query sees every key where not ``causal`` (a vision encoder's attention). ``sinks``: one logit per
+    query row, broadcastable to [B, Hq, Tq, 1] (the module docstring)."""
     grouped = q.shape[1] != k.shape[1]
-    if not softcap:
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale,
                                               enable_gqa=grouped)
-    # SDPA has no hook for the scores: HuggingFace's eager attention, step by step.
+    # SDPA has no hook for the scores nor a column of its own: HuggingFace's eager attention, step by step.
     if grouped:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None and causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sink_column], dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
 
 
-def sdpa(q, k, v, mask, scale, softcap=0.0, causal=True):
-    # q: [B, Tq, Hq, D], k/v: [B, Tk, Hkv, D], mask: [B or 1, 1, Tq, Tk] or None (causal, or none where not causal)
-    return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, softcap,
-                  causal).transpose(1, 2)
+def sdpa(q, k, v, mask, scale, softcap=0.0, causal=True, sinks=None):
+    # q: [B, Tq, Hq, D], k/v: [B, Tk, Hkv, D], mask: [B or 1, 1, Tq, Tk] or None (causal, or none where not
+    # causal), sinks: [Hq] or None
+    sinks = None if sinks is None else sinks[:, None, None]
+    return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, softcap, causal,
+                  sinks).transpose(1, 2)
 
 
 def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -104,7 +115,7 @@ def decode_key_slots(block_tables, seq_lens, block_size, sliding_window):
 
 
 def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale, softcap=0.0, k_scale=1.0,
-                              v_scale=1.0):
+                              v_scale=1.0, sinks=None):
     # q: [B, Hq, D] -> [B, Hq, D]. All sequences in one SDPA call over the keys at their slots.
     batch, length = slots.shape
     kv_heads, head_dim = k_cache.shape[2:]
@@ -115,24 +126,25 @@ def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale
 
     keys, values = at_slots(k_cache, k_scale), at_slots(v_cache, v_scale)
     # GQA without repeating keys: the query heads that share a KV head are that head's query rows.
+    group = q.shape[1] // kv_heads
     out = attend(
-        q.reshape(batch, kv_heads, -1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
-        mask[:, None, None, :], scale, softcap,
+        q.reshape(batch, kv_heads, group, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
+        mask[:, None, None, :], scale, softcap, sinks=None if sinks is None else sinks.view(kv_heads, group, 1),
     ).reshape(q.shape)
     return out if attending is None else torch.where(attending, out, 0)  # padding rows (length 0) attend nothing
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0,
-                                     k_scale=1.0, v_scale=1.0):
+                                     k_scale=1.0, v_scale=1.0, sinks=None):
     """One query per sequence (its token at position seq_len - 1); rows of length 0 give zeros."""
     # q: [B, Hq, D] -> [B, Hq, D]
     keys = decode_key_slots(block_tables, seq_lens, k_cache.shape[1], sliding_window)
-    return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale, softcap, k_scale, v_scale)
+    return decode_attention_at_slots(q, k_cache, v_cache, *keys, scale, softcap, k_scale, v_scale, sinks)
 
 
 def paged_prefill_attention_reference(
     q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-    softcap=0.0, k_scale=1.0, v_scale=1.0,
+    softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None,
 ):
     """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
     context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
@@ -158,7 +170,8 @@ def paged_prefill_attention_reference(
                 ks = torch.cat([dequantize(gather_cache(k_cache, table, context)[0], k_scale, q.dtype), ks])
                 vs = torch.cat([dequantize(gather_cache(v_cache, table, context)[0], v_scale, q.dtype), vs])
         mask = attention_mask(torch.arange(context, seq_len, device=q.device), seq_len, sliding_window)
-        out[start:end] = sdpa(q[None, start:end], ks[None], vs[None], mask[None, None], scale, softcap)[0]
+        out[start:end] = sdpa(q[None, start:end], ks[None], vs[None], mask[None, None], scale, softcap,
+                              sinks=sinks)[0]
     return out
 
 
@@ -166,24 +179,26 @@ def paged_prefill_attention_reference(
 def paged_decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    v_scale: float = 1.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                                            k_scale, v_scale)
+                                            k_scale, v_scale, sinks)
 
 
 @paged_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0, k_scale=1.0, v_scale=1.0):
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0, k_scale=1.0, v_scale=1.0,
+      sinks=None):
     return torch.empty_like(q)
 
 
 @cuda_implementation(paged_decode_attention_op)
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0, k_scale=1.0, v_scale=1.0):
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0, k_scale=1.0, v_scale=1.0,
+      sinks=None):
     from ops_cuda.paged_attention_triton import paged_decode_attention_triton  # triton only where a kernel runs
 
     out = torch.empty_like(q)
     paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
-                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     return out
 
 
@@ -195,29 +210,30 @@ def paged_prefill_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
     scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_prefill_attention_reference(
         q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-        softcap, k_scale, v_scale,
+        softcap, k_scale, v_scale, sinks,
     )
 
 
 @paged_prefill_attention_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-      softcap=0.0, k_scale=1.0, v_scale=1.0):
+      softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None):
     return torch.empty_like(q)
 
 
 @cuda_implementation(paged_prefill_attention_op)
 def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-      softcap=0.0, k_scale=1.0, v_scale=1.0):
+      softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None):
     from ops_cuda.paged_attention_triton import paged_prefill_attention_triton  # triton only where a kernel runs
 
     # The new tokens' K/V are already in the cache (the layer's rotary_write_kv wrote them): read all keys there.
     out = torch.empty_like(q)
     paged_prefill_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out,
-        softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+        softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
     )
     return out
 

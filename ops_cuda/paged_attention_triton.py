@@ -14,7 +14,8 @@ split's first tile is read before the wait for the kernel before, masked to the 
 steps, and the step's own key after it (``_decode_split_kernel``).
 
 Scores and the softmax are float32 and use exp2: the scores carry a log2(e) factor, in the scale, or
-with soft-capping in the cap (``_score_factors``). An FP8 cache's entries are widened as they load
+with soft-capping in the cap (``_score_factors``), and attention sinks where they join the mass, at the
+output (``_normalise``; a split decode's in its reduce). An FP8 cache's entries are widened as they load
 (exactly; to float16 under a bf16 q, see ``_query_for_cache``), its key scale folded into the score
 factor and its value scale into the output. Float32 inputs multiply in full float32
 (``input_precision="ieee"``, not TF32) so they match the reference to ~1e-6. Grids and buffers
@@ -48,6 +49,7 @@ RESIDENT_PROGRAMS = {2: 4, 4: 3}
 # output are sure costs.
 SPLIT_COST_SLACK = 0.03
 LOG2_E = math.log2(math.e)
+SINK_LOG2_E = tl.constexpr(LOG2_E)  # a sink's logit into the kernels' base-2 scores
 
 
 @triton.jit
@@ -127,6 +129,19 @@ def _softmax_step(q, k, running_max, total, visible, score_scale, cap_log2, SOFT
     rescale = tl.exp2(running_max - new_max)
     p = tl.exp2(scores - new_max[:, None])
     return new_max, rescale, p, total * rescale + tl.sum(p, 1)
+
+
+@triton.jit
+def _normalise(acc, running_max, total, sinks_ptr, heads, head_ok, HAS_SINKS: tl.constexpr):
+    # The output acc / total of rows whose scores peaked at running_max; with sinks, each head's sink
+    # logit (natural log, read at `heads`) joins the mass as a key of value zero. A row with no
+    # visible key gives zeros either way.
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * SINK_LOG2_E
+        top = tl.maximum(running_max, sink)
+        kept = tl.exp2(running_max - top)
+        return acc * kept[:, None] / (total * kept + tl.exp2(sink - top))[:, None]
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @triton.jit
@@ -222,14 +237,14 @@ UNALIGNED_METADATA = ["block_tables_ptr", "seq_lens_ptr"]
 
 @triton.jit(do_not_specialize_on_alignment=UNALIGNED_METADATA)
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     score_scale, cap_log2, window, v_scale,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, V_BLOCKS: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Stage 1. Program (sequence, kv head, split): the GROUP query heads sharing the kv head (padded
     # to BLOCK_H rows so the scores are one tl.dot) over one chunk of the sequence's visible keys.
@@ -330,12 +345,14 @@ def _decode_split_kernel(
                 BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
             )
 
-    # A length-0 padding row under one split (no keys) writes zeros.
-    out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
+    # A length-0 padding row under one split (no keys) writes zeros. Sinks join the mass of the
+    # whole sequence: in the output of one split, in the reduce of several.
     if num_splits == 1:
+        out = _normalise(acc, running_max, total, sinks_ptr, heads, row_ok, HAS_SINKS) * v_scale
         tl.store(out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
+        out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
         lse = running_max + tl.log2(total)  # a split that gets here holds keys
         parts = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, Hq, num_splits]
         tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], out,
@@ -345,9 +362,9 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, window, out_stride_b, out_stride_h, num_splits,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, sinks_ptr, out_ptr, window, out_stride_b, out_stride_h, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Stage 2. Program (sequence, query head): the partial outputs of the splits that hold keys
     # (the others wrote nothing) weighted by their share of the softmax mass.
@@ -366,22 +383,28 @@ def _decode_reduce_kernel(
     partial = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :],
                       mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
     top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
-    weight = tl.exp2(lse - top)
-    total = tl.sum(weight, 0)
+    if HAS_SINKS:  # the head's sink logit joins the mass as one more part with a zero output
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * SINK_LOG2_E
+        top = tl.maximum(top, sink)
+        weight = tl.exp2(lse - top)
+        total = tl.sum(weight, 0) + tl.exp2(sink - top)
+    else:
+        top = tl.where(top == float("-inf"), 0.0, top)  # all splits empty: a length-0 row, output zeros
+        weight = tl.exp2(lse - top)
+        total = tl.sum(weight, 0)
     out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr, out_ptr,
     score_scale, cap_log2, window, v_scale,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride,
     k_stride_block, k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BLOCKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BLOCKS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # Program (query tile, head, sequence): BLOCK_M new queries of one head, online softmax over
     # the key tiles they can see (cached context and the new tokens alike, all from the cache).
@@ -450,7 +473,8 @@ def _prefill_kernel(
             BLOCK_N, SOFTCAP, DOT_PRECISION, KV_FP8, V_BLOCKS,
         )
 
-    out = acc / tl.where(total > 0, total, 1.0)[:, None] * v_scale
+    heads = tl.full([BLOCK_M], 0, tl.int32) + head
+    out = _normalise(acc, running_max, total, sinks_ptr, heads, row_ok, HAS_SINKS) * v_scale
     tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -522,6 +546,17 @@ def _check(op: str, q, k_cache, v_cache, out, block_tables):
     check_cache_layout(op, k_cache, v_cache)
 
 
+def _check_sinks(op: str, sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is not None and (sinks.shape != q.shape[1:2] or sinks.stride(0) != 1 or not sinks.is_floating_point()):
+        raise ValueError(f"zoo::{op}: sinks must be one contiguous floating-point logit per query head, shape "
+                         f"({q.shape[1]},), got shape {tuple(sinks.shape)}, dtype {sinks.dtype}, strides {sinks.stride()}")
+
+
+def _sinks_pointer(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    # Without sinks the kernels compile without their loads (HAS_SINKS): any tensor stands for the pointer.
+    return q if sinks is None else sinks
+
+
 def _dot_precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # the default; only float32 inputs read it
 
@@ -589,10 +624,11 @@ def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
                                   softcap: float = 0.0, num_splits: int | None = None, k_scale: float = 1.0,
-                                  v_scale: float = 1.0) -> int:
+                                  v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> int:
     """Writes zoo::paged_decode_attention(q, ...) into ``out`` [B, Hq, D] and returns the split count
     it ran; ``num_splits`` defaults to ``decode_num_splits``'s pick."""
     _check("paged_decode_attention", q, k_cache, v_cache, out, block_tables)
+    _check_sinks("paged_decode_attention", sinks, q)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -613,41 +649,43 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     part_out = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
+        q, k_cache, v_cache, block_tables, seq_lens, _sinks_pointer(sinks, q), part_out, part_lse, out,
         *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SOFTCAP=bool(softcap),
         DOT_PRECISION=_dot_precision(q), KV_FP8=k_cache.dtype == FP8_DTYPE, KEYS_AS_ROWS=keys_as_rows,
-        V_BLOCKS=_v_blocks(v_cache, block_n),
+        V_BLOCKS=_v_blocks(v_cache, block_n), HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=3, **launch,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, seq_lens, out, sliding_window or NO_WINDOW, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, num_warps=4, **launch,
+            part_out, part_lse, seq_lens, _sinks_pointer(sinks, q), out, sliding_window or NO_WINDOW, out.stride(0),
+            out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d, HAS_SINKS=sinks is not None, num_warps=4, **launch,
         )
     return num_splits
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                                    scale, sliding_window, out, softcap: float = 0.0, k_scale: float = 1.0,
-                                   v_scale: float = 1.0) -> None:
+                                   v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> None:
     """Writes zoo::paged_prefill_attention(q, ...) into ``out`` [N, Hq, D], reading every key and
     value (the new tokens' too) from the cache."""
     _check("paged_prefill_attention", q, k_cache, v_cache, out, block_tables)
+    _check_sinks("paged_prefill_attention", sinks, q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     block_m, block_n, block_d, num_warps = _prefill_tiles(q)
     grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, _sinks_pointer(sinks, q), out,
         *_score_factors(scale * k_scale, softcap), sliding_window or NO_WINDOW, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SOFTCAP=bool(softcap), DOT_PRECISION=_dot_precision(q),
-        KV_FP8=k_cache.dtype == FP8_DTYPE, V_BLOCKS=_v_blocks(v_cache, block_n), num_warps=num_warps, num_stages=2,
+        KV_FP8=k_cache.dtype == FP8_DTYPE, V_BLOCKS=_v_blocks(v_cache, block_n), HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=2,
     )

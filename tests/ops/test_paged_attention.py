@@ -30,6 +30,7 @@ from ops_cuda import paged_attention_triton  # noqa: E402
 from ops_cuda.kv_cache import dequantize, quantize, write_kv_cache_reference  # noqa: E402
 from ops_cuda.kv_layout import is_key_minor, new_kv_cache  # noqa: E402
 from ops_cuda.paged_attention import (  # noqa: E402
+    attention_mask,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_prefill_attention,
@@ -103,11 +104,13 @@ class PagedBatch:
         return (self.q, self.k, self.v, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
                 self.query_start_loc, max(self.query_lens), self.scale, sliding_window)
 
-    def reference_decode(self, sliding_window, softcap=0.0):  # in float32, from the same (rounded) inputs
-        return paged_decode_attention_reference(*_float32(self.decode_args(sliding_window)), softcap, *self.scales)
+    def reference_decode(self, sliding_window, softcap=0.0, sinks=None):  # in float32, from the same (rounded) inputs
+        return paged_decode_attention_reference(*_float32(self.decode_args(sliding_window)), softcap, *self.scales,
+                                                sinks)
 
-    def reference_prefill(self, sliding_window, softcap=0.0):
-        return paged_prefill_attention_reference(*_float32(self.prefill_args(sliding_window)), softcap, *self.scales)
+    def reference_prefill(self, sliding_window, softcap=0.0, sinks=None):
+        return paged_prefill_attention_reference(*_float32(self.prefill_args(sliding_window)), softcap, *self.scales,
+                                                 sinks)
 
 
 def _float32(args):  # an FP8 cache stays one: the reference reads it with its scales
@@ -123,18 +126,25 @@ def decode_batch(seq_lens, *shape, **kwargs):
     return batch
 
 
-def run_decode(batch, sliding_window, num_splits=None, softcap=0.0):
+def run_decode(batch, sliding_window, num_splits=None, softcap=0.0, sinks=None):
     out = torch.full_like(batch.q, float("nan"))
     paged_decode_attention_triton(*batch.decode_args(sliding_window), out, softcap=softcap, num_splits=num_splits,
-                                  k_scale=batch.scales[0], v_scale=batch.scales[1])
+                                  k_scale=batch.scales[0], v_scale=batch.scales[1], sinks=sinks)
     return out
 
 
-def run_prefill(batch, sliding_window, softcap=0.0):
+def run_prefill(batch, sliding_window, softcap=0.0, sinks=None):
     q, _, _, *rest = batch.prefill_args(sliding_window)
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention_triton(q, *rest, out, softcap=softcap, k_scale=batch.scales[0], v_scale=batch.scales[1])
+    paged_prefill_attention_triton(q, *rest, out, softcap=softcap, k_scale=batch.scales[0], v_scale=batch.scales[1],
+                                   sinks=sinks)
     return out
+
+
+def sink_logits(num_heads: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    # Logits about as large as the scores of q, k ~ N(0, 1) at head dim 16: each sink takes a share
+    # of its head's mass from a few percent to most of it.
+    return (torch.randn(num_heads, generator=torch.Generator().manual_seed(3)) * 2).to(dtype=dtype, device=device)
 
 
 # --- CPU: the Triton kernels in the interpreter --------------------------------------------------
@@ -342,6 +352,48 @@ def test_softcapped_kernels_interpreted(dtype):
     assert_close(run_prefill(batch, 5, softcap), reference, TOL[dtype])
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_kernels_with_sinks_interpreted(dtype):
+    # Sinks join the mass in the one-split output, in the reduce of several splits, and in prefill;
+    # a padding row (length 0) still gives zeros.
+    sinks = sink_logits(4, dtype)
+    batch = decode_batch([2 * 4 + 3, 1, 0, 8], 4, 2, 16, 4, dtype)
+    reference = batch.reference_decode(5, sinks=sinks.float())
+    assert (reference - batch.reference_decode(5)).abs().max() > 0.1
+    assert reference[2].eq(0).all()
+    for num_splits in (1, 3):
+        assert_close(run_decode(batch, 5, num_splits, sinks=sinks), reference, TOL[dtype])
+    batch = PagedBatch([0, 6, 21], [19, 7, 1], 4, 2, 16, 4, dtype)
+    reference = batch.reference_prefill(5, sinks=sinks.float())
+    assert (reference - batch.reference_prefill(5)).abs().max() > 0.1
+    assert_close(run_prefill(batch, 5, sinks=sinks), reference, TOL[dtype])
+
+
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_sink_references_are_hf_eager_attention(sliding_window):
+    """Every reference path (cache-free, paged prefill, paged decode) weighs the sinks as GPT-OSS's
+    eager attention in HF does: one sequence's prefill and its last token's decode."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    batch = PagedBatch([0], [13], 4, 2, 16, 4, torch.float32)
+    sinks = sink_logits(4)
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False, sinks=sinks)
+    mask = attention_mask(torch.arange(13), 13, sliding_window)
+    expected, _ = eager_attention_forward(
+        module, batch.q.transpose(0, 1)[None], batch.k.transpose(0, 1)[None], batch.v.transpose(0, 1)[None],
+        torch.zeros(13, 13).masked_fill(~mask, float("-inf")), scaling=batch.scale,
+    )
+    expected = expected[0]  # [13, Hq, D]
+    torch.testing.assert_close(batch.reference_prefill(sliding_window, sinks=sinks), expected, rtol=1e-5, atol=1e-6)
+    cache_free = prompt_attention(batch.q, batch.k, batch.v, batch.query_start_loc, 13, batch.scale, sliding_window,
+                                  0.0, sinks)
+    torch.testing.assert_close(cache_free, expected, rtol=1e-5, atol=1e-6)
+    decode = paged_decode_attention_reference(batch.q[-1:], batch.k_cache, batch.v_cache, batch.block_tables,
+                                              batch.seq_lens, batch.scale, sliding_window, sinks=sinks)
+    torch.testing.assert_close(decode, expected[-1:], rtol=1e-5, atol=1e-6)
+
+
 def test_softcapped_references_are_hf_eager_attention():
     """Every reference path (cache-free SDPA, paged prefill, paged decode) soft-caps as HF's eager
     attention does: one sequence's prefill and its last token's decode against HF's function."""
@@ -392,16 +444,23 @@ def test_ops_default_to_the_references_and_pass_opcheck():
     assert torch.equal(torch.ops.zoo.prompt_attention(*args), prompt_attention_reference(*args))
     assert torch.equal(prompt_attention(*args), prompt_attention_reference(*args))
     torch.library.opcheck(torch.ops.zoo.prompt_attention.default, args)
+    # The sinks, an optional tensor at the end of each op's schema.
+    sinks = sink_logits(4)
+    torch.library.opcheck(torch.ops.zoo.prompt_attention.default, (*args, 0.0, sinks))
+    args = decode_batch([5, 0, 9], 4, 2, 16, 4, torch.float32).decode_args(0)
+    torch.library.opcheck(torch.ops.zoo.paged_decode_attention.default, (*args, 0.0, 1.0, 1.0, sinks))
 
 
-@pytest.mark.parametrize("sliding_window, softcap", [(0, 0.0), (5, 0.0), (0, 2.0)])
+@pytest.mark.parametrize("sliding_window, softcap, sinks", [(0, 0.0, False), (5, 0.0, False), (0, 2.0, False),
+                                                            (5, 0.0, True)])
 @pytest.mark.parametrize("query_lens", [[13, 1, 6], [6, 6]], ids=["ragged", "equal"])
-def test_prompt_attention_is_the_paged_prefill_of_new_prompts(query_lens, sliding_window, softcap):
+def test_prompt_attention_is_the_paged_prefill_of_new_prompts(query_lens, sliding_window, softcap, sinks):
     # Prompts with nothing cached: attention over their own k/v equals the paged reference over the cache.
     batch = PagedBatch([0] * len(query_lens), query_lens, 4, 2, 16, 4, torch.float32)
+    sinks = sink_logits(4) if sinks else None
     out = prompt_attention(batch.q, batch.k, batch.v, batch.query_start_loc, max(query_lens), batch.scale,
-                           sliding_window, softcap)
-    torch.testing.assert_close(out, batch.reference_prefill(sliding_window, softcap), rtol=1e-5, atol=1e-6)
+                           sliding_window, softcap, sinks)
+    torch.testing.assert_close(out, batch.reference_prefill(sliding_window, softcap, sinks), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("scale", [2.0, 1.37])
@@ -454,7 +513,8 @@ def test_select_backend():
         select_backend("flash", "cpu")
 
 
-def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales=None, context_lens=(0, 5, 6, 9)):
+def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales=None, context_lens=(0, 5, 6, 9),
+               sinks=None):
     """A layer stub with a cache, and a flat step of two prefills (by default one after cached
     context) then two decodes. The cache holds the new tokens' keys and values too: the layer writes
     them (zoo::rotary_write_kv) before its backend attends."""
@@ -464,7 +524,8 @@ def mixed_step(dtype, device="cpu", sliding_window=None, softcap=0.0, fp8_scales
     slots = batch.block_tables.cpu()[seq, new // 4].long() * 4 + new % 4
     layer = types.SimpleNamespace(
         kv_cache=(batch.k_cache, batch.v_cache), scale=batch.scale, sliding_window=sliding_window,
-        score_modifiers=ScoreModifiers(softcap=softcap), k_scale=batch.scales[0], v_scale=batch.scales[1],
+        score_modifiers=ScoreModifiers(softcap=softcap, sinks=sinks is not None), k_scale=batch.scales[0],
+        v_scale=batch.scales[1], sinks=sinks,
     )
     metadata = AttentionMetadata(
         query_lens=batch.query_lens, context_lens=batch.context_lens, slot_mapping=slots.to(device),
@@ -498,30 +559,31 @@ def test_only_new_prompts_over_an_exact_cache_skip_reading_it(backend, step, mon
 
 
 def decode_via_launcher(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale,
-                        v_scale):
+                        v_scale, sinks):
     out = torch.empty_like(q)
     paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out,
-                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     return out
 
 
 def prefill_via_launcher(q, k, v, *args):
-    *args, softcap, k_scale, v_scale = args
+    *args, softcap, k_scale, v_scale, sinks = args
     out = torch.empty_like(q)
-    paged_prefill_attention_triton(q, *args, out, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    paged_prefill_attention_triton(q, *args, out, softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     return out
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("softcap, sinks", [(0.0, False), (2.0, False), (0.0, True)], ids=["", "softcap", "sinks"])
 @pytest.mark.parametrize("fp8_scales", [None, (0.5, 2.0)], ids=["", "fp8"])
-def test_triton_backend_splits_a_mixed_step(softcap, fp8_scales, monkeypatch):
+def test_triton_backend_splits_a_mixed_step(softcap, sinks, fp8_scales, monkeypatch):
     # The backend's slicing of the stream and metadata, with the interpreted kernels behind the ops.
     monkeypatch.setattr(TritonAttentionBackend, "decode", staticmethod(decode_via_launcher))
     monkeypatch.setattr(TritonAttentionBackend, "prefill", staticmethod(prefill_via_launcher))
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, softcap=softcap, fp8_scales=fp8_scales)
+        layer, batch, metadata = mixed_step(torch.float32, sliding_window=4, softcap=softcap, fp8_scales=fp8_scales,
+                                            sinks=sink_logits(4) if sinks else None)
         outs.append(backend.forward(layer, batch.q, batch.k, batch.v, metadata))
     assert_close(outs[1], outs[0], TOL[torch.float32])
 
@@ -611,6 +673,37 @@ def test_softcapped_kernels_cuda(dtype):
     reference = batch.reference_prefill(0, 50.0)
     assert_close(run_prefill(batch, 0, 50.0), reference, TOL[dtype])
     assert_close(paged_prefill_attention(*batch.prefill_args(0), 50.0), reference, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("fp8_scales", [None, (0.25, 3.0)], ids=["", "fp8"])
+def test_kernels_with_sinks_cuda(dtype, fp8_scales):
+    # GPT-OSS's shape (64 heads over 8 KV heads of 64 dims), its 128-token window and none: decode
+    # in one split and several (sinks in the reduce), over a bf16 or an e4m3 cache (keys as rows),
+    # prefill, and new prompts through flash attention (scaled by its log-sum-exp).
+    if fp8_scales and dtype == torch.float32:
+        pytest.skip("the FP8 cache serves 16-bit models")
+    shape = (64, 8, 64)
+    sinks = sink_logits(64, dtype, "cuda")
+    batch = decode_batch([1, 16, 0, 777, 3001, 2053], *shape, 16, dtype, "cuda", fp8_scales=fp8_scales)
+    for window in (0, 128):
+        reference = batch.reference_decode(window, sinks=sinks.float())
+        for num_splits in (None, 1, 7):
+            assert_close(run_decode(batch, window, num_splits, sinks=sinks), reference, TOL[dtype])
+        assert_close(paged_decode_attention(*batch.decode_args(window), 0.0, *batch.scales, sinks), reference,
+                     TOL[dtype])
+    batch = PagedBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *shape, 16, dtype, "cuda", fp8_scales=fp8_scales)
+    for window in (0, 128):
+        reference = batch.reference_prefill(window, sinks=sinks.float())
+        assert_close(run_prefill(batch, window, sinks=sinks), reference, TOL[dtype])
+    if fp8_scales:
+        return
+    batch = PagedBatch([0] * 3, [1000, 300, 129], *shape, 16, dtype, "cuda")
+    assert takes_flash(batch.q, 0.0) == (dtype != torch.float32)
+    for window in (0, 128):
+        out = prompt_attention(batch.q, batch.k, batch.v, batch.query_start_loc, 1000, batch.scale, window, 0.0, sinks)
+        assert_close(out, batch.reference_prefill(window, sinks=sinks.float()), TOL[dtype])
 
 
 @pytest.mark.gpu
