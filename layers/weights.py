@@ -18,11 +18,14 @@ class Shard:
     (index tuples of ints/slices). A tensor-parallel layer declares the part its rank holds in
     ``source``; the loader then reads only that part's bytes. ``source=None`` (``elsewhere``): a
     tensor another rank holds whole (an expert of expert parallelism), part of the layout but never
-    read here; its ``index`` selects nothing."""
+    read here; its ``index`` selects nothing. ``transposed``: the tensor (its part) holds
+    ``parameter[index]`` with the last two dimensions swapped (GPT-OSS stores its experts as
+    [experts, in, out], where a zoo weight is [out, in]); the loader swaps them back as it copies."""
 
     name: str
     index: tuple = ()
     source: tuple | None = ()
+    transposed: bool = False
 
     @classmethod
     def elsewhere(cls, name: str) -> "Shard":

@@ -8,6 +8,7 @@ from pathlib import Path
 from loaders.fp8 import dequantised_fp8
 from loaders.gguf_file import gguf_tensors
 from loaders.hf_dir import safetensors_tensors
+from loaders.mxfp4 import dequantised_mxfp4, is_mxfp4
 from loaders.types import CheckpointError, Source, TensorRef
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -49,7 +50,10 @@ def _download(repo_id: str) -> Path:
 
 def open_checkpoint(source: Source, config) -> dict[str, TensorRef]:
     """Every tensor of the checkpoint by its HuggingFace name; quantised tensors (GGUF blocks, FP8
-    blocks with their scales) as the float tensors they dequantise to when read."""
+    blocks with their scales, MXFP4 blocks with theirs) as the float tensors they dequantise to when read."""
     if source.gguf_file:
         return gguf_tensors(source.path, config)
-    return dequantised_fp8(safetensors_tensors(source.directory), config, source.directory / "config.json")
+    tensors, config_file = safetensors_tensors(source.directory), source.directory / "config.json"
+    if is_mxfp4(config):
+        return dequantised_mxfp4(tensors, config_file)
+    return dequantised_fp8(tensors, config, config_file)

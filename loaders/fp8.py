@@ -27,7 +27,7 @@ def fp8_block_size(config, config_file: Path) -> tuple[int, int] | None:
     if quantization is None:
         return None
     supported = (f"zoo takes quant_method 'fp8' with {SUPPORTED_FIELDS} and weight_block_size "
-                 f"[rows, columns] of two positive ints")
+                 f"[rows, columns] of two positive ints, or 'mxfp4' (loaders/mxfp4.py)")
     method = quantization.get("quant_method")
     if method != "fp8":
         raise CheckpointError(f"{config_file}: quantization_config quant_method {method!r} is not supported; {supported}")

@@ -12,9 +12,11 @@ every tensor that fills them is stored in FP8 blocks and each shard covers whole
 are stored as float8_e4m3fn, their float32 scales in the module's ``<name>_scale_inv`` buffers and
 the block in its ``fp8_block`` (``fp8_parameters_kept``)."""
 
+import dataclasses
 import re
 import warnings
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,7 +48,7 @@ def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torc
     plan = plan_loading(model, checkpoint, whole_shapes)
     fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
     mapped = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
-    kept = {name: plan[name][0][0] for name in mapped if plan[name][0][0] not in fp8}  # -> its one parameter
+    kept = {name: plan[name][0].parameter for name in mapped if plan[name][0].parameter not in fp8}  # its parameter
     materialize(model, dtype, device, skip=set(kept.values()), fp8=fp8)
     fill(model, checkpoint, plan, keep=set(kept), fp8=fp8)
     return model.eval()
@@ -88,7 +90,7 @@ def _owners(model: nn.Module):
                 names = [shard.name for shard in layout]
                 for pattern, replacement in aliases:
                     names = [pattern.sub(replacement, n) for n in names]
-                    spelled = tuple(Shard(n, shard.index, shard.source) for n, shard in zip(names, layout))
+                    spelled = tuple(dataclasses.replace(shard, name=n) for n, shard in zip(names, layout))
                     if spelled not in options:
                         options.append(spelled)
             yield param, module, local_name, name, tuple(options)
@@ -121,7 +123,7 @@ def untie_differing(model: nn.Module, checkpoint: dict[str, TensorRef]) -> None:
 def _same_values(checkpoint: dict[str, TensorRef], layout: tuple[Shard, ...], other: tuple[Shard, ...]) -> bool:
     """Whether two layouts of one parameter fill it with the same values (layouts that tile it in other
     parts count as different: untied, each is filled correctly anyway)."""
-    if [(s.index, s.source) for s in layout] != [(s.index, s.source) for s in other]:
+    if [(s.index, s.source, s.transposed) for s in layout] != [(s.index, s.source, s.transposed) for s in other]:
         return False
     for shard, other_shard in zip(layout, other):
         if shard.source is None:  # another rank's part
@@ -135,7 +137,14 @@ def _same_values(checkpoint: dict[str, TensorRef], layout: tuple[Shard, ...], ot
     return True
 
 
-Target = tuple[str, tuple, tuple | None]  # (parameter name, index into it, the part of the tensor read: Shard.source)
+class Target(NamedTuple):
+    """A place a checkpoint tensor fills: ``parameter[index]`` from the tensor's part ``source``
+    (``Shard.source``), its last two dimensions swapped where ``transposed``."""
+
+    parameter: str
+    index: tuple
+    source: tuple | None
+    transposed: bool = False
 
 
 def choose_layouts(layouts, checkpoint) -> tuple[dict[str, list[Target]], list[str]]:
@@ -157,7 +166,7 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, list[Target]], list[s
         for shard in layout:
             places = targets.setdefault(shard.name, [])
             assert all(place[0] == param_name for place in places), f"{shard.name} declared for two parameters"
-            places.append((param_name, shard.index, shard.source))
+            places.append(Target(param_name, shard.index, shard.source, shard.transposed))
     return targets, missing
 
 
@@ -190,7 +199,8 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef],
         problems.append(f"unexpected tensors (no parameter takes them): {name_list(unexpected, checkpoint)}")
     if missing:
         problems.append(f"missing tensors: {name_list(missing)}")
-    targets = {name: read for name, places in targets.items() if (read := [p for p in places if p[2] is not None])}
+    targets = {name: read for name, places in targets.items()
+               if (read := [p for p in places if p.source is not None])}
     for name, places in targets.items():
         ref = checkpoint.get(name)
         if ref is None:
@@ -206,8 +216,10 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef],
 
 def _shape_problem(model: nn.Module, ref: TensorRef, places: list[Target], whole: tuple[int, ...] | None) -> str | None:
     """What is wrong with the shape of ``ref`` for the places it fills, if anything."""
-    for param_name, index, source in places:
+    for param_name, index, source, transposed in places:
         expected = tuple(model.get_parameter(param_name)[index].shape)
+        if transposed:
+            expected = (*expected[:-2], expected[-1], expected[-2])
         if not source:
             if ref.shape != expected:
                 return f"expected shape {expected}, got {ref.shape}"
@@ -235,10 +247,11 @@ def keepable(model: nn.Module, checkpoint: dict[str, TensorRef], targets: dict[s
     copies instead."""
     if device.type != "cpu":
         return set()
-    shards = Counter(param_name for places in targets.values() for param_name, _, _ in places)
+    shards = Counter(place.parameter for places in targets.values() for place in places)
     return {
-        name for name, [(param_name, index, source), *others] in targets.items()
-        if not others and index == () and source == () and shards[param_name] == 1 and name in checkpoint
+        name for name, [(param_name, index, source, transposed), *others] in targets.items()
+        if not others and index == () and source == () and not transposed and shards[param_name] == 1
+        and name in checkpoint
         and FLOAT_DTYPES.get(checkpoint[name].dtype) == dtype
         and not hasattr(model.get_submodule(param_name.rpartition(".")[0]), "empty_parameter")
     }
@@ -258,9 +271,10 @@ def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
     rows (``scale_index``)."""
     shards: dict[str, list[tuple[TensorRef | None, tuple]]] = {}
     for name, places in targets.items():
-        for param_name, index, source in places:
+        for param_name, index, source, transposed in places:
             # A rank's part of a tensor loads dequantised: its scales would need the same cut.
-            shards.setdefault(param_name, []).append((checkpoint[name] if source == () else None, index))
+            whole = source == () and not transposed
+            shards.setdefault(param_name, []).append((checkpoint[name] if whole else None, index))
     kept = {}
     for prefix, module in model.named_modules():
         names = [f"{prefix}.{local}" if prefix else local for local in getattr(module, "fp8_parameters", ())]
@@ -344,19 +358,19 @@ def fill(
         for name in names:
             ref = checkpoint[name]
             places = targets[name]  # all in one parameter
-            param_name = places[0][0]
+            param_name = places[0].parameter
             if fp8 and param_name in fp8:  # copied as stored: never dequantised
                 stored, parameter = ref.fp8, model.get_parameter(param_name)
                 weight, scale_inv = stored.weight.load(), stored.scale_inv.load()
                 _warn_if_not_finite(ref, weight)
                 _warn_if_not_finite(ref, scale_inv)
                 scales = model.get_buffer(param_name + SCALE_SUFFIX)
-                for _, index, _ in places:
-                    parameter[index].copy_(weight)
-                    scales[scale_index(index, parameter.shape, stored.block)].copy_(scale_inv)
+                for place in places:
+                    parameter[place.index].copy_(weight)
+                    scales[scale_index(place.index, parameter.shape, stored.block)].copy_(scale_inv)
                 bar.update(ref.nbytes)
                 continue
-            for (_, index, _), tensor in zip(places, ref.load_parts([source for _, _, source in places])):
+            for place, tensor in zip(places, ref.load_parts([place.source for place in places])):
                 _warn_if_not_finite(ref, tensor)
                 if name in keep:
                     tensor = tensor.to(FLOAT_DTYPES[ref.dtype]).contiguous()  # no-ops, unless a reader surprises
@@ -367,7 +381,7 @@ def fill(
                     for module, local_name in holders[id(model.get_parameter(param_name))]:
                         setattr(module, local_name, kept)
                 else:
-                    model.get_parameter(param_name)[index].copy_(tensor)
+                    model.get_parameter(param_name)[place.index].copy_(tensor.mT if place.transposed else tensor)
             bar.update(ref.nbytes)
 
 

@@ -44,8 +44,8 @@ def test_a_tensor_read_in_parts_is_named_once_when_missing():
     assert choose_layouts(layouts, {})[1] == ["gate (+1 more) or gate_up"]
     assert choose_layouts({"experts.w": (stacked,)}, {})[1] == ["gate_up"]
     targets, missing = choose_layouts(layouts, {"gate_up": None})
-    assert missing == [] and targets == {"gate_up": [("experts.w", (slice(0, 2),), (slice(0, 2),)),
-                                                     ("experts.w", (slice(2, 4),), (slice(6, 8),))]}
+    assert missing == [] and targets == {"gate_up": [("experts.w", (slice(0, 2),), (slice(0, 2),), False),
+                                                     ("experts.w", (slice(2, 4),), (slice(6, 8),), False)]}
 
 
 def test_unexpected_tensor(checkpoint):

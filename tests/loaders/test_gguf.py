@@ -37,7 +37,7 @@ def case(request, tmp_path_factory):
 
 def zoo_weight(model, name: str) -> torch.Tensor:
     """The slice of zoo's (possibly fused) parameter that the checkpoint tensor ``name`` fills."""
-    [(param, index, _)] = choose_layouts(declared_layouts(model), {})[0][name]
+    [(param, index, _, _)] = choose_layouts(declared_layouts(model), {})[0][name]
     return model.get_parameter(param)[index]
 
 
