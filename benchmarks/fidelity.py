@@ -8,7 +8,8 @@ in both checkpoint layouts (as hub repos ship them: one tensor per expert, or Gr
 under names of their own; and transformers 5's stacked experts), those of
 tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2), those of
 tests/models/test_glm4_moe.py (GLM-4.5, GLM-4.7-Flash and dots.llm1, with a non-zero score correction bias, in
-both layouts), and
+both layouts), those of tests/models/test_gpt_oss.py (GPT-OSS, with every bias and sink drawn away from its
+initial value), and
 those of tests/models/test_llava.py (LLaVA 1.5 and LLaVA-NeXT, images of odd sizes through transformers' processors).
 """
 
@@ -26,6 +27,7 @@ from runtime.diff import load_reference, tokenize  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
 from tests.models.test_deepseek_v3 import V2_VARIANTS, VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model  # noqa: E402
 from tests.models.test_glm4_moe import VARIANTS as GLM4_MOE_VARIANTS  # noqa: E402
+from tests.models.test_gpt_oss import VARIANTS as GPT_OSS_VARIANTS, gpt_oss_hf_model  # noqa: E402
 from tests.models.test_llava import (  # noqa: E402
     IMAGE_SIZES, NEXT_PROMPTS, NEXT_VARIANTS, VARIANTS as LLAVA_VARIANTS, hf_llava, inputs, tiny_tokenizer,
 )
@@ -60,8 +62,11 @@ def main():
                 model = AutoModelForCausalLM.from_pretrained(path)
             ours, theirs = model(input_ids), reference(input_ids).logits
             print(row(f"{name} ({layout})", architecture_of(model.config), ours, theirs), flush=True)
-    for name, config in {**{f"deepseek_v3-{n}": c for n, c in DEEPSEEK_VARIANTS.items()}, **V2_VARIANTS}.items():
-        reference = deepseek_hf_model(config)
+    deepseek = {**{f"deepseek_v3-{n}": c for n, c in DEEPSEEK_VARIANTS.items()}, **V2_VARIANTS}
+    references = [(name, config, deepseek_hf_model) for name, config in deepseek.items()]
+    references += [(name, config, gpt_oss_hf_model) for name, config in GPT_OSS_VARIANTS.items()]
+    for name, config, make_reference in references:
+        reference = make_reference(config)
         with tempfile.TemporaryDirectory() as directory:
             model = AutoModelForCausalLM.from_pretrained(save_checkpoint(reference, Path(directory)))
         print(row(name, architecture_of(model.config), model(input_ids), reference(input_ids).logits),

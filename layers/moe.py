@@ -22,6 +22,7 @@ from layers.linear import Linear
 from layers.mlp import GatedMLP
 from layers.weights import OneOf, Shard
 from ops_cuda import GATED_ACTIVATIONS, fp8_moe_experts, moe_experts, route_topk
+from ops_cuda.clamped_swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT  # noqa: F401 (for the models)
 from ops_cuda.linear import linear
 
 
@@ -46,12 +47,15 @@ class TopKRouter(nn.Module):
 
     The logits are taken in float32 wherever the scores are more than a softmax of them, as HF's
     DeepSeek and GLM routers take them; ``model_dtype_logits`` keeps them in the model's dtype
-    (MiniMax-M2's sigmoid router), the scores still computed from them in float32.
+    (MiniMax-M2's sigmoid router), the scores still computed from them in float32. ``bias`` adds a
+    learned bias to the logits (GPT-OSS's router, a softmax over the top-k logits: the renormalised
+    case).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
                  score_correction_bias: bool = False, num_groups: int = 1, topk_groups: int = 1,
-                 group_score: str = "top2_sum", scaling_factor: float = 1.0, model_dtype_logits: bool = False):
+                 group_score: str = "top2_sum", scaling_factor: float = 1.0, model_dtype_logits: bool = False,
+                 bias: bool = False):
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"unsupported router scoring {scoring!r}; supported: softmax, sigmoid")
@@ -72,6 +76,7 @@ class TopKRouter(nn.Module):
         self.scaling_factor = scaling_factor
         self.model_dtype_logits = model_dtype_logits
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
         if score_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
         else:
@@ -87,7 +92,7 @@ class TopKRouter(nn.Module):
         """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
         plain_softmax = self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None
         in_model_dtype = plain_softmax or self.model_dtype_logits
-        logits = linear(x, self.weight, out_dtype=None if in_model_dtype else torch.float32)
+        logits = linear(x, self.weight, self.bias, out_dtype=None if in_model_dtype else torch.float32)
         return route_topk(logits, self.e_score_correction_bias, self.top_k, self.scoring, self.renormalize,
                           self.num_groups, self.topk_groups, self.group_score, self.scaling_factor)
 
@@ -99,6 +104,8 @@ class TopKRouter(nn.Module):
             options += f", num_groups={self.num_groups}, topk_groups={self.topk_groups}, group_score={self.group_score}"
         if self.scaling_factor != 1.0:
             options += f", scaling_factor={self.scaling_factor}"
+        if self.bias is not None:
+            options += ", bias=True"
         return options
 
 

@@ -297,6 +297,8 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
     q_norm, k_norm = attention.qk_norms
     if q_norm is not None and not attention.qk_norm_per_head:
         raise NotImplementedError(f"tensor parallelism cannot split {name}: its q/k norm spans all heads")
+    if attention.sinks is not None:
+        raise NotImplementedError(f"tensor parallelism cannot split {name}: its attention sinks are not split by heads")
     heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
     q_heads = split_evenly(heads, rank, ranks, f"{name}'s attention heads")
     if kv_heads % ranks == 0:

@@ -99,7 +99,14 @@ AGREEING = {
     "exaone4": tiny_config("exaone4", **SMALL, sliding_window=48),
     # interleaved rotary in float32 from float32 tables; a bias on every projection
     "ernie4_5": tiny_config("ernie4_5", **SMALL, head_dim=64, use_bias=True),
+    # q/k/v biases and one on the output projection
+    "seed_oss": tiny_config("seed_oss", **SMALL, head_dim=64, attention_out_bias=True),
+    # attention sinks, a window on every other layer, YaRN; experts and router with biases, the clamped SwiGLU
+    "gpt_oss": tiny_config("gpt_oss", **{**SMALL, "intermediate_size": 256}, head_dim=64, sliding_window=48,
+                           num_local_experts=8, num_experts_per_tok=2),
 }
+# HF's attention paths to compare with where its model has no sdpa path (GPT-OSS's sinks: eager and flex)
+HF_FAST_ATTENTION = {"gpt_oss": "flex_attention"}
 
 
 @pytest.mark.parametrize("model_type", AGREEING)
@@ -107,20 +114,22 @@ def test_bf16_top1_agrees_with_hf(model_type):
     """256 teacher-forced positions. HF-initialised random weights leave the logits nearly tied, so
     one bf16 rounding that differs from HF's flips argmaxes: HF's own eager and sdpa paths agree
     on 96-99% (benchmarks/bf16_agreement.py). zoo's kernels round where HF's ops do, so zoo agrees
-    with HF's sdpa path on at least 99%, or, on a model whose two HF paths part on more than 1% of
+    with HF's sdpa path (its flex-attention path where its model has none, ``HF_FAST_ATTENTION``) on at least 99%, or, on a model whose two HF paths part on more than 1% of
     the positions, on at least as many as they agree on and with no more KL: never further from
     HF's sdpa path than HF's eager path is."""
     reference = random_hf(AGREEING[model_type])
     model = AutoModelForCausalLM.from_hf(reference)
     torch.manual_seed(1)
     input_ids = torch.randint(0, 4096, (2, 128), device="cuda")
+    fast = HF_FAST_ATTENTION.get(AGREEING[model_type].model_type, "sdpa")
     with torch.no_grad():
         reference.config._attn_implementation = "eager"
         eager = reference(input_ids).logits
-        reference.config._attn_implementation = "sdpa"
+        reference.config._attn_implementation = fast
         agreement, kl = top1_and_kl(model(input_ids), reference(input_ids).logits)
         floor, floor_kl = top1_and_kl(eager, reference(input_ids).logits)
-    print(f"{model_type}: zoo vs HF top-1 {agreement:.4f} KL {kl:.2e}; HF eager vs sdpa {floor:.4f} KL {floor_kl:.2e}")
+    print(f"{model_type}: zoo vs HF top-1 {agreement:.4f} KL {kl:.2e}; HF eager vs {fast} {floor:.4f} "
+          f"KL {floor_kl:.2e}")
     assert agreement >= 0.99 or (agreement >= floor and kl <= floor_kl)
     assert agreement >= floor - 0.01
     assert kl <= 2 * floor_kl
@@ -204,6 +213,7 @@ GRAPHED = {
     "helium": AGREEING["helium"],
     "exaone4": AGREEING["exaone4"],
     "ernie4_5": AGREEING["ernie4_5"],  # the float32 rotation of interleaved pairs in the KV-write kernel
+    "gpt_oss": AGREEING["gpt_oss"],  # sinks in the decode kernels, the one-token expert kernels with biases
 }
 
 
