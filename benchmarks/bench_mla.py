@@ -15,7 +15,8 @@ heads a step does ~240 FLOP per byte of cache, near the H200's bf16 ridge, so bo
 ``--sweep`` adds the kernel's time at 16, 32 and 64 heads per program, with 32- and 64-key tiles,
 and at 1 to 64 splits of each sequence's keys. Prefill: 4 new prompts of 4096 tokens (nothing
 cached), causal; the TFLOP/s of the scores (192 multiply-adds per key and head) and the attended
-values (128), over the causal half of each prompt's square.
+values (128), over the causal half of each prompt's square; then the same at GLM-4.7-Flash's heads
+(20 heads, qk head dim 192 + 64, v head dim 256), whose wider tiles take fewer stages or query rows.
 
 Each case is captured in a CUDA graph and replayed (no launch overhead), for decode with the L2
 cache flushed before every replay; the median of --iters replays is reported.
@@ -44,6 +45,8 @@ from ops_cuda.mla_attention import (  # noqa: E402
 NUM_HEADS, KV_LORA_RANK, ROPE, NOPE, V_DIM = 128, 512, 64, 128, 128
 BLOCK_SIZE, DTYPE, SEQ_LEN = 16, torch.bfloat16, 4096
 PREFILL_PROMPTS = 4
+# (name, heads, nope, v head dim) of the prefill cases; the rope part is ROPE in both
+PREFILL_SHAPES = [("DeepSeek-V3", NUM_HEADS, NOPE, V_DIM), ("GLM-4.7-Flash", 20, 192, 256)]
 SPEC_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 L2_FLUSH_BYTES = 256 << 20
 # SDPA's decompressed K/V take (192 + 128) x 2 bytes per token and head: past this it is left out.
@@ -109,35 +112,36 @@ def bench_decode(batch: int, seq_len: int, iters: int, sweep: bool) -> dict:
             "tflop_s": {k: flops / (v * 1e-6) / 1e12 for k, v in us.items()}}
 
 
-def bench_prefill(prompts: int, seq_len: int, iters: int) -> dict:
+def bench_prefill(prompts: int, seq_len: int, iters: int, name: str, heads: int, nope: int, v_dim: int) -> dict:
     """``prompts`` new prompts of ``seq_len`` tokens, ragged as the runtime passes them, against SDPA
     on the same queries, keys and values as [prompts, heads, seq_len, dim] (the rope key repeated per
     head), causal."""
     tokens = prompts * seq_len
-    q_nope, k_nope = (torch.randn(tokens, NUM_HEADS, NOPE, dtype=DTYPE, device="cuda") for _ in range(2))
-    q_rope = torch.randn(tokens, NUM_HEADS, ROPE, dtype=DTYPE, device="cuda")
+    q_nope, k_nope = (torch.randn(tokens, heads, nope, dtype=DTYPE, device="cuda") for _ in range(2))
+    q_rope = torch.randn(tokens, heads, ROPE, dtype=DTYPE, device="cuda")
     k_rope = torch.randn(tokens, ROPE, dtype=DTYPE, device="cuda")
-    v = torch.randn(tokens, NUM_HEADS, V_DIM, dtype=DTYPE, device="cuda")
+    v = torch.randn(tokens, heads, v_dim, dtype=DTYPE, device="cuda")
     starts = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32, device="cuda")
-    scale = (NOPE + ROPE) ** -0.5
+    scale = (nope + ROPE) ** -0.5
     args = (q_nope, q_rope, k_nope, k_rope, v, starts, starts, seq_len, scale)
     us = {"triton": graph_us(lambda: mla_prefill_attention(*args), iters)}
 
     def heads_major(t):
-        return t.view(prompts, seq_len, NUM_HEADS, t.shape[-1]).transpose(1, 2)
+        return t.view(prompts, seq_len, heads, t.shape[-1]).transpose(1, 2)
 
     q = heads_major(torch.cat([q_nope, q_rope], -1))
-    k = heads_major(torch.cat([k_nope, k_rope[:, None].expand(-1, NUM_HEADS, -1)], -1))
+    k = heads_major(torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1)], -1))
     values = heads_major(v)
     us["sdpa"] = graph_us(lambda: F.scaled_dot_product_attention(q, k, values, is_causal=True, scale=scale), iters)
-    flops = 2 * prompts * NUM_HEADS * seq_len * (seq_len + 1) / 2 * (NOPE + ROPE + V_DIM)
-    return {"prompts": prompts, "seq_len": seq_len, "us": us,
-            "tflop_s": {k: flops / (t * 1e-6) / 1e12 for k, t in us.items()}}
+    flops = 2 * prompts * heads * seq_len * (seq_len + 1) / 2 * (nope + ROPE + v_dim)
+    return {"shape": name, "heads": heads, "qk_head_dim": nope + ROPE, "v_head_dim": v_dim, "prompts": prompts,
+            "seq_len": seq_len, "us": us, "tflop_s": {k: flops / (t * 1e-6) / 1e12 for k, t in us.items()}}
 
 
 def prefill_markdown(row: dict) -> str:
-    lines = ["", f"MLA prefill attention: {row['prompts']} new prompts of {row['seq_len']} tokens, causal, "
-             f"qk head dim {NOPE + ROPE}, v head dim {V_DIM}", "",
+    lines = ["", f"MLA prefill attention, {row['shape']} shape: {row['prompts']} new prompts of {row['seq_len']} "
+             f"tokens, causal, {row['heads']} heads, qk head dim {row['qk_head_dim']}, v head dim {row['v_head_dim']}",
+             "",
              "| kernel | µs | TFLOP/s |", "|---|---:|---:|"]
     lines += [f"| {kernel} | {us:.1f} | {row['tflop_s'][kernel]:.0f} |" for kernel, us in row["us"].items()]
     lines += ["", "triton: zoo::mla_prefill_attention on the prompts' tokens as the runtime passes them (ragged); "
@@ -186,9 +190,11 @@ def main():
               f"block {BLOCK_SIZE}) — {datetime.date.today()}, {device}, "
               f"torch {torch.__version__}, triton {triton.__version__}")
     print(markdown(rows, bandwidth, header))
-    torch.cuda.empty_cache()
-    prefill = bench_prefill(PREFILL_PROMPTS, SEQ_LEN, args.iters)
-    print(prefill_markdown(prefill))
+    prefill = []
+    for shape in PREFILL_SHAPES:
+        torch.cuda.empty_cache()
+        prefill.append(bench_prefill(PREFILL_PROMPTS, SEQ_LEN, args.iters, *shape))
+        print(prefill_markdown(prefill[-1]))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "date": str(datetime.date.today()),
                                                "hbm_bandwidth": bandwidth, "decode": rows, "prefill": prefill},

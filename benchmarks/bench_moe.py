@@ -1,5 +1,5 @@
-"""Qwen3-30B-A3B-shaped MoE, random bf16 weights, one GPU: zoo against HF transformers and the roofline,
-and the two CUDA kernels of zoo's experts op against each other.
+"""Qwen3-30B-A3B-shaped MoE (or gpt-oss-20b-shaped, --shape), random bf16 weights, one GPU: zoo against HF
+transformers and the roofline, and the two CUDA kernels of zoo's experts op against each other.
 
 One run, about 6 minutes on an H200, most of it HF's: its first static-cache generate compiles, and
 its continuous batching takes ~1000 decode steps at HF's step time whatever --hf-requests is.
@@ -10,6 +10,7 @@ its continuous batching takes ~1000 decode steps at HF's step time whatever --hf
     python3 benchmarks/bench_moe.py --hf-decode none        # skip HF's static-cache generate (its first call compiles)
     python3 benchmarks/bench_moe.py --hf-requests 0         # skip HF's continuous batching (~4 minutes)
     python3 benchmarks/bench_moe.py --json moe.json         # also write the figures
+    python3 benchmarks/bench_moe.py --shape gpt-oss-20b --task decode   # decode and throughput take either shape
 
 kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
             bf16; router-like routing: softmax top-8 of random logits, some experts favoured), for 1 to 4096
@@ -75,6 +76,15 @@ QWEN3_30B_A3B = dict(
     moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
+# gpt-oss-20b: attention sinks, a 128-token window on every other layer, 32 experts with biases, top-4
+GPT_OSS_20B = dict(
+    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+    sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
+SHAPE_NAMES = {"qwen3-30b-a3b": "Qwen3-30B-A3B shape (48 layers, 128 experts, top-8",
+               "gpt-oss-20b": "gpt-oss-20b shape (24 layers, 32 experts, top-4"}
 PROMPT_LEN, DECODE_TOKENS = 128, 256
 KERNEL_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 KERNEL_LAYERS = 8  # weight copies the timed graph runs through: 8 x 1.2 GB, far over the 50 MB L2
@@ -86,8 +96,8 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - START:6.0f} s] {message}", flush=True)
 
 
-def random_hf():
-    fields = dict(QWEN3_30B_A3B)
+def random_hf(shape: str):
+    fields = dict(SHAPES[shape])
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -282,8 +292,9 @@ def decode_moe_kernel(model) -> str:
     """The kernel zoo::moe_experts's dispatch runs at batch-1 decode (one token, top-k pairs)."""
     experts = next(m for m in model.modules() if isinstance(m, Experts))
     hidden = torch.zeros(1, experts.gate_up_proj.shape[2], dtype=experts.gate_up_proj.dtype, device="cuda")
-    ids = torch.zeros(1, QWEN3_30B_A3B["num_experts_per_tok"], dtype=torch.int64, device="cuda")
-    return cuda_kernel(hidden, ids, experts.gate_up_proj, experts.down_proj, experts.hidden_act)
+    ids = torch.zeros(1, model.config.num_experts_per_tok, dtype=torch.int64, device="cuda")
+    return cuda_kernel(hidden, ids, experts.gate_up_proj, experts.down_proj, experts.hidden_act,
+                       experts.gate_up_proj_bias, experts.down_proj_bias)
 
 
 def zoo_decode(results, model, prompt, startup):
@@ -308,7 +319,7 @@ def zoo_throughput(results, model, max_requests, hf_requests, startup):
     requests = min(max_requests, blocks // llm.engine.block_manager.blocks_needed(IN_LEN + OUT_LEN))
     llm.engine.scheduler.max_num_seqs = requests
     log(f"zoo LLM ready: {blocks} KV blocks, {requests} concurrent requests of {IN_LEN}+{OUT_LEN} tokens")
-    prompts = workload(requests, IN_LEN, IN_LEN, QWEN3_30B_A3B["vocab_size"])[0]
+    prompts = workload(requests, IN_LEN, IN_LEN, model.config.vocab_size)[0]
     with stage(startup, "zoo first call"):
         llm.generate(first_call_prompts(prompts, 4, llm.engine.config.max_num_batched_tokens),
                      SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -391,7 +402,7 @@ def table(results) -> str:
     ratio = (f"zoo on HF's {t['hf_requests']} requests {zoo_same:.0f} tok/s: zoo / HF = {zoo_same / hf_tps:.1f}x"
              if zoo_tps and hf_tps else "")
     return "\n".join([
-        f"Qwen3-30B-A3B shape (48 layers, 128 experts, top-8; random bf16 weights, {d['total_weight_gb']:.1f} GB). "
+        f"{SHAPE_NAMES[results['shape']]}; random bf16 weights, {d['total_weight_gb']:.1f} GB). "
         f"{results['date']}, {results['device']}, torch {results['torch']}, transformers {results['transformers']}, "
         f"HF experts implementation: {results.get('hf_experts_implementation')}.",
         "",
@@ -414,14 +425,16 @@ def main():
     parser.add_argument("--requests", type=int, default=256, help="zoo: at most this many concurrent requests")
     parser.add_argument("--hf-requests", type=int, default=64,
                         help="HF continuous batching: the first this many of zoo's requests (0: skip it)")
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
+                        help="the model of the decode and throughput tasks")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+    results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "shape": args.shape,
                "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                "decode": {"startup_s": {}}, "throughput": {"startup_s": {}}}
     print({k: v for k, v in results.items() if isinstance(v, str)}, flush=True)
     decode, throughput = args.task in ("all", "decode"), args.task in ("all", "throughput")
-    prompt = torch.randint(0, QWEN3_30B_A3B["vocab_size"], (PROMPT_LEN,),
+    prompt = torch.randint(0, SHAPES[args.shape]["vocab_size"], (PROMPT_LEN,),
                            generator=torch.Generator().manual_seed(0)).tolist()
 
     def save():
@@ -448,9 +461,10 @@ def main():
     # cannot hold both (an 80 GB H100), the HF model waits in host memory while zoo copies it back.
     decode_startup, throughput_startup = results["decode"]["startup_s"], results["throughput"]["startup_s"]
     with stage(decode_startup, "zoo build (random HF model, converted)"):
-        reference = random_hf()
+        reference = random_hf(args.shape)
         results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
-        if 2 * sum(p.numel() * p.element_size() for p in reference.parameters()) > torch.cuda.mem_get_info()[1]:
+        # zoo's copy, with a tenth to spare, must fit beside HF's in what is free
+        if sum(p.numel() * p.element_size() for p in reference.parameters()) > 0.9 * torch.cuda.mem_get_info()[0]:
             reference.to("cpu")
             free_memory()
         model = AutoModelForCausalLM.from_hf(reference, device="cuda")
@@ -482,7 +496,7 @@ def main():
     # HF: the same weights again (same seed), its decode, then its throughput last.
     hf_build = {}
     with stage(hf_build, "HF build"):
-        reference = random_hf()
+        reference = random_hf(args.shape)
     log(f"HF model ready ({results['hf_experts_implementation']} experts)")
     if hf_decodes:
         decode_startup.update(hf_build)
