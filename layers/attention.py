@@ -17,6 +17,7 @@ from torch import nn
 
 from layers.linear import Linear, MergedLinear
 from layers.norm import LayerNorm, RMSNorm
+from layers.weights import Shard
 from ops_cuda import apply_rotary, prompt_attention, rotary_write_kv
 from ops_cuda.kv_cache import dequantize, holds_exactly
 from ops_cuda.mla_attention import (
@@ -344,6 +345,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.score_modifiers = ScoreModifiers(softcap=logit_softcap or 0.0, sinks=sinks)
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+        self.sink_heads: slice | None = None  # the query heads whose sinks a tensor-parallel rank holds
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(
             hidden_size, [q_size, kv_size, kv_size], sources=["q_proj", "k_proj", "v_proj"], bias=qkv_bias
@@ -373,6 +375,12 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # The per-tensor scales of its cached keys and values: the cache holds k / k_scale and v / v_scale.
         self.k_scale = self.v_scale = 1.0
+
+    def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
+        """The rank's part of the sinks, where tensor parallelism split the heads; else the one tensor."""
+        if self.sink_heads is None:
+            return {}
+        return {"sinks": [Shard(f"{prefix}.sinks", (), (self.sink_heads,))]}
 
     @property
     def qk_norms(self) -> tuple[RMSNorm | LayerNorm | None, RMSNorm | LayerNorm | None]:

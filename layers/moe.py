@@ -201,7 +201,9 @@ class SparseMoE(nn.Module):
     ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``
     (Qwen2-MoE), or when ``shared_experts_intermediate_size`` is, ``shared_experts(x)`` ungated
     (DeepSeek; with biases where ``shared_experts_bias``, DeepSeek-V2's ``mlp_bias``). ``router_options``
-    are ``TopKRouter``'s scoring options.
+    are ``TopKRouter``'s scoring options; ``expert_bias`` gives the experts biases (``Experts``' ``bias``).
+    A subclass declares HF's name of its router (``router_name``: GPT-OSS's ``router``) and the class of
+    its experts (``experts_type``: one that declares a checkpoint layout of its own).
 
     Split over ranks (``layers.parallel.tensor_parallel``), each rank's experts and shared experts
     give a partial output and ``group`` is set: the block's one all-reduce sums the partial outputs."""
@@ -217,11 +219,12 @@ class SparseMoE(nn.Module):
         shared_expert_intermediate_size: int | None = None,
         shared_experts_intermediate_size: int | None = None,
         shared_experts_bias: bool = False,
+        expert_bias: bool = False,
         **router_options,
     ):
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, **router_options)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, hidden_act)
+        self.add_module(self.router_name, TopKRouter(hidden_size, num_experts, top_k, renormalize, **router_options))
+        self.experts = self.experts_type(num_experts, hidden_size, intermediate_size, hidden_act, bias=expert_bias)
         if shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
             self.shared_expert_gate = Linear(hidden_size, 1)
@@ -234,8 +237,11 @@ class SparseMoE(nn.Module):
             self.shared_experts = None
         self.group = None
 
+    router_name = "gate"
+    experts_type = Experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
+        topk_weights, topk_ids = getattr(self, self.router_name)(x)
         if self.experts.takes_shared(self.shared_experts):
             out = self.experts(x, topk_weights, topk_ids, shared=self.shared_experts)
         else:

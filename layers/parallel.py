@@ -8,14 +8,15 @@ tensor it reads (``Shard.source``), so the one loader reads each rank's bytes al
   attention's q/k/v split by heads (a KV head replicated on several ranks where there are fewer KV
   heads than ranks), the MLP's gate/up (an ungated MLP's up, with its bias) by intermediate rows; no
   communication. A q/k norm with a weight of its own for each head (``HeadParallelLayerNorm``) holds
-  the rows of the rank's heads.
+  the rows of the rank's heads, and attention sinks the rank's query heads' (``Attention.sink_heads``).
 - row-parallel (``RowParallelLinear``): a slice of the input columns; the partial products are
   summed over the ranks (all-reduce), then the bias is added once.
 - the vocabulary-parallel embedding (``VocabParallelEmbedding``: rows of the rank's vocabulary
   range, others zero, all-reduced) and LM head (``VocabParallelLMHead``: the rank's logits,
   gathered); a tied head shares the embedding's slice.
 - a mixture of experts: each rank holds whole experts (``ExpertParallelExperts``: E / ranks of
-  them) or every expert's slice of intermediate rows (``TensorParallelExperts``), its shared
+  them, any experts' layout cut to them; experts with biases split this way only) or every expert's
+  slice of intermediate rows (``TensorParallelExperts``), its shared
   experts column/row-parallel; the block's partial outputs are summed by one all-reduce
   (``SparseMoE.group``). Every rank holds every token (the activations are replicated after each
   all-reduce), so the router runs unchanged on each and dispatch is a local selection: no all-to-all.
@@ -27,6 +28,7 @@ attention and MLP sit side by side (``DecoderLayer``'s ``parallel``) all-reduces
 row-parallel output, as a block of one branch after the other does.
 """
 
+import dataclasses
 import itertools
 
 import torch
@@ -175,31 +177,38 @@ class VocabParallelLMHead(LMHead):
 
 
 class ExpertParallelExperts(Experts):
-    """The rank's ``experts`` (a range of the ``num_experts``) whole. Routed ids of other ranks'
-    experts become -1, which the expert op skips: the rank's output is its experts' part of the sum.
-    Declares only its experts' tensors as read (the others ``Shard.elsewhere``), or its slice of
-    the stacked tensors."""
+    """The rank's ``experts`` (a range of the ``num_experts``) whole, with their biases where the
+    experts have them. Routed ids of other ranks' experts become -1, which the expert op skips: the
+    rank's output is its experts' part of the sum. Its checkpoint layouts are the unsplit module's
+    (``unsplit``: any layout a subclass of ``Experts`` declares) cut to its experts: of one tensor
+    per expert, its experts' (the others ``Shard.elsewhere``); of a stacked tensor, its experts'
+    slice."""
 
-    def __init__(self, experts: slice, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str):
-        super().__init__(experts.stop - experts.start, hidden_size, intermediate_size, hidden_act)
-        self.experts, self.total_experts = experts, num_experts
+    def __init__(self, experts: slice, unsplit: Experts):
+        _, hidden_size, intermediate_size = unsplit.down_proj.shape
+        super().__init__(experts.stop - experts.start, hidden_size, intermediate_size, unsplit.hidden_act,
+                         bias=unsplit.gate_up_proj_bias is not None)
+        self.experts, self.total_experts = experts, unsplit.num_experts
+        self.unsplit_shards = unsplit.checkpoint_shards
 
     def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
-        size = self.intermediate_size
-        gate_up, down = [], []
-        for e in range(self.total_experts):
-            names = [f"{prefix}.{e}.{source}.weight" for source in ("gate_proj", "up_proj", "down_proj")]
-            if self.experts.start <= e < self.experts.stop:
-                local = e - self.experts.start
-                gate_up += [Shard(names[0], (local, slice(0, size))), Shard(names[1], (local, slice(size, 2 * size)))]
-                down.append(Shard(names[2], (local,)))
-            else:
-                gate_up += [Shard.elsewhere(names[0]), Shard.elsewhere(names[1])]
-                down.append(Shard.elsewhere(names[2]))
-        return {
-            "gate_up_proj": OneOf(gate_up, [Shard(f"{prefix}.gate_up_proj", (), (self.experts,))]),
-            "down_proj": OneOf(down, [Shard(f"{prefix}.down_proj", (), (self.experts,))]),
-        }
+        return {name: OneOf(*(self._held(layout) for layout in declaration))
+                if isinstance(declaration, OneOf) else self._held(declaration)
+                for name, declaration in self.unsplit_shards(prefix).items()}
+
+    def _held(self, layout) -> list[Shard]:
+        held = []
+        for shard in layout:
+            first = shard.index[0] if shard.index else slice(None)
+            if isinstance(first, int):  # one expert's tensor
+                if self.experts.start <= first < self.experts.stop:
+                    held.append(dataclasses.replace(shard, index=(first - self.experts.start, *shard.index[1:])))
+                else:
+                    held.append(Shard.elsewhere(shard.name))
+            else:  # every expert's, stacked along the first dimension
+                assert first == slice(None), f"{shard.name}: a stacked layout covers every expert"
+                held.append(dataclasses.replace(shard, source=(self.experts, *shard.source[1:])))
+        return held
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         local = topk_ids - self.experts.start
@@ -248,7 +257,7 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     embeddings: dict[int, VocabParallelEmbedding] = {}
     replicated: set[int] = set()  # modules every rank holds whole
-    split: set[int] = set()  # shared experts, split with their mixture of experts
+    split: set[int] = set()  # shared experts, split with their mixture of experts; attention, its sinks split
     for name, module in list(model.named_modules()):
         if id(module) in split or id(module) in replicated:
             continue
@@ -256,6 +265,7 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
             replicated.update(id(m) for m in module.modules())
         elif isinstance(module, Attention):
             _split_attention(module, name, rank, ranks, group)
+            split.add(id(module))
         elif isinstance(module, MLAttention):
             _split_latent_attention(module, name, rank, ranks, group)
             latent = [module.kv_a_proj_with_mqa, module.kv_a_layernorm]
@@ -284,7 +294,7 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
                       ExpertParallelExperts, TensorParallelExperts)
     replicated_types = (RMSNorm, LayerNorm, RotaryEmbedding, TopKRouter)
     for name, module in model.named_modules():
-        if isinstance(module, parallel_types + replicated_types) or id(module) in replicated:
+        if isinstance(module, parallel_types + replicated_types) or id(module) in replicated | split:
             continue
         own = {local for local, _ in module.named_parameters(recurse=False)}
         if own - set(getattr(module, "replicated_parameters", ())):
@@ -297,8 +307,6 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
     q_norm, k_norm = attention.qk_norms
     if q_norm is not None and not attention.qk_norm_per_head:
         raise NotImplementedError(f"tensor parallelism cannot split {name}: its q/k norm spans all heads")
-    if attention.sinks is not None:
-        raise NotImplementedError(f"tensor parallelism cannot split {name}: its attention sinks are not split by heads")
     heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
     q_heads = split_evenly(heads, rank, ranks, f"{name}'s attention heads")
     if kv_heads % ranks == 0:
@@ -316,6 +324,10 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
     o = attention.o_proj
     attention.o_proj = RowParallelLinear(rows[0], o.out_features, group, bias=o.bias is not None)
     attention.num_heads, attention.num_kv_heads = q_heads.stop - q_heads.start, kv.stop - kv.start
+    if attention.sinks is not None:
+        attention.sinks = nn.Parameter(torch.empty(attention.num_heads, device=attention.sinks.device),
+                                       requires_grad=False)
+        attention.sink_heads = q_heads
     if q_norm is not None and attention.qk_norm_weight_per_head:
         for norm_name, norm, held in zip(attention.qk_norm_names, (q_norm, k_norm), (q_heads, kv)):
             setattr(attention, norm_name, _split_head_norm(norm, held))
@@ -348,19 +360,22 @@ def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks:
 
 def _split_moe(moe: SparseMoE, name: str, rank: int, ranks: int, group, expert_parallel: bool | None) -> None:
     experts = moe.experts
-    if experts.gate_up_proj_bias is not None:
-        raise NotImplementedError(f"tensor parallelism cannot split {name}: its experts have biases, and neither "
-                                  "expert nor tensor parallelism of biased experts is supported")
     num_experts, intermediate = experts.num_experts, experts.intermediate_size
     hidden_size = experts.gate_up_proj.shape[2]
-    if expert_parallel is None:
+    # Whole experts only where they have biases (a slice of rows would add a down bias on every rank)
+    # or a checkpoint layout of their own (TensorParallelExperts declares the common ones).
+    whole_only = experts.gate_up_proj_bias is not None or type(experts) is not Experts
+    if whole_only and expert_parallel is False:
+        raise NotImplementedError(f"tensor parallelism cannot split {name}'s experts by intermediate rows: they have "
+                                  "biases or a checkpoint layout of their own; they split by whole experts")
+    if expert_parallel is None and not whole_only:
         if num_experts % ranks and intermediate % ranks:
             raise ValueError(f"parallelism over {ranks} ranks: {name} has {num_experts} experts of intermediate size "
                              f"{intermediate}, neither a multiple of {ranks}")
         expert_parallel = num_experts % ranks == 0
-    if expert_parallel:
+    if expert_parallel or whole_only:
         held = split_evenly(num_experts, rank, ranks, f"{name}'s experts")
-        moe.experts = ExpertParallelExperts(held, num_experts, hidden_size, intermediate, experts.hidden_act)
+        moe.experts = ExpertParallelExperts(held, experts)
     else:
         rows = split_evenly(intermediate, rank, ranks, f"{name}'s expert intermediate size")
         moe.experts = TensorParallelExperts(rows, intermediate, num_experts, hidden_size, experts.hidden_act)

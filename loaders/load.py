@@ -171,11 +171,17 @@ def choose_layouts(layouts, checkpoint) -> tuple[dict[str, list[Target]], list[s
 
 
 def tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The shape of every checkpoint tensor ``model``'s layouts name, as the parameters it fills
+    """The shape of every checkpoint tensor ``model``'s layouts read whole, as the parameters it fills
     declare it: of a model before ``layers.tensor_parallel`` splits it, the whole tensors that its
-    ranks read parts of."""
-    return {shard.name: tuple(param[shard.index].shape)
-            for param, _, _, _, options in _owners(model) for layout in options for shard in layout}
+    ranks read parts of. (A tensor the model itself reads in parts, GPT-OSS's gate and up columns,
+    has the shape of each part checked instead.)"""
+    return {shard.name: _swapped(tuple(param[shard.index].shape), shard.transposed)
+            for param, _, _, _, options in _owners(model) for layout in options for shard in layout
+            if shard.source == ()}
+
+
+def _swapped(shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
+    return (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
 
 
 def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef],
@@ -217,9 +223,7 @@ def plan_loading(model: nn.Module, checkpoint: dict[str, TensorRef],
 def _shape_problem(model: nn.Module, ref: TensorRef, places: list[Target], whole: tuple[int, ...] | None) -> str | None:
     """What is wrong with the shape of ``ref`` for the places it fills, if anything."""
     for param_name, index, source, transposed in places:
-        expected = tuple(model.get_parameter(param_name)[index].shape)
-        if transposed:
-            expected = (*expected[:-2], expected[-1], expected[-2])
+        expected = _swapped(tuple(model.get_parameter(param_name)[index].shape), transposed)
         if not source:
             if ref.shape != expected:
                 return f"expected shape {expected}, got {ref.shape}"

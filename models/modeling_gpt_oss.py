@@ -18,9 +18,7 @@ reads them transposed into zoo's [E, 2I, H] (gate rows, then up rows) and [E, H,
 
 from functools import partial
 
-from torch import nn
-
-from layers import Attention, Experts, RMSNorm, Shard, TopKRouter
+from layers import Attention, Experts, RMSNorm, Shard, SparseMoE
 from layers.moe import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from models.auto import register
 from models.base import CausalLM, DecoderLayer, attention_shape, layer_types_window
@@ -51,21 +49,19 @@ class GptOssExperts(Experts):
         }
 
 
-class GptOssMLP(nn.Module):
+class GptOssMLP(SparseMoE):
+    router_name = "router"
+    experts_type = GptOssExperts
+
     def __init__(self, config):
-        super().__init__()
-        alpha, limit = getattr(config, "swiglu_alpha", CLAMPED_SWIGLU_ALPHA), config.swiglu_limit
+        # transformers before 5.23 fixes both in its experts: its config has neither field
+        alpha = getattr(config, "swiglu_alpha", CLAMPED_SWIGLU_ALPHA)
+        limit = getattr(config, "swiglu_limit", CLAMPED_SWIGLU_LIMIT)
         if (alpha, limit) != (CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT):
             raise ValueError(f"GPT-OSS experts with swiglu_alpha={alpha}, swiglu_limit={limit}: zoo's clamped SwiGLU "
                              f"computes with {CLAMPED_SWIGLU_ALPHA} and {CLAMPED_SWIGLU_LIMIT}, every released model's")
-        self.router = TopKRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
-                                 renormalize=True, bias=True)
-        self.experts = GptOssExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
-                                     "clamped_swiglu", bias=True)
-
-    def forward(self, x):
-        topk_weights, topk_ids = self.router(x)
-        return self.experts(x, topk_weights, topk_ids)
+        super().__init__(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+                         config.intermediate_size, "clamped_swiglu", renormalize=True, expert_bias=True, bias=True)
 
 
 class GptOssDecoderLayer(DecoderLayer):

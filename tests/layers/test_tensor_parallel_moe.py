@@ -1,7 +1,7 @@
 """Expert parallelism and the tensor-parallel forms of MoE, latent attention and LLaVA: two ranks (gloo
 on the CPU, NCCL on two GPUs) in one process group load tiny checkpoints split over them; their logits
 equal the one-rank model's, an expert-parallel rank reads only its experts' bytes, and experts the
-ranks divide in neither way, or with biases, are refused by name."""
+ranks divide in neither way, or with biases by intermediate rows, are refused by name."""
 
 
 import pytest
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from layers import Experts, ExpertParallelExperts, SparseMoE, TensorParallelExperts, tensor_parallel
+from layers import ExpertParallelExperts, SparseMoE, TensorParallelExperts, tensor_parallel
 from models import AutoModelForCausalLM
 from models.auto import model_class_for
 from ops_cuda.fp8 import FP8_DTYPE
@@ -21,6 +21,7 @@ from tests.layers.test_tensor_parallel import RANKS, TOLERANCE, counting_reads, 
 from tests.loaders.test_fp8 import QUANTIZATION, write_pair
 from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
 from tests.models.test_glm4_moe import LITE_VARIANTS, VARIANTS as GLM4_MOE_VARIANTS, glm4_moe_config
+from tests.models.test_gpt_oss import gpt_oss_config, gpt_oss_hf_model
 from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, tiny_tokenizer
 from tests.models.test_moe import per_expert_state_dict
 
@@ -48,6 +49,8 @@ VARIANTS = {
     "glm4_moe-ep": (glm4_moe_config(), deepseek_hf_model, {}, None),  # q/k norms per head, partial rotary, q/k/v bias
     "glm4_moe_lite-tp": (LITE_VARIANTS["glm4_moe_lite-dense_between-no_q_lora"], deepseek_hf_model, {}, False),
     "dots1-ep": (GLM4_MOE_VARIANTS["dots1-window-groups"], deepseek_hf_model, {}, None),  # windows, q/k norms per head
+    # the sinks split by heads; experts with biases, transposed and interleaved in the checkpoint, 2 per rank
+    "gpt_oss-ep": (gpt_oss_config(num_local_experts=4), gpt_oss_hf_model, {}, None),
     "llava_next": (llava_config(text=tiny_config("mistral", head_dim=16), next_pinpoints=PINPOINTS["wide-and-tall"]),
                    hf_llava, {}, None),  # the vision tower, projector and image_newline replicated
 }
@@ -246,14 +249,14 @@ def test_experts_the_ranks_cannot_split_are_refused(name, ranks_run):
         assert UNSPLITTABLE[name][1] in output["errors"][name]
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False])
-def test_experts_with_biases_are_refused(expert_parallel, monkeypatch):
-    """Neither parallel form holds the experts' biases: refused by name rather than dropped."""
+def test_experts_with_biases_split_by_whole_experts_only(monkeypatch):
+    """A slice of intermediate rows would add each expert's down bias on every rank: refused by name."""
     monkeypatch.setattr(dist, "get_rank", lambda group: 0)  # rank 0 of 2, without a process group
     monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
     with torch.device("meta"):
-        moe = SparseMoE(16, 4, 2, 8, "clamped_swiglu", renormalize=True)
-        moe.experts = Experts(4, 16, 8, "clamped_swiglu", bias=True)
-        model = nn.ModuleDict({"mlp": moe})
-    with pytest.raises(NotImplementedError, match="cannot split mlp: its experts have biases"):
-        tensor_parallel(model, None, expert_parallel)
+        model = nn.ModuleDict({"mlp": SparseMoE(16, 4, 2, 8, "clamped_swiglu", renormalize=True, expert_bias=True)})
+    with pytest.raises(NotImplementedError, match="cannot split mlp's experts by intermediate rows: they have biases"):
+        tensor_parallel(model, None, expert_parallel=False)
+    tensor_parallel(model, None)
+    experts = model["mlp"].experts
+    assert isinstance(experts, ExpertParallelExperts) and experts.down_proj_bias.shape == (2, 16)

@@ -11,12 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from loaders import CheckpointError
 from models import AutoModelForCausalLM
-from runtime import LLM
-from runtime.diff import diff_checkpoint
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
+from tests.models.test_glm4_moe import assert_greedy_and_diff_match_hf
 from tests.models.test_parity import TOLERANCE, assert_matches
-from tests.runtime.test_runtime import GREEDY
-from tests.runtime.test_runtime import prompts as runtime_prompts
 
 GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=6,
                eos_token_id=2, max_position_embeddings=128)
@@ -121,15 +118,7 @@ def test_other_swiglu_constants_are_refused(make_gpt_oss):
 
 @pytest.mark.parametrize("variant", ["gpt_oss", "gpt_oss-top3-mha-three_layers-tied"])
 def test_greedy_matches_hf_generate_and_diff_rows_agree(variant, make_gpt_oss, input_ids):
-    path, reference = make_gpt_oss(VARIANTS[variant])
-    batch = runtime_prompts(4, seed=0, low=1, high=40)
-    outputs = LLM(str(path), device="cpu", block_size=4).generate(batch, GREEDY, use_tqdm=False)
-    for prompt, output in zip(batch, outputs):
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
-        assert output.token_ids == expected.tolist()
-    rows = diff_checkpoint(path, input_ids=input_ids[:1, :11], runtime_steps=2)
-    assert {row.path.partition("/")[0] for row in rows} == {"prefill", "decode 1", "decode 2"}
-    assert all(row.ok for row in rows)
+    assert_greedy_and_diff_match_hf(*make_gpt_oss(VARIANTS[variant]), input_ids)
 
 
 def quantise_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
