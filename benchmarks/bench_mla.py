@@ -1,7 +1,8 @@
 """MLA attention on this GPU. Decode: zoo's Triton kernel over the latent paged cache
 (``zoo::mla_decode_attention``) against the latent cache's read roofline, the torch backend's path
 (its PyTorch reference) and PyTorch's SDPA on K/V decompressed per head. Prefill: zoo's Triton
-kernel over decompressed keys (``zoo::mla_prefill_attention``) against SDPA on the same q/k/v.
+kernel over decompressed keys, and ``zoo::mla_prefill_attention`` where it runs flash attention
+instead (q/k and v heads of one width), against SDPA on the same q/k/v.
 
 DeepSeek-V3's attention: 128 heads, kv_lora_rank 512, rope 64 (one cache entry of 576 bf16 values
 per token, shared by all heads), qk head dim 192 and v head dim 128 once decompressed; cache blocks
@@ -39,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
 from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
 from ops_cuda.mla_attention import (  # noqa: E402
-    mla_decode_attention, mla_decode_attention_reference, mla_prefill_attention,
+    mla_decode_attention, mla_decode_attention_reference, mla_prefill_attention, prefill_takes_flash,
 )
+from ops_cuda.mla_attention_triton import mla_prefill_attention_triton  # noqa: E402
 
 NUM_HEADS, KV_LORA_RANK, ROPE, NOPE, V_DIM = 128, 512, 64, 128, 128
 BLOCK_SIZE, DTYPE, SEQ_LEN = 16, torch.bfloat16, 4096
@@ -123,8 +125,11 @@ def bench_prefill(prompts: int, seq_len: int, iters: int, name: str, heads: int,
     v = torch.randn(tokens, heads, v_dim, dtype=DTYPE, device="cuda")
     starts = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32, device="cuda")
     scale = (nope + ROPE) ** -0.5
-    args = (q_nope, q_rope, k_nope, k_rope, v, starts, starts, seq_len, scale)
-    us = {"triton": graph_us(lambda: mla_prefill_attention(*args), iters)}
+    args = (q_nope, q_rope, k_nope, k_rope, v, starts, starts, seq_len)
+    out = q_nope.new_empty(tokens, heads, v_dim)
+    us = {"triton": graph_us(lambda: mla_prefill_attention_triton(*args, scale, out), iters)}
+    if prefill_takes_flash(q_nope, q_rope, v):
+        us["flash"] = graph_us(lambda: mla_prefill_attention(*args, seq_len, scale), iters)
 
     def heads_major(t):
         return t.view(prompts, seq_len, heads, t.shape[-1]).transpose(1, 2)
@@ -144,8 +149,10 @@ def prefill_markdown(row: dict) -> str:
              "",
              "| kernel | µs | TFLOP/s |", "|---|---:|---:|"]
     lines += [f"| {kernel} | {us:.1f} | {row['tflop_s'][kernel]:.0f} |" for kernel, us in row["us"].items()]
-    lines += ["", "triton: zoo::mla_prefill_attention on the prompts' tokens as the runtime passes them (ragged); "
-              "sdpa: F.scaled_dot_product_attention on the same q/k/v as [prompts, heads, tokens, dim]."]
+    lines += ["", "triton: zoo's Triton kernel on the prompts' tokens as the runtime passes them (ragged); flash: "
+              "zoo::mla_prefill_attention where it runs flash attention's variable-length form on them (k_rope "
+              "repeated per head; where q/k and v heads are one width); sdpa: F.scaled_dot_product_attention on the "
+              "same q/k/v as [prompts, heads, tokens, dim]."]
     return "\n".join(lines)
 
 

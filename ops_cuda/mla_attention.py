@@ -12,7 +12,11 @@ cache. Two ops attend over it:
   decompressed (``kv_b_proj``) from their sequences' latents: per-head k_nope and v, one k_rope
   per token shared by all heads. Sequences lie one after another in both the queries and the keys
   (``query_start_loc``, ``key_start_loc``); a sequence's queries are its last keys' tokens and
-  attend its keys causally. The qk head dim (nope + rope) and the v head dim may differ.
+  attend its keys causally. The qk head dim (nope + rope) and the v head dim may differ. On CUDA
+  it runs flash attention's variable-length form where that takes the heads (16-bit, one head dim
+  for q/k and v, at most 256, in multiples of 8: GLM-4.7-Flash's 256, 1.4x the Triton kernel's
+  speed there), the Triton kernel otherwise (DeepSeek-V3's 192 and 128: v zero-padded to 192, flash
+  took 1.8x the Triton kernel's time; ``benchmarks/bench_mla.py``).
 
 ``gather_latents`` reads the prompts' cache entries into such a run of keys on the device.
 The pool is the model's dtype or float8_e4m3fn, holding the entries divided by one per-tensor
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.kv_cache import dequantize
 from ops_cuda.paged_attention import attention_mask, decode_key_slots, sdpa
+from ops_cuda.prompt_attention import takes_flash
 
 
 def latent_attention(q_latent, q_rope, latent, k_rope, mask, scale) -> torch.Tensor:
@@ -90,12 +95,13 @@ def mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_le
 
 
 def mla_prefill_attention_reference(
-    q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, scale
+    q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, max_key_len, scale
 ) -> torch.Tensor:
     """Sequence s has queries q[query_start_loc[s]:query_start_loc[s + 1]] and keys
     k[key_start_loc[s]:key_start_loc[s + 1]]; its queries are the tokens of its last keys and attend
     its keys causally. q_nope [N, H, nope], q_rope [N, H, rope], k_nope [K, H, nope], k_rope [K, rope],
-    v [K, H, v_dim] -> [N, H, v_dim]. ``max_query_len`` bounds the query counts (it sizes the CUDA grid)."""
+    v [K, H, v_dim] -> [N, H, v_dim]. ``max_query_len`` and ``max_key_len`` bound the query and key
+    counts (they size the CUDA kernels' launches)."""
     out = q_nope.new_empty(*q_nope.shape[:2], v.shape[-1])
     query_starts, key_starts = query_start_loc.tolist(), key_start_loc.tolist()
     for s in range(len(query_starts) - 1):
@@ -136,21 +142,35 @@ mla_decode_attention = public_op(mla_decode_attention_op, mla_decode_attention_r
 @torch.library.custom_op("zoo::mla_prefill_attention", mutates_args=())
 def mla_prefill_attention_op(
     q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-    query_start_loc: torch.Tensor, key_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    query_start_loc: torch.Tensor, key_start_loc: torch.Tensor, max_query_len: int, max_key_len: int, scale: float,
 ) -> torch.Tensor:
     return mla_prefill_attention_reference(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc,
-                                           max_query_len, scale)
+                                           max_query_len, max_key_len, scale)
 
 
 @mla_prefill_attention_op.register_fake
-def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, scale):
+def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, max_key_len, scale):
     return q_nope.new_empty(*q_nope.shape[:2], v.shape[-1])
 
 
+def prefill_takes_flash(q_nope: torch.Tensor, q_rope: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the CUDA prefill runs flash attention on these heads (the module docstring)."""
+    qk_dim = q_nope.shape[-1] + q_rope.shape[-1]
+    return v.shape[-1] == qk_dim and takes_flash(v, 0.0)
+
+
 @cuda_implementation(mla_prefill_attention_op)
-def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, scale):
+def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, max_key_len, scale):
     from ops_cuda.mla_attention_triton import mla_prefill_attention_triton  # triton only where a kernel runs
 
+    if prefill_takes_flash(q_nope, q_rope, v):
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope[:, None].expand(-1, v.shape[1], -1)), dim=-1)
+        # Flash's causal mask aligns the queries with the last keys, as a prompt after its cached context.
+        out, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, query_start_loc, key_start_loc, max_query_len, max_key_len, 0.0, True, False, scale=scale,
+        )
+        return out
     out = q_nope.new_empty(*q_nope.shape[:2], v.shape[-1])
     mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len,
                                  scale, out)

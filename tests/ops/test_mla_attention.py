@@ -24,6 +24,7 @@ from ops_cuda.mla_attention import (  # noqa: E402
     mla_prefill_attention,
     mla_prefill_attention_op,
     mla_prefill_attention_reference,
+    prefill_takes_flash,
 )
 from ops_cuda.mla_attention_triton import mla_decode_attention_triton, mla_prefill_attention_triton  # noqa: E402
 from ops_cuda.paged_attention import gather_cache  # noqa: E402
@@ -77,7 +78,7 @@ class LatentBatch:
 
     def prefill_args(self):
         return (self.q_nope, self.q_rope, self.k_nope, self.k_rope, self.v, self.query_start_loc, self.key_start_loc,
-                max(self.query_lens), self.scale)
+                max(self.query_lens), max(c + q for c, q in zip(self.context_lens, self.query_lens)), self.scale)
 
     def reference_decode(self):  # in float32, from the same (rounded) inputs
         return mla_decode_attention_reference(*_float32(self.decode_args()), self.kv_scale)
@@ -103,7 +104,8 @@ def run_decode(batch, **options):
 def run_prefill(batch):
     out = torch.full((*batch.q_nope.shape[:2], batch.v.shape[-1]), float("nan"), dtype=batch.v.dtype,
                      device=batch.v.device)
-    mla_prefill_attention_triton(*batch.prefill_args(), out)
+    *args, _, scale = batch.prefill_args()  # the kernel's grid takes no key count
+    mla_prefill_attention_triton(*args, scale, out)
     return out
 
 
@@ -292,8 +294,9 @@ def decode_via_launcher(q_latent, q_rope, cache, block_tables, seq_lens, scale, 
 
 
 def prefill_via_launcher(q_nope, q_rope, k_nope, k_rope, v, *args):
+    *args, _, scale = args  # the kernel's grid takes no key count
     out = q_nope.new_empty(*q_nope.shape[:2], v.shape[-1])
-    mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, *args, out)
+    mla_prefill_attention_triton(q_nope, q_rope, k_nope, k_rope, v, *args, scale, out)
     return out
 
 
@@ -368,6 +371,10 @@ def test_prefill_kernel_cuda(dtype, shape):
     batch = LatentBatch([0, 517, 2000, 33], [1000, 300, 1, 129], *shape, dtype, "cuda")
     reference = batch.reference_prefill()
     assert_close(run_prefill(batch), reference, TOL[dtype])
+    # The op: flash attention where q/k and v heads are one width (GLM-4.7-Flash's) in the 16-bit
+    # dtypes, its causal mask bottom-right (the queries after their cached context)
+    assert prefill_takes_flash(batch.q_nope, batch.q_rope, batch.v) == (shape == GLM_4_7_FLASH and
+                                                                        dtype != torch.float32)
     assert_close(mla_prefill_attention(*batch.prefill_args()), reference, TOL[dtype])
 
 
