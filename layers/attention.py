@@ -243,7 +243,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         query_lens = metadata.query_lens[:prefills]
         return self.latent_prefill(
             q_nope, q_rope, k_nope, entries[:, rank:], v, metadata.query_start_loc[: prefills + 1], key_start_loc,
-            max(query_lens), max(c + q for c, q in zip(metadata.context_lens, query_lens)), layer.scale,
+            max(query_lens), max(c + q for c, q in zip(metadata.context_lens[:prefills], query_lens)), layer.scale,
         )
 
     def decode_latent(self, q_latent, q_rope, cache, metadata: AttentionMetadata, scale, kv_scale) -> torch.Tensor:
