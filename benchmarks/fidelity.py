@@ -9,7 +9,9 @@ under names of their own; and transformers 5's stacked experts), those of
 tests/models/test_deepseek_v3.py (DeepSeek-V3 with a non-zero score correction bias, and DeepSeek-V2), those of
 tests/models/test_glm4_moe.py (GLM-4.5, GLM-4.7-Flash and dots.llm1, with a non-zero score correction bias, in
 both layouts), those of tests/models/test_gpt_oss.py (GPT-OSS, with every bias and sink drawn away from its
-initial value), and
+initial value), those of tests/models/test_ernie4_5_moe.py and tests/models/test_exaone_moe.py (ERNIE 4.5 MoE
+and EXAONE MoE, every bias and the score correction bias drawn away from zero, in the layouts transformers'
+save_pretrained writes: the hub's and its own), and
 those of tests/models/test_llava.py (LLaVA 1.5 and LLaVA-NeXT, images of odd sizes through transformers' processors).
 """
 
@@ -26,6 +28,10 @@ from models import AutoModelForCausalLM, architecture_of  # noqa: E402
 from runtime.diff import load_reference, tokenize  # noqa: E402
 from tests.conftest import hf_model, relative_error, save_checkpoint  # noqa: E402
 from tests.models.test_deepseek_v3 import V2_VARIANTS, VARIANTS as DEEPSEEK_VARIANTS, deepseek_hf_model  # noqa: E402
+from tests.models.test_ernie4_5_moe import (  # noqa: E402
+    SAVE_LAYOUTS, VARIANTS as ERNIE4_5_MOE_VARIANTS, biased_hf_model,
+)
+from tests.models.test_exaone_moe import VARIANTS as EXAONE_MOE_VARIANTS  # noqa: E402
 from tests.models.test_glm4_moe import VARIANTS as GLM4_MOE_VARIANTS  # noqa: E402
 from tests.models.test_gpt_oss import VARIANTS as GPT_OSS_VARIANTS, gpt_oss_hf_model  # noqa: E402
 from tests.models.test_llava import (  # noqa: E402
@@ -59,6 +65,14 @@ def main():
         for layout in checkpoint_layouts:
             with tempfile.TemporaryDirectory() as directory:
                 path = write_checkpoint(reference, Path(directory) / layout, layout)
+                model = AutoModelForCausalLM.from_pretrained(path)
+            ours, theirs = model(input_ids), reference(input_ids).logits
+            print(row(f"{name} ({layout})", architecture_of(model.config), ours, theirs), flush=True)
+    for name, config in {**ERNIE4_5_MOE_VARIANTS, **EXAONE_MOE_VARIANTS}.items():
+        reference = biased_hf_model(config)
+        for layout, save_options in SAVE_LAYOUTS.items():
+            with tempfile.TemporaryDirectory() as directory:
+                path = save_checkpoint(reference, Path(directory), **save_options)
                 model = AutoModelForCausalLM.from_pretrained(path)
             ours, theirs = model(input_ids), reference(input_ids).logits
             print(row(f"{name} ({layout})", architecture_of(model.config), ours, theirs), flush=True)

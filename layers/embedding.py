@@ -31,15 +31,17 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Projects hidden states to vocabulary logits. ``tie_to`` shares the embedding's weight."""
+    """Projects hidden states to vocabulary logits. ``tie_to`` shares the embedding's weight; ``bias``
+    adds a bias of the head's own (ERNIE 4.5 MoE's where ``use_bias``), tied or not."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None):
+    def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None, bias: bool = False):
         super().__init__()
         if tie_to is not None:
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(vocab_size), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None  # see layers.linear.pack_cpu_weights
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self.weight, packed=self.packed)
+        return linear(hidden_states, self.weight, self.bias, packed=self.packed)

@@ -41,7 +41,8 @@ class TopKRouter(nn.Module):
     float32 and the experts come from the ``topk_groups`` groups that score highest, a group scored
     by its best expert (``group_score="max"``, V2) or its two best summed (``"top2_sum"``, V3).
 
-    Either way the weights are then renormalised when ``renormalize`` and multiplied by
+    Either way the weights are then renormalised when ``renormalize`` (divided by their sum, or by
+    ``renormalize_min`` where the sum is smaller: ERNIE 4.5's ``moe_norm_min``) and multiplied by
     ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``). All of it after the linear layer is the
     op ``zoo::route_topk`` (one Triton kernel on CUDA).
 
@@ -55,7 +56,7 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
                  score_correction_bias: bool = False, num_groups: int = 1, topk_groups: int = 1,
                  group_score: str = "top2_sum", scaling_factor: float = 1.0, model_dtype_logits: bool = False,
-                 bias: bool = False):
+                 bias: bool = False, renormalize_min: float = 0.0):
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"unsupported router scoring {scoring!r}; supported: softmax, sigmoid")
@@ -73,7 +74,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"n_group={num_groups} leaves fewer than 2 of the {num_experts} experts in a group")
         self.top_k, self.renormalize, self.scoring = top_k, renormalize, scoring
         self.num_groups, self.topk_groups, self.group_score = num_groups, topk_groups, group_score
-        self.scaling_factor = scaling_factor
+        self.scaling_factor, self.renormalize_min = scaling_factor, renormalize_min
         self.model_dtype_logits = model_dtype_logits
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
@@ -94,7 +95,8 @@ class TopKRouter(nn.Module):
         in_model_dtype = plain_softmax or self.model_dtype_logits
         logits = linear(x, self.weight, self.bias, out_dtype=None if in_model_dtype else torch.float32)
         return route_topk(logits, self.e_score_correction_bias, self.top_k, self.scoring, self.renormalize,
-                          self.num_groups, self.topk_groups, self.group_score, self.scaling_factor)
+                          self.num_groups, self.topk_groups, self.group_score, self.scaling_factor,
+                          self.renormalize_min)
 
     def extra_repr(self) -> str:
         options = f"num_experts={self.weight.shape[0]}, top_k={self.top_k}, renormalize={self.renormalize}"
@@ -102,6 +104,8 @@ class TopKRouter(nn.Module):
             options += f", scoring={self.scoring}"
         if self.num_groups > 1:
             options += f", num_groups={self.num_groups}, topk_groups={self.topk_groups}, group_score={self.group_score}"
+        if self.renormalize_min:
+            options += f", renormalize_min={self.renormalize_min}"
         if self.scaling_factor != 1.0:
             options += f", scaling_factor={self.scaling_factor}"
         if self.bias is not None:
@@ -202,8 +206,9 @@ class SparseMoE(nn.Module):
     (Qwen2-MoE), or when ``shared_experts_intermediate_size`` is, ``shared_experts(x)`` ungated
     (DeepSeek; with biases where ``shared_experts_bias``, DeepSeek-V2's ``mlp_bias``). ``router_options``
     are ``TopKRouter``'s scoring options; ``expert_bias`` gives the experts biases (``Experts``' ``bias``).
-    A subclass declares HF's name of its router (``router_name``: GPT-OSS's ``router``) and the class of
-    its experts (``experts_type``: one that declares a checkpoint layout of its own).
+    A subclass declares HF's name of its router (``router_name``: GPT-OSS's ``router``) and the classes of
+    its router (``router_type``: ERNIE 4.5's, which declares its storage and layout) and of its experts
+    (``experts_type``: one that declares a checkpoint layout of its own).
 
     Split over ranks (``layers.parallel.tensor_parallel``), each rank's experts and shared experts
     give a partial output and ``group`` is set: the block's one all-reduce sums the partial outputs."""
@@ -223,7 +228,8 @@ class SparseMoE(nn.Module):
         **router_options,
     ):
         super().__init__()
-        self.add_module(self.router_name, TopKRouter(hidden_size, num_experts, top_k, renormalize, **router_options))
+        self.add_module(self.router_name, self.router_type(hidden_size, num_experts, top_k, renormalize,
+                                                           **router_options))
         self.experts = self.experts_type(num_experts, hidden_size, intermediate_size, hidden_act, bias=expert_bias)
         if shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act)
@@ -238,6 +244,7 @@ class SparseMoE(nn.Module):
         self.group = None
 
     router_name = "gate"
+    router_type = TopKRouter
     experts_type = Experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

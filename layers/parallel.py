@@ -12,14 +12,15 @@ tensor it reads (``Shard.source``), so the one loader reads each rank's bytes al
 - row-parallel (``RowParallelLinear``): a slice of the input columns; the partial products are
   summed over the ranks (all-reduce), then the bias is added once.
 - the vocabulary-parallel embedding (``VocabParallelEmbedding``: rows of the rank's vocabulary
-  range, others zero, all-reduced) and LM head (``VocabParallelLMHead``: the rank's logits,
-  gathered); a tied head shares the embedding's slice.
+  range, others zero, all-reduced) and LM head (``VocabParallelLMHead``: the rank's logits, from its
+  rows of the weight and of a bias, gathered); a tied head shares the embedding's slice.
 - a mixture of experts: each rank holds whole experts (``ExpertParallelExperts``: E / ranks of
   them, any experts' layout cut to them; experts with biases split this way only) or every expert's
-  slice of intermediate rows (``TensorParallelExperts``), its shared
-  experts column/row-parallel; the block's partial outputs are summed by one all-reduce
-  (``SparseMoE.group``). Every rank holds every token (the activations are replicated after each
-  all-reduce), so the router runs unchanged on each and dispatch is a local selection: no all-to-all.
+  slice of intermediate rows (``TensorParallelExperts``), its shared experts column/row-parallel
+  (not where their down projection has a bias, which would be added on every rank); the block's
+  partial outputs are summed by one all-reduce (``SparseMoE.group``). Every rank holds every token
+  (the activations are replicated after each all-reduce), so the router runs unchanged on each and
+  dispatch is a local selection: no all-to-all.
 - multi-head latent attention: heads split (``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
   column-parallel by heads, ``o_proj`` row-parallel), the latent path replicated, so every rank
   caches the same whole latent.
@@ -156,18 +157,19 @@ class VocabParallelEmbedding(VocabEmbedding):
 
 
 class VocabParallelLMHead(LMHead):
-    """The logits of the rank's ``vocab`` range, gathered from every rank into the whole vocabulary's."""
+    """The logits of the rank's ``vocab`` range (its rows of the weight and of a bias), gathered from
+    every rank into the whole vocabulary's."""
 
     def __init__(self, vocab: slice, vocab_size: int, hidden_size: int, group, ranks: int,
-                 tie_to: VocabParallelEmbedding | None = None):
-        super().__init__(vocab.stop - vocab.start, hidden_size, tie_to)
+                 tie_to: VocabParallelEmbedding | None = None, bias: bool = False):
+        super().__init__(vocab.stop - vocab.start, hidden_size, tie_to, bias)
         self.vocab, self.vocab_size, self.group, self.ranks = vocab, vocab_size, group, ranks
 
     def checkpoint_shards(self, prefix: str) -> dict[str, list[Shard]]:
-        return {"weight": [Shard(f"{prefix}.weight", (), (self.vocab,))]}
+        return {name: [Shard(f"{prefix}.{name}", (), (self.vocab,))] for name, _ in self.named_parameters()}
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight, packed=self.packed)
+        logits = linear(hidden_states, self.weight, self.bias, packed=self.packed)
         # all_gather takes equal sizes: every rank's part padded to the largest, ceil(vocab / ranks).
         per_rank = -(-self.vocab_size // self.ranks)
         padded = F.pad(logits, (0, per_rank - logits.shape[-1])).contiguous()
@@ -289,7 +291,8 @@ def tensor_parallel(model: nn.Module, group, expert_parallel: bool | None = None
         elif type(module) is LMHead:
             vocab_size, hidden_size = module.weight.shape
             _replace(model, name, VocabParallelLMHead(rank_range(vocab_size, rank, ranks), vocab_size, hidden_size,
-                                                      group, ranks, tie_to=embeddings.get(id(module.weight))))
+                                                      group, ranks, tie_to=embeddings.get(id(module.weight)),
+                                                      bias=module.bias is not None))
     parallel_types = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead,
                       ExpertParallelExperts, TensorParallelExperts)
     replicated_types = (RMSNorm, LayerNorm, RotaryEmbedding, TopKRouter)
@@ -359,6 +362,10 @@ def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks:
 
 
 def _split_moe(moe: SparseMoE, name: str, rank: int, ranks: int, group, expert_parallel: bool | None) -> None:
+    if moe.shared_experts is not None and moe.shared_experts.down_proj.bias is not None:
+        raise NotImplementedError(f"tensor parallelism cannot split {name}'s shared experts: their down_proj has a "
+                                  "bias, which the block's one all-reduce of its ranks' outputs would add on every "
+                                  "rank")
     experts = moe.experts
     num_experts, intermediate = experts.num_experts, experts.intermediate_size
     hidden_size = experts.gate_up_proj.shape[2]

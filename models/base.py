@@ -11,7 +11,8 @@ the config field of its epsilon (``norm_eps_field``), a scale of each branch's o
 (``DecoderLayer``'s ``branch_scale``), attention and the MLP side by side (``DecoderLayer``'s
 ``parallel``), embedding scaling (``CausalLM.scale_embeddings``), the config field that multiplies
 the input (``CausalLM.input_multiplier_field``) and the one that scales the logits, with its
-operation (``CausalLM.logits_scale``), partial rotary (``CausalLM.partial_rotary``).
+operation (``CausalLM.logits_scale``), the one that gives the LM head a bias
+(``CausalLM.lm_head_bias_field``), partial rotary (``CausalLM.partial_rotary``).
 """
 
 import itertools
@@ -223,8 +224,9 @@ class CausalLM(nn.Module):
     the config field whose value multiplies the decoder's input (Granite's ``embedding_multiplier``),
     ``logits_scale``, the config field whose value scales the logits and the operation that applies
     it, HF's (Granite's ``("logits_scaling", operator.truediv)``, Cohere's ``("logit_scale",
-    operator.mul)``), and ``partial_rotary`` where the config's ``partial_rotary_factor`` says how
-    much of each head rotates (Phi-3, StableLM, GLM-4). A config's
+    operator.mul)``), ``lm_head_bias_field``, the config field whose truth gives the LM head a bias
+    (ERNIE 4.5 MoE's ``use_bias``), and ``partial_rotary`` where the config's
+    ``partial_rotary_factor`` says how much of each head rotates (Phi-3, StableLM, GLM-4). A config's
     ``final_logit_softcapping`` caps the logits at ``cap * tanh(logits / cap)`` (Gemma 2).
 
     ``ignored_checkpoint_keys`` are regexes of checkpoint tensors the model does not use;
@@ -243,6 +245,7 @@ class CausalLM(nn.Module):
     scale_embeddings = False
     input_multiplier_field: str | None = None
     logits_scale: tuple[str, Callable[[torch.Tensor, float], torch.Tensor]] | None = None
+    lm_head_bias_field: str | None = None
     partial_rotary = False
     prediction_layers_field: str | None = None
 
@@ -261,7 +264,8 @@ class CausalLM(nn.Module):
         # Tied embeddings: the head holds the embedding's own Parameter, so the loader
         # sees one parameter and fills it once.
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tied)
+        head_bias = bool(getattr(config, self.lm_head_bias_field)) if self.lm_head_bias_field else False
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tied, bias=head_bias)
 
     def forward(
         self,

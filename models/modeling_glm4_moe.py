@@ -45,13 +45,19 @@ class Glm4MoeForCausalLM(CausalLM):
 MLP_LAYER_TYPES = ("dense", "sparse")
 
 
+def is_sparse_mlp(config, layer_idx: int) -> bool:
+    """Whether ``config.mlp_layer_types``, one of ``MLP_LAYER_TYPES`` for each layer, marks the layer's MLP
+    sparse (GLM-4.7-Flash's and EXAONE MoE's rule)."""
+    kinds = config.mlp_layer_types
+    if len(kinds) != config.num_hidden_layers or not set(kinds) <= set(MLP_LAYER_TYPES):
+        raise ValueError(f"mlp_layer_types must name one of {MLP_LAYER_TYPES} for each of the "
+                         f"{config.num_hidden_layers} layers, got {kinds!r}")
+    return kinds[layer_idx] == "sparse"
+
+
 class Glm4MoeLiteDecoderLayer(DecoderLayer):
     def __init__(self, config, layer_idx: int):
-        kinds = config.mlp_layer_types
-        if len(kinds) != config.num_hidden_layers or not set(kinds) <= set(MLP_LAYER_TYPES):
-            raise ValueError(f"mlp_layer_types must name one of {MLP_LAYER_TYPES} for each of the "
-                             f"{config.num_hidden_layers} layers, got {kinds!r}")
-        mlp = DeepseekV3MoE(config) if kinds[layer_idx] == "sparse" else LlamaMLP(config)
+        mlp = DeepseekV3MoE(config) if is_sparse_mlp(config, layer_idx) else LlamaMLP(config)
         super().__init__(config, DeepseekV3Attention(config, layer_idx), mlp)
 
 

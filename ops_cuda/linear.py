@@ -138,5 +138,7 @@ def linear(x, weight, bias=None, packed: PackedWeight | None = None, out_dtype: 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` multiplies x by weight with zoo::gemv (and a gated MLP its gate_up product
-    with zoo::gated_gemv): a single float16/bfloat16 row on the GPU, a weight with contiguous rows."""
-    return x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.stride(-1) == 1
+    with zoo::gated_gemv): a single float16/bfloat16 row on the GPU, a weight of its dtype (not ERNIE 4.5's
+    float32 router) with contiguous rows."""
+    return (x.device.type == "cuda" and x.numel() == x.shape[-1] and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype
+            and weight.stride(-1) == 1)

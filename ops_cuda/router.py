@@ -9,7 +9,8 @@ float32, ids [N, k] int64). Its options are ``layers.TopKRouter``'s (which check
 - ``num_groups`` > 1: group-limited top-k (DeepSeek-V2/V3): the experts come from the ``topk_groups``
   groups that score highest, a group scored by its best expert (``group_score="max"``) or its two best
   summed (``"top2_sum"``);
-- ``renormalize``: the k weights divided by their sum; then multiplied by ``scaling_factor``.
+- ``renormalize``: the k weights divided by their sum, or by ``renormalize_min`` where the sum is smaller
+  (ERNIE 4.5's ``moe_norm_min``; 0 by default: the sum); then multiplied by ``scaling_factor``.
 
 On CUDA a Triton kernel (``ops_cuda/router_triton.py``) does all of it in one launch, a program per
 token; the order of a token's k ids may differ from the reference's where it does not sort them.
@@ -35,6 +36,7 @@ def route_topk_reference(
     topk_groups: int,
     group_score: str,
     scaling_factor: float,
+    renormalize_min: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] -> (weights [N, k] float32, expert ids [N, k] int64)."""
     if scoring == "softmax" and num_groups == 1 and correction_bias is None:
@@ -45,7 +47,7 @@ def route_topk_reference(
         ids = choose_experts(scores, correction_bias, top_k, num_groups, topk_groups, group_score)
         weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=renormalize_min)
     if scaling_factor != 1.0:
         weights = weights * scaling_factor
     return weights, ids
@@ -79,26 +81,29 @@ def route_topk_op(
     topk_groups: int,
     group_score: str,
     scaling_factor: float,
+    renormalize_min: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return route_topk_reference(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups,
-                                group_score, scaling_factor)
+                                group_score, scaling_factor, renormalize_min)
 
 
 @route_topk_op.register_fake
-def _(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups, group_score, scaling_factor):
+def _(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups, group_score, scaling_factor,
+      renormalize_min=0.0):
     shape = (logits.shape[0], top_k)
     return (logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64))
 
 
 @cuda_implementation(route_topk_op)
-def _(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups, group_score, scaling_factor):
+def _(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups, group_score, scaling_factor,
+      renormalize_min=0.0):
     if ROUTER_KERNEL and logits.dim() == 2 and logits.shape[1] <= ROUTER_KERNEL_MAX_EXPERTS:
         from ops_cuda.router_triton import route_topk_triton  # triton is imported only where a kernel runs
 
         return route_topk_triton(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups,
-                                 group_score, scaling_factor)
+                                 group_score, scaling_factor, renormalize_min)
     return route_topk_reference(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups,
-                                group_score, scaling_factor)
+                                group_score, scaling_factor, renormalize_min)
 
 
 route_topk = public_op(route_topk_op, route_topk_reference)

@@ -5,7 +5,8 @@
     groups  : each group's best choice, or its two best summed; the topk_groups best groups kept,
               the other groups' experts out of the choice
     top-k   : k times the largest remaining choice (the lowest id among equals), its score the weight
-    weights : renormalised to sum to one, times the scaling factor
+    weights : renormalised (divided by their sum, or by renormalize_min where the sum is smaller), times the
+              scaling factor
 
 One program per token holds all E scores (E up to ``ops_cuda.router.ROUTER_KERNEL_MAX_EXPERTS``); every
 shape depends on N, E and k only, so the op runs under CUDA-graph capture.
@@ -45,8 +46,8 @@ def _key_value(key):
 @triton.jit
 def _route_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, logits_stride, scaling_factor,
-    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
+    renormalize_min, TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -98,7 +99,7 @@ def _route_topk_kernel(
         ids = tl.where(slots == k, expert, ids)
         keys = tl.where(picked, last, keys)
     if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)  # slots past k hold zero
+        weights = weights / tl.maximum(tl.sum(weights, 0), renormalize_min)  # slots past k hold zero
     weights = weights * scaling_factor
     tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
@@ -114,6 +115,7 @@ def route_topk_triton(
     topk_groups: int,
     group_score: str,
     scaling_factor: float,
+    renormalize_min: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``zoo::route_topk`` on options ``layers.TopKRouter`` has checked."""
     num_tokens, num_experts = logits.shape
@@ -127,8 +129,8 @@ def route_topk_triton(
     # One warp reduces by shuffles alone; a group-limited router's [groups, experts] tiles run faster on two.
     _route_topk_kernel[(num_tokens,)](
         logits, bias, weights, ids, num_experts, num_experts // num_groups, logits.stride(0), float(scaling_factor),
-        TOP_K=top_k, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None, NUM_GROUPS=num_groups,
-        TOPK_GROUPS=topk_groups, GROUP_TOP2=group_score == "top2_sum", RENORMALIZE=renormalize,
+        float(renormalize_min), TOP_K=top_k, SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
+        NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups, GROUP_TOP2=group_score == "top2_sum", RENORMALIZE=renormalize,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_G=triton.next_power_of_2(num_groups),
         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if num_groups == 1 else 2, **pdl_launch(logits),
     )

@@ -20,6 +20,8 @@ from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_confi
 from tests.layers.test_tensor_parallel import RANKS, TOLERANCE, counting_reads, run_ranks
 from tests.loaders.test_fp8 import QUANTIZATION, write_pair
 from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
+from tests.models.test_ernie4_5_moe import VARIANTS as ERNIE4_5_MOE_VARIANTS, biased_hf_model
+from tests.models.test_exaone_moe import VARIANTS as EXAONE_MOE_VARIANTS
 from tests.models.test_glm4_moe import LITE_VARIANTS, VARIANTS as GLM4_MOE_VARIANTS, glm4_moe_config
 from tests.models.test_gpt_oss import gpt_oss_config, gpt_oss_hf_model
 from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, tiny_tokenizer
@@ -51,6 +53,15 @@ VARIANTS = {
     "dots1-ep": (GLM4_MOE_VARIANTS["dots1-window-groups"], deepseek_hf_model, {}, None),  # windows, q/k norms per head
     # the sinks split by heads; experts with biases, transposed and interleaved in the checkpoint, 2 per rank
     "gpt_oss-ep": (gpt_oss_config(num_local_experts=4), gpt_oss_hf_model, {}, None),
+    # the router's correction bias, a row of the block's moe_statics, replicated; two shared experts split
+    "ernie4_5_moe-ep": (ERNIE4_5_MOE_VARIANTS["ernie4_5_moe"], biased_hf_model, {}, None),
+    # a bias on every projection, the tied LM head's split by vocabulary rows; no shared expert
+    "ernie4_5_moe-bias-tied-ep": (ERNIE4_5_MOE_VARIANTS["ernie4_5_moe-norm_min-no_shared-bias-tied"],
+                                  biased_hf_model, {}, None),
+    # windows on three layers, q/k norms of one weight for all heads; 8 experts in 4 groups, 4 per rank
+    "exaone_moe-ep": (EXAONE_MOE_VARIANTS["exaone_moe-window-groups"], biased_hf_model, {}, None),
+    "exaone_moe-tp-stacked": (EXAONE_MOE_VARIANTS["exaone_moe-window-groups"], biased_hf_model,
+                              {"save_original_format": False}, False),
     "llava_next": (llava_config(text=tiny_config("mistral", head_dim=16), next_pinpoints=PINPOINTS["wide-and-tall"]),
                    hf_llava, {}, None),  # the vision tower, projector and image_newline replicated
 }
@@ -260,3 +271,16 @@ def test_experts_with_biases_split_by_whole_experts_only(monkeypatch):
     tensor_parallel(model, None)
     experts = model["mlp"].experts
     assert isinstance(experts, ExpertParallelExperts) and experts.down_proj_bias.shape == (2, 16)
+
+
+def test_shared_experts_with_a_down_bias_are_refused(monkeypatch):
+    """ERNIE 4.5 MoE's shared experts where use_bias: the block's one all-reduce would add their down bias on
+    every rank. Refused by name before any weight is read."""
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)  # rank 0 of 2, without a process group
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    config = ERNIE4_5_MOE_VARIANTS["ernie4_5_moe-bias-interval2-end2-top3"]
+    with torch.device("meta"):
+        model = model_class_for(config)(config)
+    with pytest.raises(NotImplementedError, match="cannot split model.layers.1.mlp's shared experts: their "
+                                                  "down_proj has a bias"):
+        tensor_parallel(model, object())  # a stand-in group: nothing is communicated

@@ -1,7 +1,8 @@
 """``zoo::route_topk``: the Triton router kernel (``ops_cuda/router_triton.py``) against the op's PyTorch
 reference, in Triton's interpreter on CPU tensors and on the GPU: every option of ``layers.TopKRouter``
 (softmax or sigmoid, correction bias, group-limited top-k scored by the best expert or the two best,
-renormalisation, scaling), expert counts that are not powers of two, DeepSeek-V3's and Qwen3's routers.
+renormalisation with or without a floor under the sum, scaling), expert counts that are not powers of two,
+DeepSeek-V3's, Qwen3's and ERNIE 4.5's routers.
 A token's ids may come out in another order than the reference's: both are sorted by id to compare.
 """
 
@@ -27,8 +28,10 @@ CASES = {
     "three_groups_of_six": (18, dict(top_k=5, scoring="sigmoid", renormalize=True, num_groups=3, topk_groups=2,
                                      group_score="top2_sum", scaling_factor=1.0)),
 }
-BIASED = {"deepseek_v3", "three_groups_of_six", "softmax_biased"}
+BIASED = {"deepseek_v3", "three_groups_of_six", "softmax_biased", "ernie4_5_floor"}
 CASES["softmax_biased"] = (32, dict(CASES["qwen3"][1], top_k=4))
+# ERNIE 4.5's router, its floor under the renormalising sum high enough to bite on some tokens
+CASES["ernie4_5_floor"] = (64, dict(CASES["qwen3"][1], top_k=6, renormalize_min=0.1))
 
 
 def routing_inputs(case, num_tokens, device="cpu", dtype=torch.float32, seed=0):
@@ -90,6 +93,25 @@ def test_equal_choices_go_to_the_lower_ids_interpreted(bias):
     weights, ids = route_topk_triton(logits, correction, **options)
     assert ids.tolist() == [[3, 7, 9]]
     assert torch.equal(weights, torch.full((1, 3), 2.0).sigmoid())
+
+
+@pytest.mark.interpreter
+def test_the_floor_of_the_renormalising_sum_interpreted():
+    """ERNIE 4.5's moe_norm_min: a token whose chosen experts' probabilities sum below it (one expert's
+    logit 60 ahead, a correction bias that passes it over) has them divided by the floor, not the sum."""
+    from ops_cuda.router_triton import route_topk_triton
+
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    logits[:2, 0] = 60.0
+    bias = torch.zeros(16)
+    bias[0] = -2.0
+    options = dict(top_k=2, scoring="softmax", renormalize=True, num_groups=1, topk_groups=1,
+                   group_score="top2_sum", scaling_factor=1.0, renormalize_min=1e-12)
+    weights, ids = route_topk_triton(logits, bias, **options)
+    check((weights, ids), route_topk_reference(logits, bias, **options))
+    chosen = logits.softmax(-1).gather(1, ids)
+    torch.testing.assert_close(weights[:2], chosen[:2] / 1e-12)
+    torch.testing.assert_close(weights[2:], chosen[2:] / chosen[2:].sum(-1, keepdim=True))
 
 
 def test_groups_limit_the_choice():

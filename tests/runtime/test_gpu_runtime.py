@@ -99,6 +99,15 @@ AGREEING = {
     "exaone4": tiny_config("exaone4", **SMALL, sliding_window=48),
     # interleaved rotary in float32 from float32 tables; a bias on every projection
     "ernie4_5": tiny_config("ernie4_5", **SMALL, head_dim=64, use_bias=True),
+    # ERNIE 4.5's attention, a bias on every projection and the LM head; a dense first layer, then softmax
+    # routing on float32 logits by a float32 weight, the experts chosen with the correction bias, a shared expert
+    "ernie4_5_moe": tiny_config("ernie4_5_moe", **SMALL, head_dim=64, use_bias=True, moe_num_experts=8, moe_k=2,
+                                moe_intermediate_size=256, moe_num_shared_experts=1, moe_layer_start_index=1),
+    # EXAONE 4's attention on a pre-norm block: three windowed layers with rotary, then a full one without;
+    # a dense first layer, then DeepSeek's grouped sigmoid routing with a shared expert
+    "exaone_moe": tiny_config("exaone_moe", **SMALL, head_dim=64, sliding_window=48, num_experts=8,
+                              num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=256,
+                              num_shared_experts=1, first_k_dense_replace=1),
     # q/k/v biases and one on the output projection
     "seed_oss": tiny_config("seed_oss", **SMALL, head_dim=64, attention_out_bias=True),
     # attention sinks, a window on every other layer, YaRN; experts and router with biases, the clamped SwiGLU
@@ -213,6 +222,8 @@ GRAPHED = {
     "helium": AGREEING["helium"],
     "exaone4": AGREEING["exaone4"],
     "ernie4_5": AGREEING["ernie4_5"],  # the float32 rotation of interleaved pairs in the KV-write kernel
+    "ernie4_5_moe": AGREEING["ernie4_5_moe"],  # the router's float32 weight on a bfloat16 row, outside zoo::gemv
+    "exaone_moe": AGREEING["exaone_moe"],
     "gpt_oss": AGREEING["gpt_oss"],  # sinks in the decode kernels, the one-token expert kernels with biases
 }
 
