@@ -1,6 +1,7 @@
 """Llama, and the checkpoints that share its block: Mistral (``config.sliding_window`` on every layer),
-Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks), Seed-OSS (o_proj's bias a setting
-of its own) and Phi-3 (Mistral's block;
+Ministral (Mistral's, with windows on the layers ``config.layer_types`` marks), CWM (Ministral's, with
+``mlp_bias``), Qwen2 (q/k/v bias, windows on the layers ``config.layer_types`` marks), Seed-OSS (o_proj's
+bias a setting of its own) and Phi-3 (Mistral's block;
 its checkpoints hold q/k/v and gate/up stacked, as ``qkv_proj`` and ``gate_up_proj``, which the
 fused layers read whole; its ``partial_rotary_factor`` rotates the first channels of each head).
 
@@ -49,6 +50,23 @@ class MistralForCausalLM(CausalLM):
 class Phi3ForCausalLM(CausalLM):
     decoder_layer = MistralDecoderLayer
     partial_rotary = True
+
+
+class MinistralAttention(Attention):
+    """Mistral's attention (no bias) with a window on the layers ``config.layer_types`` marks sliding."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(**attention_shape(config, layer_types_window(config, layer_idx)))
+
+
+class MinistralDecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, MinistralAttention(config, layer_idx), LlamaMLP(config))
+
+
+@register("MinistralForCausalLM")
+class MinistralForCausalLM(CausalLM):
+    decoder_layer = MinistralDecoderLayer
 
 
 class Qwen2Attention(Attention):

@@ -69,6 +69,12 @@ VARIANTS = {
         "mistral", sliding_window=5, head_dim=16, layer_types=["full_attention", "sliding_attention"]
     ),
     "llama-window-unread": tiny_config("llama", sliding_window=5),
+    # Ministral: Mistral's block with the window on the layers layer_types marks (HF's config marks every
+    # layer where it is given none); HF's Ministral reads head_dim as given, none falling back
+    "ministral": tiny_config("ministral", head_dim=16, sliding_window=5,
+                             layer_types=["sliding_attention", "full_attention"]),
+    "ministral-every_layer-mha-tied": tiny_config("ministral", head_dim=16, sliding_window=7, num_key_value_heads=4,
+                                                  tie_word_embeddings=True),
     "qwen2": tiny_config("qwen2", tie_word_embeddings=True),
     "qwen2-window-layers": tiny_config(
         "qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3

@@ -37,6 +37,9 @@ AGREEING = {
     "qwen3": tiny_config("qwen3", **SMALL),
     # Phi-4-mini's partial rotary, a window shorter than the 128 positions
     "phi3": tiny_config("phi3", **SMALL, sliding_window=48, rope_parameters=partial_rope(0.75), **PHI3_IDS),
+    # Ministral-8B's interleaved windows: a window shorter than the 128 positions on every other layer
+    "ministral": tiny_config("ministral", **SMALL, head_dim=64, sliding_window=48,
+                             layer_types=["sliding_attention", "full_attention"] * 2),
     # Phi-4-mini's LongRoPE: the 128 positions pass an original context of 64 (the long factors)
     "phi3-longrope": tiny_config("phi3", **SMALL, rope_parameters=longrope(48), original_max_position_embeddings=64,
                                  **PHI3_IDS),
@@ -195,6 +198,7 @@ GRAPHED = {
     "qwen3_moe": tiny_config("qwen3_moe", **SMALL, head_dim=64, num_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=256),
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
+    "ministral": AGREEING["ministral"],
     "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
     "granite": AGREEING["granite"],
     "granitemoeshared": AGREEING["granitemoeshared"],
