@@ -69,6 +69,13 @@ class MinistralForCausalLM(CausalLM):
     decoder_layer = MinistralDecoderLayer
 
 
+@register("CwmForCausalLM")
+class CwmForCausalLM(CausalLM):
+    """Ministral's block; HF's CWM MLP has Llama's bias where ``mlp_bias``, which ``LlamaMLP`` reads."""
+
+    decoder_layer = MinistralDecoderLayer
+
+
 class Qwen2Attention(Attention):
     """Llama attention with a bias on q, k and v (none on o_proj)."""
 

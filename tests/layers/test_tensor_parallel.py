@@ -33,6 +33,7 @@ VARIANTS = {
     "qwen3": tiny_config("qwen3", head_dim=32),  # per-head q/k norms
     "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),  # scaled embeddings
     "ministral": PARITY["ministral"],  # a window on layer 0, none on layer 1
+    "cwm": PARITY["cwm-mlp_bias-mha-tied"],  # down_proj's bias added once
     "phi3": PARITY["phi3"],  # q/k/v and gate/up stacked in the checkpoint: each rank reads its rows of each
     "granite": PARITY["granite"],  # each branch scaled after its all-reduce
     "stablelm": PARITY["stablelm"],  # LayerNorm replicated, partial rotary

@@ -1,4 +1,4 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Ministral, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere,
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere,
 Cohere 2, GLM-4, Arcee, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the shared layers:
 token-identical greedy generation through the runtime, every ``zoo diff`` row within tolerance, and each forward
 path computing its logits once."""
@@ -26,6 +26,7 @@ BLOCK_NORMS = {
     "olmo3": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "phi3": ["input_layernorm", "post_attention_layernorm"],
     "ministral": ["input_layernorm", "post_attention_layernorm"],
+    "cwm": ["input_layernorm", "post_attention_layernorm"],
     "granite": ["input_layernorm", "post_attention_layernorm"],
     "starcoder2": ["input_layernorm", "post_attention_layernorm"],
     "stablelm": ["input_layernorm", "post_attention_layernorm"],
@@ -113,6 +114,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("gemma2", "query_pre_attn_scalar", 16),  # its head_dim
     ("phi3", "sliding_window", None), ("phi3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
     ("ministral", "layer_types", ["sliding_attention"] * 2),  # the window on layer 1 too
+    ("cwm", "layer_types", ["full_attention"] * 3),  # no window on layers 1 and 2
+    ("cwm", "rope_parameters", {"rope_type": "default", "rope_theta": 1e6}),  # Llama 3's scaling
     ("granite", "embedding_multiplier", 1.0), ("granite", "attention_multiplier", 0.25),  # 1 / sqrt(head_dim)
     ("granite", "residual_multiplier", 1.0), ("granite", "logits_scaling", 1.0),
     ("starcoder2", "sliding_window", None), ("starcoder2", "norm_epsilon", 1.0),  # the field its norms read

@@ -25,6 +25,10 @@ OLMO3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddi
               "beta_fast": 32, "beta_slow": 1}
 COHERE_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its default eos (255001) lies outside this vocabulary
 GLM4_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its defaults (151329, ...) lie outside it
+CWM_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (128000, [128001, ...]) lie outside this vocabulary
+# CWM's Llama 3 rope (a factor of 16 over 8,192 original positions), here over 16
+CWM_ROPE = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 1e6}
 ARCEE_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (128000, 128001) lie outside this vocabulary
 
 
@@ -75,6 +79,13 @@ VARIANTS = {
                              layer_types=["sliding_attention", "full_attention"]),
     "ministral-every_layer-mha-tied": tiny_config("ministral", head_dim=16, sliding_window=7, num_key_value_heads=4,
                                                   tie_word_embeddings=True),
+    # CWM: Ministral's block with its configs' pattern (full attention on every 4th layer from the first, a
+    # window on the others) and Llama 3's rope; or a bias on the MLP's projections
+    "cwm": tiny_config("cwm", num_hidden_layers=3, head_dim=16, sliding_window=5, rope_parameters=CWM_ROPE,
+                       **CWM_IDS),
+    "cwm-mlp_bias-mha-tied": tiny_config("cwm", head_dim=16, sliding_window=7, mlp_bias=True, num_key_value_heads=4,
+                                         tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **CWM_IDS),
     "qwen2": tiny_config("qwen2", tie_word_embeddings=True),
     "qwen2-window-layers": tiny_config(
         "qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3

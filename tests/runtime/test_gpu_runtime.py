@@ -7,7 +7,8 @@ from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import tiny_config
 from tests.models.test_parity import (
-    ARCEE_IDS, COHERE_IDS, GLM4_IDS, PHI3_IDS, SMOLLM3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope, partial_rope,
+    ARCEE_IDS, COHERE_IDS, CWM_IDS, CWM_ROPE, GLM4_IDS, PHI3_IDS, SMOLLM3_IDS, STABLELM_IDS, STARCODER2_IDS, longrope,
+    partial_rope,
 )
 
 pytestmark = pytest.mark.gpu
@@ -40,6 +41,10 @@ AGREEING = {
     # Ministral-8B's interleaved windows: a window shorter than the 128 positions on every other layer
     "ministral": tiny_config("ministral", **SMALL, head_dim=64, sliding_window=48,
                              layer_types=["sliding_attention", "full_attention"] * 2),
+    # CWM's pattern (full attention on layer 0, a window on the others) and its Llama 3 rope, a factor of 16
+    # over 128 original positions
+    "cwm": tiny_config("cwm", **SMALL, head_dim=64, sliding_window=48, **CWM_IDS,
+                       rope_parameters={**CWM_ROPE, "original_max_position_embeddings": 128}),
     # Phi-4-mini's LongRoPE: the 128 positions pass an original context of 64 (the long factors)
     "phi3-longrope": tiny_config("phi3", **SMALL, rope_parameters=longrope(48), original_max_position_embeddings=64,
                                  **PHI3_IDS),
@@ -199,6 +204,7 @@ GRAPHED = {
                              moe_intermediate_size=256),
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
     "ministral": AGREEING["ministral"],
+    "cwm": AGREEING["cwm"],
     "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
     "granite": AGREEING["granite"],
     "granitemoeshared": AGREEING["granitemoeshared"],
