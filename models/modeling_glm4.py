@@ -5,6 +5,11 @@ branch (HF's names: ``input_layernorm`` and ``post_self_attn_layernorm`` around 
 ``partial_rotary_factor`` of each head (half in GLM-4's configs).
 
     x -> RMSNorm -> attn -> RMSNorm -> + x -> RMSNorm -> SiLU-gated MLP -> RMSNorm -> +
+
+GLM (GLM-4-9B-Chat's HF port, ``GlmForCausalLM``): the same attention and MLP in Llama's block of a
+norm before each branch only.
+
+    x -> RMSNorm -> attn -> + x -> RMSNorm -> SiLU-gated MLP -> +
 """
 
 from layers import Attention, GatedMLP
@@ -37,4 +42,15 @@ class Glm4DecoderLayer(DecoderLayer):
 @register("Glm4ForCausalLM")
 class Glm4ForCausalLM(CausalLM):
     decoder_layer = Glm4DecoderLayer
+    partial_rotary = True
+
+
+class GlmDecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, Glm4Attention(config), Glm4MLP(config))
+
+
+@register("GlmForCausalLM")
+class GlmForCausalLM(CausalLM):
+    decoder_layer = GlmDecoderLayer
     partial_rotary = True

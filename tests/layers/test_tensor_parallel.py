@@ -47,6 +47,7 @@ VARIANTS = {
     "cohere-qk_norm-kv1": tiny_config("cohere", use_qk_norm=True, num_key_value_heads=1, logit_scale=0.5,
                                       **COHERE_IDS),  # the one KV head's k_norm row on both ranks
     "glm4": PARITY["glm4"],  # gate_up_proj stacked; q/k/v bias; four norms a block, replicated
+    "glm": PARITY["glm-mqa-no_bias-tied"],  # the one KV head replicated on both ranks
     # ungated MLPs: c_fc's (up_proj's) rows and their bias sliced, c_proj's (down_proj's) bias added once
     "starcoder2": PARITY["starcoder2"],
     "arcee": PARITY["arcee-bias-mha-tied"],

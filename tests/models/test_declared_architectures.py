@@ -1,7 +1,7 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2, StableLM, Seed-OSS, SmolLM3, Cohere,
-Cohere 2, GLM-4, Arcee, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the shared layers:
-token-identical greedy generation through the runtime, every ``zoo diff`` row within tolerance, and each forward
-path computing its logits once."""
+"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2, StableLM, Seed-OSS,
+SmolLM3, Cohere, Cohere 2, GLM-4, GLM, Arcee, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the
+shared layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within tolerance, and
+each forward path computing its logits once."""
 
 import json
 
@@ -39,6 +39,7 @@ BLOCK_NORMS = {
     "cohere-qk_norm-bias-mha-tied": ["input_layernorm"],
     "cohere2": ["input_layernorm"],
     "glm4": ["input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"],
+    "glm": ["input_layernorm", "post_attention_layernorm"],
     "arcee": ["input_layernorm", "post_attention_layernorm"],
     "helium": ["input_layernorm", "post_attention_layernorm"],
     "exaone4": ["post_attention_layernorm", "post_feedforward_layernorm"],
@@ -132,6 +133,7 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("cohere2", "layer_types", ["sliding_attention"] * 4),  # rotary and the window on the full layer too
     ("glm4", "rms_norm_eps", 1.0),
     ("glm4", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+    ("glm", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     ("arcee", "hidden_act", "relu"),  # relu, not its square
     ("arcee", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),  # the YaRN
     ("helium", "rms_norm_eps", 1.0),
@@ -183,14 +185,15 @@ def first_head_weight_for_all(model):
 @pytest.mark.parametrize("name, undo", [
     ("cohere", rotate_half), ("cohere", one_branch_after_the_other),
     ("cohere-qk_norm-bias-mha-tied", rotate_half), ("stablelm-parallel", one_branch_after_the_other),
-    ("glm4", rotate_half), ("helium", rotate_half), ("ernie4_5", rotate_half), ("exaone4", rotary_on_every_layer),
+    ("glm4", rotate_half), ("glm", rotate_half), ("helium", rotate_half), ("ernie4_5", rotate_half),
+    ("exaone4", rotary_on_every_layer),
     ("stablelm-qk_layernorm-parallel", one_branch_after_the_other),
     ("stablelm-qk_layernorm-parallel", without_qk_norms), ("stablelm-qk_layernorm-parallel", first_head_weight_for_all),
 ])
 def test_block_declarations_are_visible_in_the_logits(name, undo, checkpoints, input_ids):
-    """Cohere's, GLM-4's, Helium's and ERNIE 4.5's interleaved rotary, the parallel block, EXAONE 4's NoPE full
-    layer and StableLM's q/k LayerNorms (or their weights of their own per head), each undone, move the logits far
-    past the tolerance: none is a no-op on these checkpoints."""
+    """Cohere's, GLM-4's, GLM's, Helium's and ERNIE 4.5's interleaved rotary, the parallel block, EXAONE 4's NoPE
+    full layer and StableLM's q/k LayerNorms (or their weights of their own per head), each undone, move the logits
+    far past the tolerance: none is a no-op on these checkpoints."""
     path, reference = checkpoints[name]
     model = AutoModelForCausalLM.from_pretrained(path)
     undo(model)

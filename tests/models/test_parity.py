@@ -24,7 +24,7 @@ SMOLLM3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its d
 OLMO3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.2,
               "beta_fast": 32, "beta_slow": 1}
 COHERE_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its default eos (255001) lies outside this vocabulary
-GLM4_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # its defaults (151329, ...) lie outside it
+GLM4_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # GLM's, GLM-4's defaults (151329...) lie outside
 CWM_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # its defaults (128000, [128001, ...]) lie outside this vocabulary
 # CWM's Llama 3 rope (a factor of 16 over 8,192 original positions), here over 16
 CWM_ROPE = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -159,6 +159,10 @@ VARIANTS = {
     "glm4": tiny_config("glm4", head_dim=16, **GLM4_IDS),
     "glm4-mqa-no_bias-tied": tiny_config("glm4", head_dim=24, num_key_value_heads=1, attention_bias=False,
                                          tie_word_embeddings=True, partial_rotary_factor=0.75, **GLM4_IDS),
+    # GLM (GLM-4-9B-Chat): GLM-4's attention and MLP in Llama's block of two norms
+    "glm": tiny_config("glm", head_dim=16, **GLM4_IDS),
+    "glm-mqa-no_bias-tied": tiny_config("glm", head_dim=24, num_key_value_heads=1, attention_bias=False,
+                                        tie_word_embeddings=True, partial_rotary_factor=0.75, **GLM4_IDS),
     # EXAONE 4: post-norms, per-head q/k norms; rotary and a window on the sliding layers, neither on the
     # full one (every 4th), as the 32B; with no window (the 1.2B) rotary on every layer
     "exaone4": tiny_config("exaone4", num_hidden_layers=4, sliding_window=7),

@@ -96,6 +96,7 @@ AGREEING = {
     "cohere2": tiny_config("cohere2", **SMALL, sliding_window=48, logit_scale=4.0, **COHERE_IDS),
     # a norm before and after each branch, rotary on the interleaved pairs of 32 of each head's 64 channels
     "glm4": tiny_config("glm4", **SMALL, head_dim=64, **GLM4_IDS),
+    "glm": tiny_config("glm", **SMALL, head_dim=64, **GLM4_IDS),  # GLM-4's attention and MLP in Llama's block
     # an ungated relu² MLP; AFM-4.5B's YaRN, here a factor of 4 over 512 original positions
     "arcee": tiny_config("arcee", **SMALL, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                             "original_max_position_embeddings": 512,
@@ -228,6 +229,7 @@ GRAPHED = {
     "cohere-qk_norm": AGREEING["cohere-qk_norm"],  # the q/k LayerNorms with a weight per head, outside it
     "cohere2": AGREEING["cohere2"],  # zero-width rotary on the full layer, in the KV-write kernel
     "glm4": AGREEING["glm4"],
+    "glm": AGREEING["glm"],
     "arcee": AGREEING["arcee"],
     "helium": AGREEING["helium"],
     "exaone4": AGREEING["exaone4"],
