@@ -43,15 +43,18 @@ class LayerNorm(nn.Module):
     """``norm(x)``, or with a residual ``(norm(x + residual), x + residual)``, as ``RMSNorm``: the
     mean and variance of the last dimension normalised away, times the weight plus the bias
     (Starcoder2's, StableLM's), as ``torch.nn.LayerNorm`` computes it; ``bias=False``: none
-    (Cohere's). A ``hidden_size`` of two dimensions, ``(heads, head_dim)``, gives each head a
-    weight of its own (Cohere's and StableLM 2 12B's q/k norms), multiplied in float32 before the
-    cast to the input dtype, as HF's ``CohereLayerNorm`` does (torch's LayerNorm does the same
-    inside its kernel); checkpoints hold it stacked (Cohere's ``q_norm.weight`` [heads, head_dim])
-    or as one LayerNorm per head (StableLM's ``q_layernorm.norms.{h}.weight``)."""
+    (Cohere's); ``weight_offset`` 1 multiplies by ``1 + weight``, the sum rounded to the weight's
+    dtype (Nemotron's LayerNorm1P stores its weight as an offset from one and adds the one so).
+    A ``hidden_size`` of two dimensions, ``(heads, head_dim)``, gives each head a weight of its own
+    (Cohere's and StableLM 2 12B's q/k norms), multiplied in float32 before the cast to the input
+    dtype, as HF's ``CohereLayerNorm`` does (torch's LayerNorm does the same inside its kernel);
+    checkpoints hold it stacked (Cohere's ``q_norm.weight`` [heads, head_dim]) or as one LayerNorm
+    per head (StableLM's ``q_layernorm.norms.{h}.weight``)."""
 
-    def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = True):
+    def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = True, weight_offset: float = 0.0):
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
 
@@ -69,12 +72,15 @@ class LayerNorm(nn.Module):
         return self._norm(summed), summed
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dim() == 1:
-            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-        normed = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * self.weight.float()
+        weight = self.weight + self.weight_offset if self.weight_offset else self.weight
+        if weight.dim() == 1:
+            return F.layer_norm(x, weight.shape, weight, self.bias, self.eps)
+        normed = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * weight.float()
         if self.bias is not None:
             normed = normed + self.bias.float()
         return normed.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}" + ("" if self.bias is not None else ", bias=False")
+        options = "" if self.bias is not None else ", bias=False"
+        options += f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{options}"

@@ -122,8 +122,8 @@ class HeadParallelLayerNorm(LayerNorm):
     for each head (Cohere's and StableLM's q/k norms): of the stacked tensor, or the rank's heads'
     tensors of one per head (the others ``Shard.elsewhere``)."""
 
-    def __init__(self, heads: slice, num_heads: int, head_dim: int, eps: float, bias: bool):
-        super().__init__((heads.stop - heads.start, head_dim), eps, bias)
+    def __init__(self, heads: slice, num_heads: int, head_dim: int, eps: float, bias: bool, weight_offset: float):
+        super().__init__((heads.stop - heads.start, head_dim), eps, bias, weight_offset)
         self.heads, self.num_heads = heads, num_heads
 
     def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
@@ -338,7 +338,7 @@ def _split_attention(attention: Attention, name: str, rank: int, ranks: int, gro
 
 def _split_head_norm(norm: LayerNorm, heads: slice) -> HeadParallelLayerNorm:
     num_heads, head_dim = norm.weight.shape
-    return HeadParallelLayerNorm(heads, num_heads, head_dim, norm.eps, norm.bias is not None)
+    return HeadParallelLayerNorm(heads, num_heads, head_dim, norm.eps, norm.bias is not None, norm.weight_offset)
 
 
 def _split_latent_attention(attention: MLAttention, name: str, rank: int, ranks: int, group) -> None:

@@ -111,7 +111,7 @@ OPTIONAL_SIZE_FIELDS = ("shared_intermediate_size",)
 # DeepSeek's routing scale silences or inverts the routed experts, Granite's multipliers the input,
 # the scores or the branches (its logits_scaling divides by zero), Cohere's logit_scale the logits, and
 # OLMoE's clip_qkv (null: no clamp) makes every value of q, k and v the same number.
-POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "query_pre_attn_scalar",
+POSITIVE_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps", "query_pre_attn_scalar",
                    "attn_logit_softcapping", "final_logit_softcapping", "routed_scaling_factor",
                    "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
                    "logit_scale", "clip_qkv")

@@ -2,14 +2,17 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.cohere import modeling_cohere as hf_cohere
 from transformers.models.gemma2 import modeling_gemma2 as hf_gemma2
 from transformers.models.llama import modeling_llama as hf_llama
+from transformers.models.nemotron import modeling_nemotron as hf_nemotron
 from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
 from transformers.models.olmo3 import modeling_olmo3 as hf_olmo3
 from transformers.models.olmoe import modeling_olmoe as hf_olmoe
 
 from layers import LayerNorm, RMSNorm, VocabEmbedding
+from layers.parallel import _split_head_norm
 
 VARIANTS = {  # HF's module -> the options of zoo's RMSNorm that reproduce it
     "llama": (hf_llama.LlamaRMSNorm, {}),
@@ -57,6 +60,33 @@ def test_layer_norm_equals_torch(dtype):
     norm.weight.data = reference.weight.data.clone()
     norm.bias.data = reference.bias.data.clone()
     assert_norms_alike(norm, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_layer_norm_with_weight_offset_equals_nemotrons(dtype):
+    """Nemotron's LayerNorm1P multiplies by ``1 + weight``, the one added in the weight's dtype."""
+    torch.manual_seed(0)
+    reference = hf_nemotron.NemotronLayerNorm1P(64, eps=1e-5)
+    with torch.no_grad():
+        reference.weight.normal_()
+        reference.bias.normal_()
+    reference.to(dtype)
+    norm = LayerNorm(64, 1e-5, weight_offset=1.0)
+    norm.weight.data = reference.weight.data.clone()
+    norm.bias.data = reference.bias.data.clone()
+    assert_norms_alike(norm, reference, dtype)
+
+
+def test_a_weight_offset_holds_in_each_heads_weight_and_its_tensor_parallel_form():
+    torch.manual_seed(0)
+    norm = LayerNorm((4, 16), 1e-5, bias=False, weight_offset=1.0)
+    norm.weight.data = torch.randn(4, 16)
+    x = torch.randn(3, 4, 16)
+    with torch.no_grad():
+        assert torch.equal(norm(x), F.layer_norm(x, (16,)) * (1 + norm.weight))
+    with torch.device("meta"):
+        held = _split_head_norm(norm, slice(2, 4))
+    assert (held.weight.shape, held.weight_offset, held.heads) == ((2, 16), 1.0, slice(2, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

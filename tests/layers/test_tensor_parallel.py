@@ -51,6 +51,7 @@ VARIANTS = {
     # ungated MLPs: c_fc's (up_proj's) rows and their bias sliced, c_proj's (down_proj's) bias added once
     "starcoder2": PARITY["starcoder2"],
     "arcee": PARITY["arcee-bias-mha-tied"],
+    "nemotron": PARITY["nemotron-bias-mha-tied"],  # LayerNorm1P replicated; partial rotary
     "helium": PARITY["helium"],  # interleaved rotary, no o_proj bias
     "exaone4": PARITY["exaone4"],  # post-norms and per-head q/k norms replicated; NoPE full layer, windowed others
     "ernie4_5": PARITY["ernie4_5-bias-mha"],  # interleaved rotary in float32; o_proj's and down_proj's biases once

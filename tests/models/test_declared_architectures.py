@@ -1,5 +1,5 @@
 """Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2, StableLM, Seed-OSS,
-SmolLM3, Cohere, Cohere 2, GLM-4, GLM, Arcee, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the
+SmolLM3, Cohere, Cohere 2, GLM-4, GLM, Arcee, Nemotron, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the
 shared layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within tolerance, and
 each forward path computing its logits once."""
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from layers import AttentionMetadata
+from layers import AttentionMetadata, LayerNorm
 from models import AutoModelForCausalLM
 from models.base import NormSlots
 from runtime import LLM, SamplingParams
@@ -41,12 +41,14 @@ BLOCK_NORMS = {
     "glm4": ["input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"],
     "glm": ["input_layernorm", "post_attention_layernorm"],
     "arcee": ["input_layernorm", "post_attention_layernorm"],
+    "nemotron": ["input_layernorm", "post_attention_layernorm"],
     "helium": ["input_layernorm", "post_attention_layernorm"],
     "exaone4": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "ernie4_5": ["input_layernorm", "post_attention_layernorm"],
 }
-# LayerNorm's (Cohere's without bias); RMSNorm: a weight
-NORM_PARAMETERS = {name: ["weight", "bias"] for name in BLOCK_NORMS if name.startswith(("starcoder2", "stablelm"))}
+# LayerNorm's (Cohere's without bias; Nemotron's LayerNorm1P); RMSNorm: a weight
+NORM_PARAMETERS = {name: ["weight", "bias"] for name in BLOCK_NORMS
+                   if name.startswith(("starcoder2", "stablelm", "nemotron"))}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("glm", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     ("arcee", "hidden_act", "relu"),  # relu, not its square
     ("arcee", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),  # the YaRN
+    ("nemotron", "norm_eps", 1.0), ("nemotron", "hidden_act", "relu"),
+    ("nemotron", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     ("helium", "rms_norm_eps", 1.0),
     ("exaone4", "layer_types", ["sliding_attention"] * 4),  # rotary and the window on the full layer too
     ("exaone4", "rms_norm_eps", 1.0),  # the q/k norms' too
@@ -164,6 +168,12 @@ def rotary_on_every_layer(model):
         layer.self_attn.rotary = True
 
 
+def weights_not_offset_from_one(model):
+    for module in model.modules():
+        if isinstance(module, LayerNorm):
+            module.weight_offset = 0.0
+
+
 def one_branch_after_the_other(model):
     for layer in model.model.layers:
         norm = layer.input_layernorm
@@ -186,14 +196,14 @@ def first_head_weight_for_all(model):
     ("cohere", rotate_half), ("cohere", one_branch_after_the_other),
     ("cohere-qk_norm-bias-mha-tied", rotate_half), ("stablelm-parallel", one_branch_after_the_other),
     ("glm4", rotate_half), ("glm", rotate_half), ("helium", rotate_half), ("ernie4_5", rotate_half),
-    ("exaone4", rotary_on_every_layer),
+    ("exaone4", rotary_on_every_layer), ("nemotron", weights_not_offset_from_one),
     ("stablelm-qk_layernorm-parallel", one_branch_after_the_other),
     ("stablelm-qk_layernorm-parallel", without_qk_norms), ("stablelm-qk_layernorm-parallel", first_head_weight_for_all),
 ])
 def test_block_declarations_are_visible_in_the_logits(name, undo, checkpoints, input_ids):
     """Cohere's, GLM-4's, GLM's, Helium's and ERNIE 4.5's interleaved rotary, the parallel block, EXAONE 4's NoPE
-    full layer and StableLM's q/k LayerNorms (or their weights of their own per head), each undone, move the logits
-    far past the tolerance: none is a no-op on these checkpoints."""
+    full layer, StableLM's q/k LayerNorms (or their weights of their own per head) and Nemotron's norm weights as
+    offsets from one, each undone, move the logits far past the tolerance: none is a no-op on these checkpoints."""
     path, reference = checkpoints[name]
     model = AutoModelForCausalLM.from_pretrained(path)
     undo(model)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from layers import RMSNorm
+from layers import LayerNorm, RMSNorm
 from loaders import CheckpointError
 from models import AutoModelForCausalLM
 from tests.conftest import relative_error, tiny_config
@@ -205,6 +205,11 @@ VARIANTS = {
                          **ARCEE_IDS),
     "arcee-bias-mha-tied": tiny_config("arcee", attention_bias=True, mlp_bias=True, num_key_value_heads=4,
                                        tie_word_embeddings=True, **ARCEE_IDS),
+    # Nemotron: LayerNorm1P (a bias, the weight an offset from one), an ungated relu² MLP, rotary on the halves of
+    # the first half of each head (its default); or on 18 of 24 channels, biases on every projection
+    "nemotron": tiny_config("nemotron", head_dim=16),
+    "nemotron-bias-mha-tied": tiny_config("nemotron", head_dim=24, partial_rotary_factor=0.75, attention_bias=True,
+                                          mlp_bias=True, num_key_value_heads=4, tie_word_embeddings=True),
     # Helium: RMSNorms multiplying in float32, rotary on the interleaved pairs; heads as wide as hidden_size
     # in all, as HF's o_proj takes (its default head_dim, 128, is Helium-1 2B's)
     "helium": tiny_config("helium", head_dim=16),
@@ -306,6 +311,19 @@ def test_helium_rounds_as_hf(make_checkpoint, input_ids):
         model = bfloat16_model(path)
         for norm in (module for module in model.modules() if isinstance(module, RMSNorm)):
             norm.multiply_in_float32 = False
+        assert not torch.equal(model(input_ids), expected)
+
+
+def test_nemotron_adds_the_norms_one_in_the_weights_dtype_as_hf(make_checkpoint, input_ids):
+    """HF's LayerNorm1P adds the one to its weight in the weight's dtype, then normalises in torch's kernel: in
+    bfloat16 on the CPU zoo's logits are HF's bit for bit, and the one added in float32 moves them."""
+    path, expected = bfloat16_pair(make_checkpoint, "nemotron", input_ids)
+    model = bfloat16_model(path)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids), expected)
+        for norm in (module for module in model.modules() if isinstance(module, LayerNorm)):
+            norm._norm = lambda x, norm=norm: F.layer_norm(x, x.shape[-1:], norm.weight.float() + 1, norm.bias.float(),
+                                                           norm.eps)
         assert not torch.equal(model(input_ids), expected)
 
 

@@ -101,6 +101,9 @@ AGREEING = {
     "arcee": tiny_config("arcee", **SMALL, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                             "original_max_position_embeddings": 512,
                                                             "rope_theta": 10000.0}, **ARCEE_IDS),
+    # LayerNorm1P (its weight an offset from one, added in bf16), an ungated relu² MLP, rotary on half of each
+    # head's 64 channels; its default ids (2, 3) lie in the vocabulary
+    "nemotron": tiny_config("nemotron", **SMALL, head_dim=64),
     # RMSNorms multiplying in float32, rotary on the interleaved pairs in bf16; eight heads of 64 channels
     "helium": tiny_config("helium", **SMALL, head_dim=64),
     # post-norms; three windowed layers with rotary, then a full one without; per-head q/k norms in the
@@ -231,6 +234,7 @@ GRAPHED = {
     "glm4": AGREEING["glm4"],
     "glm": AGREEING["glm"],
     "arcee": AGREEING["arcee"],
+    "nemotron": AGREEING["nemotron"],
     "helium": AGREEING["helium"],
     "exaone4": AGREEING["exaone4"],
     "ernie4_5": AGREEING["ernie4_5"],  # the float32 rotation of interleaved pairs in the KV-write kernel
