@@ -33,9 +33,9 @@ def head_dim(config) -> int:
 
 def layer_types_window(config, layer_idx: int) -> int | None:
     """The layer's attention window where ``config.layer_types`` marks it ``"sliding_attention"``
-    (Ministral, CWM, Qwen2, Qwen3, Qwen2-MoE, Gemma 2, Gemma 3, OLMo 3, SmolLM3). Each architecture reads its
-    window as HF's does: Mistral, Mixtral and Qwen3-MoE put ``config.sliding_window`` on every layer; Llama,
-    Gemma, OLMo 2 and OLMoE read none."""
+    (Ministral, CWM, Qwen2, Qwen3, Qwen2-MoE, Gemma 2, VaultGemma, Gemma 3, OLMo 3, SmolLM3). Each
+    architecture reads its window as HF's does: Mistral, Mixtral and Qwen3-MoE put
+    ``config.sliding_window`` on every layer; Llama, Gemma, OLMo 2 and OLMoE read none."""
     layer_types = getattr(config, "layer_types", None)
     return config.sliding_window if layer_types is not None and layer_types[layer_idx] == "sliding_attention" else None
 

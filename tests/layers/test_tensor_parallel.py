@@ -32,6 +32,7 @@ VARIANTS = {
     "llama-bias-tied": tiny_config("llama", attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
     "qwen3": tiny_config("qwen3", head_dim=32),  # per-head q/k norms
     "gemma": tiny_config("gemma", head_dim=16, tie_word_embeddings=True),  # scaled embeddings
+    "vaultgemma": PARITY["vaultgemma"],  # soft-capped scores and logits, a window on layer 0
     "ministral": PARITY["ministral"],  # a window on layer 0, none on layer 1
     "cwm": PARITY["cwm-mlp_bias-mha-tied"],  # down_proj's bias added once
     "phi3": PARITY["phi3"],  # q/k/v and gate/up stacked in the checkpoint: each rank reads its rows of each

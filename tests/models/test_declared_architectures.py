@@ -1,4 +1,4 @@
-"""Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2, StableLM, Seed-OSS,
+"""Gemma, Gemma 2, Gemma 3, VaultGemma, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2, StableLM, Seed-OSS,
 SmolLM3, Cohere, Cohere 2, GLM-4, GLM, Arcee, Nemotron, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the
 shared layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within tolerance, and
 each forward path computing its logits once."""
@@ -22,6 +22,7 @@ BLOCK_NORMS = {
     "gemma": ["input_layernorm", "post_attention_layernorm"],
     "gemma2": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "gemma3": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+    "vaultgemma": ["input_layernorm", "pre_feedforward_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "olmo3": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "phi3": ["input_layernorm", "post_attention_layernorm"],
@@ -60,9 +61,10 @@ def checkpoints(tmp_path_factory):
     return made
 
 
-def test_gemma2_reference_attends_eagerly(checkpoints):
-    """HF runs Gemma 2 in its eager attention, the one of its paths that soft-caps the scores."""
-    assert checkpoints["gemma2"][1].config._attn_implementation == "eager"
+@pytest.mark.parametrize("name", ["gemma2", "vaultgemma"])
+def test_soft_capped_references_attend_eagerly(name, checkpoints):
+    """HF runs Gemma 2 and VaultGemma in their eager attention, the one of their paths that soft-caps the scores."""
+    assert checkpoints[name][1].config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("name", BLOCK_NORMS)
@@ -115,6 +117,8 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
 @pytest.mark.parametrize("name, field, value", [
     ("gemma2", "attn_logit_softcapping", None), ("gemma2", "final_logit_softcapping", None),
     ("gemma2", "query_pre_attn_scalar", 16),  # its head_dim
+    ("vaultgemma", "attn_logit_softcapping", None), ("vaultgemma", "final_logit_softcapping", None),
+    ("vaultgemma", "query_pre_attn_scalar", 16), ("vaultgemma", "layer_types", ["full_attention"] * 2),
     ("phi3", "sliding_window", None), ("phi3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}),
     ("ministral", "layer_types", ["sliding_attention"] * 2),  # the window on layer 1 too
     ("cwm", "layer_types", ["full_attention"] * 3),  # no window on layers 1 and 2

@@ -98,6 +98,12 @@ VARIANTS = {
         "gemma2", head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=3.0,
         final_logit_softcapping=4.0, tie_word_embeddings=True,
     ),
+    # VaultGemma: Gemma 2's attention, soft-capping and norms, a norm before each branch only; windowed layer 0
+    # (its default pattern), tied as VaultGemma 1B; or the window on layer 1, with its default soft-caps
+    "vaultgemma": tiny_config("vaultgemma", head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=4.0, tie_word_embeddings=True),
+    "vaultgemma-bias-mqa": tiny_config("vaultgemma", head_dim=24, attention_bias=True, num_key_value_heads=1,
+                                       layer_types=["full_attention", "sliding_attention"], sliding_window=5),
     # OLMo 2's default eos_token_id, 50279, lies outside this vocabulary: the runtime refuses it
     "olmo2": tiny_config("olmo2", eos_token_id=2),
     "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True, eos_token_id=2),

@@ -122,12 +122,16 @@ AGREEING = {
                               num_shared_experts=1, first_k_dense_replace=1),
     # q/k/v biases and one on the output projection
     "seed_oss": tiny_config("seed_oss", **SMALL, head_dim=64, attention_out_bias=True),
+    # Gemma 2's soft-capped attention, alternately windowed, and soft-capped logits (VaultGemma 1B's caps), a norm
+    # before each branch only; HF's sdpa path leaves the scores uncapped: it is compared with its flex path
+    "vaultgemma": tiny_config("vaultgemma", **SMALL, head_dim=64, sliding_window=48, tie_word_embeddings=True),
     # attention sinks, a window on every other layer, YaRN; experts and router with biases, the clamped SwiGLU
     "gpt_oss": tiny_config("gpt_oss", **{**SMALL, "intermediate_size": 256}, head_dim=64, sliding_window=48,
                            num_local_experts=8, num_experts_per_tok=2),
 }
-# HF's attention paths to compare with where its model has no sdpa path (GPT-OSS's sinks: eager and flex)
-HF_FAST_ATTENTION = {"gpt_oss": "flex_attention"}
+# HF's attention paths to compare with where its model has no sdpa path (GPT-OSS's sinks, VaultGemma's soft-capped
+# scores: eager and flex)
+HF_FAST_ATTENTION = {"gpt_oss": "flex_attention", "vaultgemma": "flex_attention"}
 
 
 @pytest.mark.parametrize("model_type", AGREEING)
@@ -207,6 +211,7 @@ GRAPHED = {
     "qwen3_moe": tiny_config("qwen3_moe", **SMALL, head_dim=64, num_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=256),
     "gemma2": tiny_config("gemma2", **SMALL, head_dim=64, sliding_window=32),  # soft-capped attention and logits
+    "vaultgemma": AGREEING["vaultgemma"],
     "ministral": AGREEING["ministral"],
     "cwm": AGREEING["cwm"],
     "phi3": AGREEING["phi3"],  # rotary on 48 of each head's 64 channels, in the KV-write kernel
