@@ -44,24 +44,35 @@ class LayerNorm(nn.Module):
     mean and variance of the last dimension normalised away, times the weight plus the bias
     (Starcoder2's, StableLM's), as ``torch.nn.LayerNorm`` computes it; ``bias=False``: none
     (Cohere's); ``weight_offset`` 1 multiplies by ``1 + weight``, the sum rounded to the weight's
-    dtype (Nemotron's LayerNorm1P stores its weight as an offset from one and adds the one so).
+    dtype (Nemotron's LayerNorm1P stores its weight as an offset from one and adds the one so);
+    ``elementwise_affine=False``: neither weight nor bias (OLMo's).
     A ``hidden_size`` of two dimensions, ``(heads, head_dim)``, gives each head a weight of its own
-    (Cohere's and StableLM 2 12B's q/k norms), multiplied in float32 before the cast to the input
-    dtype, as HF's ``CohereLayerNorm`` does (torch's LayerNorm does the same inside its kernel);
-    checkpoints hold it stacked (Cohere's ``q_norm.weight`` [heads, head_dim]) or as one LayerNorm
-    per head (StableLM's ``q_layernorm.norms.{h}.weight``)."""
+    (Cohere's and StableLM 2 12B's q/k norms); checkpoints hold it stacked (Cohere's ``q_norm.weight``
+    [heads, head_dim]) or as one LayerNorm per head (StableLM's ``q_layernorm.norms.{h}.weight``).
+    The per-head norm and the one without weight normalise a float32 copy of the input, multiply by
+    the weight in float32 and round once to the input's dtype, as HF's ``CohereLayerNorm`` and
+    ``OlmoLayerNorm`` do (torch's LayerNorm kernel does the same on the input, summing in an order of
+    its own: in bfloat16 an output now and then rounds the other way)."""
 
-    def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = True, weight_offset: float = 0.0):
+    def __init__(self, hidden_size: int | tuple[int, int], eps: float, bias: bool = True, weight_offset: float = 0.0,
+                 elementwise_affine: bool = True):
         super().__init__()
         self.eps = eps
         self.weight_offset = weight_offset
-        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
+        self.normalized_shape = (hidden_size,) if isinstance(hidden_size, int) else tuple(hidden_size)
+        shape = self.normalized_shape
+        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.empty(shape), requires_grad=False) if elementwise_affine and bias else None
+
+    @property
+    def per_head(self) -> bool:
+        """Whether each head has a weight of its own: a ``hidden_size`` of ``(heads, head_dim)``."""
+        return len(self.normalized_shape) == 2
 
     def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
-        if self.weight.dim() == 1:
+        if not self.per_head:
             return {}
-        heads = range(self.weight.shape[0])
+        heads = range(self.normalized_shape[0])
         return {name: OneOf([Shard(f"{prefix}.{name}")], [Shard(f"{prefix}.norms.{h}.{name}", (h,)) for h in heads])
                 for name, _ in self.named_parameters(recurse=False)}
 
@@ -72,15 +83,22 @@ class LayerNorm(nn.Module):
         return self._norm(summed), summed
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + self.weight_offset if self.weight_offset else self.weight
-        if weight.dim() == 1:
-            return F.layer_norm(x, weight.shape, weight, self.bias, self.eps)
-        normed = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * weight.float()
+        weight = self.weight
+        if weight is not None and self.weight_offset:
+            weight = weight + self.weight_offset
+        if weight is not None and not self.per_head:
+            return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+        normed = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
+        if weight is not None:
+            normed = normed * weight.float()
         if self.bias is not None:
             normed = normed + self.bias.float()
         return normed.to(x.dtype)
 
     def extra_repr(self) -> str:
-        options = "" if self.bias is not None else ", bias=False"
-        options += f", weight_offset={self.weight_offset}" if self.weight_offset else ""
-        return f"{tuple(self.weight.shape)}, eps={self.eps}{options}"
+        if self.weight is None:
+            options = ", elementwise_affine=False"
+        else:
+            options = "" if self.bias is not None else ", bias=False"
+            options += f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return f"{self.normalized_shape}, eps={self.eps}{options}"

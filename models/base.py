@@ -7,11 +7,11 @@ An architecture file subclasses these and states only what its blocks are made o
 the attention and MLP modules (the MLP under HF's name for it, ``DecoderLayer.mlp_name``, and a
 shared MLP beside it, ``DecoderLayer``'s ``shared_mlp``), the block's norm slots under HF's names
 (``NormSlots``), the model's norm (``DecoderLayer.norm_layer``: an RMSNorm variant or LayerNorm) and
-the config field of its epsilon (``norm_eps_field``), a scale of each branch's output
-(``DecoderLayer``'s ``branch_scale``), attention and the MLP side by side (``DecoderLayer``'s
-``parallel``), embedding scaling (``CausalLM.scale_embeddings``), the config field that multiplies
-the input (``CausalLM.input_multiplier_field``) and the one that scales the logits, with its
-operation (``CausalLM.logits_scale``), the one that gives the LM head a bias
+the config field of its epsilon (``norm_eps_field``, or ``norm_eps`` where HF fixes the number), a
+scale of each branch's output (``DecoderLayer``'s ``branch_scale``), attention and the MLP side by
+side (``DecoderLayer``'s ``parallel``), embedding scaling (``CausalLM.scale_embeddings``), the config
+field that multiplies the input (``CausalLM.input_multiplier_field``) and the one that scales the
+logits, with its operation (``CausalLM.logits_scale``), the one that gives the LM head a bias
 (``CausalLM.lm_head_bias_field``), partial rotary (``CausalLM.partial_rotary``).
 """
 
@@ -81,11 +81,11 @@ class DecoderLayer(nn.Module):
 
     A subclass declares ``norms`` (the slots filled and HF's names for them), ``norm_layer`` (the
     model's norm, an RMSNorm variant or LayerNorm, also used for the final norm),
-    ``norm_eps_field`` (the config field of its epsilon) and ``mlp_name`` (HF's name of the MLP,
-    ``block_sparse_moe`` in GraniteMoe). ``branch_scale``, where given, multiplies each branch's
-    output before its residual add (Granite's ``residual_multiplier``); ``shared_mlp``, where given,
-    runs beside the MLP on its input, ``mlp(y) + shared_mlp(y)`` (GraniteMoeShared's dense MLP
-    beside its experts).
+    ``norm_eps_field`` (the config field of its epsilon) or ``norm_eps`` (the epsilon, where HF fixes
+    it: OLMo's 1e-5) and ``mlp_name`` (HF's name of the MLP, ``block_sparse_moe`` in GraniteMoe).
+    ``branch_scale``, where given, multiplies each branch's output before its residual add (Granite's
+    ``residual_multiplier``); ``shared_mlp``, where given, runs beside the MLP on its input,
+    ``mlp(y) + shared_mlp(y)`` (GraniteMoeShared's dense MLP beside its experts).
     Each residual add is deferred into the pre-norm that follows it, so ``forward`` returns
     ``(branch_out, residual)`` and the next pre-norm completes the add; a branch without a pre-norm
     adds explicitly, and so does the parallel block's attention, whose output joins the residual
@@ -97,6 +97,7 @@ class DecoderLayer(nn.Module):
     norms = NormSlots()
     norm_layer: Callable[[int, float], RMSNorm | LayerNorm] = RMSNorm
     norm_eps_field = "rms_norm_eps"
+    norm_eps: float | None = None
     mlp_name = "mlp"
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, branch_scale: float | None = None,
@@ -111,9 +112,15 @@ class DecoderLayer(nn.Module):
         names = (pre_attention, post_attention, None if parallel else pre_mlp, post_mlp)
         for name in names:
             if name is not None:
-                self.add_module(name, self.norm_layer(config.hidden_size, getattr(config, self.norm_eps_field)))
+                self.add_module(name, self.model_norm(config))
         # In slot order; a tuple, so that the norms stay registered under their HF names alone.
         self.slot_norms = tuple(None if name is None else getattr(self, name) for name in names)
+
+    @classmethod
+    def model_norm(cls, config) -> RMSNorm | LayerNorm:
+        """One of the model's norms, the block's and the final one: ``norm_layer`` over ``hidden_size``."""
+        eps = cls.norm_eps if cls.norm_eps is not None else getattr(config, cls.norm_eps_field)
+        return cls.norm_layer(config.hidden_size, eps)
 
     def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata):
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
@@ -163,7 +170,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, embedding_scale)
         self.input_multiplier = input_multiplier
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = decoder_layer.norm_layer(config.hidden_size, getattr(config, decoder_layer.norm_eps_field))
+        self.norm = decoder_layer.model_norm(config)
         layer_types = rope_layer_types(config)
         if layer_types is None:
             self.rotary_emb = RotaryEmbedding(config, head_dim(config), partial_rotary)

@@ -7,6 +7,7 @@ from transformers.models.cohere import modeling_cohere as hf_cohere
 from transformers.models.gemma2 import modeling_gemma2 as hf_gemma2
 from transformers.models.llama import modeling_llama as hf_llama
 from transformers.models.nemotron import modeling_nemotron as hf_nemotron
+from transformers.models.olmo import modeling_olmo as hf_olmo
 from transformers.models.olmo2 import modeling_olmo2 as hf_olmo2
 from transformers.models.olmo3 import modeling_olmo3 as hf_olmo3
 from transformers.models.olmoe import modeling_olmoe as hf_olmoe
@@ -23,10 +24,10 @@ VARIANTS = {  # HF's module -> the options of zoo's RMSNorm that reproduce it
 }
 
 
-def assert_norms_alike(norm, reference, dtype):
+def assert_norms_alike(norm, reference, dtype, hidden_size: int = 64):
     """``norm(x)`` is ``reference(x)``, and ``norm(x, residual)`` is ``(reference(x + residual), x + residual)``,
     the residual added in the input dtype as HF's blocks add it."""
-    x, residual = torch.randn(2, 5, 64, dtype=dtype), torch.randn(2, 5, 64, dtype=dtype)
+    x, residual = torch.randn(2, 5, hidden_size, dtype=dtype), torch.randn(2, 5, hidden_size, dtype=dtype)
     with torch.no_grad():
         assert torch.equal(norm(x), reference(x))
         normed, summed = norm(x, residual)
@@ -75,6 +76,21 @@ def test_layer_norm_with_weight_offset_equals_nemotrons(dtype):
     norm.weight.data = reference.weight.data.clone()
     norm.bias.data = reference.bias.data.clone()
     assert_norms_alike(norm, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_layer_norm_without_weight_equals_olmos(dtype):
+    """OLMo's LayerNorm, without weight or bias, normalises a float32 copy and rounds once, as HF's; torch's
+    kernel on the input itself sums in an order of its own, and in bfloat16 and float16 an output rounds the
+    other way now and then."""
+    reference = hf_olmo.OlmoLayerNorm(4096)
+    norm = LayerNorm(4096, 1e-5, elementwise_affine=False)
+    assert list(norm.parameters()) == []
+    assert_norms_alike(norm, reference, dtype, hidden_size=4096)
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096).to(dtype)
+    kernel_on_input = F.layer_norm(x, (4096,), eps=1e-5)
+    assert torch.equal(kernel_on_input, norm(x)) == (dtype == torch.float32)
 
 
 def test_a_weight_offset_holds_in_each_heads_weight_and_its_tensor_parallel_form():

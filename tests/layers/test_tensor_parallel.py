@@ -53,6 +53,7 @@ VARIANTS = {
     "starcoder2": PARITY["starcoder2"],
     "arcee": PARITY["arcee-bias-mha-tied"],
     "nemotron": PARITY["nemotron-bias-mha-tied"],  # LayerNorm1P replicated; partial rotary
+    "olmo": PARITY["olmo"],  # q, k and v clamped on each rank's heads; LayerNorms without weight
     "helium": PARITY["helium"],  # interleaved rotary, no o_proj bias
     "exaone4": PARITY["exaone4"],  # post-norms and per-head q/k norms replicated; NoPE full layer, windowed others
     "ernie4_5": PARITY["ernie4_5-bias-mha"],  # interleaved rotary in float32; o_proj's and down_proj's biases once

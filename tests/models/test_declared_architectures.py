@@ -1,7 +1,7 @@
-"""Gemma, Gemma 2, Gemma 3, VaultGemma, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2, StableLM, Seed-OSS,
-SmolLM3, Cohere, Cohere 2, GLM-4, GLM, Arcee, Nemotron, Helium, EXAONE 4 and ERNIE 4.5, brought up as declarations of the
-shared layers: token-identical greedy generation through the runtime, every ``zoo diff`` row within tolerance, and
-each forward path computing its logits once."""
+"""Gemma, Gemma 2, Gemma 3, VaultGemma, OLMo, OLMo 2, OLMo 3, Phi-3, Ministral, CWM, Granite, Starcoder2,
+StableLM, Seed-OSS, SmolLM3, Cohere, Cohere 2, GLM-4, GLM, Arcee, Nemotron, Helium, EXAONE 4 and ERNIE 4.5,
+brought up as declarations of the shared layers: token-identical greedy generation through the runtime, every
+``zoo diff`` row within tolerance, and each forward path computing its logits once."""
 
 import json
 
@@ -23,6 +23,7 @@ BLOCK_NORMS = {
     "gemma2": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "gemma3": ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"],
     "vaultgemma": ["input_layernorm", "pre_feedforward_layernorm"],
+    "olmo": ["input_layernorm", "post_attention_layernorm"],
     "olmo2": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "olmo3": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "phi3": ["input_layernorm", "post_attention_layernorm"],
@@ -47,9 +48,9 @@ BLOCK_NORMS = {
     "exaone4": ["post_attention_layernorm", "post_feedforward_layernorm"],
     "ernie4_5": ["input_layernorm", "post_attention_layernorm"],
 }
-# LayerNorm's (Cohere's without bias; Nemotron's LayerNorm1P); RMSNorm: a weight
+# LayerNorm's (Cohere's without bias; Nemotron's LayerNorm1P; OLMo's neither); RMSNorm: a weight
 NORM_PARAMETERS = {name: ["weight", "bias"] for name in BLOCK_NORMS
-                   if name.startswith(("starcoder2", "stablelm", "nemotron"))}
+                   if name.startswith(("starcoder2", "stablelm", "nemotron"))} | {"olmo": []}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,7 @@ def test_diff_rows_cover_every_norm_and_agree(name, runtime_steps, checkpoints):
     ("starcoder2", "sliding_window", None), ("starcoder2", "norm_epsilon", 1.0),  # the field its norms read
     ("stablelm", "layer_norm_eps", 1.0),
     ("gemma3", "layer_types", ["sliding_attention", "sliding_attention"]),  # layer 1's rope and window
+    ("olmo", "clip_qkv", None),
     ("olmo3", "layer_types", ["full_attention", "full_attention"]),  # layer 0's window and rope
     ("olmo3", "rope_parameters", {kind: {"rope_type": "default", "rope_theta": 500000.0}  # the full layer's YaRN
                                   for kind in ("sliding_attention", "full_attention")}),

@@ -104,6 +104,12 @@ VARIANTS = {
                               attn_logit_softcapping=3.0, final_logit_softcapping=4.0, tie_word_embeddings=True),
     "vaultgemma-bias-mqa": tiny_config("vaultgemma", head_dim=24, attention_bias=True, num_key_value_heads=1,
                                        layer_types=["full_attention", "sliding_attention"], sliding_window=5),
+    # OLMo: LayerNorms without weight or bias, q, k and v clamped (OLMo 1.7's clip_qkv, at 2 where this
+    # checkpoint's projections reach 4), rotary in float32; or no clamp, with biases, MHA, tied. Its default
+    # eos_token_id, 50279, lies outside this vocabulary
+    "olmo": tiny_config("olmo", clip_qkv=2.0, eos_token_id=2),
+    "olmo-no_clip-bias-mha-tied": tiny_config("olmo", attention_bias=True, num_key_value_heads=4,
+                                              tie_word_embeddings=True, eos_token_id=2),
     # OLMo 2's default eos_token_id, 50279, lies outside this vocabulary: the runtime refuses it
     "olmo2": tiny_config("olmo2", eos_token_id=2),
     "olmo2-mha-bias": tiny_config("olmo2", num_key_value_heads=4, attention_bias=True, eos_token_id=2),
@@ -294,6 +300,19 @@ def test_olmo_rotates_in_float32_as_hf(variant, make_checkpoint, input_ids):
     CPU, where zoo's ops are PyTorch's, their logits are HF's bit for bit, and rounding cos and sin to
     bfloat16 first (Llama's rotary) moves them."""
     path, expected = bfloat16_pair(make_checkpoint, variant, input_ids)
+    model = bfloat16_model(path)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids), expected)
+        for layer in model.model.layers:
+            layer.self_attn.rotary_precision = "activations"
+        assert not torch.equal(model(input_ids), expected)
+
+
+def test_olmo_rounds_as_hf(make_checkpoint, input_ids):
+    """HF's OLMo normalises a float32 copy of its input in LayerNorms without weight or bias and rounds once
+    (tests/layers/test_norm_embedding.py), and rotates q and k by float32 cos and sin: in bfloat16 on the CPU
+    its logits are HF's bit for bit, and cos and sin rounded to bfloat16 first (Llama's rotary) move them."""
+    path, expected = bfloat16_pair(make_checkpoint, "olmo", input_ids)
     model = bfloat16_model(path)
     with torch.no_grad():
         assert torch.equal(model(input_ids), expected)

@@ -81,6 +81,9 @@ AGREEING = {
                                  kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
                                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                                  mlp_layer_types=["dense", "sparse", "dense", "sparse"]),
+    # LayerNorms without weight or bias, q and k rotated in float32; q, k and v clamped at 1 (OLMo 1.7's 8 would
+    # not bite at HF's init); its default EOS id lies outside the vocabulary
+    "olmo": tiny_config("olmo", **SMALL, clip_qkv=1.0, eos_token_id=2),
     # three sliding layers, then a full one with YaRN (OLMo 3 7B's long-context rope); q/k norms over all
     # heads, q and k rotated in float32. Its default EOS id, 50279, lies outside the vocabulary: the
     # runtime refuses it
@@ -222,6 +225,7 @@ GRAPHED = {
     "stablelm-qk_layernorm": AGREEING["stablelm-qk_layernorm"],  # the per-head q/k LayerNorms, outside that kernel
     "smollm3": AGREEING["smollm3"],  # the NoPE layer's zero-width cos/sin in the KV-write kernel
     "gemma3": AGREEING["gemma3"],
+    "olmo": AGREEING["olmo"],
     "olmo3": AGREEING["olmo3"],
     # OLMoE-1B-7B's router (top-2 of 8 here, not renormalised), q/k norms over all heads
     "olmoe": tiny_config("olmoe", **{**SMALL, "intermediate_size": 256}, num_experts=8, num_experts_per_tok=2,
