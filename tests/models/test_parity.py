@@ -294,25 +294,13 @@ def bfloat16_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("variant", ["olmo2", "olmo3"])
+@pytest.mark.parametrize("variant", ["olmo", "olmo2", "olmo3"])
 def test_olmo_rotates_in_float32_as_hf(variant, make_checkpoint, input_ids):
-    """HF's OLMo 2 and OLMo 3 rotate q and k by float32 cos and sin and round once: in bfloat16 on the
-    CPU, where zoo's ops are PyTorch's, their logits are HF's bit for bit, and rounding cos and sin to
-    bfloat16 first (Llama's rotary) moves them."""
+    """HF's OLMo, OLMo 2 and OLMo 3 rotate q and k by float32 cos and sin and round once (OLMo's
+    LayerNorms without weight or bias normalise a float32 copy of their input and round once too,
+    tests/layers/test_norm_embedding.py): in bfloat16 on the CPU, where zoo's ops are PyTorch's, their
+    logits are HF's bit for bit, and rounding cos and sin to bfloat16 first (Llama's rotary) moves them."""
     path, expected = bfloat16_pair(make_checkpoint, variant, input_ids)
-    model = bfloat16_model(path)
-    with torch.no_grad():
-        assert torch.equal(model(input_ids), expected)
-        for layer in model.model.layers:
-            layer.self_attn.rotary_precision = "activations"
-        assert not torch.equal(model(input_ids), expected)
-
-
-def test_olmo_rounds_as_hf(make_checkpoint, input_ids):
-    """HF's OLMo normalises a float32 copy of its input in LayerNorms without weight or bias and rounds once
-    (tests/layers/test_norm_embedding.py), and rotates q and k by float32 cos and sin: in bfloat16 on the CPU
-    its logits are HF's bit for bit, and cos and sin rounded to bfloat16 first (Llama's rotary) move them."""
-    path, expected = bfloat16_pair(make_checkpoint, "olmo", input_ids)
     model = bfloat16_model(path)
     with torch.no_grad():
         assert torch.equal(model(input_ids), expected)
