@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import graph_us, hbm_bandwidth  # noqa: E402
 from ops_cuda.fp8 import FP8_DTYPE  # noqa: E402
 from ops_cuda.mla_attention import (  # noqa: E402
-    mla_decode_attention, mla_decode_attention_reference, mla_prefill_attention, prefill_takes_flash,
+    mla_decode_attention, mla_decode_attention_reference, mla_prefill_attention, prefill_takes_flash, whole_heads,
 )
 from ops_cuda.mla_attention_triton import mla_prefill_attention_triton  # noqa: E402
 
@@ -134,8 +134,7 @@ def bench_prefill(prompts: int, seq_len: int, iters: int, name: str, heads: int,
     def heads_major(t):
         return t.view(prompts, seq_len, heads, t.shape[-1]).transpose(1, 2)
 
-    q = heads_major(torch.cat([q_nope, q_rope], -1))
-    k = heads_major(torch.cat([k_nope, k_rope[:, None].expand(-1, heads, -1)], -1))
+    q, k = (heads_major(t) for t in whole_heads(q_nope, q_rope, k_nope, k_rope))
     values = heads_major(v)
     us["sdpa"] = graph_us(lambda: F.scaled_dot_product_attention(q, k, values, is_causal=True, scale=scale), iters)
     flops = 2 * prompts * heads * seq_len * (seq_len + 1) / 2 * (nope + ROPE + v_dim)

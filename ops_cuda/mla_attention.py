@@ -48,13 +48,18 @@ def latent_attention(q_latent, q_rope, latent, k_rope, mask, scale) -> torch.Ten
     return torch.einsum("...hts,...sr->...thr", probs, latent)
 
 
+def whole_heads(q_nope, q_rope, k_nope, k_rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain form's q [Tq, H, nope + rope] and k [Tk, H, nope + rope]: each head's parts joined, the
+    rope key of a token (k_rope [Tk, rope], shared by the heads) repeated for every head."""
+    return (torch.cat((q_nope, q_rope), dim=-1),
+            torch.cat((k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1)), dim=-1))
+
+
 def decompressed_attention(q_nope, q_rope, k_nope, k_rope, v, mask, scale) -> torch.Tensor:
     """The plain form's attention: queries q_nope/q_rope [Tq, H, *] over keys k_nope [Tk, H, nope]
     and k_rope [Tk, rope] (one per token, shared by the heads), values v [Tk, H, v_dim], mask bool
     [Tq, Tk] (True = attend) -> [Tq, H, v_dim]."""
-    keys, heads = k_nope.shape[:2]
-    k = torch.cat((k_nope, k_rope[:, None, :].expand(keys, heads, -1)), dim=-1)
-    q = torch.cat((q_nope, q_rope), dim=-1)
+    q, k = whole_heads(q_nope, q_rope, k_nope, k_rope)
     return sdpa(q[None], k[None], v[None], mask[None, None], scale)[0]
 
 
@@ -164,8 +169,7 @@ def _(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_que
     from ops_cuda.mla_attention_triton import mla_prefill_attention_triton  # triton only where a kernel runs
 
     if prefill_takes_flash(q_nope, q_rope, v):
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None].expand(-1, v.shape[1], -1)), dim=-1)
+        q, k = whole_heads(q_nope, q_rope, k_nope, k_rope)
         # Flash's causal mask aligns the queries with the last keys, as a prompt after its cached context.
         out, *_ = torch.ops.aten._flash_attention_forward(
             q, k, v, query_start_loc, key_start_loc, max_query_len, max_key_len, 0.0, True, False, scale=scale,
