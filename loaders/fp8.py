@@ -23,7 +23,7 @@ SUPPORTED_FIELDS = {"fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": 
 def fp8_block_size(config, config_file: Path) -> tuple[int, int] | None:
     """The ``weight_block_size`` of the config's FP8 ``quantization_config``; None without a
     quantization_config; a CheckpointError naming what zoo takes for any other."""
-    quantization = _quantization_config(config)
+    quantization = quantization_config(config)
     if quantization is None:
         return None
     supported = (f"zoo takes quant_method 'fp8' with {SUPPORTED_FIELDS} and weight_block_size "
@@ -59,7 +59,7 @@ def dequantised_fp8(tensors: dict[str, TensorRef], config, config_file: Path) ->
             f"{config_file} has no quantization_config, but the checkpoint holds {len(quantised)} FP8 "
             f"({FP8_DTYPE}) tensors: {name_list([ref.name for ref in quantised], tensors)}"
         )
-    unconverted = list(_quantization_config(config).get("modules_to_not_convert") or [])
+    unconverted = list(quantization_config(config).get("modules_to_not_convert") or [])
     problems = []
     result = dict(tensors)
     for ref in quantised:
@@ -94,7 +94,7 @@ def _reader(weight: TensorRef, scale: TensorRef, block: tuple[int, int]):
     return load
 
 
-def _quantization_config(config) -> dict | None:
+def quantization_config(config) -> dict | None:
     """The config's quantization_config as a dict (transformers keeps it as read from config.json)."""
     quantization = getattr(config, "quantization_config", None)
     return quantization if quantization is None or isinstance(quantization, dict) else quantization.to_dict()

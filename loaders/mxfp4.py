@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from loaders.fp8 import quantization_config
 from loaders.types import CheckpointError, TensorRef, name_list
 
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
@@ -36,9 +37,7 @@ def dequantise_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def is_mxfp4(config) -> bool:
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is not None and not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
+    quantization = quantization_config(config)
     return quantization is not None and quantization.get("quant_method") == "mxfp4"
 
 
