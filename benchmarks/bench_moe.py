@@ -10,7 +10,8 @@ its continuous batching takes ~1000 decode steps at HF's step time whatever --hf
     python3 benchmarks/bench_moe.py --hf-decode none        # skip HF's static-cache generate (its first call compiles)
     python3 benchmarks/bench_moe.py --hf-requests 0         # skip HF's continuous batching (~4 minutes)
     python3 benchmarks/bench_moe.py --json moe.json         # also write the figures
-    python3 benchmarks/bench_moe.py --shape gpt-oss-20b --task decode   # decode and throughput take either shape
+    python3 benchmarks/bench_moe.py --shape gpt-oss-20b --task decode   # decode and throughput take any shape
+    python3 benchmarks/bench_moe.py --shape gpt-oss-120b --experts mxfp4 --task decode --hf-decode none
 
 kernels     zoo::moe_experts on one layer's expert shapes (128 experts, top-8, hidden 2048, intermediate 768,
             bf16; router-like routing: softmax top-8 of random logits, some experts favoured), for 1 to 4096
@@ -37,6 +38,10 @@ throughput  1000 input / 1000 output tokens per request (random ids, EOS ignored
             requests as its KV cache holds at once (at most --requests), HF's continuous-batching manager
             on the first --hf-requests of them, each with zoo's prompt and 1000 new tokens, EOS off;
             output tokens per second.
+--experts mxfp4 (gpt-oss shapes): zoo's experts in MXFP4 as gpt-oss ships them (random codes and scales,
+            zoo::mxfp4_moe_experts), the rest random bf16, built directly (no HF model to convert); HF, where
+            it runs, holds the bf16 model of the same shape, as transformers dequantises gpt-oss without
+            its hub kernels (gpt-oss-120b's, 234 GB, fits no GPU here: HF is skipped).
 start-up    printed beside the table, per part and side, left out of the timed figures: the model's
             build, zoo's LLM() (KV cache, CUDA-graph capture), HF's static-cache compile, HF's manager
             and its warm-up, and each side's first call.
@@ -65,7 +70,9 @@ from bench_gpu import (decode_ms_per_token, first_call_prompts, graph_us, hbm_ba
                        hf_continuous_batching, timed, workload, zoo_run)
 from benchmarks.startup import stage, startup_text  # noqa: E402
 from layers.moe import Experts  # noqa: E402
+from loaders.load import materialize  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
+from models.auto import model_class_for  # noqa: E402
 from ops_cuda.moe import cuda_kernel, moe_experts_reference  # noqa: E402
 from ops_cuda.router import route_topk_reference  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
@@ -82,9 +89,12 @@ GPT_OSS_20B = dict(
     num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
     sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
 )
-SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
+# gpt-oss-120b: gpt-oss-20b's layers, 36 of them, with 128 experts
+GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
 SHAPE_NAMES = {"qwen3-30b-a3b": "Qwen3-30B-A3B shape (48 layers, 128 experts, top-8",
-               "gpt-oss-20b": "gpt-oss-20b shape (24 layers, 32 experts, top-4"}
+               "gpt-oss-20b": "gpt-oss-20b shape (24 layers, 32 experts, top-4",
+               "gpt-oss-120b": "gpt-oss-120b shape (36 layers, 128 experts, top-4"}
 PROMPT_LEN, DECODE_TOKENS = 128, 256
 KERNEL_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 KERNEL_LAYERS = 8  # weight copies the timed graph runs through: 8 x 1.2 GB, far over the 50 MB L2
@@ -96,13 +106,41 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - START:6.0f} s] {message}", flush=True)
 
 
-def random_hf(shape: str):
+def shape_config(shape: str):
     fields = dict(SHAPES[shape])
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def random_hf(shape: str):
+    config = shape_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     return model
+
+
+def random_mxfp4_zoo(shape: str):
+    """zoo's model of ``shape`` on the GPU with its experts in MXFP4 (random codes, scales of 2^-8 to 2^-4),
+    every other weight random bf16 (norms one), materialised as the loader keeps an MXFP4 checkpoint."""
+    config = shape_config(shape)
+    with torch.device("meta"):
+        model = model_class_for(config)(config)
+    experts = {f"{prefix}.{name}" for prefix, module in model.named_modules() if isinstance(module, Experts)
+               for name in module.mxfp4_parameters}
+    materialize(model, torch.bfloat16, torch.device("cuda"), mxfp4=experts)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dtype == torch.uint8:
+                param.random_(0, 256, generator=g)
+            elif name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=g)
+        for name, buffer in model.named_buffers():
+            if name.endswith("_scales"):
+                buffer.random_(119, 124, generator=g)
+    return model.eval()
 
 
 def free_memory() -> None:
@@ -116,12 +154,13 @@ def gib(nbytes: float) -> str:
 
 
 def active_weight_bytes(model) -> tuple[int, int]:
-    """(bytes one decode step reads, bytes of all weights): stacked experts count top_k / num_experts of
-    themselves, the embedding one row, everything else in full."""
+    """(bytes one decode step reads, bytes of all weights): stacked experts (with their MXFP4 scales) count
+    top_k / num_experts of themselves, the embedding one row, everything else in full."""
     config = model.config
     fraction = config.num_experts_per_tok / config.num_experts
     active = total = 0
-    for name, param in model.named_parameters():
+    scales = [(name, buffer) for name, buffer in model.named_buffers() if ".experts." in name]
+    for name, param in [*model.named_parameters(), *scales]:
         nbytes = param.numel() * param.element_size()
         total += nbytes
         if "embed_tokens" in name:
@@ -291,6 +330,8 @@ def kernels_table(results) -> str:
 def decode_moe_kernel(model) -> str:
     """The kernel zoo::moe_experts's dispatch runs at batch-1 decode (one token, top-k pairs)."""
     experts = next(m for m in model.modules() if isinstance(m, Experts))
+    if experts.mxfp4:
+        return "MXFP4 one-token"  # zoo::mxfp4_moe_experts' kernels for a single token
     hidden = torch.zeros(1, experts.gate_up_proj.shape[2], dtype=experts.gate_up_proj.dtype, device="cuda")
     ids = torch.zeros(1, model.config.num_experts_per_tok, dtype=torch.int64, device="cuda")
     return cuda_kernel(hidden, ids, experts.gate_up_proj, experts.down_proj, experts.hidden_act,
@@ -402,7 +443,8 @@ def table(results) -> str:
     ratio = (f"zoo on HF's {t['hf_requests']} requests {zoo_same:.0f} tok/s: zoo / HF = {zoo_same / hf_tps:.1f}x"
              if zoo_tps and hf_tps else "")
     return "\n".join([
-        f"{SHAPE_NAMES[results['shape']]}; random bf16 weights, {d['total_weight_gb']:.1f} GB). "
+        f"{SHAPE_NAMES[results['shape']]}; random weights, {results['zoo_experts']} experts in zoo, "
+        f"{d['total_weight_gb']:.1f} GB). "
         f"{results['date']}, {results['device']}, torch {results['torch']}, transformers {results['transformers']}, "
         f"HF experts implementation: {results.get('hf_experts_implementation')}.",
         "",
@@ -417,6 +459,19 @@ def table(results) -> str:
     ])
 
 
+def zoo_from_random_hf(shape, results):
+    reference = random_hf(shape)
+    results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
+    # zoo's copy, with a tenth to spare, must fit beside HF's in what is free
+    if sum(p.numel() * p.element_size() for p in reference.parameters()) > 0.9 * torch.cuda.mem_get_info()[0]:
+        reference.to("cpu")
+        free_memory()
+    model = AutoModelForCausalLM.from_hf(reference, device="cuda")
+    del reference
+    free_memory()
+    return model
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="all", choices=["all", "kernels", "token-tiles", "decode", "throughput"])
@@ -427,11 +482,17 @@ def main():
                         help="HF continuous batching: the first this many of zoo's requests (0: skip it)")
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
                         help="the model of the decode and throughput tasks")
+    parser.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
+                        help="zoo's experts (mxfp4: gpt-oss shapes, built without HF)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.experts == "mxfp4" and not args.shape.startswith("gpt-oss"):
+        parser.error("--experts mxfp4 takes a gpt-oss shape")
+    if args.shape == "gpt-oss-120b" and (args.hf_decode != "none" or args.hf_requests):
+        parser.error("gpt-oss-120b in bf16 (234 GB) fits no single GPU: give --hf-decode none --hf-requests 0")
     results = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "shape": args.shape,
                "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-               "decode": {"startup_s": {}}, "throughput": {"startup_s": {}}}
+               "decode": {"startup_s": {}}, "throughput": {"startup_s": {}}, "zoo_experts": args.experts}
     print({k: v for k, v in results.items() if isinstance(v, str)}, flush=True)
     decode, throughput = args.task in ("all", "decode"), args.task in ("all", "throughput")
     prompt = torch.randint(0, SHAPES[args.shape]["vocab_size"], (PROMPT_LEN,),
@@ -460,16 +521,12 @@ def main():
     # zoo: build the HF model, convert, drop the HF copy (two copies are ~122 GB). Where the GPU
     # cannot hold both (an 80 GB H100), the HF model waits in host memory while zoo copies it back.
     decode_startup, throughput_startup = results["decode"]["startup_s"], results["throughput"]["startup_s"]
-    with stage(decode_startup, "zoo build (random HF model, converted)"):
-        reference = random_hf(args.shape)
-        results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
-        # zoo's copy, with a tenth to spare, must fit beside HF's in what is free
-        if sum(p.numel() * p.element_size() for p in reference.parameters()) > 0.9 * torch.cuda.mem_get_info()[0]:
-            reference.to("cpu")
-            free_memory()
-        model = AutoModelForCausalLM.from_hf(reference, device="cuda")
-        del reference
-        free_memory()
+    if args.experts == "mxfp4":
+        with stage(decode_startup, "zoo build (random MXFP4 experts)"):
+            model = random_mxfp4_zoo(args.shape)
+    else:
+        with stage(decode_startup, "zoo build (random HF model, converted)"):
+            model = zoo_from_random_hf(args.shape, results)
     throughput_startup.update(decode_startup)
     active, total = active_weight_bytes(model)
     log(f"zoo model ready: {total / 1e9:.1f} GB of weights, {active / 1e9:.2f} GB read per decode step; "
@@ -497,6 +554,7 @@ def main():
     hf_build = {}
     with stage(hf_build, "HF build"):
         reference = random_hf(args.shape)
+        results["hf_experts_implementation"] = getattr(reference.config, "_experts_implementation", None)
     log(f"HF model ready ({results['hf_experts_implementation']} experts)")
     if hf_decodes:
         decode_startup.update(hf_build)

@@ -21,7 +21,7 @@ from torch import nn
 from layers.linear import Linear
 from layers.mlp import GatedMLP
 from layers.weights import OneOf, Shard
-from ops_cuda import GATED_ACTIVATIONS, fp8_moe_experts, moe_experts, route_topk
+from ops_cuda import GATED_ACTIVATIONS, fp8_moe_experts, moe_experts, mxfp4_moe_experts, route_topk
 from ops_cuda.clamped_swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT  # noqa: F401 (for the models)
 from ops_cuda.linear import linear
 
@@ -127,6 +127,11 @@ class Experts(nn.Module):
     FP8 block-quantised experts kept in FP8 by the loader (as ``Linear``'s weight: float8_e4m3fn
     parameters, their scales in ``gate_up_proj_scale_inv`` and ``down_proj_scale_inv``, the block in
     ``fp8_block``) run through ``zoo::fp8_moe_experts``, which takes no biases.
+
+    MXFP4 experts kept in MXFP4 by the loader (gpt-oss's; ``mxfp4`` true) hold uint8 blocks in
+    ``gate_up_proj`` [E, 2 * I, H / 2] and ``down_proj`` [E, H, I / 2], their scales in
+    ``gate_up_proj_scales`` and ``down_proj_scales`` (``ops_cuda/mxfp4.py``), and run through
+    ``zoo::mxfp4_moe_experts``.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str,
@@ -134,7 +139,8 @@ class Experts(nn.Module):
         super().__init__()
         if hidden_act not in GATED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {sorted(GATED_ACTIVATIONS)}")
-        self.num_experts, self.intermediate_size, self.hidden_act = num_experts, intermediate_size, hidden_act
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.hidden_act = hidden_act
         gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
@@ -147,6 +153,10 @@ class Experts(nn.Module):
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("gate_up_proj_scale_inv", None)
         self.register_buffer("down_proj_scale_inv", None)
+        self.mxfp4_parameters = ("gate_up_proj", "down_proj")  # the loader's declaration: see loaders.load
+        self.mxfp4 = False
+        self.register_buffer("gate_up_proj_scales", None)
+        self.register_buffer("down_proj_scales", None)
 
     def checkpoint_shards(self, prefix: str) -> dict[str, OneOf]:
         size = self.intermediate_size
@@ -182,6 +192,10 @@ class Experts(nn.Module):
             return fp8_moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.gate_up_proj_scale_inv,
                                    self.down_proj, self.down_proj_scale_inv, self.fp8_block, self.hidden_act,
                                    *shared_weights)
+        if self.mxfp4:
+            return mxfp4_moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.gate_up_proj_scales,
+                                     self.down_proj, self.down_proj_scales, self.hidden_act, self.gate_up_proj_bias,
+                                     self.down_proj_bias)
         return moe_experts(x, topk_weights, topk_ids, self.gate_up_proj, self.down_proj, self.hidden_act,
                            self.gate_up_proj_bias, self.down_proj_bias)
 
@@ -195,9 +209,9 @@ class Experts(nn.Module):
                    for linear, stack in ((shared.gate_up_proj, self.gate_up_proj), (shared.down_proj, self.down_proj)))
 
     def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
-        return (f"num_experts={e}, hidden_size={h}, intermediate_size={two_i // 2}, hidden_act={self.hidden_act}, "
-                f"bias={self.gate_up_proj_bias is not None}")
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, hidden_act={self.hidden_act}, "
+                f"bias={self.gate_up_proj_bias is not None}" + (", mxfp4=True" if self.mxfp4 else ""))
 
 
 class SparseMoE(nn.Module):

@@ -10,7 +10,13 @@ FP8 block-quantised weights load dequantised to the model's dtype, except where 
 those parameters in ``fp8_parameters`` (``layers.Linear``'s weight, ``layers.Experts``' two); where
 every tensor that fills them is stored in FP8 blocks and each shard covers whole blocks of rows, they
 are stored as float8_e4m3fn, their float32 scales in the module's ``<name>_scale_inv`` buffers and
-the block in its ``fp8_block`` (``fp8_parameters_kept``)."""
+the block in its ``fp8_block`` (``fp8_parameters_kept``).
+
+MXFP4 weights (gpt-oss's experts) load dequantised to the model's dtype too, or where asked
+(``keep_mxfp4``) stay in MXFP4 in a module that names them in ``mxfp4_parameters``
+(``layers.Experts``' two): where every tensor that fills them is stored in MXFP4 and each shard takes
+whole rows of it, they hold the uint8 blocks, their uint8 scales the module's ``<name>_scales``
+buffers, and the module's ``mxfp4`` is set (``mxfp4_parameters_kept``)."""
 
 import dataclasses
 import re
@@ -24,8 +30,11 @@ from tqdm import tqdm
 
 from layers.weights import OneOf, Shard
 from loaders.fp8 import SCALE_SUFFIX
+from loaders.mxfp4 import SCALES_SUFFIX as MXFP4_SCALES_SUFFIX
 from loaders.types import FLOAT_DTYPES, CheckpointError, NonFiniteWeightWarning, TensorRef, name_list
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE, block_scale_shape
+from ops_cuda.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
+from ops_cuda.mxfp4 import packed_shapes
 
 # The values the check for NaN and Inf masks at once.
 FINITE_CHECK_ELEMENTS = 1 << 24
@@ -35,22 +44,25 @@ PROGRESS_MIN_BYTES = 256 << 20
 
 def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torch.dtype, device: torch.device,
                  keep_fp8: bool | None = None, mmap: bool = True,
-                 whole_shapes: dict[str, tuple[int, ...]] | None = None) -> nn.Module:
+                 whole_shapes: dict[str, tuple[int, ...]] | None = None, keep_mxfp4: bool = False) -> nn.Module:
     """Fill ``model``, built on the meta device, with the tensors of ``checkpoint``
     (``open_checkpoint``) in ``dtype`` on ``device``; the model's declarations
     (``checkpoint_shards``, ``ignored_checkpoint_keys``, ``checkpoint_aliases``, ``empty_parameter``,
     ``fp8_parameters``) say where each tensor goes. ``keep_fp8``: whether FP8 block-quantised weights
     stay in FP8 where their modules take them (None: on a CUDA device with FP8 tensor cores,
-    ``fp8_native``); else they are dequantised to ``dtype``. ``mmap``: parameters may map their file
+    ``fp8_native``); else they are dequantised to ``dtype``. ``keep_mxfp4``: whether MXFP4 weights stay
+    in MXFP4 where their modules take them. ``mmap``: parameters may map their file
     (``keepable``); False copies every tensor, for files that may change while the model lives.
     ``whole_shapes``: of a model split over ranks, the whole tensors' shapes (``plan_loading``)."""
     untie_differing(model, checkpoint)
     plan = plan_loading(model, checkpoint, whole_shapes)
     fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
+    mxfp4 = mxfp4_parameters_kept(model, checkpoint, plan) if keep_mxfp4 else set()
     mapped = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
-    kept = {name: plan[name][0].parameter for name in mapped if plan[name][0].parameter not in fp8}  # its parameter
-    materialize(model, dtype, device, skip=set(kept.values()), fp8=fp8)
-    fill(model, checkpoint, plan, keep=set(kept), fp8=fp8)
+    kept = {name: plan[name][0].parameter for name in mapped  # its parameter
+            if plan[name][0].parameter not in fp8 and plan[name][0].parameter not in mxfp4}
+    materialize(model, dtype, device, skip=set(kept.values()), fp8=fp8, mxfp4=mxfp4)
+    fill(model, checkpoint, plan, keep=set(kept), fp8=fp8, mxfp4=mxfp4)
     return model.eval()
 
 
@@ -313,15 +325,47 @@ def scale_index(index: tuple, shape: torch.Size, block: tuple[int, int]) -> tupl
     return tuple(result)
 
 
+def mxfp4_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
+                          targets: dict[str, list[Target]]) -> set[str]:
+    """The parameters that stay in MXFP4: those a module names in its ``mxfp4_parameters``, all of them
+    or none per module, each filled only by MXFP4 tensors read transposed (the stored rows become the
+    parameter's rows) in whole rows (``mxfp4_source``), its columns whole scale groups."""
+    sources: dict[str, list[tuple | None]] = {}
+    for name, places in targets.items():
+        ref = checkpoint[name]
+        for place in places:
+            stored = ref.mxfp4 is not None and place.transposed
+            sources.setdefault(place.parameter, []).append(mxfp4_source(place.source, len(ref.shape)) if stored else None)
+    kept = set()
+    for prefix, module in model.named_modules():
+        names = [f"{prefix}.{local}" if prefix else local for local in getattr(module, "mxfp4_parameters", ())]
+        if names and all(sources.get(name) and None not in sources[name]
+                         and model.get_parameter(name).shape[-1] % MXFP4_GROUP_SIZE == 0 for name in names):
+            kept.update(names)
+    return kept
+
+
+def mxfp4_source(source: tuple, ndim: int) -> tuple | None:
+    """The index into an MXFP4 tensor's stored blocks [..., rows, groups, 16] and scales [..., rows, groups]
+    of a transposed read of ``source`` from its dequantised [..., columns, rows]: the same leading
+    index and rows; None where ``source`` cuts the columns (a group's values would part)."""
+    if source == ():
+        return ()
+    index = (*source, *[slice(None)] * (ndim - len(source)))
+    return None if index[-2] != slice(None) else (*index[:-2], index[-1])
+
+
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip: set[str] = frozenset(),
-                fp8: dict[str, tuple[int, int]] | None = None) -> None:
+                fp8: dict[str, tuple[int, int]] | None = None, mxfp4: set[str] = frozenset()) -> None:
     """Replace every meta parameter by uninitialised storage, once per shared parameter, except the
     parameters named in ``skip`` (``fill`` gives them the checkpoint's tensor); those named in
-    ``fp8`` (see ``fp8_parameters_kept``) in float8_e4m3fn, with their scales. Move computed buffers
-    (they were built on the CPU) to the device."""
+    ``fp8`` (see ``fp8_parameters_kept``) in float8_e4m3fn, with their scales; those named in ``mxfp4``
+    (``mxfp4_parameters_kept``) as uint8 blocks, with their scales. Move computed buffers (they were
+    built on the CPU) to the device."""
     replaced: dict[int, nn.Parameter] = {}
     skipped = {id(model.get_parameter(name)) for name in skip}
     fp8_blocks = {id(model.get_parameter(name)): block for name, block in (fp8 or {}).items()}
+    mxfp4_ids = {id(model.get_parameter(name)) for name in mxfp4}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if id(param) in skipped:
@@ -333,6 +377,13 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip
                 setattr(module, name + SCALE_SUFFIX, scales)
                 module.fp8_block = block
                 replaced[id(param)] = nn.Parameter(storage, requires_grad=False)
+            if id(param) in mxfp4_ids:
+                blocks_shape, scales_shape = packed_shapes(tuple(param.shape))
+                scales = torch.empty(scales_shape, dtype=torch.uint8, device=device)
+                setattr(module, name + MXFP4_SCALES_SUFFIX, scales)
+                module.mxfp4 = True
+                replaced[id(param)] = nn.Parameter(torch.empty(blocks_shape, dtype=torch.uint8, device=device),
+                                                   requires_grad=False)
             if id(param) not in replaced:
                 storage = (module.empty_parameter(name, dtype, device) if hasattr(module, "empty_parameter")
                            else torch.empty(param.shape, dtype=dtype, device=device))
@@ -350,10 +401,11 @@ def fill(
     progress=None,
     keep: set[str] = frozenset(),
     fp8: dict[str, tuple[int, int]] | None = None,
+    mxfp4: set[str] = frozenset(),
 ):
     """Copy every checkpoint tensor into its places; a tensor named in ``keep`` (see ``keepable``)
     becomes its parameter as read, in every module that shares that parameter; one filling a
-    parameter named in ``fp8`` is copied as stored, its scales into the module's scales."""
+    parameter named in ``fp8`` or ``mxfp4`` is copied as stored, its scales into the module's scales."""
     names = [name for name in checkpoint if name in targets]
     total = sum(checkpoint[name].nbytes for name in names)
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
@@ -372,6 +424,17 @@ def fill(
                 for place in places:
                     parameter[place.index].copy_(weight)
                     scales[scale_index(place.index, parameter.shape, stored.block)].copy_(scale_inv)
+                bar.update(ref.nbytes)
+                continue
+            if param_name in mxfp4:  # copied as stored: never dequantised
+                stored, parameter = ref.mxfp4, model.get_parameter(param_name)
+                scales = model.get_buffer(param_name + MXFP4_SCALES_SUFFIX)
+                indices = [mxfp4_source(place.source, len(ref.shape)) for place in places]
+                for place, blocks, group_scales in zip(places, stored.blocks.load_parts(indices),
+                                                       stored.scales.load_parts(indices)):
+                    _warn_if_not_finite(ref, group_scales)
+                    parameter[place.index].copy_(blocks.flatten(-2))
+                    scales[place.index].copy_(group_scales)
                 bar.update(ref.nbytes)
                 continue
             for place, tensor in zip(places, ref.load_parts([place.source for place in places])):
@@ -393,7 +456,8 @@ def _warn_if_not_finite(ref: TensorRef, tensor: torch.Tensor) -> None:
     # NaN or Inf in a weight makes every logit NaN: the output would be token 0 with no sign why.
     # One pass, no mask, for a finite tensor: NaN carries through min and max, an infinity is one of them
     # (a tenth of the time of a mask of every value).
-    if tensor.numel() == 0 or (tensor.dtype != FP8_DTYPE and all(map(torch.isfinite, torch.aminmax(tensor)))):
+    if tensor.numel() == 0 or (tensor.is_floating_point() and tensor.dtype != FP8_DTYPE
+                               and all(map(torch.isfinite, torch.aminmax(tensor)))):
         return
     # Counted a slice of rows at a time: the mask of a whole stack of experts would take gigabytes.
     rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(1, -1)
@@ -405,9 +469,12 @@ def _warn_if_not_finite(ref: TensorRef, tensor: torch.Tensor) -> None:
 
 
 def _finite(values: torch.Tensor) -> torch.Tensor:
-    # float8_e4m3fn has no infinities; its NaNs are the bytes 0x7f and 0xff.
+    # float8_e4m3fn has no infinities; its NaNs are the bytes 0x7f and 0xff. MXFP4's values are codes
+    # and its scales e8m0 exponents: 0xff is NaN (a scale of 2^128, as transformers dequantises it, infinite).
     if values.dtype == FP8_DTYPE:
         return (values.view(torch.uint8) & 0x7F) != 0x7F
+    if values.dtype == torch.uint8:
+        return values != 0xFF
     return torch.isfinite(values)
 
 

@@ -34,7 +34,7 @@ class Source:
 class TensorRef:
     """A checkpoint tensor not read yet: ``load()`` returns it as a CPU tensor, ``load_part(index)``
     only ``tensor[index]`` (reading only those bytes where the format can: ``read_part``). A tensor
-    stored quantised in FP8 blocks loads dequantised, and keeps its stored form in ``fp8``."""
+    stored quantised (FP8 blocks, MXFP4) loads dequantised, and keeps its stored form in ``fp8`` or ``mxfp4``."""
 
     name: str
     shape: tuple[int, ...]
@@ -43,6 +43,7 @@ class TensorRef:
     load: Callable[[], torch.Tensor]
     nbytes: int
     fp8: "Fp8Blocks | None" = None
+    mxfp4: "Mxfp4Blocks | None" = None
     read_part: Callable[[tuple], torch.Tensor] | None = None
 
     def load_part(self, index: tuple) -> torch.Tensor:
@@ -67,6 +68,15 @@ class Fp8Blocks:
     weight: TensorRef
     scale_inv: TensorRef
     block: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Mxfp4Blocks:
+    """An MXFP4 tensor as stored (``loaders/mxfp4.py``): its uint8 ``blocks`` [..., rows, groups, 16] and
+    ``scales`` [..., rows, groups]; its dequantised ``TensorRef`` is [..., groups * 32, rows]."""
+
+    blocks: TensorRef
+    scales: TensorRef
 
 
 # The floating dtypes a checkpoint tensor may carry, by their safetensors names.

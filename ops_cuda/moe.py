@@ -22,6 +22,13 @@ dequantises them to the activation dtype; on CUDA the Triton fused-MoE kernel mu
 the activations quantised per token and group of ``block[1]`` columns. It also takes an ungated FP8
 shared expert of the experts' shape (DeepSeek-V3's), added to their sum: in the fused-MoE launch up to
 ``SHARED_IN_LAUNCH_MAX_TOKENS`` tokens, through its own GEMMs beyond.
+
+``zoo::mxfp4_moe_experts`` is the same with MXFP4 experts (``ops_cuda/mxfp4.py``: uint8 blocks of two
+4-bit values a byte and a power-of-two scale per 32 values), gpt-oss's: its reference dequantises the
+experts the tokens picked to the activation dtype; on CUDA the Triton fused-MoE kernel reads the blocks
+and scales and multiplies in the activation dtype, each weight tile dequantised in registers, one token
+(a batch-1 decode step) the two one-token kernels of ``ops_cuda/moe_decode.py``, rows times the token
+on CUDA cores: a decode step reads about a quarter of the bytes of bf16 experts.
 """
 
 import torch
@@ -31,6 +38,7 @@ from ops_cuda.activation import act_and_mul, act_and_mul_reference
 from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.fp8 import check_block_weight, dequantise
 from ops_cuda.fp8_linear import fp8_block_linear
+from ops_cuda.mxfp4 import check_mxfp4_weight, dequantise_mxfp4
 
 
 def moe_experts_reference(
@@ -280,3 +288,90 @@ def _(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_sca
 
 
 fp8_moe_experts = public_op(fp8_moe_experts_op, fp8_moe_experts_reference, reads_host=True)
+
+
+def mxfp4_moe_experts_reference(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_blocks: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    down_blocks: torch.Tensor,
+    down_scales: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``moe_experts`` with MXFP4 experts (``ops_cuda/mxfp4.py``): gate_up [E, 2 * I, H] as blocks
+    [E, 2 * I, H / 2] and scales [E, 2 * I, H / 32], down [E, H, I] as [E, H, I / 2] and [E, H, I / 32].
+    The experts the tokens picked are dequantised to hidden's dtype (all of them under CUDA-graph
+    capture, where which were picked cannot be read)."""
+    _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales)
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        picked, ids = torch.arange(gate_up_blocks.shape[0], device=hidden.device), topk_ids
+    else:
+        picked = topk_ids[topk_ids >= 0].unique()
+        position = torch.full((gate_up_blocks.shape[0],), -1, dtype=topk_ids.dtype, device=topk_ids.device)
+        position[picked] = torch.arange(picked.numel(), dtype=topk_ids.dtype, device=topk_ids.device)
+        ids = torch.where(topk_ids >= 0, position[topk_ids.clamp(min=0)], -1)
+    gate_up = dequantise_mxfp4(gate_up_blocks[picked], gate_up_scales[picked], hidden.dtype)
+    down = dequantise_mxfp4(down_blocks[picked], down_scales[picked], hidden.dtype)
+    return moe_experts_reference(hidden, topk_weights, ids, gate_up, down, activation,
+                                 None if gate_up_bias is None else gate_up_bias[picked],
+                                 None if down_bias is None else down_bias[picked])
+
+
+def _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales) -> None:
+    check_mxfp4_weight("mxfp4_moe_experts", "gate_up", gate_up_blocks, gate_up_scales)
+    check_mxfp4_weight("mxfp4_moe_experts", "down", down_blocks, down_scales)
+    experts, two_i, half_h = gate_up_blocks.shape
+    if down_blocks.shape != (experts, 2 * half_h, two_i // 4):
+        raise ValueError(f"zoo::mxfp4_moe_experts: gate_up blocks of shape {tuple(gate_up_blocks.shape)} "
+                         f"([E, 2 * I, H / 2]) need down blocks of shape [E, H, I / 2] = "
+                         f"{(experts, 2 * half_h, two_i // 4)}, got {tuple(down_blocks.shape)}")
+
+
+@torch.library.custom_op("zoo::mxfp4_moe_experts", mutates_args=())
+def mxfp4_moe_experts_op(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_blocks: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    down_blocks: torch.Tensor,
+    down_scales: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return mxfp4_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks,
+                                       down_scales, activation, gate_up_bias, down_bias)
+
+
+@mxfp4_moe_experts_op.register_fake
+def _(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks, down_scales, activation,
+      gate_up_bias=None, down_bias=None):
+    return torch.empty_like(hidden)
+
+
+@cuda_implementation(mxfp4_moe_experts_op)
+def _(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks, down_scales, activation,
+      gate_up_bias=None, down_bias=None):
+    from ops_cuda.moe_decode import moe_experts_mxfp4_token
+    from ops_cuda.moe_triton import Mxfp4Scales, moe_experts_triton, mxfp4_triton_supported
+
+    _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales)
+    scales = Mxfp4Scales(gate_up_scales, down_scales)
+    biases_ok = all(bias is None or (bias.dtype == hidden.dtype and bias.shape == blocks.shape[:2])
+                    for bias, blocks in ((gate_up_bias, gate_up_blocks), (down_bias, down_blocks)))
+    if not (biases_ok and mxfp4_triton_supported(hidden, gate_up_blocks, down_blocks, activation, scales)):
+        return mxfp4_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales,
+                                           down_blocks, down_scales, activation, gate_up_bias, down_bias)
+    if hidden.shape[0] == 1:  # a decode step: rows times the token on CUDA cores, two launches
+        return moe_experts_mxfp4_token(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks,
+                                       down_scales, activation, gate_up_bias, down_bias)
+    return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up_blocks, down_blocks, activation, gate_up_bias,
+                              down_bias, mxfp4=scales)
+
+
+mxfp4_moe_experts = public_op(mxfp4_moe_experts_op, mxfp4_moe_experts_reference, reads_host=True)

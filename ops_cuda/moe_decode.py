@@ -22,6 +22,10 @@ computes them (a tensor-core tile would hold one real row of 16):
     down:    program n: rows n*BLOCK_N.. of sum over k, in order, of w[k] * down_{ids[k]} h[k], each
              expert's output rounded to the activation dtype first, as the combine reads it
 
+MXFP4 experts (``zoo::mxfp4_moe_experts``: uint8 blocks and scales, ``ops_cuda/mxfp4.py``) take the same
+two launches for one token (``moe_experts_mxfp4_token``), each weight row dequantised in registers as it
+streams (``mxfp4_triton.mxfp4_rows_times_vector``), without reading ahead of the previous kernel.
+
 Every grid depends on the number of pairs only, and nothing is read back to the host: the op runs under
 CUDA-graph capture as it runs eagerly. Numerics are the fused-MoE kernel's (``moe_triton.py``): float32
 accumulation, a bias added to it, rounded to the activation dtype where ``F.linear`` and the activation
@@ -35,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.dispatch import KERNEL_DTYPES
+from ops_cuda.mxfp4_triton import mxfp4_rows_times_vector
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     begin_after_previous,
@@ -85,6 +90,9 @@ def gpu_token_tiles(hidden_size: int) -> TokenTiles:
 
 
 INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=16, down_k=16, num_warps=4)
+# One token's MXFP4 tiles: 1,024 values (512 bytes) of a row a step, whole scale groups.
+MXFP4_TOKEN_TILES = TokenTiles(gate_up_n=4, down_n=8, gate_up_k=1024, down_k=1024, num_warps=4)
+INTERPRETER_MXFP4_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=32, down_k=32, num_warps=4)
 
 
 def decode_supported(hidden: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -297,8 +305,62 @@ def _token_down_combine_kernel(
     tl.store(out_ptr + rows, out.to(dtype), mask=rows < hidden_size)
 
 
+@triton.jit
+def _mxfp4_token_gate_up_kernel(
+    hidden_ptr, ids_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr, hidden_size, intermediate,
+    blocks_stride_e, blocks_stride_n, scales_stride_e, scales_stride_n,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # One token, program (k, n): columns n*BLOCK_N.. of h for its k-th expert, from that expert's gate
+    # and up rows interleaved (as _token_gate_up_kernel's), each an MXFP4 row. An id below zero reads
+    # nothing and writes zeros.
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    weight_rows, cols = gated_weight_rows(tl.program_id(1) * BLOCK_N, intermediate, BLOCK_N)
+    row_ok = cols < tl.where(expert >= 0, intermediate, 0)
+    held = tl.maximum(expert, 0)
+    rows = weight_rows.to(tl.int64)
+    products = mxfp4_rows_times_vector(
+        hidden_ptr, (blocks_ptr + held * blocks_stride_e + rows * blocks_stride_n)[:, None],
+        (scales_ptr + held * scales_stride_e + rows * scales_stride_n)[:, None], row_ok[:, None], hidden_size,
+        2 * BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        products += expert_bias(bias_ptr, held, weight_rows, row_ok, 2 * intermediate)
+    gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
+    dtype = h_ptr.dtype.element_ty
+    h = gated_activation(gate, up, dtype, ACTIVATION)
+    h_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + slot * intermediate + h_cols, h.to(dtype), mask=h_cols < intermediate)
+
+
+@triton.jit
+def _mxfp4_token_down_combine_kernel(
+    h_ptr, ids_ptr, weights_ptr, blocks_ptr, scales_ptr, bias_ptr, out_ptr, hidden_size, intermediate, top_k,
+    blocks_stride_e, blocks_stride_n, scales_stride_e, scales_stride_n,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k]
+    # (plus that expert's bias), each expert's output rounded to the activation dtype first, as
+    # _token_down_combine_kernel's, from MXFP4 rows.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = out_ptr.dtype.element_ty
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in range(top_k):
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        row_ok = rows < tl.where(expert >= 0, hidden_size, 0)
+        held = tl.maximum(expert, 0)
+        y = mxfp4_rows_times_vector(
+            h_ptr + slot * intermediate, (blocks_ptr + held * blocks_stride_e + rows * blocks_stride_n)[:, None],
+            (scales_ptr + held * scales_stride_e + rows * scales_stride_n)[:, None], row_ok[:, None], intermediate,
+            BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            y += expert_bias(bias_ptr, held, rows, row_ok, hidden_size)
+        out += round_to(y, dtype) * tl.load(weights_ptr + slot)
+    tl.store(out_ptr + rows, out.to(dtype), mask=rows < hidden_size)
+
+
 # ---------------------------------------------------------------------------------------------
-# Launcher
+# Launchers
 # ---------------------------------------------------------------------------------------------
 
 
@@ -380,5 +442,39 @@ def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bia
         intermediate, top_k, down.stride(0), down.stride(1), HAS_BIAS=down_bias is not None,
         BLOCK_SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_n,
         BLOCK_K=min(tiles.down_k, triton.next_power_of_2(intermediate)), **launch,
+    )
+    return out
+
+
+def moe_experts_mxfp4_token(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_blocks: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    down_blocks: torch.Tensor,
+    down_scales: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``zoo::mxfp4_moe_experts`` for one token (hidden [1, H]) in two launches; the caller checks the
+    blocks against their scales, the activation and the biases, as for ``moe_triton.moe_experts_triton``."""
+    hidden_size, intermediate, top_k = hidden.shape[1], 2 * down_blocks.shape[2], topk_ids.shape[1]
+    tiles = MXFP4_TOKEN_TILES if hidden.is_cuda else INTERPRETER_MXFP4_TOKEN_TILES
+    hidden, ids = hidden.contiguous(), topk_ids.contiguous()
+    h = torch.empty(top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
+    _mxfp4_token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](
+        hidden, ids, gate_up_blocks, gate_up_scales, bias_or(gate_up_bias, hidden), h, hidden_size, intermediate,
+        gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
+        ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None, BLOCK_N=tiles.gate_up_n,
+        BLOCK_K=tiles.gate_up_k, num_warps=tiles.num_warps,
+    )
+    out = torch.empty_like(hidden)
+    _mxfp4_token_down_combine_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
+        h, ids, topk_weights.to(torch.float32).contiguous(), down_blocks, down_scales, bias_or(down_bias, hidden), out,
+        hidden_size, intermediate, top_k, down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0),
+        down_scales.stride(1), HAS_BIAS=down_bias is not None, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
+        num_warps=tiles.num_warps,
     )
     return out

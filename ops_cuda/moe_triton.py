@@ -34,6 +34,13 @@ FP8 block-scaled experts (``zoo::fp8_moe_experts``, ``Fp8Scales``): the same ker
 weights and activations quantised per token and group of ``block[1]`` columns (the hidden rows before
 gate_up, h before down), each K-step's product scaled by its rows' activation scales and its columns'
 weight-block scales, so a step stays within one scale group (BLOCK_K divides ``block[1]``).
+
+MXFP4 experts (``zoo::mxfp4_moe_experts``, ``Mxfp4Scales``): the kernels read uint8 blocks, two 4-bit
+values a byte, and a scale per 32 values (``ops_cuda/mxfp4.py``). Each K-step's weight tile arrives as
+[BLOCK_K / 2, BLOCK_N] bytes with [BLOCK_K / 32, BLOCK_N] scales, dequantised in registers to the
+activation dtype (exactly: ``ops_cuda/mxfp4_triton.py``);
+the low nibbles multiply the even columns of the rows, the high nibbles the odd ones, two products a
+step. BLOCK_K is a multiple of the 32-value group.
 """
 
 from typing import NamedTuple
@@ -46,6 +53,8 @@ from ops_cuda.dispatch import KERNEL_DTYPES
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
+from ops_cuda.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
+from ops_cuda.mxfp4_triton import mxfp4_halves
 from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, bias_or, expert_bias, gated_activation
 
 
@@ -80,6 +89,14 @@ class Fp8Scales(NamedTuple):
     block: tuple[int, int]
 
 
+class Mxfp4Scales(NamedTuple):
+    """The uint8 group scales of MXFP4 experts, gate_up's [E, 2I, H / 32] and down's [E, H, I / 32], whose
+    weights are then their uint8 blocks, gate_up [E, 2I, H / 2] and down [E, H, I / 2]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 class SharedExpert(NamedTuple):
     """An ungated expert every token takes (DeepSeek's ``shared_experts``), run as one more pair per token
     of weight 1, added to the routed experts' sum once that is rounded to the activation dtype (as the
@@ -92,7 +109,8 @@ class SharedExpert(NamedTuple):
     down_scale: torch.Tensor | None = None
 
 
-def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int, fp8: Fp8Scales | None = None) -> Tiles:
+def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int, fp8: Fp8Scales | None = None,
+              mxfp4: bool = False) -> Tiles:
     tiles = SMALL_TILES if num_pairs <= SMALL_TILES_MAX_ROWS_PER_EXPERT * num_experts else LARGE_TILES
     if not hidden.is_cuda:
         tiles = INTERPRETER_TILES[tiles]
@@ -100,6 +118,8 @@ def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int, fp8: Fp8Sc
         tiles = tiles._replace(block_k=tiles.block_k // 2)
     if fp8 is not None:  # a K-step within one scale group: the largest power of two dividing its columns
         tiles = tiles._replace(block_k=min(tiles.block_k, fp8.block[1] & -fp8.block[1]))
+    if mxfp4:  # whole scale groups a K-step
+        tiles = tiles._replace(block_k=max(tiles.block_k, MXFP4_GROUP_SIZE))
     return tiles
 
 
@@ -127,6 +147,23 @@ def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
         and gate_up.shape[2] == down.shape[1] == hidden.shape[1]
         and gate_up.shape[1] == 2 * down.shape[2]
         and gate_up.shape[0] == down.shape[0]
+    )
+
+
+def mxfp4_triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str,
+                           scales: Mxfp4Scales) -> bool:
+    """Whether ``moe_experts_triton`` takes MXFP4 experts (uint8 blocks ``gate_up`` and ``down``, checked
+    against their scales by the op) for these inputs: H and I whole scale groups."""
+    hidden_size, intermediate = hidden.shape[-1], 2 * down.shape[2]
+    return (
+        hidden.dtype in KERNEL_DTYPES
+        and activation in KERNEL_ACTIVATIONS
+        and hidden.dim() == 2
+        and hidden_size % MXFP4_GROUP_SIZE == 0
+        and intermediate % MXFP4_GROUP_SIZE == 0
+        and 2 * gate_up.shape[2] == down.shape[1] == hidden_size
+        and gate_up.shape[1] == 2 * intermediate
+        and gate_up.shape[0] == down.shape[0] == scales.gate_up.shape[0] == scales.down.shape[0]
     )
 
 
@@ -249,11 +286,12 @@ def _moe_gate_up_kernel(
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MXFP4: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of h for the block's rows: the gate and up tiles side by
     # side over the hidden size, then act(gate) * up, each rounded where the reference rounds. With
     # FP8 the hidden rows and weights are float8 and each step's products are scaled (the scale
-    # pointers and GROUP_* are read only then).
+    # pointers and GROUP_* are read only then); with MXFP4 the weights are blocks and their scales.
     block = tl.program_id(0).to(tl.int64)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:
@@ -278,27 +316,89 @@ def _moe_gate_up_kernel(
     up_scale_ptrs = weight_scales + ((cols + intermediate) // GROUP_N) * w_scale_stride_n
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, hidden_size, BLOCK_K):
-        k_ok = ks < hidden_size - k
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        if FP8:
-            gate += tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
-                x_scale_ptrs, gate_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
-            up += tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
-                x_scale_ptrs, up_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
-        else:
-            gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
-            up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K * w_stride_k
-        up_ptrs += BLOCK_K * w_stride_k
+    if MXFP4:
+        gate, up = _mxfp4_gate_up(hidden_ptr, tokens, row_ok, weights, weight_scales, cols, col_ok, hidden_size,
+                                  intermediate, hidden_stride, w_stride_n, w_stride_k, w_scale_stride_n,
+                                  w_scale_stride_k, gate, up, DOT_PRECISION, BLOCK_N, BLOCK_K)
+    else:
+        for k in range(0, hidden_size, BLOCK_K):
+            k_ok = ks < hidden_size - k
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            if FP8:
+                gate += tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
+                    x_scale_ptrs, gate_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
+                up += tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
+                    x_scale_ptrs, up_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
+            else:
+                gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
+                up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K * w_stride_k
+            up_ptrs += BLOCK_K * w_stride_k
     if HAS_BIAS:  # the gate row's and the up row's, before the rounding, as F.linear adds them
         gate += expert_bias(bias_ptr, expert, cols, col_ok, 2 * intermediate)[None, :]
         up += expert_bias(bias_ptr, expert, intermediate + cols, col_ok, 2 * intermediate)[None, :]
     dtype = h_ptr.dtype.element_ty
     h = gated_activation(gate, up, dtype, ACTIVATION)
     tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _mxfp4_gate_up(hidden_ptr, tokens, row_ok, weights, weight_scales, cols, col_ok, hidden_size, intermediate,
+                   hidden_stride, w_stride_n, w_stride_k, w_scale_stride_n, w_scale_stride_k, gate, up,
+                   DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The gate and up products over MXFP4 weights: per K-step the rows' even and odd columns, each
+    # against the nibbles that hold those columns (the module docstring).
+    half, groups = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+    x_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + 2 * half[None, :]
+    gate_ptrs = weights + cols[None, :] * w_stride_n + half[:, None] * w_stride_k
+    up_ptrs = gate_ptrs + intermediate * w_stride_n
+    gate_scale_ptrs = weight_scales + cols[None, :] * w_scale_stride_n + groups[:, None] * w_scale_stride_k
+    up_scale_ptrs = gate_scale_ptrs + intermediate * w_scale_stride_n
+    for k in range(0, hidden_size, BLOCK_K):
+        k_ok = 2 * half < hidden_size - k
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        x_even = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        x_odd = tl.load(x_ptrs + 1, mask=x_ok, other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        scale_ok = (groups < (hidden_size - k) // 32)[:, None] & col_ok[None, :]
+        low, high = mxfp4_halves(gate_ptrs, gate_scale_ptrs, w_ok, scale_ok, x_even.dtype, BLOCK_K, BLOCK_N)
+        gate = tl.dot(x_even, low, gate, input_precision=DOT_PRECISION)
+        gate = tl.dot(x_odd, high, gate, input_precision=DOT_PRECISION)
+        low, high = mxfp4_halves(up_ptrs, up_scale_ptrs, w_ok, scale_ok, x_even.dtype, BLOCK_K, BLOCK_N)
+        up = tl.dot(x_even, low, up, input_precision=DOT_PRECISION)
+        up = tl.dot(x_odd, high, up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K // 2 * w_stride_k
+        up_ptrs += BLOCK_K // 2 * w_stride_k
+        gate_scale_ptrs += BLOCK_K // 32 * w_scale_stride_k
+        up_scale_ptrs += BLOCK_K // 32 * w_scale_stride_k
+    return gate, up
+
+
+@triton.jit
+def _mxfp4_down(h_ptr, rows, row_ok, weights, weight_scales, cols, col_ok, intermediate, h_stride, w_stride_n,
+                w_stride_k, w_scale_stride_n, w_scale_stride_k, acc, DOT_PRECISION: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The down product over MXFP4 weights, as _mxfp4_gate_up.
+    half, groups = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+    h_ptrs = h_ptr + rows[:, None] * h_stride + 2 * half[None, :]
+    w_ptrs = weights + cols[None, :] * w_stride_n + half[:, None] * w_stride_k
+    scale_ptrs = weight_scales + cols[None, :] * w_scale_stride_n + groups[:, None] * w_scale_stride_k
+    for k in range(0, intermediate, BLOCK_K):
+        k_ok = 2 * half < intermediate - k
+        h_ok = row_ok[:, None] & k_ok[None, :]
+        h_even = tl.load(h_ptrs, mask=h_ok, other=0.0)
+        scale_ok = (groups < (intermediate - k) // 32)[:, None] & col_ok[None, :]
+        low, high = mxfp4_halves(w_ptrs, scale_ptrs, k_ok[:, None] & col_ok[None, :], scale_ok, h_even.dtype,
+                                 BLOCK_K, BLOCK_N)
+        acc = tl.dot(h_even, low, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(tl.load(h_ptrs + 1, mask=h_ok, other=0.0), high, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2 * w_stride_k
+        scale_ptrs += BLOCK_K // 32 * w_scale_stride_k
+    return acc
 
 
 @triton.jit
@@ -311,6 +411,7 @@ def _moe_down_kernel(
     shared_ptr, shared_scale_ptr, num_experts,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SHARED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MXFP4: tl.constexpr,
 ):
     # Program (block, n): columns n*BLOCK_N.. of y = h down_e^T for the block's rows. Padding rows of h
     # were never written: they are read as zeros and their outputs not stored.
@@ -330,17 +431,22 @@ def _moe_down_kernel(
     h_scale_ptrs = h_scale_ptr + rows * h_scale_stride_m
     w_scale_ptrs = weight_scales + (cols // GROUP_N) * w_scale_stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, intermediate, BLOCK_K):
-        k_ok = ks < intermediate - k
-        h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if FP8:
-            acc += tl.dot(h, w) * _scale_groups(h_scale_ptrs, w_scale_ptrs, row_ok, col_ok, k, h_scale_stride_g,
-                                                w_scale_stride_k, GROUP_K)
-        else:
-            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * w_stride_k
+    if MXFP4:
+        acc = _mxfp4_down(h_ptr, rows, row_ok, weights, weight_scales, cols, col_ok, intermediate, h_stride,
+                          w_stride_n, w_stride_k, w_scale_stride_n, w_scale_stride_k, acc, DOT_PRECISION, BLOCK_N,
+                          BLOCK_K)
+    else:
+        for k in range(0, intermediate, BLOCK_K):
+            k_ok = ks < intermediate - k
+            h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if FP8:
+                acc += tl.dot(h, w) * _scale_groups(h_scale_ptrs, w_scale_ptrs, row_ok, col_ok, k, h_scale_stride_g,
+                                                    w_scale_stride_k, GROUP_K)
+            else:
+                acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * w_stride_k
     if HAS_BIAS:
         acc += expert_bias(bias_ptr, expert, cols, col_ok, hidden_size)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)
@@ -396,27 +502,30 @@ def moe_experts_triton(
     down_bias: torch.Tensor | None = None,
     fp8: Fp8Scales | None = None,
     shared: SharedExpert | None = None,
+    mxfp4: Mxfp4Scales | None = None,
 ) -> torch.Tensor:
-    """``zoo::moe_experts`` with the fused-MoE kernels, or with ``fp8`` scales ``zoo::fp8_moe_experts``;
+    """``zoo::moe_experts`` with the fused-MoE kernels, with ``fp8`` scales ``zoo::fp8_moe_experts``, with
+    ``mxfp4`` scales ``zoo::mxfp4_moe_experts`` (``gate_up`` and ``down`` their blocks);
     with ``shared``, plus that expert for every token; the caller checks ``triton_supported`` first (and
     the biases' dtype and shape). Biases are the routed experts' only: not taken with ``shared``."""
     if shared is not None and (gate_up_bias is not None or down_bias is not None):
         raise ValueError("moe_experts_triton: the shared expert has no bias, and its id would read past the experts'")
     num_tokens, hidden_size = hidden.shape
-    num_experts, intermediate = gate_up.shape[0], down.shape[2]
+    num_experts, intermediate = gate_up.shape[0], down.shape[2] * (2 if mxfp4 is not None else 1)
     if num_tokens == 0:  # a static shape: no launch has anything to do
         return hidden.new_zeros(num_tokens, hidden_size)
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     top_k, routed_pairs = topk_ids.shape[1], topk_ids.numel()
     num_pairs = routed_pairs + (num_tokens if shared is not None else 0)  # the shared expert's: one per token
-    tiles = tiles_for(hidden, num_pairs, num_experts + (shared is not None), fp8)
+    tiles = tiles_for(hidden, num_pairs, num_experts + (shared is not None), fp8, mxfp4 is not None)
     layout = moe_align(topk_ids, num_experts, tiles.block_m, shared is not None)
     num_blocks, rows = layout.block_expert.shape[0], layout.row_pair.shape[0]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
     launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=precision,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, FP8=fp8 is not None,
-                  GROUP_N=fp8.block[0] if fp8 else 1, GROUP_K=fp8.block[1] if fp8 else 1, SHARED=shared is not None)
+                  GROUP_N=fp8.block[0] if fp8 else 1, GROUP_K=fp8.block[1] if fp8 else 1, SHARED=shared is not None,
+                  MXFP4=mxfp4 is not None)
 
     x, x_scales = quantise_groups(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
     h = torch.empty(rows, intermediate, dtype=hidden.dtype, device=hidden.device)
@@ -424,7 +533,7 @@ def moe_experts_triton(
         x, gate_up, bias_or(gate_up_bias, gate_up), layout.row_pair, layout.block_expert, h,
         num_pairs, hidden_size, intermediate,
         x.stride(0), *gate_up.stride(), h.stride(0),
-        *_scale_arguments(x_scales, fp8.gate_up if fp8 else None),
+        *_scale_arguments(x_scales, fp8.gate_up if fp8 else mxfp4.gate_up if mxfp4 else None),
         *_shared_arguments(shared, "gate_up", x_scales, gate_up, num_experts), routed_pairs,
         TOP_K=top_k, ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None, **launch,
     )
@@ -435,7 +544,7 @@ def moe_experts_triton(
         h_in, down, bias_or(down_bias, down), layout.row_pair, layout.block_expert, y,
         num_pairs, hidden_size, intermediate,
         h_in.stride(0), *down.stride(), y.stride(0),
-        *_scale_arguments(h_scales, fp8.down if fp8 else None),
+        *_scale_arguments(h_scales, fp8.down if fp8 else mxfp4.down if mxfp4 else None),
         *_shared_arguments(shared, "down", h_scales, down, num_experts), HAS_BIAS=down_bias is not None, **launch,
     )
     return moe_combine(y, layout.pair_row, topk_weights, topk_ids, hidden.dtype, shared=shared is not None)
@@ -453,7 +562,8 @@ def _shared_arguments(shared: SharedExpert | None, name: str, x_scales: torch.Te
 
 def _scale_arguments(x_scales: torch.Tensor, w_scales: torch.Tensor | None) -> tuple:
     """The kernels' scale pointers and strides: activation scales [rows, groups], weight scales
-    [E, row blocks, column blocks]; without FP8, any tensor and zero strides (never read)."""
+    [E, row blocks, column blocks] (MXFP4's: [E, rows, groups]); without FP8 or MXFP4, any tensor and zero
+    strides (never read)."""
     if w_scales is None:
         return (x_scales, x_scales, 0, 0, 0, 0, 0)
     return (x_scales, w_scales, *x_scales.stride(), *w_scales.stride())

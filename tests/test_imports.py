@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "runtime": ("models", "layers", "ops_cuda", "loaders"),
     "models": ("layers", "loaders"),  # the ops only through the layers
-    # the loading declarations models make with layers' Shard/OneOf; the FP8 block format the loader
-    # dequantises and the FP8 GEMM reads
-    "loaders": ("layers.weights", "ops_cuda.fp8"),
+    # the loading declarations models make with layers' Shard/OneOf; the FP8 block and MXFP4 formats the
+    # loader dequantises or keeps and the kernels read
+    "loaders": ("layers.weights", "ops_cuda.fp8", "ops_cuda.mxfp4"),
     "layers": ("ops_cuda",),
     "ops_cuda": (),
 }

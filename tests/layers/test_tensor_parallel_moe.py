@@ -23,7 +23,7 @@ from tests.models.test_deepseek_v3 import deepseek_config, deepseek_hf_model
 from tests.models.test_ernie4_5_moe import VARIANTS as ERNIE4_5_MOE_VARIANTS, biased_hf_model
 from tests.models.test_exaone_moe import VARIANTS as EXAONE_MOE_VARIANTS
 from tests.models.test_glm4_moe import LITE_VARIANTS, VARIANTS as GLM4_MOE_VARIANTS, glm4_moe_config
-from tests.models.test_gpt_oss import gpt_oss_config, gpt_oss_hf_model
+from tests.models.test_gpt_oss import gpt_oss_config, gpt_oss_hf_model, save_mxfp4_checkpoint
 from tests.models.test_llava import PINPOINTS, hf_llava, inputs, llava_config, tiny_tokenizer
 from tests.models.test_moe import per_expert_state_dict
 
@@ -72,6 +72,9 @@ VARIANTS = {
 FP8_VARIANT = "deepseek_v3-fp8-ep"
 VARIANTS[FP8_VARIANT] = (deepseek_config(), deepseek_hf_model, None, None)
 FP8_QUANTIZATION = {**QUANTIZATION, "weight_block_size": [16, 32]}
+# gpt-oss's MXFP4 experts, kept in MXFP4 (keep_mxfp4), 2 of 4 per rank, against one rank (dequantised).
+MXFP4_VARIANT = "gpt_oss-mxfp4-ep"
+VARIANTS[MXFP4_VARIANT] = (gpt_oss_config(num_local_experts=4), gpt_oss_hf_model, None, None)
 
 # config -> words of the error tensor_parallel raises: 3 experts of 33 rows split neither way over 2 ranks
 UNSPLITTABLE = {
@@ -92,12 +95,13 @@ def run_rank(rank, device_type, port, paths, model_inputs, out_dir):
     results = {}
     for variant, path in paths.items():
         counts = {"whole": 0, "part": 0}
-        if variant != FP8_VARIANT:  # an FP8 tensor's part is read whole, dequantised, then cut
+        if variant not in (FP8_VARIANT, MXFP4_VARIANT):  # an FP8 tensor's part is read whole, dequantised, then cut
             models.auto.open_checkpoint = lambda *a, counts=counts: counting_reads(open_checkpoint(*a), counts)
         else:
             models.auto.open_checkpoint = open_checkpoint
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device=device,
                                                      keep_fp8=variant == FP8_VARIANT and device.type == "cpu",
+                                                     keep_mxfp4=variant == MXFP4_VARIANT,
                                                      tensor_parallel=dist.group.WORLD,
                                                      expert_parallel=VARIANTS[variant][3])
         with torch.no_grad():
@@ -158,6 +162,8 @@ def ranks_run(request, tmp_path_factory):
             model = make(config)
             fp8, twin = write_pair(model, per_expert_state_dict(model), root / name, FP8_QUANTIZATION)
             paths[name], dense_paths[name] = str(fp8), str(twin)
+        elif name == MXFP4_VARIANT:
+            paths[name] = dense_paths[name] = str(save_mxfp4_checkpoint(make(config), root / name))
         else:
             paths[name] = dense_paths[name] = str(save_checkpoint(make(config), root / name, **save_options))
         if name.startswith("llava"):
@@ -231,9 +237,23 @@ def test_fp8_experts_stay_fp8_and_sliced_weights_load_dequantised(ranks_run):
             assert dtypes[f"model.layers.1.{sliced}.weight"] == torch.float32
 
 
+def test_mxfp4_experts_stay_mxfp4_each_rank_holding_its_experts_blocks(ranks_run):
+    _, (paths, _), _, outputs = ranks_run
+    stored = load_file(f"{paths[MXFP4_VARIANT]}/model.safetensors")
+    experts = "model.layers.1.mlp.experts"
+    blocks_and_biases = sum(t.numel() * t.element_size() for name, t in stored.items()
+                            if ".experts." in name and not name.endswith("_scales"))  # the scales are buffers
+    for rank, output in enumerate(outputs):
+        dtypes = output["results"][MXFP4_VARIANT]["dtypes"]
+        assert dtypes[f"{experts}.gate_up_proj"] == dtypes[f"{experts}.down_proj"] == torch.uint8
+        assert output["results"][MXFP4_VARIANT]["expert_bytes"] * RANKS == blocks_and_biases
+        assert output["results"][MXFP4_VARIANT]["experts"][0][1] == slice(2 * rank, 2 * rank + 2)
+
+
 # An FP8 tensor's part is read whole, dequantised, then cut: its reads are not counted (what its ranks
-# hold: test_fp8_experts_stay_fp8_and_sliced_weights_load_dequantised).
-@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if variant != FP8_VARIANT])
+# hold: test_fp8_experts_stay_fp8_and_sliced_weights_load_dequantised); an MXFP4 tensor's blocks are read
+# past the counted references (test_mxfp4_experts_stay_mxfp4_each_rank_holding_its_experts_blocks).
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if variant not in (FP8_VARIANT, MXFP4_VARIANT)])
 def test_each_rank_reads_only_its_part(variant, ranks_run):
     _, (paths, _), _, outputs = ranks_run
     whole = sum(t.numel() * t.element_size() for t in load_file(f"{paths[variant]}/model.safetensors").values())

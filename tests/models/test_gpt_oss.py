@@ -125,7 +125,7 @@ def quantise_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., rows, columns] -> MXFP4 blocks [..., rows, columns / 32, 16] and scales [..., rows, columns / 32]:
     each group of 32 values scaled by a power of two that brings its largest to at most 6, each value
     rounded to the nearest e2m1 value."""
-    from loaders.mxfp4 import E2M1_VALUES, SCALE_BIAS
+    from ops_cuda.mxfp4 import E2M1_VALUES, SCALE_BIAS
 
     groups = weight.reshape(*weight.shape[:-1], -1, 32).float()
     exponents = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100) / 6.0))
@@ -135,13 +135,12 @@ def quantise_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponents + SCALE_BIAS).to(torch.uint8)
 
 
-def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path, input_ids):
-    """gpt-oss's own format: the experts in MXFP4 blocks and scales (quantization_config mxfp4). HF's model
-    holds the values transformers' own dequantiser gives; zoo, loading the blocks, computes its logits."""
+def save_mxfp4_checkpoint(reference, path):
+    """``reference`` saved with its experts in MXFP4 (quantization_config mxfp4) in gpt-oss's names, its
+    expert parameters set to the values transformers' own dequantiser gives them."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    reference = gpt_oss_hf_model(VARIANTS["gpt_oss"])
-    path = save_checkpoint(reference, tmp_path / "ckpt")
+    path = save_checkpoint(reference, path)
     tensors = load_file(path / "model.safetensors")
     with torch.no_grad():
         for name, param in reference.named_parameters():
@@ -155,10 +154,45 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path, inpu
     fields["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                                         "model.embed_tokens", "lm_head"]}
     (path / "config.json").write_text(json.dumps(fields))
+    return path
+
+
+def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path, input_ids):
+    """gpt-oss's own format: the experts in MXFP4 blocks and scales (quantization_config mxfp4). HF's model
+    holds the values transformers' own dequantiser gives; zoo, loading the blocks, computes its logits,
+    and the same logits with the experts kept in MXFP4 (``keep_mxfp4``)."""
+    reference = gpt_oss_hf_model(VARIANTS["gpt_oss"])
+    path = save_mxfp4_checkpoint(reference, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    kept = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, keep_mxfp4=True)
+    experts = kept.model.layers[1].mlp.experts
+    assert experts.mxfp4 and not model.model.layers[1].mlp.experts.mxfp4
+    stored = tensors["model.layers.1.mlp.experts.gate_up_proj_blocks"]  # gate and up rows interleaved
+    assert torch.equal(experts.gate_up_proj, torch.cat([stored[:, 0::2], stored[:, 1::2]], dim=1).flatten(-2))
+    assert torch.equal(experts.down_proj_scales, tensors["model.layers.1.mlp.experts.down_proj_scales"])
     with torch.no_grad():
-        assert_matches(model(input_ids), reference(input_ids).logits)
+        logits = model(input_ids)
+        assert_matches(logits, reference(input_ids).logits)
+        assert torch.equal(kept(input_ids), logits)  # the picked experts dequantised per call: the same values
+    with pytest.raises(TypeError, match="keep_mxfp4 must be True or False, got 'yes'"):
+        AutoModelForCausalLM.from_pretrained(path, keep_mxfp4="yes")
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"down_proj_blocks.*without their scales"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.gpu
+def test_mxfp4_experts_kept_on_the_gpu_give_transformers_logits_gpu(tmp_path, input_ids):
+    """On CUDA the experts kept in MXFP4 run the fused-MoE kernel over blocks and scales and, for a single
+    token, the one-token kernels:
+    float32 logits (float32 products: tl.dot in full precision) as HF's over its dequantised experts,
+    prompts of 40 tokens and single-token steps (the kernel's one-token layout)."""
+    reference = gpt_oss_hf_model(VARIANTS["gpt_oss"])
+    path = save_mxfp4_checkpoint(reference, tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device="cuda", keep_mxfp4=True)
+    assert model.model.layers[0].mlp.experts.mxfp4
+    with torch.no_grad():
+        assert_matches(model(input_ids.cuda()).cpu(), reference(input_ids).logits)
+        assert_matches(model(input_ids[:1, :1].cuda()).cpu(), reference(input_ids[:1, :1]).logits)

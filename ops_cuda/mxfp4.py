@@ -1,0 +1,49 @@
+"""MXFP4 weights (the OCP microscaling format gpt-oss ships its experts in): 4-bit e2m1 values in groups
+of 32 along a row, each group sharing a power-of-two scale. A weight [..., rows, columns] is held as
+
+    blocks  uint8 [..., rows, columns / 2]   two values a byte, the earlier column in the low nibble
+    scales  uint8 [..., rows, columns / 32]  each group's scale 2^(s - 127) as its e8m0 exponent s
+
+Every value times its scale is exact in bfloat16 and float32 (an e2m1 value has two significant bits),
+so a product over dequantised weights equals the product over the bfloat16 weights transformers
+dequantises them to, up to the order of the sums. The Triton side (``mxfp4_halves``) lives with the
+kernels that read these weights (``moe_triton.py``)."""
+
+import torch
+
+# The e2m1 value of each 4-bit code: sign bit, two exponent bits, one mantissa bit.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GROUP_SIZE = 32  # values a scale
+SCALE_BIAS = 127
+CHUNK_GROUPS = 1 << 20
+
+
+def dequantise_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """uint8 blocks [..., rows, columns / 2] and scales [..., rows, columns / 32] -> ``dtype`` [..., rows, columns]."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    group_bytes = GROUP_SIZE // 2
+    out = torch.empty(*blocks.shape[:-1], 2 * blocks.shape[-1], dtype=dtype, device=blocks.device)
+    flat_blocks, flat_scales = blocks.reshape(-1, group_bytes), scales.reshape(-1, 1)
+    flat_out = out.view(-1, GROUP_SIZE)
+    for start in range(0, flat_blocks.shape[0], CHUNK_GROUPS):  # the codes of a whole tensor would take gigabytes
+        part, rows = flat_blocks[start : start + CHUNK_GROUPS], slice(start, start + CHUNK_GROUPS)
+        factors = torch.exp2(flat_scales[rows].to(torch.float32) - SCALE_BIAS)
+        flat_out[rows, 0::2] = values[(part & 0x0F).int()] * factors  # the low nibble is the earlier value
+        flat_out[rows, 1::2] = values[(part >> 4).int()] * factors
+    return out
+
+
+def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The blocks' and the scales' shapes of an MXFP4 weight of ``shape`` (its columns a multiple of 32)."""
+    *outer, columns = shape
+    return (*outer, columns // 2), (*outer, columns // GROUP_SIZE)
+
+
+def check_mxfp4_weight(op: str, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """Raise a ValueError naming ``op`` and the weight ``name`` unless blocks and scales are uint8 of
+    matching shapes (sixteen bytes a scale)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"zoo::{op}: {name} blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape[:-1] or blocks.shape[-1] != scales.shape[-1] * (GROUP_SIZE // 2):
+        raise ValueError(f"zoo::{op}: {name} blocks of shape {tuple(blocks.shape)} with scales of shape "
+                         f"{tuple(scales.shape)}; expected [..., rows, columns / 2] and [..., rows, columns / 32]")
