@@ -28,7 +28,9 @@ shared expert of the experts' shape (DeepSeek-V3's), added to their sum: in the 
 experts the tokens picked to the activation dtype; on CUDA the Triton fused-MoE kernel reads the blocks
 and scales and multiplies in the activation dtype, each weight tile dequantised in registers, one token
 (a batch-1 decode step) the two one-token kernels of ``ops_cuda/moe_decode.py``, rows times the token
-on CUDA cores: a decode step reads about a quarter of the bytes of bf16 experts.
+on CUDA cores: a decode step reads about a quarter of the bytes of bf16 experts. From
+``MXFP4_DEQUANTISE_MIN_TOKENS`` tokens on (prompts) the experts are dequantised into bf16 buffers a
+chunk at a time and run through ``moe_experts``' kernels.
 """
 
 import torch
@@ -354,6 +356,38 @@ def _(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_block
     return torch.empty_like(hidden)
 
 
+# From this many tokens on, MXFP4 experts are dequantised into bf16 buffers a chunk of experts at a time
+# and run through zoo::moe_experts' kernels: at prompt sizes each weight tile would be dequantised once per
+# block of rows inside the fused-MoE kernel, where the buffer dequantises it once. A chunk of experts
+# holds at most MXFP4_CHUNK_BYTES dequantised. Measured on an H100 at gpt-oss-20b's experts (top-4 of
+# 32, a probe, not kept), µs per layer, fused-MoE MXFP4 tiles / dequantised chunks: 64 tokens 701 /
+# 1537, 128 tokens 1133 / 1550, 256 tokens 2600 / 1565 (bf16 experts: 584, 602, 607).
+MXFP4_DEQUANTISE_MIN_TOKENS = 256
+MXFP4_CHUNK_BYTES = 1 << 30
+
+
+def mxfp4_through_dequantised_chunks(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks,
+                                     down_scales, activation, gate_up_bias=None, down_bias=None) -> torch.Tensor:
+    """``zoo::mxfp4_moe_experts`` as ``moe_experts`` over the experts dequantised a chunk at a time (the
+    ids of other chunks' experts -1 in each), the chunks' outputs summed in float32."""
+    from ops_cuda.mxfp4_triton import dequantise_mxfp4_triton
+
+    num_experts = gate_up_blocks.shape[0]
+    expert_bytes = 2 * (gate_up_blocks[0].numel() + down_blocks[0].numel()) * hidden.element_size()
+    chunk = max(1, min(num_experts, MXFP4_CHUNK_BYTES // expert_bytes))
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for first in range(0, num_experts, chunk):
+        experts = slice(first, first + chunk)
+        local = topk_ids - first
+        ids = torch.where((local >= 0) & (local < chunk), local, -1)
+        gate_up = dequantise_mxfp4_triton(gate_up_blocks[experts], gate_up_scales[experts], hidden.dtype)
+        down = dequantise_mxfp4_triton(down_blocks[experts], down_scales[experts], hidden.dtype)
+        out += moe_experts(hidden, topk_weights, ids, gate_up, down, activation,
+                           None if gate_up_bias is None else gate_up_bias[experts],
+                           None if down_bias is None else down_bias[experts]).float()
+    return out.to(hidden.dtype)
+
+
 @cuda_implementation(mxfp4_moe_experts_op)
 def _(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks, down_scales, activation,
       gate_up_bias=None, down_bias=None):
@@ -370,6 +404,9 @@ def _(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_block
     if hidden.shape[0] == 1:  # a decode step: rows times the token on CUDA cores, two launches
         return moe_experts_mxfp4_token(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks,
                                        down_scales, activation, gate_up_bias, down_bias)
+    if hidden.shape[0] >= MXFP4_DEQUANTISE_MIN_TOKENS:
+        return mxfp4_through_dequantised_chunks(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales,
+                                                down_blocks, down_scales, activation, gate_up_bias, down_bias)
     return moe_experts_triton(hidden, topk_weights, topk_ids, gate_up_blocks, down_blocks, activation, gate_up_bias,
                               down_bias, mxfp4=scales)
 

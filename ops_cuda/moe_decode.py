@@ -307,13 +307,13 @@ def _token_down_combine_kernel(
 
 @triton.jit
 def _mxfp4_token_gate_up_kernel(
-    hidden_ptr, ids_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr, hidden_size, intermediate,
-    blocks_stride_e, blocks_stride_n, scales_stride_e, scales_stride_n,
+    hidden_ptr, ids_ptr, words_ptr, scales_ptr, bias_ptr, h_ptr, hidden_size, intermediate,
+    words_stride_e, words_stride_n, scales_stride_e, scales_stride_n,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # One token, program (k, n): columns n*BLOCK_N.. of h for its k-th expert, from that expert's gate
-    # and up rows interleaved (as _token_gate_up_kernel's), each an MXFP4 row. An id below zero reads
-    # nothing and writes zeros.
+    # and up rows interleaved (as _token_gate_up_kernel's), each an MXFP4 row (its blocks as int32
+    # words). An id below zero reads nothing and writes zeros.
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     weight_rows, cols = gated_weight_rows(tl.program_id(1) * BLOCK_N, intermediate, BLOCK_N)
@@ -321,7 +321,7 @@ def _mxfp4_token_gate_up_kernel(
     held = tl.maximum(expert, 0)
     rows = weight_rows.to(tl.int64)
     products = mxfp4_rows_times_vector(
-        hidden_ptr, (blocks_ptr + held * blocks_stride_e + rows * blocks_stride_n)[:, None],
+        hidden_ptr, (words_ptr + held * words_stride_e + rows * words_stride_n)[:, None],
         (scales_ptr + held * scales_stride_e + rows * scales_stride_n)[:, None], row_ok[:, None], hidden_size,
         2 * BLOCK_N, BLOCK_K)
     if HAS_BIAS:
@@ -335,8 +335,8 @@ def _mxfp4_token_gate_up_kernel(
 
 @triton.jit
 def _mxfp4_token_down_combine_kernel(
-    h_ptr, ids_ptr, weights_ptr, blocks_ptr, scales_ptr, bias_ptr, out_ptr, hidden_size, intermediate, top_k,
-    blocks_stride_e, blocks_stride_n, scales_stride_e, scales_stride_n,
+    h_ptr, ids_ptr, weights_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, hidden_size, intermediate, top_k,
+    words_stride_e, words_stride_n, scales_stride_e, scales_stride_n,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k]
@@ -350,7 +350,7 @@ def _mxfp4_token_down_combine_kernel(
         row_ok = rows < tl.where(expert >= 0, hidden_size, 0)
         held = tl.maximum(expert, 0)
         y = mxfp4_rows_times_vector(
-            h_ptr + slot * intermediate, (blocks_ptr + held * blocks_stride_e + rows * blocks_stride_n)[:, None],
+            h_ptr + slot * intermediate, (words_ptr + held * words_stride_e + rows * words_stride_n)[:, None],
             (scales_ptr + held * scales_stride_e + rows * scales_stride_n)[:, None], row_ok[:, None], intermediate,
             BLOCK_N, BLOCK_K)
         if HAS_BIAS:
@@ -463,17 +463,18 @@ def moe_experts_mxfp4_token(
     hidden_size, intermediate, top_k = hidden.shape[1], 2 * down_blocks.shape[2], topk_ids.shape[1]
     tiles = MXFP4_TOKEN_TILES if hidden.is_cuda else INTERPRETER_MXFP4_TOKEN_TILES
     hidden, ids = hidden.contiguous(), topk_ids.contiguous()
+    gate_up_words, down_words = gate_up_blocks.view(torch.int32), down_blocks.view(torch.int32)  # 8 values a word
     h = torch.empty(top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
     _mxfp4_token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](
-        hidden, ids, gate_up_blocks, gate_up_scales, bias_or(gate_up_bias, hidden), h, hidden_size, intermediate,
-        gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
+        hidden, ids, gate_up_words, gate_up_scales, bias_or(gate_up_bias, hidden), h, hidden_size, intermediate,
+        gate_up_words.stride(0), gate_up_words.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None, BLOCK_N=tiles.gate_up_n,
         BLOCK_K=tiles.gate_up_k, num_warps=tiles.num_warps,
     )
     out = torch.empty_like(hidden)
     _mxfp4_token_down_combine_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
-        h, ids, topk_weights.to(torch.float32).contiguous(), down_blocks, down_scales, bias_or(down_bias, hidden), out,
-        hidden_size, intermediate, top_k, down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0),
+        h, ids, topk_weights.to(torch.float32).contiguous(), down_words, down_scales, bias_or(down_bias, hidden), out,
+        hidden_size, intermediate, top_k, down_words.stride(0), down_words.stride(1), down_scales.stride(0),
         down_scales.stride(1), HAS_BIAS=down_bias is not None, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
         num_warps=tiles.num_warps,
     )

@@ -37,10 +37,10 @@ weight-block scales, so a step stays within one scale group (BLOCK_K divides ``b
 
 MXFP4 experts (``zoo::mxfp4_moe_experts``, ``Mxfp4Scales``): the kernels read uint8 blocks, two 4-bit
 values a byte, and a scale per 32 values (``ops_cuda/mxfp4.py``). Each K-step's weight tile arrives as
-[BLOCK_K / 2, BLOCK_N] bytes with [BLOCK_K / 32, BLOCK_N] scales, dequantised in registers to the
-activation dtype (exactly: ``ops_cuda/mxfp4_triton.py``);
-the low nibbles multiply the even columns of the rows, the high nibbles the odd ones, two products a
-step. BLOCK_K is a multiple of the 32-value group.
+[BLOCK_K / 8, BLOCK_N] int32 words of eight values with [BLOCK_K / 32, BLOCK_N] scales, dequantised in
+registers to the activation dtype (exactly: ``ops_cuda/mxfp4_triton.py``) as eight tiles, one per
+value of a word, each multiplying the rows' matching columns: eight products a step. BLOCK_K is a
+multiple of four 32-value groups.
 """
 
 from typing import NamedTuple
@@ -54,7 +54,7 @@ from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE
 from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
 from ops_cuda.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
-from ops_cuda.mxfp4_triton import mxfp4_halves
+from ops_cuda.mxfp4_triton import mxfp4_step_product
 from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, bias_or, expert_bias, gated_activation
 
 
@@ -118,8 +118,8 @@ def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int, fp8: Fp8Sc
         tiles = tiles._replace(block_k=tiles.block_k // 2)
     if fp8 is not None:  # a K-step within one scale group: the largest power of two dividing its columns
         tiles = tiles._replace(block_k=min(tiles.block_k, fp8.block[1] & -fp8.block[1]))
-    if mxfp4:  # whole scale groups a K-step
-        tiles = tiles._replace(block_k=max(tiles.block_k, MXFP4_GROUP_SIZE))
+    if mxfp4:  # whole scale groups a K-step, each word's eight tiles at least tl.dot's 16 rows
+        tiles = tiles._replace(block_k=max(tiles.block_k, 4 * MXFP4_GROUP_SIZE))
     return tiles
 
 
@@ -153,7 +153,7 @@ def triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
 def mxfp4_triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str,
                            scales: Mxfp4Scales) -> bool:
     """Whether ``moe_experts_triton`` takes MXFP4 experts (uint8 blocks ``gate_up`` and ``down``, checked
-    against their scales by the op) for these inputs: H and I whole scale groups."""
+    against their scales by the op) for these inputs: H and I whole scale groups, rows contiguous."""
     hidden_size, intermediate = hidden.shape[-1], 2 * down.shape[2]
     return (
         hidden.dtype in KERNEL_DTYPES
@@ -164,6 +164,8 @@ def mxfp4_triton_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: to
         and 2 * gate_up.shape[2] == down.shape[1] == hidden_size
         and gate_up.shape[1] == 2 * intermediate
         and gate_up.shape[0] == down.shape[0] == scales.gate_up.shape[0] == scales.down.shape[0]
+        and gate_up.stride(-1) == down.stride(-1) == 1  # rows of whole int32 words for one token's kernels
+        and gate_up.data_ptr() % 4 == down.data_ptr() % 4 == 0
     )
 
 
@@ -348,30 +350,26 @@ def _moe_gate_up_kernel(
 def _mxfp4_gate_up(hidden_ptr, tokens, row_ok, weights, weight_scales, cols, col_ok, hidden_size, intermediate,
                    hidden_stride, w_stride_n, w_stride_k, w_scale_stride_n, w_scale_stride_k, gate, up,
                    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # The gate and up products over MXFP4 weights: per K-step the rows' even and odd columns, each
-    # against the nibbles that hold those columns (the module docstring).
-    half, groups = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-    x_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + 2 * half[None, :]
-    gate_ptrs = weights + cols[None, :] * w_stride_n + half[:, None] * w_stride_k
+    # The gate and up products over MXFP4 weights (`weights` and strides in int32 words), a K-step at a
+    # time (mxfp4_step_product).
+    words_in_step, groups = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
+    x_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + 8 * words_in_step[None, :]
+    gate_ptrs = weights + cols[None, :] * w_stride_n + words_in_step[:, None] * w_stride_k
     up_ptrs = gate_ptrs + intermediate * w_stride_n
     gate_scale_ptrs = weight_scales + cols[None, :] * w_scale_stride_n + groups[:, None] * w_scale_stride_k
     up_scale_ptrs = gate_scale_ptrs + intermediate * w_scale_stride_n
     for k in range(0, hidden_size, BLOCK_K):
-        k_ok = 2 * half < hidden_size - k
-        x_ok = row_ok[:, None] & k_ok[None, :]
-        x_even = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        x_odd = tl.load(x_ptrs + 1, mask=x_ok, other=0.0)
-        w_ok = k_ok[:, None] & col_ok[None, :]
+        word_ok = 8 * words_in_step < hidden_size - k
+        x_ok = row_ok[:, None] & word_ok[None, :]
+        w_ok = word_ok[:, None] & col_ok[None, :]
         scale_ok = (groups < (hidden_size - k) // 32)[:, None] & col_ok[None, :]
-        low, high = mxfp4_halves(gate_ptrs, gate_scale_ptrs, w_ok, scale_ok, x_even.dtype, BLOCK_K, BLOCK_N)
-        gate = tl.dot(x_even, low, gate, input_precision=DOT_PRECISION)
-        gate = tl.dot(x_odd, high, gate, input_precision=DOT_PRECISION)
-        low, high = mxfp4_halves(up_ptrs, up_scale_ptrs, w_ok, scale_ok, x_even.dtype, BLOCK_K, BLOCK_N)
-        up = tl.dot(x_even, low, up, input_precision=DOT_PRECISION)
-        up = tl.dot(x_odd, high, up, input_precision=DOT_PRECISION)
+        gate = mxfp4_step_product(x_ptrs, x_ok, gate_ptrs, gate_scale_ptrs, w_ok, scale_ok, gate, DOT_PRECISION,
+                                  BLOCK_K, BLOCK_N)
+        up = mxfp4_step_product(x_ptrs, x_ok, up_ptrs, up_scale_ptrs, w_ok, scale_ok, up, DOT_PRECISION,
+                                BLOCK_K, BLOCK_N)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K // 2 * w_stride_k
-        up_ptrs += BLOCK_K // 2 * w_stride_k
+        gate_ptrs += BLOCK_K // 8 * w_stride_k
+        up_ptrs += BLOCK_K // 8 * w_stride_k
         gate_scale_ptrs += BLOCK_K // 32 * w_scale_stride_k
         up_scale_ptrs += BLOCK_K // 32 * w_scale_stride_k
     return gate, up
@@ -382,21 +380,17 @@ def _mxfp4_down(h_ptr, rows, row_ok, weights, weight_scales, cols, col_ok, inter
                 w_stride_k, w_scale_stride_n, w_scale_stride_k, acc, DOT_PRECISION: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # The down product over MXFP4 weights, as _mxfp4_gate_up.
-    half, groups = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
-    h_ptrs = h_ptr + rows[:, None] * h_stride + 2 * half[None, :]
-    w_ptrs = weights + cols[None, :] * w_stride_n + half[:, None] * w_stride_k
+    words_in_step, groups = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
+    h_ptrs = h_ptr + rows[:, None] * h_stride + 8 * words_in_step[None, :]
+    w_ptrs = weights + cols[None, :] * w_stride_n + words_in_step[:, None] * w_stride_k
     scale_ptrs = weight_scales + cols[None, :] * w_scale_stride_n + groups[:, None] * w_scale_stride_k
     for k in range(0, intermediate, BLOCK_K):
-        k_ok = 2 * half < intermediate - k
-        h_ok = row_ok[:, None] & k_ok[None, :]
-        h_even = tl.load(h_ptrs, mask=h_ok, other=0.0)
+        word_ok = 8 * words_in_step < intermediate - k
         scale_ok = (groups < (intermediate - k) // 32)[:, None] & col_ok[None, :]
-        low, high = mxfp4_halves(w_ptrs, scale_ptrs, k_ok[:, None] & col_ok[None, :], scale_ok, h_even.dtype,
-                                 BLOCK_K, BLOCK_N)
-        acc = tl.dot(h_even, low, acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(tl.load(h_ptrs + 1, mask=h_ok, other=0.0), high, acc, input_precision=DOT_PRECISION)
+        acc = mxfp4_step_product(h_ptrs, row_ok[:, None] & word_ok[None, :], w_ptrs, scale_ptrs,
+                                 word_ok[:, None] & col_ok[None, :], scale_ok, acc, DOT_PRECISION, BLOCK_K, BLOCK_N)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 2 * w_stride_k
+        w_ptrs += BLOCK_K // 8 * w_stride_k
         scale_ptrs += BLOCK_K // 32 * w_scale_stride_k
     return acc
 
@@ -512,6 +506,8 @@ def moe_experts_triton(
         raise ValueError("moe_experts_triton: the shared expert has no bias, and its id would read past the experts'")
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2] * (2 if mxfp4 is not None else 1)
+    if mxfp4 is not None:  # the kernels read the blocks as int32 words of eight values
+        gate_up, down = gate_up.view(torch.int32), down.view(torch.int32)
     if num_tokens == 0:  # a static shape: no launch has anything to do
         return hidden.new_zeros(num_tokens, hidden_size)
     if hidden.stride(-1) != 1:

@@ -6,8 +6,7 @@ of 32 along a row, each group sharing a power-of-two scale. A weight [..., rows,
 
 Every value times its scale is exact in bfloat16 and float32 (an e2m1 value has two significant bits),
 so a product over dequantised weights equals the product over the bfloat16 weights transformers
-dequantises them to, up to the order of the sums. The Triton side (``mxfp4_halves``) lives with the
-kernels that read these weights (``moe_triton.py``)."""
+dequantises them to, up to the order of the sums. The Triton side: ``mxfp4_triton.py``."""
 
 import torch
 

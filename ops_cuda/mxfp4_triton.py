@@ -1,10 +1,13 @@
 """Reading MXFP4 weights (``ops_cuda/mxfp4.py``: uint8 blocks, two 4-bit e2m1 values a byte, the earlier
 column in the low nibble, and a uint8 power-of-two scale per 32 values) inside Triton kernels: as
-dequantised tiles for tensor-core products (``mxfp4_halves``, the fused-MoE kernel) and as rows times a
-vector on CUDA cores (``mxfp4_rows_times_vector``, one token's expert kernels). Every value times its
+dequantised tiles for tensor-core products (``mxfp4_step_product``, the fused-MoE kernel) and as rows times a
+vector on CUDA cores (``mxfp4_rows_times_vector``, one token's expert kernels), and whole experts
+dequantised into a buffer (``dequantise_mxfp4_triton``, for prompts: ``zoo::mxfp4_moe_experts``). Every value times its
 scale is exact in float32 and bfloat16, so only the order of the sums differs from a product over the
-dequantised weights."""
+dequantised weights. Both read the blocks as int32 words (eight values each), which halves the integer
+work of building each value (``e2m1_pair``)."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -29,40 +32,97 @@ def group_scales(exponents):
 
 
 @triton.jit
-def mxfp4_halves(byte_ptrs, scale_ptrs, byte_ok, scale_ok, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    # A K-step's weights in `dtype`, [BLOCK_K / 2, BLOCK_N] each: the low nibbles' (the even columns of
-    # the step) and the high nibbles' (the odd), from `byte_ptrs` [BLOCK_K / 2, BLOCK_N] and their
-    # groups' scales at `scale_ptrs` [BLOCK_K / 32, BLOCK_N], each read once and spread over its 16
-    # bytes. Masked bytes read as zeros.
-    packed = tl.load(byte_ptrs, mask=byte_ok, other=0).to(tl.int32)
-    scales = group_scales(tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32))
-    scales = tl.reshape(tl.broadcast_to(scales[:, None, :], (BLOCK_K // 32, GROUP_BYTES, BLOCK_N)),
-                        (BLOCK_K // 2, BLOCK_N))
-    low = e2m1_over_2_14(packed & 15) * scales
-    high = e2m1_over_2_14(packed >> 4) * scales
-    return low.to(dtype), high.to(dtype)
+def e2m1_pair(words, position: tl.constexpr):
+    # Values `position` and `position + 4` (position 0 to 3) of each uint32 word of eight MXFP4 codes
+    # (value i at bits 4i to 4i + 3: the bytes in order, the low nibble first), each 2^-14 times its e2m1
+    # value in float32 as e2m1_over_2_14 gives it, the two built at once as the halves of one word of
+    # float16 bits: five integer operations for two values.
+    shifted = words >> (4 * position)
+    bits = ((shifted & 0x00070007) << 9) | ((shifted & 0x00080008) << 12)
+    low = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
 
 
 @triton.jit
-def mxfp4_rows_times_vector(x_ptr, byte_row_starts, scale_row_starts, row_ok, K, ROWS: tl.constexpr,
+def mxfp4_step_product(x_ptrs, x_ok, word_ptrs, scale_ptrs, word_ok, scale_ok, acc, DOT_PRECISION: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # acc plus rows of x times a K-step of MXFP4 weights on tensor cores: the weights' int32 words at
+    # `word_ptrs` [BLOCK_K / 8, BLOCK_N] (eight values of a column each), their groups' scales at
+    # `scale_ptrs` [BLOCK_K / 32, BLOCK_N], each read once and spread over its four words; `x_ptrs`
+    # [rows, BLOCK_K / 8] at the first column of each word. Each of the eight values of a word is one
+    # [BLOCK_K / 8, BLOCK_N] tile, dequantised to x's dtype and multiplied by x's matching columns.
+    words = tl.load(word_ptrs, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+    scales = group_scales(tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32))
+    scales = tl.reshape(tl.broadcast_to(scales[:, None, :], (BLOCK_K // 32, 4, BLOCK_N)), (BLOCK_K // 8, BLOCK_N))
+    for position in tl.static_range(4):
+        low, high = e2m1_pair(words, position)
+        x_low = tl.load(x_ptrs + position, mask=x_ok, other=0.0)
+        x_high = tl.load(x_ptrs + position + 4, mask=x_ok, other=0.0)
+        acc = tl.dot(x_low, (low * scales).to(x_low.dtype), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_high, (high * scales).to(x_low.dtype), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def mxfp4_rows_times_vector(x_ptr, word_row_starts, scale_row_starts, row_ok, K, ROWS: tl.constexpr,
                             BLOCK_K: tl.constexpr):
-    # [ROWS] float32: each MXFP4 weight row (its bytes from `byte_row_starts`, its scales from
-    # `scale_row_starts`, both [ROWS, 1], as `row_ok`) times the K values at x_ptr, on CUDA cores. Each
-    # group's 32 products are summed unscaled, then times the group's scale; the weights are read past
-    # the cache (nothing else reuses them).
-    half = tl.arange(0, BLOCK_K // 2)
+    # [ROWS] float32: each MXFP4 weight row (its blocks as int32 words of eight values from
+    # `word_row_starts`, its scales from `scale_row_starts`, both [ROWS, 1], as `row_ok`) times the K
+    # values at x_ptr, on CUDA cores. Each word's values pair up by e2m1_pair, each against its column of
+    # x; each group's 32 products are summed unscaled, then times the group's scale. The weights are
+    # read past the cache (nothing else reuses them).
+    words_in_step = tl.arange(0, BLOCK_K // 8)
     groups = tl.arange(0, BLOCK_K // 32)
     acc = tl.zeros([ROWS, BLOCK_K // 32], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
-        x_ok = 2 * half < K - start
-        x_even = tl.load(x_ptr + start + 2 * half, mask=x_ok, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + start + 2 * half + 1, mask=x_ok, other=0.0).to(tl.float32)
-        packed = tl.load(byte_row_starts + start // 2 + half[None, :], mask=row_ok & x_ok[None, :], other=0,
-                         eviction_policy="evict_first").to(tl.int32)
-        products = e2m1_over_2_14(packed & 15) * x_even[None, :] + e2m1_over_2_14(packed >> 4) * x_odd[None, :]
-        group_sums = tl.sum(tl.reshape(products, (ROWS, BLOCK_K // 32, GROUP_BYTES)), axis=2)
+        word_ok = 8 * words_in_step < K - start
+        words = tl.load(word_row_starts + start // 8 + words_in_step[None, :], mask=row_ok & word_ok[None, :],
+                        other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+        x_ptrs = x_ptr + start + 8 * words_in_step
+        products = tl.zeros([ROWS, BLOCK_K // 8], dtype=tl.float32)
+        for position in tl.static_range(4):
+            low, high = e2m1_pair(words, position)
+            x_low = tl.load(x_ptrs + position, mask=word_ok, other=0.0).to(tl.float32)
+            x_high = tl.load(x_ptrs + position + 4, mask=word_ok, other=0.0).to(tl.float32)
+            products += low * x_low[None, :] + high * x_high[None, :]
+        group_sums = tl.sum(tl.reshape(products, (ROWS, BLOCK_K // 32, 4)), axis=2)
         group_ok = row_ok & (groups < (K - start) // 32)[None, :]
         exponents = tl.load(scale_row_starts + start // 32 + groups[None, :], mask=group_ok, other=0)
         acc += group_sums * group_scales(exponents.to(tl.int32))
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _dequantise_kernel(blocks_ptr, scales_ptr, out_ptr, num_rows, row_bytes, BLOCK_ROWS: tl.constexpr,
+                       BLOCK_BYTES: tl.constexpr):
+    # Program (r, c): bytes c*BLOCK_BYTES.. of rows r*BLOCK_ROWS.. of contiguous blocks [rows, row_bytes],
+    # their two values each side by side in out [rows, 2 * row_bytes], stored as one contiguous tile.
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    row_ok = (rows < num_rows)[:, None]
+    ok = row_ok & (cols < row_bytes)[None, :]
+    rows = rows.to(tl.int64)
+    packed = tl.load(blocks_ptr + rows[:, None] * row_bytes + cols[None, :], mask=ok, other=0).to(tl.int32)
+    exponents = tl.load(scales_ptr + rows[:, None] * (row_bytes // GROUP_BYTES) + cols[None, :] // GROUP_BYTES,
+                        mask=ok, other=0)
+    scales = group_scales(exponents.to(tl.int32))
+    values = tl.join(e2m1_over_2_14(packed & 15) * scales, e2m1_over_2_14(packed >> 4) * scales)
+    values = tl.reshape(values, (BLOCK_ROWS, 2 * BLOCK_BYTES))
+    out_cols = tl.program_id(1) * 2 * BLOCK_BYTES + tl.arange(0, 2 * BLOCK_BYTES)
+    tl.store(out_ptr + rows[:, None] * (2 * row_bytes) + out_cols[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=row_ok & (out_cols < 2 * row_bytes)[None, :])
+
+
+def dequantise_mxfp4_triton(blocks, scales, dtype):
+    """``ops_cuda.mxfp4.dequantise_mxfp4`` as one kernel: blocks [..., rows, columns / 2] and scales
+    [..., rows, columns / 32] -> ``dtype`` [..., rows, columns]."""
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    row_bytes = blocks.shape[-1]
+    out = torch.empty(*blocks.shape[:-1], 2 * row_bytes, dtype=dtype, device=blocks.device)
+    num_rows = blocks.numel() // row_bytes
+    block_rows, block_bytes = 16, min(256, triton.next_power_of_2(row_bytes))
+    _dequantise_kernel[(triton.cdiv(num_rows, block_rows), triton.cdiv(row_bytes, block_bytes))](
+        blocks, scales, out, num_rows, row_bytes, BLOCK_ROWS=block_rows, BLOCK_BYTES=block_bytes,
+    )
+    return out

@@ -105,17 +105,14 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 @pytest.mark.parametrize("math", ["silu", "gpt_oss"])
 @pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_the_dequantised_experts_interpreted(case, dtype, math, monkeypatch):
-    """K-steps of 64 columns over H = 96: a partial last step, half of it masked."""
-    import ops_cuda.moe_triton as moe_triton
+def test_kernel_matches_the_dequantised_experts_interpreted(case, dtype, math):
+    """K-steps of 128 columns: over H = 160 two, the second a quarter full; over I = 64 one, half full."""
     from ops_cuda.moe_triton import Mxfp4Scales, moe_experts_triton
 
-    monkeypatch.setattr(moe_triton, "INTERPRETER_TILES",
-                        {tiles: tiles._replace(block_k=64) for tiles in moe_triton.INTERPRETER_TILES})
     tokens, top_k, allowed = CASES[case]
-    hidden_size, intermediate = 96, 64
+    hidden_size, intermediate = 160, 64
     experts = mxfp4_experts(hidden_size, intermediate)
-    activation, expert_biases = ("silu", ()) if math == "silu" else ("clamped_swiglu", biases(96, 64, dtype))
+    activation, expert_biases = ("silu", ()) if math == "silu" else ("clamped_swiglu", biases(160, 64, dtype))
     hidden = torch.randn(tokens, hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
     weights, ids = routed(tokens, top_k, allowed, seed=2)
     gate_up_blocks, gate_up_scales, down_blocks, down_scales = experts
@@ -145,11 +142,41 @@ def test_one_token_kernels_match_the_dequantised_experts_interpreted(held, dtype
     assert relative_error(ours, expected) <= TOL[dtype]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_dequantising_kernel_gives_the_reference_values_interpreted(dtype):
+    """Rows of 48 bytes (96 values) in 256-byte tiles: a partial tile; the values exact in both dtypes."""
+    from ops_cuda.mxfp4_triton import dequantise_mxfp4_triton
+
+    blocks, scales = random_mxfp4((3, 5, 96), seed=4)
+    assert torch.equal(dequantise_mxfp4_triton(blocks, scales, dtype), dequantise_mxfp4(blocks, scales, dtype))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("held", [None, [1, 4, 6]], ids=["all", "expert_parallel"])
+def test_prompts_through_dequantised_chunks_match_the_reference_interpreted(held, monkeypatch):
+    """A prompt's path: the experts dequantised three at a time (a last chunk of two), each chunk through
+    moe_experts (here its reference) with the other chunks' ids -1, the chunks summed in float32."""
+    import ops_cuda.moe as moe
+
+    experts = mxfp4_experts(96, 64)
+    monkeypatch.setattr(moe, "MXFP4_CHUNK_BYTES", 3 * 2 * (2 * 64 * 48 + 96 * 32) * 4)  # 3 experts' float32
+    hidden = torch.randn(11, 96, generator=torch.Generator().manual_seed(1))
+    weights, ids = routed(11, 3, list(range(NUM_EXPERTS)), seed=2)
+    if held is not None:
+        ids = torch.where(torch.isin(ids, torch.tensor(held)), ids, -1)
+    expert_biases = biases(96, 64, torch.float32)
+    ours = moe.mxfp4_through_dequantised_chunks(hidden, weights, ids, *experts, "clamped_swiglu", *expert_biases)
+    expected = dequantised_reference(hidden, weights, ids, experts, "clamped_swiglu", *expert_biases)
+    assert relative_error(ours, expected) <= TOL[torch.float32]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4, 64, 300, 4096])
 def test_bf16_gpt_oss_shapes_match_the_dequantised_experts_gpu(tokens):
-    """gpt-oss-20b's experts (H = 2,880, I = 2,880, top-4 of 32 here 8): the kernel against zoo::moe_experts'
-    CUDA kernels over the dequantised bf16 experts, as close as those are to each other's references."""
+    """gpt-oss-20b's experts (H = 2,880, I = 2,880, top-4 of 32 here 8), each path of the dispatch (one token's
+    kernels, the fused-MoE kernel's MXFP4 tiles, dequantised chunks from 256 tokens on) against the float32
+    computation, as close as zoo::moe_experts' CUDA kernels over the dequantised bf16 experts are."""
     from ops_cuda.moe import moe_experts
 
     experts = mxfp4_experts(2880, 2880, "cuda")
