@@ -139,7 +139,8 @@ def _load_llm(args):
     from runtime import LLM
 
     return LLM(args.model or str(default_model_path()), dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp)
+               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp,
+               keep_mxfp4=args.keep_mxfp4)
 
 
 def _generate(args) -> int:
@@ -272,7 +273,14 @@ def _add_sampling_flags(command, max_tokens: int, temperature: float) -> None:
     command.add_argument("--max-model-len", type=int, default=4096,
                          help="prompt + generated tokens of a sequence at most (capped by the model's limit)")
     _add_kv_cache_dtype_flag(command)
+    _add_keep_mxfp4_flag(command)
     _add_tp_flag(command)
+
+
+def _add_keep_mxfp4_flag(command) -> None:
+    command.add_argument("--keep-mxfp4", action="store_true",
+                         help="keep MXFP4 experts (gpt-oss's) in MXFP4, about a quarter of their bf16 memory; on CUDA "
+                              "batch-1 decode is faster, prompts and large batches slower (default: dequantised)")
 
 
 def _add_tp_flag(command) -> None:
@@ -298,7 +306,7 @@ def _serve(args) -> int:
                if getattr(args, name) is not None}
     llm = LLM(model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               compile_decode=args.compile_decode, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tp,
-              **options)
+              keep_mxfp4=args.keep_mxfp4, **options)
     # The embedded model's file is SmolLM2-135M-Instruct.Q4_1.gguf: it is served as SmolLM2-135M-Instruct.
     name = args.served_model_name or args.model or default_model_path().name.split(".")[0]
     try:
@@ -378,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gib", type=float, help="the KV cache's memory (default: 1 GiB on the CPU, "
                                                           "on CUDA what the model leaves of 90%% of the device)")
     _add_kv_cache_dtype_flag(serve)
+    _add_keep_mxfp4_flag(serve)
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA, run decode steps without CUDA graphs (default: graphs where the model allows)")
     serve.add_argument("--compile-decode", action="store_true",

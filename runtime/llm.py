@@ -77,7 +77,8 @@ class LLM:
     loads. On the CPU, weights already in ``dtype`` that a layer takes whole (embeddings, norms,
     linear layers of one HF projection; not fused ones such as q/k/v) map their safetensors file:
     truncating or rewriting it in place while the ``LLM`` lives ends the process (SIGBUS);
-    ``mmap=False`` copies them. On the CPU, ``compile_decode`` runs every decode step through one
+    ``mmap=False`` copies them. ``keep_mxfp4``: MXFP4 experts (gpt-oss's) stay in MXFP4, in about a
+    quarter of their bfloat16 memory (``from_pretrained``'s option). On the CPU, ``compile_decode`` runs every decode step through one
     graph torch.compile builds when ``LLM`` starts (30-60 s; inductor keeps what it built on disk):
     SmolLM2's steps of 1 to 64 sequences run 1.03-1.35x faster than eager ones in float32 and
     1.3-1.5x in bfloat16. Each ``LLM`` compiles its own graph, into which inductor freezes the
@@ -94,10 +95,11 @@ class LLM:
     """
 
     def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, processor=None,
-                 config: EngineConfig | None = None, mmap: bool = True, **options):
+                 config: EngineConfig | None = None, mmap: bool = True, keep_mxfp4: bool = False, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
-        if not isinstance(mmap, bool):
-            raise TypeError(f"mmap must be True or False, got {mmap!r}")
+        for name, value in (("mmap", mmap), ("keep_mxfp4", keep_mxfp4)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
         if tokenizer is not None and not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
             raise TypeError(f"tokenizer must be a transformers tokenizer (transformers.AutoTokenizer.from_pretrained), "
                             f"got {type(tokenizer).__name__}")
@@ -112,6 +114,9 @@ class LLM:
             if config.tensor_parallel_size > 1:
                 raise ValueError("tensor_parallel_size > 1 takes a checkpoint, which each rank loads its slice of, "
                                  "not a model already built")
+            if keep_mxfp4:
+                raise ValueError("keep_mxfp4 says how a checkpoint loads: give LLM the checkpoint, or load the model "
+                                 "with AutoModelForCausalLM.from_pretrained(..., keep_mxfp4=True)")
             where = next(model.parameters()).device
             asked = None if device is None else model_device(device)
             if asked is not None and (asked.type, asked.index or 0) != (where.type, where.index or 0):
@@ -124,11 +129,12 @@ class LLM:
                 dtype = torch.float32
             self.tokenizer = tokenizer or load_tokenizer(model)  # a damaged tokenizer fails before the weights load
             if config.tensor_parallel_size > 1:
-                self.ranks = Ranks.start(config.tensor_parallel_size, model, dtype, device, mmap, config)
+                self.ranks = Ranks.start(config.tensor_parallel_size, model, dtype, device, config, mmap=mmap,
+                                         keep_mxfp4=keep_mxfp4)
                 device = self.ranks.device
             with self._all_ranks():
                 self.model = AutoModelForCausalLM.from_pretrained(
-                    model, dtype=dtype, device=device, mmap=mmap,
+                    model, dtype=dtype, device=device, mmap=mmap, keep_mxfp4=keep_mxfp4,
                     tensor_parallel=None if self.ranks is None else self.ranks.group)
                 takes_images = getattr(self.model, "image_token_id", None) is not None
                 self.processor = processor or (load_processor(model) if takes_images else None)

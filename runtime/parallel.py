@@ -65,9 +65,10 @@ class Ranks:
     # -- rank 0 -----------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, size: int, model: str, dtype: torch.dtype, device: torch.device, mmap: bool, config) -> "Ranks":
-        """Start ranks 1..size-1, each loading its slice of ``model`` with ``config``'s engine,
-        and join them as rank 0. Returns once the process group is up; the workers load meanwhile."""
+    def start(cls, size: int, model: str, dtype: torch.dtype, device: torch.device, config, **load_options) -> "Ranks":
+        """Start ranks 1..size-1, each loading its slice of ``model`` (``load_options``: the rest of
+        ``from_pretrained``'s, ``mmap`` and ``keep_mxfp4``) with ``config``'s engine, and join them as
+        rank 0. Returns once the process group is up; the workers load meanwhile."""
         if device.type == "cuda":
             if device.index not in (None, 0):
                 raise ValueError(f"tensor parallelism puts rank r on cuda:r; give the device as 'cuda', not {device}")
@@ -95,8 +96,8 @@ class Ranks:
         for rank in range(1, size):
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(target=run_worker, name=f"zoo-rank{rank}", daemon=True,
-                                      args=(rank, size, store.port, model, dtype, device.type, mmap, config,
-                                            threads, sender))
+                                      args=(rank, size, store.port, model, dtype, device.type, load_options,
+                                            config, threads, sender))
             process.start()
             sender.close()
             workers.append(process)
@@ -314,7 +315,7 @@ def _end(watch: _Watch, group) -> None:
 # -- the workers ---------------------------------------------------------------------------------
 
 
-def run_worker(rank, size, port, model, dtype, device_type, mmap, config, threads, report) -> None:
+def run_worker(rank, size, port, model, dtype, device_type, load_options, config, threads, report) -> None:
     """A worker rank's process: join the group, load the rank's slice of ``model``, build its
     engine, then run every step rank 0 sends until told to stop. An error is sent to rank 0
     through ``report`` before the process exits."""
@@ -333,8 +334,8 @@ def run_worker(rank, size, port, model, dtype, device_type, mmap, config, thread
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                                 timeout=None if device.type == "cuda" else IDLE_TIMEOUT)
         ranks = Ranks(rank, size, device)
-        loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device, mmap=mmap,
-                                                      tensor_parallel=ranks.group)
+        loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device=device, tensor_parallel=ranks.group,
+                                                      **load_options)
         with torch.inference_mode(False):  # as LLM builds its engine: buffers written outside inference mode
             engine = Engine(loaded, None, [], config, ranks=ranks)
         with start_up_objects_frozen():

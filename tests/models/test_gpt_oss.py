@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from loaders import CheckpointError
 from models import AutoModelForCausalLM
+from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
 from tests.models.test_glm4_moe import assert_greedy_and_diff_match_hf
 from tests.models.test_parity import TOLERANCE, assert_matches
@@ -196,3 +197,19 @@ def test_mxfp4_experts_kept_on_the_gpu_give_transformers_logits_gpu(tmp_path, in
     with torch.no_grad():
         assert_matches(model(input_ids.cuda()).cpu(), reference(input_ids).logits)
         assert_matches(model(input_ids[:1, :1].cuda()).cpu(), reference(input_ids[:1, :1]).logits)
+
+
+def test_llm_keeps_mxfp4_experts_when_asked(tmp_path):
+    """``LLM(path, keep_mxfp4=True)``: the experts in MXFP4, the greedy tokens of the dequantised load."""
+    path = str(save_mxfp4_checkpoint(gpt_oss_hf_model(VARIANTS["gpt_oss"]), tmp_path / "ckpt"))
+    prompts, greedy = [[5, 9, 13, 2], [40, 41, 42]], SamplingParams(max_tokens=8, temperature=0.0)
+    kept = LLM(path, device="cpu", keep_mxfp4=True)
+    assert kept.model.model.layers[0].mlp.experts.mxfp4
+    dequantised = LLM(path, device="cpu")
+    assert not dequantised.model.model.layers[0].mlp.experts.mxfp4
+    tokens = [[o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] for llm in (kept, dequantised)]
+    assert tokens[0] == tokens[1] and all(len(t) > 0 for t in tokens[0])
+    with pytest.raises(TypeError, match="keep_mxfp4 must be True or False, got 1"):
+        LLM(path, device="cpu", keep_mxfp4=1)
+    with pytest.raises(ValueError, match="keep_mxfp4 says how a checkpoint loads"):
+        LLM(dequantised.model, keep_mxfp4=True)

@@ -25,6 +25,7 @@ from runtime import LLM, EngineConfig, SamplingParams
 from runtime.cli import main
 from runtime.parallel import Ranks
 from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.models.test_gpt_oss import gpt_oss_config, gpt_oss_hf_model, save_mxfp4_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 PROMPTS = [[5, 9, 13, 2], [40, 41], list(range(3, 33)), [7] * 11]  # the third runs as two chunks below
@@ -88,8 +89,7 @@ def test_a_model_tensor_parallelism_does_not_run_is_refused_with_its_own_error(t
 
 def test_a_worker_that_fails_to_load_reports_its_error(tmp_path):
     # Rank 0 loads nothing yet: the worker alone meets the missing checkpoint.
-    ranks = Ranks.start(2, str(tmp_path / "missing"), torch.float32, torch.device("cpu"), True,
-                        EngineConfig())
+    ranks = Ranks.start(2, str(tmp_path / "missing"), torch.float32, torch.device("cpu"), EngineConfig())
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)tensor-parallel rank 1 exited with code 1; it reported:\n"
                                            r"Traceback.*missing"):
@@ -128,6 +128,17 @@ def test_zoo_generate_runs_over_two_ranks_and_the_worker_ends_quietly(checkpoint
     assert captured.out.splitlines()[0] == "5,9,13,2 ->" + "".join(f" {t}" for t in expected)
     # Its start-up objects thawed before it exits: triton's nanobind named those never freed (~600 lines).
     assert "leaked" not in captured.err
+
+
+def test_zoo_generate_keeps_mxfp4_experts_over_two_ranks(tmp_path, capfd):
+    """gpt-oss's MXFP4 experts kept in MXFP4 (--keep-mxfp4), 2 of 4 on each rank: HF's greedy tokens over
+    the values transformers dequantises them to."""
+    reference = gpt_oss_hf_model(gpt_oss_config(num_local_experts=4))
+    path = save_mxfp4_checkpoint(reference, tmp_path / "ckpt")
+    assert main(["generate", "--model", str(path), "--device", "cpu", "--tp", "2", "--keep-mxfp4", "--token-ids",
+                 "5,9,13,2", "--max-tokens", "6"]) == 0
+    expected = hf_greedy(reference, [[5, 9, 13, 2]], max_tokens=6)[0]
+    assert capfd.readouterr().out.splitlines()[0] == "5,9,13,2 ->" + "".join(f" {t}" for t in expected)
 
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
