@@ -9,26 +9,34 @@ so a product over dequantised weights equals the product over the bfloat16 weigh
 dequantises them to, up to the order of the sums. The Triton side: ``mxfp4_triton.py``."""
 
 import torch
+import torch.nn.functional as F
 
 # The e2m1 value of each 4-bit code: sign bit, two exponent bits, one mantissa bit.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP_SIZE = 32  # values a scale
 SCALE_BIAS = 127
-CHUNK_GROUPS = 1 << 20
+CHUNK_GROUPS = 1 << 16  # 2 M values a step
 
 
 def dequantise_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """uint8 blocks [..., rows, columns / 2] and scales [..., rows, columns / 32] -> ``dtype`` [..., rows, columns]."""
+    """uint8 blocks [..., rows, columns / 2] and scales [..., rows, columns / 32] -> ``dtype`` [..., rows, columns].
+    Each byte's two values are one row of a 256-row table, gathered as an embedding, times the group's
+    power of two (exact in bfloat16 and float32, which compute it; float16, whose range is narrower,
+    takes the float32 values): about 1 G values a second on two CPU cores into bfloat16 (the best of three
+    calls on 265 M values), where indexing a 16-value table once per nibble took 0.15; gpt-oss-20b's
+    experts are 19 G values."""
+    compute = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.arange(256, device=blocks.device)
+    byte_values = torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=-1).to(compute)  # the low nibble first
     group_bytes = GROUP_SIZE // 2
     out = torch.empty(*blocks.shape[:-1], 2 * blocks.shape[-1], dtype=dtype, device=blocks.device)
-    flat_blocks, flat_scales = blocks.reshape(-1, group_bytes), scales.reshape(-1, 1)
-    flat_out = out.view(-1, GROUP_SIZE)
-    for start in range(0, flat_blocks.shape[0], CHUNK_GROUPS):  # the codes of a whole tensor would take gigabytes
-        part, rows = flat_blocks[start : start + CHUNK_GROUPS], slice(start, start + CHUNK_GROUPS)
-        factors = torch.exp2(flat_scales[rows].to(torch.float32) - SCALE_BIAS)
-        flat_out[rows, 0::2] = values[(part & 0x0F).int()] * factors  # the low nibble is the earlier value
-        flat_out[rows, 1::2] = values[(part >> 4).int()] * factors
+    flat_blocks, flat_scales = blocks.reshape(-1, group_bytes), scales.reshape(-1, 1, 1)
+    flat_out = out.view(-1, group_bytes, 2)
+    for start in range(0, flat_blocks.shape[0], CHUNK_GROUPS):  # the values of a whole tensor would take gigabytes
+        rows = slice(start, start + CHUNK_GROUPS)
+        factors = torch.exp2(flat_scales[rows].to(torch.float32) - SCALE_BIAS).to(compute)
+        torch.mul(F.embedding(flat_blocks[rows].int(), byte_values), factors, out=flat_out[rows])
     return out
 
 
