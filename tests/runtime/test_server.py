@@ -590,12 +590,17 @@ def test_a_prompt_of_millions_of_token_ids_is_parsed_about_as_fast_as_its_json()
     from runtime.openai_protocol import CompletionRequest, parse_request
 
     body = json.dumps({"model": MODEL, "prompt": list(range(2_000_000))}).encode()
-    started = time.perf_counter()
-    json.loads(body)
-    json_s = time.perf_counter() - started
-    started = time.perf_counter()
     assert len(parse_request(CompletionRequest, body).prompt) == 2_000_000
-    assert time.perf_counter() - started < 3 * json_s
+
+    def fastest(parse) -> float:  # of three: a busy machine slows single calls unevenly
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            parse(body)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    assert fastest(lambda raw: parse_request(CompletionRequest, raw)) < 3 * fastest(json.loads)
 
 
 @pytest.mark.parametrize("route, field, bad_list, param", [
