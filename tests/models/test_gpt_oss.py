@@ -213,3 +213,21 @@ def test_llm_keeps_mxfp4_experts_when_asked(tmp_path):
         LLM(path, device="cpu", keep_mxfp4=1)
     with pytest.raises(ValueError, match="keep_mxfp4 says how a checkpoint loads"):
         LLM(dequantised.model, keep_mxfp4=True)
+
+
+@pytest.mark.gpu
+def test_llm_with_mxfp4_experts_on_the_gpu_gives_the_dequantised_tokens_gpu(tmp_path):
+    """Every path of zoo::mxfp4_moe_experts inside the runtime's CUDA graphs, float32: a prompt of 300
+    tokens (the experts through bf16 buffers, here float32 ones), a batch of short ones (the fused-MoE
+    kernel's MXFP4 tiles) and single-token decode steps, as the experts dequantised at load give."""
+    config = gpt_oss_config(max_position_embeddings=512)
+    path = str(save_mxfp4_checkpoint(gpt_oss_hf_model(config), tmp_path / "ckpt"))
+    prompts = [[3 + i % 90 for i in range(300)], [5, 9, 13, 2], [40, 41, 42], [7] * 11]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    tokens = []
+    for keep in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", keep_mxfp4=keep, max_model_len=512)
+        assert llm.model.model.layers[0].mlp.experts.mxfp4 == keep
+        tokens.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+        del llm
+    assert tokens[0] == tokens[1]
