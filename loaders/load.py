@@ -329,12 +329,14 @@ def mxfp4_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],
                           targets: dict[str, list[Target]]) -> set[str]:
     """The parameters that stay in MXFP4: those a module names in its ``mxfp4_parameters``, all of them
     or none per module, each filled only by MXFP4 tensors read transposed (the stored rows become the
-    parameter's rows) in whole rows (``mxfp4_source``), its columns whole scale groups."""
+    parameter's rows) in whole rows (``mxfp4_source``) into places that leave the parameter's columns
+    whole, its columns whole scale groups."""
     sources: dict[str, list[tuple | None]] = {}
     for name, places in targets.items():
         ref = checkpoint[name]
         for place in places:
-            stored = ref.mxfp4 is not None and place.transposed
+            whole_columns = len(place.index) < model.get_parameter(place.parameter).dim()
+            stored = ref.mxfp4 is not None and place.transposed and whole_columns
             sources.setdefault(place.parameter, []).append(mxfp4_source(place.source, len(ref.shape)) if stored else None)
     kept = set()
     for prefix, module in model.named_modules():

@@ -231,3 +231,15 @@ def test_llm_with_mxfp4_experts_on_the_gpu_gives_the_dequantised_tokens_gpu(tmp_
         tokens.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
         del llm
     assert tokens[0] == tokens[1]
+
+
+def test_mxfp4_reads_keep_whole_groups():
+    """The stored blocks' index of a transposed read: leading index and rows kept, the columns (the
+    dequantised tensor's second-to-last dimension) whole, or no MXFP4 read (a group's values would part)."""
+    from loaders.load import mxfp4_source
+
+    every, evens = slice(None), slice(0, None, 2)
+    assert mxfp4_source((), 3) == ()
+    assert mxfp4_source((slice(2, 4), every, evens), 3) == (slice(2, 4), evens)  # experts 2-3, the gate rows
+    assert mxfp4_source((slice(2, 4),), 3) == (slice(2, 4), every)
+    assert mxfp4_source((every, slice(0, 32)), 3) is None
