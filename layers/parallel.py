@@ -48,6 +48,7 @@ from layers.rotary import RotaryEmbedding
 from layers.vision import CLIPVisionTower, MultiModalProjector
 from layers.weights import OneOf, Shard, parent_of
 from ops_cuda.linear import linear
+from ops_cuda.moe import ids_within
 
 
 def rank_range(size: int, rank: int, ranks: int) -> slice:
@@ -213,9 +214,7 @@ class ExpertParallelExperts(Experts):
         return held
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        local = topk_ids - self.experts.start
-        held = (local >= 0) & (local < self.num_experts)
-        return super().forward(x, topk_weights, torch.where(held, local, -1))
+        return super().forward(x, topk_weights, ids_within(topk_ids, self.experts))
 
     def extra_repr(self) -> str:
         return f"experts={self.experts.start}..{self.experts.stop - 1} of {self.total_experts}, " + super().extra_repr()

@@ -15,10 +15,9 @@ import torch
 
 from loaders.fp8 import quantization_config
 from loaders.types import CheckpointError, Mxfp4Blocks, TensorRef, name_list
-from ops_cuda.mxfp4 import GROUP_SIZE, dequantise_mxfp4
+from ops_cuda.mxfp4 import GROUP_BYTES, dequantise_mxfp4
 
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
-GROUP_BYTES = GROUP_SIZE // 2
 
 
 def is_mxfp4(config) -> bool:

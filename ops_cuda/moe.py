@@ -82,6 +82,20 @@ def moe_experts_reference(
     return out.to(hidden.dtype)
 
 
+def ids_within(topk_ids: torch.Tensor, experts: slice) -> torch.Tensor:
+    """``topk_ids`` of the ``experts`` range renumbered from 0, every other id -1 (which every path of the
+    expert ops skips): a rank's experts under expert parallelism, a chunk of them."""
+    local = topk_ids - experts.start
+    return torch.where((local >= 0) & (local < experts.stop - experts.start), local, -1)
+
+
+def biases_fit(dtype: torch.dtype | None, *biases_and_weights) -> bool:
+    """Whether each (bias, weight) pair's bias is None or [E, rows of its weight] in ``dtype`` (None: the
+    weight's own): as the kernels read an expert's bias."""
+    return all(bias is None or (bias.dtype == (dtype or weight.dtype) and bias.shape == weight.shape[:2])
+               for bias, weight in biases_and_weights)
+
+
 def _bias_of(biases: torch.Tensor | None, expert: int) -> torch.Tensor | None:
     return None if biases is None else biases[expert]
 
@@ -145,10 +159,8 @@ def cuda_kernel(hidden, topk_ids, gate_up, down, activation, gate_up_bias=None, 
     from ops_cuda.moe_grouped_mm import grouped_mm_supported
     from ops_cuda.moe_triton import triton_supported
 
-    for bias, weight in ((gate_up_bias, gate_up), (down_bias, down)):
-        # The kernels read a bias as [E, rows of the weight] in the weight's dtype.
-        if bias is not None and (bias.dtype != weight.dtype or bias.shape != weight.shape[:2]):
-            return "reference"
+    if not biases_fit(None, (gate_up_bias, gate_up), (down_bias, down)):
+        return "reference"
     if (topk_ids.numel() <= DECODE_MAX_PAIRS and hidden.dtype in DECODE_DTYPES
             and decode_supported(hidden, topk_ids, gate_up, down, activation)):
         return "decode"
@@ -310,7 +322,7 @@ def mxfp4_moe_experts_reference(
     capture, where which were picked cannot be read)."""
     _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        picked, ids = torch.arange(gate_up_blocks.shape[0], device=hidden.device), topk_ids
+        picked, ids = slice(None), topk_ids
     else:
         picked = topk_ids[topk_ids >= 0].unique()
         position = torch.full((gate_up_blocks.shape[0],), -1, dtype=topk_ids.dtype, device=topk_ids.device)
@@ -377,9 +389,8 @@ def mxfp4_through_dequantised_chunks(hidden, topk_weights, topk_ids, gate_up_blo
     chunk = max(1, min(num_experts, MXFP4_CHUNK_BYTES // expert_bytes))
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for first in range(0, num_experts, chunk):
-        experts = slice(first, first + chunk)
-        local = topk_ids - first
-        ids = torch.where((local >= 0) & (local < chunk), local, -1)
+        experts = slice(first, min(first + chunk, num_experts))
+        ids = ids_within(topk_ids, experts)
         gate_up = dequantise_mxfp4_triton(gate_up_blocks[experts], gate_up_scales[experts], hidden.dtype)
         down = dequantise_mxfp4_triton(down_blocks[experts], down_scales[experts], hidden.dtype)
         out += moe_experts(hidden, topk_weights, ids, gate_up, down, activation,
@@ -396,8 +407,7 @@ def _(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_block
 
     _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scales)
     scales = Mxfp4Scales(gate_up_scales, down_scales)
-    biases_ok = all(bias is None or (bias.dtype == hidden.dtype and bias.shape == blocks.shape[:2])
-                    for bias, blocks in ((gate_up_bias, gate_up_blocks), (down_bias, down_blocks)))
+    biases_ok = biases_fit(hidden.dtype, (gate_up_bias, gate_up_blocks), (down_bias, down_blocks))
     if not (biases_ok and mxfp4_triton_supported(hidden, gate_up_blocks, down_blocks, activation, scales)):
         return mxfp4_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales,
                                            down_blocks, down_scales, activation, gate_up_bias, down_bias)

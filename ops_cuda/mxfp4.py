@@ -14,6 +14,7 @@ import torch.nn.functional as F
 # The e2m1 value of each 4-bit code: sign bit, two exponent bits, one mantissa bit.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP_SIZE = 32  # values a scale
+GROUP_BYTES = GROUP_SIZE // 2
 SCALE_BIAS = 127
 CHUNK_GROUPS = 1 << 16  # 2 M values a step
 
@@ -29,10 +30,9 @@ def dequantise_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     codes = torch.arange(256, device=blocks.device)
     byte_values = torch.stack([values[codes & 0x0F], values[codes >> 4]], dim=-1).to(compute)  # the low nibble first
-    group_bytes = GROUP_SIZE // 2
     out = torch.empty(*blocks.shape[:-1], 2 * blocks.shape[-1], dtype=dtype, device=blocks.device)
-    flat_blocks, flat_scales = blocks.reshape(-1, group_bytes), scales.reshape(-1, 1, 1)
-    flat_out = out.view(-1, group_bytes, 2)
+    flat_blocks, flat_scales = blocks.reshape(-1, GROUP_BYTES), scales.reshape(-1, 1, 1)
+    flat_out = out.view(-1, GROUP_BYTES, 2)
     for start in range(0, flat_blocks.shape[0], CHUNK_GROUPS):  # the values of a whole tensor would take gigabytes
         rows = slice(start, start + CHUNK_GROUPS)
         factors = torch.exp2(flat_scales[rows].to(torch.float32) - SCALE_BIAS).to(compute)
@@ -51,6 +51,6 @@ def check_mxfp4_weight(op: str, name: str, blocks: torch.Tensor, scales: torch.T
     matching shapes (sixteen bytes a scale)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"zoo::{op}: {name} blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.shape[:-1] != scales.shape[:-1] or blocks.shape[-1] != scales.shape[-1] * (GROUP_SIZE // 2):
+    if blocks.shape[:-1] != scales.shape[:-1] or blocks.shape[-1] != scales.shape[-1] * GROUP_BYTES:
         raise ValueError(f"zoo::{op}: {name} blocks of shape {tuple(blocks.shape)} with scales of shape "
                          f"{tuple(scales.shape)}; expected [..., rows, columns / 2] and [..., rows, columns / 32]")

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP_BYTES = tl.constexpr(16)  # a scale's 32 values
+from ops_cuda import mxfp4
+
+GROUP_BYTES = tl.constexpr(mxfp4.GROUP_BYTES)  # a scale's 32 values
 
 
 @triton.jit
