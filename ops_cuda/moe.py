@@ -372,9 +372,9 @@ def _(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_block
 # and run through zoo::moe_experts' kernels: at prompt sizes each weight tile would be dequantised once per
 # block of rows inside the fused-MoE kernel, where the buffer dequantises it once. A chunk of experts
 # holds at most MXFP4_CHUNK_BYTES dequantised. Measured on an H100 at gpt-oss-20b's experts (top-4 of
-# 32, a probe, not kept), µs per layer, fused-MoE MXFP4 tiles / dequantised chunks: 64 tokens 701 /
-# 1537, 128 tokens 1133 / 1550, 256 tokens 2600 / 1565 (bf16 experts: 584, 602, 607).
-MXFP4_DEQUANTISE_MIN_TOKENS = 256
+# 32, a probe, not kept), µs per layer, fused-MoE MXFP4 tiles / dequantised chunks: 256 tokens 798 /
+# 1563, 1,024 tokens 1,787 / 1,836, 4,096 tokens 5,533 / 3,877 (bf16 experts: 605, 859, 2,878).
+MXFP4_DEQUANTISE_MIN_TOKENS = 1024
 MXFP4_CHUNK_BYTES = 1 << 30
 
 

@@ -37,10 +37,10 @@ weight-block scales, so a step stays within one scale group (BLOCK_K divides ``b
 
 MXFP4 experts (``zoo::mxfp4_moe_experts``, ``Mxfp4Scales``): the kernels read uint8 blocks, two 4-bit
 values a byte, and a scale per 32 values (``ops_cuda/mxfp4.py``). Each K-step's weight tile arrives as
-[BLOCK_K / 8, BLOCK_N] int32 words of eight values with [BLOCK_K / 32, BLOCK_N] scales, dequantised in
-registers to the activation dtype (exactly: ``ops_cuda/mxfp4_triton.py``) as eight tiles, one per
-value of a word, each multiplying the rows' matching columns: eight products a step. BLOCK_K is a
-multiple of four 32-value groups.
+[BLOCK_N, BLOCK_K / 8] int32 words of eight values with [BLOCK_N, BLOCK_K / 32] scales, dequantised in
+registers to the activation dtype (exactly: ``ops_cuda/mxfp4_triton.py``) and joined back into one
+tile in the columns' order: one product a step, as for bf16 weights. BLOCK_K is a multiple of the
+32-value groups.
 """
 
 from typing import NamedTuple
@@ -118,8 +118,8 @@ def tiles_for(hidden: torch.Tensor, num_pairs: int, num_experts: int, fp8: Fp8Sc
         tiles = tiles._replace(block_k=tiles.block_k // 2)
     if fp8 is not None:  # a K-step within one scale group: the largest power of two dividing its columns
         tiles = tiles._replace(block_k=min(tiles.block_k, fp8.block[1] & -fp8.block[1]))
-    if mxfp4:  # whole scale groups a K-step, each word's eight tiles at least tl.dot's 16 rows
-        tiles = tiles._replace(block_k=max(tiles.block_k, 4 * MXFP4_GROUP_SIZE))
+    if mxfp4:  # whole scale groups a K-step
+        tiles = tiles._replace(block_k=max(tiles.block_k, MXFP4_GROUP_SIZE))
     return tiles
 
 
@@ -352,21 +352,19 @@ def _mxfp4_gate_up(hidden_ptr, tokens, row_ok, weights, weight_scales, cols, col
                    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # The gate and up products over MXFP4 weights (`weights` and strides in int32 words), a K-step at a
     # time (mxfp4_step_product).
-    words_in_step, groups = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
-    x_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + 8 * words_in_step[None, :]
-    gate_ptrs = weights + cols[None, :] * w_stride_n + words_in_step[:, None] * w_stride_k
+    ks, words_in_step, groups = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
+    x_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + ks[None, :]
+    gate_ptrs = weights + cols[:, None] * w_stride_n + words_in_step[None, :] * w_stride_k
     up_ptrs = gate_ptrs + intermediate * w_stride_n
-    gate_scale_ptrs = weight_scales + cols[None, :] * w_scale_stride_n + groups[:, None] * w_scale_stride_k
+    gate_scale_ptrs = weight_scales + cols[:, None] * w_scale_stride_n + groups[None, :] * w_scale_stride_k
     up_scale_ptrs = gate_scale_ptrs + intermediate * w_scale_stride_n
     for k in range(0, hidden_size, BLOCK_K):
-        word_ok = 8 * words_in_step < hidden_size - k
-        x_ok = row_ok[:, None] & word_ok[None, :]
-        w_ok = word_ok[:, None] & col_ok[None, :]
-        scale_ok = (groups < (hidden_size - k) // 32)[:, None] & col_ok[None, :]
-        gate = mxfp4_step_product(x_ptrs, x_ok, gate_ptrs, gate_scale_ptrs, w_ok, scale_ok, gate, DOT_PRECISION,
-                                  BLOCK_K, BLOCK_N)
-        up = mxfp4_step_product(x_ptrs, x_ok, up_ptrs, up_scale_ptrs, w_ok, scale_ok, up, DOT_PRECISION,
-                                BLOCK_K, BLOCK_N)
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & (ks < hidden_size - k)[None, :], other=0.0)
+        w_ok = col_ok[:, None] & (8 * words_in_step < hidden_size - k)[None, :]
+        scale_ok = col_ok[:, None] & (groups < (hidden_size - k) // 32)[None, :]
+        gate = mxfp4_step_product(x, gate_ptrs, gate_scale_ptrs, w_ok, scale_ok, gate, DOT_PRECISION, BLOCK_K,
+                                  BLOCK_N)
+        up = mxfp4_step_product(x, up_ptrs, up_scale_ptrs, w_ok, scale_ok, up, DOT_PRECISION, BLOCK_K, BLOCK_N)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K // 8 * w_stride_k
         up_ptrs += BLOCK_K // 8 * w_stride_k
@@ -380,15 +378,15 @@ def _mxfp4_down(h_ptr, rows, row_ok, weights, weight_scales, cols, col_ok, inter
                 w_stride_k, w_scale_stride_n, w_scale_stride_k, acc, DOT_PRECISION: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # The down product over MXFP4 weights, as _mxfp4_gate_up.
-    words_in_step, groups = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
-    h_ptrs = h_ptr + rows[:, None] * h_stride + 8 * words_in_step[None, :]
-    w_ptrs = weights + cols[None, :] * w_stride_n + words_in_step[:, None] * w_stride_k
-    scale_ptrs = weight_scales + cols[None, :] * w_scale_stride_n + groups[:, None] * w_scale_stride_k
+    ks, words_in_step, groups = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K // 32)
+    h_ptrs = h_ptr + rows[:, None] * h_stride + ks[None, :]
+    w_ptrs = weights + cols[:, None] * w_stride_n + words_in_step[None, :] * w_stride_k
+    scale_ptrs = weight_scales + cols[:, None] * w_scale_stride_n + groups[None, :] * w_scale_stride_k
     for k in range(0, intermediate, BLOCK_K):
-        word_ok = 8 * words_in_step < intermediate - k
-        scale_ok = (groups < (intermediate - k) // 32)[:, None] & col_ok[None, :]
-        acc = mxfp4_step_product(h_ptrs, row_ok[:, None] & word_ok[None, :], w_ptrs, scale_ptrs,
-                                 word_ok[:, None] & col_ok[None, :], scale_ok, acc, DOT_PRECISION, BLOCK_K, BLOCK_N)
+        h = tl.load(h_ptrs, mask=row_ok[:, None] & (ks < intermediate - k)[None, :], other=0.0)
+        w_ok = col_ok[:, None] & (8 * words_in_step < intermediate - k)[None, :]
+        scale_ok = col_ok[:, None] & (groups < (intermediate - k) // 32)[None, :]
+        acc = mxfp4_step_product(h, w_ptrs, scale_ptrs, w_ok, scale_ok, acc, DOT_PRECISION, BLOCK_K, BLOCK_N)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8 * w_stride_k
         scale_ptrs += BLOCK_K // 32 * w_scale_stride_k

@@ -47,23 +47,28 @@ def e2m1_pair(words, position: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_step_product(x_ptrs, x_ok, word_ptrs, scale_ptrs, word_ok, scale_ok, acc, DOT_PRECISION: tl.constexpr,
+def mxfp4_step_product(x, word_ptrs, scale_ptrs, word_ok, scale_ok, acc, DOT_PRECISION: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    # acc plus rows of x times a K-step of MXFP4 weights on tensor cores: the weights' int32 words at
-    # `word_ptrs` [BLOCK_K / 8, BLOCK_N] (eight values of a column each), their groups' scales at
-    # `scale_ptrs` [BLOCK_K / 32, BLOCK_N], each read once and spread over its four words; `x_ptrs`
-    # [rows, BLOCK_K / 8] at the first column of each word. Each of the eight values of a word is one
-    # [BLOCK_K / 8, BLOCK_N] tile, dequantised to x's dtype and multiplied by x's matching columns.
+    # acc plus rows x [rows, BLOCK_K] times a K-step of MXFP4 weights on tensor cores: the weights' int32
+    # words at `word_ptrs` [BLOCK_N, BLOCK_K / 8] (eight values of a row each), their groups' scales at
+    # `scale_ptrs` [BLOCK_N, BLOCK_K / 32], each read once and spread over its four words. The eight
+    # values of each word, dequantised to x's dtype, are joined back into their columns' order: one
+    # [BLOCK_N, BLOCK_K] tile, one product.
     words = tl.load(word_ptrs, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
     scales = group_scales(tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32))
-    scales = tl.reshape(tl.broadcast_to(scales[:, None, :], (BLOCK_K // 32, 4, BLOCK_N)), (BLOCK_K // 8, BLOCK_N))
-    for position in tl.static_range(4):
-        low, high = e2m1_pair(words, position)
-        x_low = tl.load(x_ptrs + position, mask=x_ok, other=0.0)
-        x_high = tl.load(x_ptrs + position + 4, mask=x_ok, other=0.0)
-        acc = tl.dot(x_low, (low * scales).to(x_low.dtype), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(x_high, (high * scales).to(x_low.dtype), acc, input_precision=DOT_PRECISION)
-    return acc
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)), (BLOCK_N, BLOCK_K // 8))
+    v0, v4 = e2m1_pair(words, 0)
+    v1, v5 = e2m1_pair(words, 1)
+    v2, v6 = e2m1_pair(words, 2)
+    v3, v7 = e2m1_pair(words, 3)
+    dtype = x.dtype
+    # Each join adds a last axis; joined outermost bit first, value i of a word lands at i.
+    pairs_0426 = tl.join(tl.join((v0 * scales).to(dtype), (v4 * scales).to(dtype)),
+                         tl.join((v2 * scales).to(dtype), (v6 * scales).to(dtype)))
+    pairs_1537 = tl.join(tl.join((v1 * scales).to(dtype), (v5 * scales).to(dtype)),
+                         tl.join((v3 * scales).to(dtype), (v7 * scales).to(dtype)))
+    tile = tl.reshape(tl.join(pairs_0426, pairs_1537), (BLOCK_N, BLOCK_K))
+    return tl.dot(x, tl.trans(tile), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
