@@ -51,6 +51,7 @@ from ops_cuda.triton_helpers import (
     gated_weight_rows,
     pdl_launch,
     round_to,
+    store_gated_activation,
     weight_tile,
 )
 
@@ -170,12 +171,8 @@ def _decode_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * w_stride_k
         up_ptrs += BLOCK_K * w_stride_k
-    if HAS_BIAS:  # the gate row's and the up row's, before the rounding, as F.linear adds them
-        gate += expert_bias(bias_ptr, expert, cols, col_ok, 2 * intermediate)[None, :]
-        up += expert_bias(bias_ptr, expert, intermediate + cols, col_ok, 2 * intermediate)[None, :]
-    dtype = h_ptr.dtype.element_ty
-    h = gated_activation(gate, up, dtype, ACTIVATION)
-    tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=picked[:, None] & col_ok[None, :])
+    store_gated_activation(h_ptr + rows[:, None] * h_stride + cols[None, :], picked[:, None] & col_ok[None, :],
+                           gate, up, bias_ptr, expert, cols, col_ok, intermediate, HAS_BIAS, ACTIVATION)
 
 
 @triton.jit

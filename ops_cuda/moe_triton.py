@@ -28,7 +28,7 @@ under CUDA-graph capture as it runs eagerly. Programs of blocks no expert needed
 Numerics follow the reference: both GEMMs accumulate in float32 and round to the activation dtype, as
 ``F.linear`` does, an expert's bias (where the experts have biases; HAS_BIAS) added before the rounding;
 the activation-and-mul epilogue is the ``act_and_mul`` kernel's formula and rounding
-(``triton_helpers.gated_activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
+(``triton_helpers.store_gated_activation``). float32 inputs multiply in full float32 (``input_precision="ieee"``).
 
 FP8 block-scaled experts (``zoo::fp8_moe_experts``, ``Fp8Scales``): the same kernels read float8_e4m3fn
 weights and activations quantised per token and group of ``block[1]`` columns (the hidden rows before
@@ -55,7 +55,7 @@ from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
 from ops_cuda.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
 from ops_cuda.mxfp4_triton import mxfp4_step_product
-from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, bias_or, expert_bias, gated_activation
+from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, bias_or, expert_bias, store_gated_activation
 
 
 class Tiles(NamedTuple):
@@ -338,12 +338,8 @@ def _moe_gate_up_kernel(
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K * w_stride_k
             up_ptrs += BLOCK_K * w_stride_k
-    if HAS_BIAS:  # the gate row's and the up row's, before the rounding, as F.linear adds them
-        gate += expert_bias(bias_ptr, expert, cols, col_ok, 2 * intermediate)[None, :]
-        up += expert_bias(bias_ptr, expert, intermediate + cols, col_ok, 2 * intermediate)[None, :]
-    dtype = h_ptr.dtype.element_ty
-    h = gated_activation(gate, up, dtype, ACTIVATION)
-    tl.store(h_ptr + rows[:, None] * h_stride + cols[None, :], h.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    store_gated_activation(h_ptr + rows[:, None] * h_stride + cols[None, :], row_ok[:, None] & col_ok[None, :],
+                           gate, up, bias_ptr, expert, cols, col_ok, intermediate, HAS_BIAS, ACTIVATION)
 
 
 @triton.jit

@@ -154,6 +154,19 @@ def expert_bias(bias_ptr, experts, cols, mask, width):
 
 
 @triton.jit
+def store_gated_activation(h_ptrs, mask, gate, up, bias_ptr, expert, cols, col_ok, intermediate,
+                           HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    # act(gate) * up stored at h_ptrs in their dtype from an expert's float32 gate and up products
+    # [rows, cols], each first plus its row's bias (HAS_BIAS; the gate row's and the up row's of biases
+    # [E, 2I]) before the rounding, as F.linear adds them.
+    if HAS_BIAS:
+        gate += expert_bias(bias_ptr, expert, cols, col_ok, 2 * intermediate)[None, :]
+        up += expert_bias(bias_ptr, expert, intermediate + cols, col_ok, 2 * intermediate)[None, :]
+    dtype = h_ptrs.dtype.element_ty
+    tl.store(h_ptrs, gated_activation(gate, up, dtype, ACTIVATION).to(dtype), mask=mask)
+
+
+@triton.jit
 def weight_tile(row_starts, row_ok, cols, K):
     # Columns `cols` of the rows of a row-major weight that start at `row_starts` (any shape ending
     # in 1, [rows, 1] or [experts, rows, 1]; `row_ok` the same shape), read past the cache: nothing
