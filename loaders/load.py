@@ -12,11 +12,11 @@ every tensor that fills them is stored in FP8 blocks and each shard covers whole
 are stored as float8_e4m3fn, their float32 scales in the module's ``<name>_scale_inv`` buffers and
 the block in its ``fp8_block`` (``fp8_parameters_kept``).
 
-MXFP4 weights (gpt-oss's experts) load dequantised to the model's dtype too, or where asked
-(``keep_mxfp4``) stay in MXFP4 in a module that names them in ``mxfp4_parameters``
-(``layers.Experts``' two): where every tensor that fills them is stored in MXFP4 and each shard takes
-whole rows of it, they hold the uint8 blocks, their uint8 scales the module's ``<name>_scales``
-buffers, and the module's ``mxfp4`` is set (``mxfp4_parameters_kept``)."""
+MXFP4 weights (gpt-oss's experts) on a CUDA device, or where asked (``keep_mxfp4``), stay in MXFP4 in
+a module that names them in ``mxfp4_parameters`` (``layers.Experts``' two): where every tensor that
+fills them is stored in MXFP4 and each shard takes whole rows of it, they hold the uint8 blocks, their
+uint8 scales the module's ``<name>_scales`` buffers, and the module's ``mxfp4`` is set
+(``mxfp4_parameters_kept``); elsewhere they load dequantised to the model's dtype."""
 
 import dataclasses
 import re
@@ -44,19 +44,20 @@ PROGRESS_MIN_BYTES = 256 << 20
 
 def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torch.dtype, device: torch.device,
                  keep_fp8: bool | None = None, mmap: bool = True,
-                 whole_shapes: dict[str, tuple[int, ...]] | None = None, keep_mxfp4: bool = False) -> nn.Module:
+                 whole_shapes: dict[str, tuple[int, ...]] | None = None, keep_mxfp4: bool | None = None) -> nn.Module:
     """Fill ``model``, built on the meta device, with the tensors of ``checkpoint``
     (``open_checkpoint``) in ``dtype`` on ``device``; the model's declarations
     (``checkpoint_shards``, ``ignored_checkpoint_keys``, ``checkpoint_aliases``, ``empty_parameter``,
     ``fp8_parameters``) say where each tensor goes. ``keep_fp8``: whether FP8 block-quantised weights
     stay in FP8 where their modules take them (None: on a CUDA device with FP8 tensor cores,
     ``fp8_native``); else they are dequantised to ``dtype``. ``keep_mxfp4``: whether MXFP4 weights stay
-    in MXFP4 where their modules take them. ``mmap``: parameters may map their file
+    in MXFP4 where their modules take them (None: on CUDA devices, ``mxfp4_native``). ``mmap``: parameters may map their file
     (``keepable``); False copies every tensor, for files that may change while the model lives.
     ``whole_shapes``: of a model split over ranks, the whole tensors' shapes (``plan_loading``)."""
     untie_differing(model, checkpoint)
     plan = plan_loading(model, checkpoint, whole_shapes)
     fp8 = fp8_parameters_kept(model, checkpoint, plan) if (fp8_native(device) if keep_fp8 is None else keep_fp8) else {}
+    keep_mxfp4 = mxfp4_native(device) if keep_mxfp4 is None else keep_mxfp4
     mxfp4 = mxfp4_parameters_kept(model, checkpoint, plan) if keep_mxfp4 else set()
     mapped = keepable(model, checkpoint, plan, dtype, device) if mmap else set()
     kept = {name: plan[name][0].parameter for name in mapped  # its parameter
@@ -277,6 +278,14 @@ def fp8_native(device: torch.device) -> bool:
     """Whether FP8 weights stay FP8 on ``device`` by default: on CUDA devices with FP8 tensor cores
     (sm89 onward), where the FP8 ops have kernels; elsewhere they would dequantise at every call."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CUDA_CAPABILITY
+
+
+def mxfp4_native(device: torch.device) -> bool:
+    """Whether MXFP4 weights stay MXFP4 on ``device`` by default: on CUDA, in a quarter of the memory of
+    bf16, where decode steps of up to a hundred-odd tokens run faster than over bf16 weights and prompts
+    slower (docs/performance.md); on the CPU the reference would dequantise the picked experts at every
+    call."""
+    return device.type == "cuda"
 
 
 def fp8_parameters_kept(model: nn.Module, checkpoint: dict[str, TensorRef],

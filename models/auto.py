@@ -200,14 +200,14 @@ class AutoModelForCausalLM:
     @staticmethod
     def from_pretrained(path_or_repo_id, dtype: torch.dtype | str = torch.float32, device="cpu",
                         keep_fp8: bool | None = None, mmap: bool = True, tensor_parallel=None,
-                        expert_parallel: bool | None = None, keep_mxfp4: bool = False):
+                        expert_parallel: bool | None = None, keep_mxfp4: bool | None = None):
         """Load a causal LM from a local HF directory, a ``.gguf`` file or a hub repo id, in ``dtype``
         (a floating-point torch dtype or its name; ``"auto"``: the checkpoint's, see
         ``checkpoint_dtype``) on ``device``. The linear weights of an FP8 block-quantised checkpoint
         stay in FP8 when ``keep_fp8`` (None: on CUDA devices of sm89 onward), else they are dequantised
-        to ``dtype``; MXFP4 experts (gpt-oss's) stay in MXFP4 with ``keep_mxfp4``, in about a quarter
-        of their bfloat16 bytes (gpt-oss-120b then fits one 80 GB GPU; batch-1 decode as fast, prompts
-        and batches of tokens slower: docs/performance.md). On the CPU, a safetensors tensor already in ``dtype`` that a layer takes whole
+        to ``dtype``; MXFP4 experts (gpt-oss's) stay in MXFP4 when ``keep_mxfp4`` (None: on CUDA devices),
+        in about a quarter of their bfloat16 bytes (gpt-oss-120b then fits one 80 GB GPU; decode faster,
+        prompts slower: docs/performance.md). On the CPU, a safetensors tensor already in ``dtype`` that a layer takes whole
         (embeddings, norms; ``loaders.load.keepable``) maps its file instead of being copied:
         truncating or rewriting the file in place while the model lives ends the process (SIGBUS);
         ``mmap=False`` copies every tensor. A tensor with NaN or Inf values is named in a
@@ -218,8 +218,8 @@ class AutoModelForCausalLM:
         expert's slice (False); None: whole experts where the ranks divide the number of experts."""
         if keep_fp8 is not None and not isinstance(keep_fp8, bool):
             raise TypeError(f"keep_fp8 must be None, True or False, got {keep_fp8!r}")
-        if not isinstance(keep_mxfp4, bool):
-            raise TypeError(f"keep_mxfp4 must be True or False, got {keep_mxfp4!r}")
+        if keep_mxfp4 is not None and not isinstance(keep_mxfp4, bool):
+            raise TypeError(f"keep_mxfp4 must be None, True or False, got {keep_mxfp4!r}")
         if not isinstance(mmap, bool):
             raise TypeError(f"mmap must be True or False, got {mmap!r}")
         if tensor_parallel is not None and not isinstance(tensor_parallel, torch.distributed.ProcessGroup):

@@ -278,9 +278,10 @@ def _add_sampling_flags(command, max_tokens: int, temperature: float) -> None:
 
 
 def _add_keep_mxfp4_flag(command) -> None:
-    command.add_argument("--keep-mxfp4", action="store_true",
+    command.add_argument("--keep-mxfp4", action=argparse.BooleanOptionalAction,
                          help="keep MXFP4 experts (gpt-oss's) in MXFP4, about a quarter of their bf16 memory; on CUDA "
-                              "batch-1 decode is faster, prompts and large batches slower (default: dequantised)")
+                              "decode steps of up to ~128 sequences run faster, prompts and larger batches slower "
+                              "(default: kept on CUDA, dequantised on the CPU)")
 
 
 def _add_tp_flag(command) -> None:

@@ -78,7 +78,7 @@ class LLM:
     linear layers of one HF projection; not fused ones such as q/k/v) map their safetensors file:
     truncating or rewriting it in place while the ``LLM`` lives ends the process (SIGBUS);
     ``mmap=False`` copies them. ``keep_mxfp4``: MXFP4 experts (gpt-oss's) stay in MXFP4, in about a
-    quarter of their bfloat16 memory (``from_pretrained``'s option). On the CPU, ``compile_decode`` runs every decode step through one
+    quarter of their bfloat16 memory (``from_pretrained``'s option; None: on CUDA). On the CPU, ``compile_decode`` runs every decode step through one
     graph torch.compile builds when ``LLM`` starts (30-60 s; inductor keeps what it built on disk):
     SmolLM2's steps of 1 to 64 sequences run 1.03-1.35x faster than eager ones in float32 and
     1.3-1.5x in bfloat16. Each ``LLM`` compiles its own graph, into which inductor freezes the
@@ -95,11 +95,12 @@ class LLM:
     """
 
     def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, processor=None,
-                 config: EngineConfig | None = None, mmap: bool = True, keep_mxfp4: bool = False, **options):
+                 config: EngineConfig | None = None, mmap: bool = True, keep_mxfp4: bool | None = None, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
-        for name, value in (("mmap", mmap), ("keep_mxfp4", keep_mxfp4)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if not isinstance(mmap, bool):
+            raise TypeError(f"mmap must be True or False, got {mmap!r}")
+        if keep_mxfp4 is not None and not isinstance(keep_mxfp4, bool):
+            raise TypeError(f"keep_mxfp4 must be None, True or False, got {keep_mxfp4!r}")
         if tokenizer is not None and not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
             raise TypeError(f"tokenizer must be a transformers tokenizer (transformers.AutoTokenizer.from_pretrained), "
                             f"got {type(tokenizer).__name__}")
@@ -114,9 +115,9 @@ class LLM:
             if config.tensor_parallel_size > 1:
                 raise ValueError("tensor_parallel_size > 1 takes a checkpoint, which each rank loads its slice of, "
                                  "not a model already built")
-            if keep_mxfp4:
+            if keep_mxfp4 is not None:
                 raise ValueError("keep_mxfp4 says how a checkpoint loads: give LLM the checkpoint, or load the model "
-                                 "with AutoModelForCausalLM.from_pretrained(..., keep_mxfp4=True)")
+                                 "with AutoModelForCausalLM.from_pretrained(..., keep_mxfp4=...)")
             where = next(model.parameters()).device
             asked = None if device is None else model_device(device)
             if asked is not None and (asked.type, asked.index or 0) != (where.type, where.index or 0):

@@ -160,8 +160,9 @@ def save_mxfp4_checkpoint(reference, path):
 
 def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path, input_ids):
     """gpt-oss's own format: the experts in MXFP4 blocks and scales (quantization_config mxfp4). HF's model
-    holds the values transformers' own dequantiser gives; zoo, loading the blocks, computes its logits,
-    and the same logits with the experts kept in MXFP4 (``keep_mxfp4``)."""
+    holds the values transformers' own dequantiser gives; zoo, loading the blocks, computes its logits
+    (dequantised by default on the CPU), and the same logits with the experts kept in MXFP4
+    (``keep_mxfp4``)."""
     reference = gpt_oss_hf_model(VARIANTS["gpt_oss"])
     path = save_mxfp4_checkpoint(reference, tmp_path / "ckpt")
     tensors = load_file(path / "model.safetensors")
@@ -176,7 +177,7 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path, inpu
         logits = model(input_ids)
         assert_matches(logits, reference(input_ids).logits)
         assert torch.equal(kept(input_ids), logits)  # the picked experts dequantised per call: the same values
-    with pytest.raises(TypeError, match="keep_mxfp4 must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="keep_mxfp4 must be None, True or False, got 'yes'"):
         AutoModelForCausalLM.from_pretrained(path, keep_mxfp4="yes")
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
@@ -186,13 +187,13 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path, inpu
 
 @pytest.mark.gpu
 def test_mxfp4_experts_kept_on_the_gpu_give_transformers_logits_gpu(tmp_path, input_ids):
-    """On CUDA the experts kept in MXFP4 run the fused-MoE kernel over blocks and scales and, for a single
-    token, the one-token kernels:
+    """On CUDA the experts stay in MXFP4 by default and run the fused-MoE kernel over blocks and scales
+    and, for a single token, the one-token kernels:
     float32 logits (float32 products: tl.dot in full precision) as HF's over its dequantised experts,
     prompts of 40 tokens and single-token steps (the kernel's one-token layout)."""
     reference = gpt_oss_hf_model(VARIANTS["gpt_oss"])
     path = save_mxfp4_checkpoint(reference, tmp_path / "ckpt")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device="cuda", keep_mxfp4=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device="cuda")
     assert model.model.layers[0].mlp.experts.mxfp4
     with torch.no_grad():
         assert_matches(model(input_ids.cuda()).cpu(), reference(input_ids).logits)
@@ -209,7 +210,7 @@ def test_llm_keeps_mxfp4_experts_when_asked(tmp_path):
     assert not dequantised.model.model.layers[0].mlp.experts.mxfp4
     tokens = [[o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] for llm in (kept, dequantised)]
     assert tokens[0] == tokens[1] and all(len(t) > 0 for t in tokens[0])
-    with pytest.raises(TypeError, match="keep_mxfp4 must be True or False, got 1"):
+    with pytest.raises(TypeError, match="keep_mxfp4 must be None, True or False, got 1"):
         LLM(path, device="cpu", keep_mxfp4=1)
     with pytest.raises(ValueError, match="keep_mxfp4 says how a checkpoint loads"):
         LLM(dequantised.model, keep_mxfp4=True)
@@ -217,18 +218,20 @@ def test_llm_keeps_mxfp4_experts_when_asked(tmp_path):
 
 @pytest.mark.gpu
 def test_llm_with_mxfp4_experts_on_the_gpu_gives_the_dequantised_tokens_gpu(tmp_path):
-    """Every path of zoo::mxfp4_moe_experts inside the runtime's CUDA graphs, float32: a prompt of 300
+    """Every path of zoo::mxfp4_moe_experts inside the runtime's CUDA graphs, float32: a prompt of 1,100
     tokens (the experts through bf16 buffers, here float32 ones), a batch of short ones (the fused-MoE
-    kernel's MXFP4 tiles) and single-token decode steps, as the experts dequantised at load give."""
-    config = gpt_oss_config(max_position_embeddings=512)
+    kernel's MXFP4 tiles) and a prompt alone (single-token decode steps), as the experts dequantised at load
+    give."""
+    config = gpt_oss_config(max_position_embeddings=2048)
     path = str(save_mxfp4_checkpoint(gpt_oss_hf_model(config), tmp_path / "ckpt"))
-    prompts = [[3 + i % 90 for i in range(300)], [5, 9, 13, 2], [40, 41, 42], [7] * 11]
+    prompts = [[3 + i % 90 for i in range(1100)], [5, 9, 13, 2], [40, 41, 42], [7] * 11]
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     tokens = []
     for keep in (True, False):
-        llm = LLM(path, device="cuda", dtype="float32", keep_mxfp4=keep, max_model_len=512)
+        llm = LLM(path, device="cuda", dtype="float32", keep_mxfp4=keep, max_model_len=2048)
         assert llm.model.model.layers[0].mlp.experts.mxfp4 == keep
-        tokens.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+        batch = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        tokens.append(batch + [llm.generate([[8, 8, 8]], greedy, use_tqdm=False)[0].token_ids])  # alone: one token
         del llm
     assert tokens[0] == tokens[1]
 

@@ -301,7 +301,9 @@ def test_chat_ends_at_eof_with_status_0(with_chat_template):
 
 
 def _flags(help_text: str) -> list[str]:
-    return re.findall(r"^  (--[\w-]+)", help_text, flags=re.MULTILINE)
+    # Each option's line names its flags, a yes/no flag both (--keep-mxfp4, --no-keep-mxfp4).
+    lines = re.findall(r"^  (--[\w-]+(?:, --[\w-]+)*)", help_text, flags=re.MULTILINE)
+    return [flag for line in lines for flag in line.split(", ")]
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "diff", "serve"])
