@@ -51,8 +51,9 @@ def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torc
     ``fp8_parameters``) say where each tensor goes. ``keep_fp8``: whether FP8 block-quantised weights
     stay in FP8 where their modules take them (None: on a CUDA device with FP8 tensor cores,
     ``fp8_native``); else they are dequantised to ``dtype``. ``keep_mxfp4``: whether MXFP4 weights stay
-    in MXFP4 where their modules take them (None: on CUDA devices, ``mxfp4_native``). ``mmap``: parameters may map their file
-    (``keepable``); False copies every tensor, for files that may change while the model lives.
+    in MXFP4 where their modules take them (None: on CUDA devices, ``mxfp4_native``). ``mmap``:
+    parameters may map their file (``keepable``); False copies every tensor, for files that may change
+    while the model lives.
     ``whole_shapes``: of a model split over ranks, the whole tensors' shapes (``plan_loading``)."""
     untie_differing(model, checkpoint)
     plan = plan_loading(model, checkpoint, whole_shapes)

@@ -207,8 +207,8 @@ class AutoModelForCausalLM:
         stay in FP8 when ``keep_fp8`` (None: on CUDA devices of sm89 onward), else they are dequantised
         to ``dtype``; MXFP4 experts (gpt-oss's) stay in MXFP4 when ``keep_mxfp4`` (None: on CUDA devices),
         in about a quarter of their bfloat16 bytes (gpt-oss-120b then fits one 80 GB GPU; decode faster,
-        prompts slower: docs/performance.md). On the CPU, a safetensors tensor already in ``dtype`` that a layer takes whole
-        (embeddings, norms; ``loaders.load.keepable``) maps its file instead of being copied:
+        prompts slower: docs/performance.md). On the CPU, a safetensors tensor already in ``dtype`` that a
+        layer takes whole (embeddings, norms; ``loaders.load.keepable``) maps its file instead of being copied:
         truncating or rewriting the file in place while the model lives ends the process (SIGBUS);
         ``mmap=False`` copies every tensor. A tensor with NaN or Inf values is named in a
         ``loaders.NonFiniteWeightWarning``. ``tensor_parallel``: a ``torch.distributed`` process group
