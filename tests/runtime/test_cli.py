@@ -53,6 +53,26 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(runtime, "LLM", refuse)
 
 
+class LoadingStarted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("flags, keep", [([], None), (["--keep-mxfp4"], True), (["--no-keep-mxfp4"], False)])
+def test_keep_mxfp4_reaches_the_llm_as_given(command, flags, keep, monkeypatch):
+    """No flag leaves the choice to the loader (MXFP4 kept on CUDA, dequantised on the CPU)."""
+    asked = []
+
+    def record(*args, keep_mxfp4, **kwargs):
+        asked.append(keep_mxfp4)
+        raise LoadingStarted
+
+    monkeypatch.setattr(runtime, "LLM", record)
+    with pytest.raises(LoadingStarted):
+        main([command, *flags, *(["--token-ids", "1,2"] if command == "generate" else [])])
+    assert asked == [keep]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "inf"], "temperature must be a finite number, got inf"),
     (["--top-p", "0"], r"top_p must be in \(0, 1\], got 0.0"),
