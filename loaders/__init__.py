@@ -9,10 +9,10 @@ from loaders.config import (chat_template_error, from_checkpoint, load_config, l
 from loaders.default_model import default_model_path
 from loaders.in_memory import copy_weights
 from loaders.load import load_weights
-from loaders.types import CheckpointError, NonFiniteWeightWarning, Source, TensorRef
+from loaders.types import CheckpointError, HostMemoryError, NonFiniteWeightWarning, Source, TensorRef
 
 __all__ = [
-    "CheckpointError", "NonFiniteWeightWarning", "Source", "TensorRef", "chat_template_error", "copy_weights",
+    "CheckpointError", "HostMemoryError", "NonFiniteWeightWarning", "Source", "TensorRef", "chat_template_error", "copy_weights",
     "default_model_path", "from_checkpoint", "load_config", "load_generation_config", "load_processor",
     "load_tokenizer", "load_weights",
     "open_checkpoint", "resolve_source",

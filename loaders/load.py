@@ -31,7 +31,7 @@ from tqdm import tqdm
 from layers.weights import OneOf, Shard
 from loaders.fp8 import SCALE_SUFFIX
 from loaders.mxfp4 import SCALES_SUFFIX as MXFP4_SCALES_SUFFIX
-from loaders.types import FLOAT_DTYPES, CheckpointError, NonFiniteWeightWarning, TensorRef, name_list
+from loaders.types import FLOAT_DTYPES, CheckpointError, HostMemoryError, NonFiniteWeightWarning, TensorRef, name_list
 from ops_cuda.fp8 import FP8_CUDA_CAPABILITY, FP8_DTYPE, block_scale_shape
 from ops_cuda.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
 from ops_cuda.mxfp4 import packed_shapes
@@ -64,6 +64,8 @@ def load_weights(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torc
     kept = {name: plan[name][0].parameter for name in mapped  # its parameter
             if plan[name][0].parameter not in fp8 and plan[name][0].parameter not in mxfp4}
     materialize(model, dtype, device, skip=set(kept.values()), fp8=fp8, mxfp4=mxfp4)
+    if device.type == "cpu":  # CUDA allocates in materialize, and says so; host pages are taken as fill writes
+        check_host_memory(model, checkpoint, dtype, keep_mxfp4)
     fill(model, checkpoint, plan, keep=set(kept), fp8=fp8, mxfp4=mxfp4)
     return model.eval()
 
@@ -279,6 +281,41 @@ def fp8_native(device: torch.device) -> bool:
     """Whether FP8 weights stay FP8 on ``device`` by default: on CUDA devices with FP8 tensor cores
     (sm89 onward), where the FP8 ops have kernels; elsewhere they would dequantise at every call."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CUDA_CAPABILITY
+
+
+def check_host_memory(model: nn.Module, checkpoint: dict[str, TensorRef], dtype: torch.dtype, kept_mxfp4: bool) -> None:
+    """Raise a ``HostMemoryError`` where the storage ``materialize`` gave the model on the CPU (not yet
+    written; parameters that will map their file are not counted) exceeds the memory the host has
+    available (``available_host_memory``): ``fill`` would otherwise be killed part-way through, without
+    a word."""
+    available = available_host_memory()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"}
+    needed = sum(storages.values())
+    if available is None or needed <= available:
+        return
+    smaller = []
+    if not kept_mxfp4 and any(ref.mxfp4 is not None for ref in checkpoint.values()):
+        smaller.append("keep_mxfp4=True (--keep-mxfp4) keeps its MXFP4 experts in about a quarter of their bytes")
+    if dtype.itemsize > 2:
+        smaller.append(f"a 16-bit dtype (--dtype bfloat16) halves {dtype}'s bytes")
+    files = {ref.file for ref in checkpoint.values()}
+    where = str(files.pop()) if len(files) == 1 else ", ".join(sorted({str(file.parent) for file in files}))
+    raise HostMemoryError(f"{where}: the model needs {needed / 2**30:.1f} GiB of memory in {dtype} on "
+                          f"the CPU, and {available / 2**30:.1f} GiB are available"
+                          + "".join(f"; {hint}" for hint in smaller))
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory the host can give without swapping (Linux's ``MemAvailable``); None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def mxfp4_native(device: torch.device) -> bool:

@@ -13,6 +13,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
 
 
+class HostMemoryError(MemoryError, ValueError):
+    """A model that would not fit the host's available memory, raised before its weights are read; the
+    message names the checkpoint, both sizes, and what would make it smaller. A ValueError too: the
+    request, not the process, is at fault (the CLI reports it as it reports a bad flag)."""
+
+
 class NonFiniteWeightWarning(UserWarning):
     """A checkpoint tensor holds NaN or Inf values; ``warnings.simplefilter("error",
     NonFiniteWeightWarning)`` makes loading such a checkpoint an error."""

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
 
 from layers.weights import Shard
-from loaders import CheckpointError, chat_template_error, load_tokenizer
+from loaders import CheckpointError, HostMemoryError, chat_template_error, load_tokenizer
 from loaders.load import choose_layouts
 from models import AutoModelForCausalLM, UnsupportedArchitectureError
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
@@ -512,3 +512,30 @@ def test_a_single_nan_or_inf_anywhere_in_a_weight_is_found(checkpoint, value, wh
     rewrite_tensors(checkpoint, poison)
     with pytest.warns(NonFiniteWeightWarning, match=r"o_proj\.weight' in .*: 1 of \d+ values are NaN or Inf"):
         AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def storage_bytes(model) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_a_model_larger_than_the_free_host_memory_is_named_before_its_weights_are_read(checkpoint, monkeypatch):
+    """The memory a model takes on the CPU, its parameters that map their file left out, against what
+    the host has available: over it, a HostMemoryError (a ValueError, as the CLI reports) names the
+    checkpoint's file and both sizes before a tensor is read, with what would make the model smaller."""
+    needed = storage_bytes(AutoModelForCausalLM.from_pretrained(checkpoint, mmap=False))  # every tensor copied
+    monkeypatch.setattr("loaders.load.available_host_memory", lambda: needed)
+    AutoModelForCausalLM.from_pretrained(checkpoint, mmap=False)
+    monkeypatch.setattr("loaders.load.available_host_memory", lambda: needed - 1)
+    AutoModelForCausalLM.from_pretrained(checkpoint)  # the embeddings and norms map the float32 file
+    monkeypatch.setattr("loaders.load.fill", lambda *args, **kwargs: pytest.fail("a tensor was read"))
+    message = (rf"{checkpoint / 'model.safetensors'}: the model needs \d+\.\d GiB of memory in torch.float32 on "
+               r"the CPU, and \d+\.\d GiB are available; a 16-bit dtype \(--dtype bfloat16\) halves torch.float32's "
+               r"bytes$")
+    with pytest.raises(HostMemoryError, match=message):
+        AutoModelForCausalLM.from_pretrained(checkpoint, mmap=False)
+    with pytest.raises(ValueError, match="GiB are available"):
+        AutoModelForCausalLM.from_pretrained(checkpoint, mmap=False)
+    monkeypatch.setattr("loaders.load.available_host_memory", lambda: None)  # not known: not checked
+    with pytest.raises(pytest.fail.Exception, match="a tensor was read"):
+        AutoModelForCausalLM.from_pretrained(checkpoint, mmap=False)

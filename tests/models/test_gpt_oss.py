@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loaders import CheckpointError
+from loaders import CheckpointError, HostMemoryError
 from models import AutoModelForCausalLM
 from runtime import LLM, SamplingParams
 from tests.conftest import hf_model, relative_error, save_checkpoint, tiny_config
@@ -183,6 +183,18 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path, inpu
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"down_proj_blocks.*without their scales"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_host_too_small_for_the_dequantised_experts_is_told_to_keep_them(tmp_path, monkeypatch):
+    """Where the model would not fit the host's free memory, the error names keep_mxfp4 while the experts
+    would be dequantised, and not once they are kept."""
+    path = save_mxfp4_checkpoint(gpt_oss_hf_model(VARIANTS["gpt_oss"]), tmp_path / "ckpt")
+    monkeypatch.setattr("loaders.load.available_host_memory", lambda: 0)
+    with pytest.raises(HostMemoryError, match=r"GiB are available; keep_mxfp4=True \(--keep-mxfp4\) keeps its MXFP4 "
+                                              r"experts in about a quarter of their bytes$"):
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with pytest.raises(HostMemoryError, match=r"GiB are available$"):
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, keep_mxfp4=True)
 
 
 @pytest.mark.gpu

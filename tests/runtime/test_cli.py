@@ -116,6 +116,14 @@ def test_bad_token_ids_name_the_flag(command, value, no_loading, capsys):
     assert f"zoo {command}: error: argument --token-ids: {value!r}" in capsys.readouterr().err
 
 
+def test_a_model_larger_than_the_free_host_memory_is_an_error_not_a_kill(no_tokenizer, monkeypatch, capsys):
+    monkeypatch.setattr("loaders.load.available_host_memory", lambda: 0)
+    assert main(["generate", "--model", str(no_tokenizer), "--device", "cpu", "--token-ids", "1,2"]) == 2
+    assert re.search(rf"zoo generate: error: {no_tokenizer / 'model.safetensors'}: the model needs \d+\.\d GiB of "
+                     r"memory in torch.float32 on the CPU, and 0\.0 GiB are available; a 16-bit dtype",
+                     capsys.readouterr().err)
+
+
 def test_a_truncated_image_and_steps_without_runtime_are_errors_before_the_model_loads(no_loading, tmp_path,
                                                                                        capsys):
     import numpy as np
