@@ -46,9 +46,9 @@ from ops_cuda.triton_helpers import (
     begin_after_previous_holding_next,
     bias_or,
     expert_bias,
-    gated_activation,
     gated_rows_times_vector,
     gated_weight_rows,
+    interleaved_gated_activation,
     pdl_launch,
     round_to,
     store_gated_activation,
@@ -323,9 +323,8 @@ def _mxfp4_token_gate_up_kernel(
         2 * BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         products += expert_bias(bias_ptr, held, weight_rows, row_ok, 2 * intermediate)
-    gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
     dtype = h_ptr.dtype.element_ty
-    h = gated_activation(gate, up, dtype, ACTIVATION)
+    h = interleaved_gated_activation(products, dtype, ACTIVATION, BLOCK_N)
     h_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + slot * intermediate + h_cols, h.to(dtype), mask=h_cols < intermediate)
 

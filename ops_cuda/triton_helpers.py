@@ -209,6 +209,13 @@ def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtyp
     # `gated_weight_rows` (`first_tile`: their first BLOCK_K columns, already read), plus `bias` (one
     # value per row, or 0.0), with the reference's rounding (`gated_activation`).
     products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) + bias
+    return interleaved_gated_activation(products, dtype, ACTIVATION, BLOCK_N)
+
+
+@triton.jit
+def interleaved_gated_activation(products, dtype: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr):
+    # [BLOCK_N] gated_activation of the [2 * BLOCK_N] float32 products of `gated_weight_rows`' rows (each
+    # column's gate row, then its up row).
     gate, up = tl.split(tl.reshape(products, [BLOCK_N, 2]))
     return gated_activation(gate, up, dtype, ACTIVATION)
 
