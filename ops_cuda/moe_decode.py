@@ -46,12 +46,14 @@ from ops_cuda.triton_helpers import (
     begin_after_previous_holding_next,
     bias_or,
     expert_bias,
+    gate_up_tile_products,
     gated_rows_times_vector,
     gated_weight_rows,
     interleaved_gated_activation,
     pdl_launch,
     round_to,
     store_gated_activation,
+    tile_products,
     weight_tile,
 )
 
@@ -162,15 +164,8 @@ def _decode_gate_up_kernel(
     up_ptrs = gate_ptrs + intermediate * w_stride_n
     gate = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k in range(0, hidden_size, BLOCK_K):
-        k_ok = ks < hidden_size - k
-        x = tl.load(x_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
-        up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K * w_stride_k
-        up_ptrs += BLOCK_K * w_stride_k
+    gate, up = gate_up_tile_products(x_ptrs, gate_ptrs, up_ptrs, picked, col_ok, hidden_size, w_stride_k, gate, up,
+                                     DOT_PRECISION, BLOCK_K)
     store_gated_activation(h_ptr + rows[:, None] * h_stride + cols[None, :], picked[:, None] & col_ok[None, :],
                            gate, up, bias_ptr, expert, cols, col_ok, intermediate, HAS_BIAS, ACTIVATION)
 
@@ -193,13 +188,7 @@ def _decode_down_kernel(
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * h_stride + ks[None, :]
     w_ptrs = down_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + ks[:, None] * w_stride_k
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k in range(0, intermediate, BLOCK_K):
-        k_ok = ks < intermediate - k
-        h = tl.load(h_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * w_stride_k
+    acc = tile_products(h_ptrs, w_ptrs, picked, col_ok, intermediate, w_stride_k, acc, DOT_PRECISION, BLOCK_K)
     if HAS_BIAS:
         acc += expert_bias(bias_ptr, expert, cols, col_ok, hidden_size)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)

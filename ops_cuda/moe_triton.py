@@ -55,7 +55,14 @@ from ops_cuda.fp8_triton import quantise_groups
 from ops_cuda.moe_grouped_mm import moe_combine, sort_pairs_by_expert
 from ops_cuda.mxfp4 import GROUP_SIZE as MXFP4_GROUP_SIZE
 from ops_cuda.mxfp4_triton import mxfp4_step_product
-from ops_cuda.triton_helpers import KERNEL_ACTIVATIONS, bias_or, expert_bias, store_gated_activation
+from ops_cuda.triton_helpers import (
+    KERNEL_ACTIVATIONS,
+    bias_or,
+    expert_bias,
+    gate_up_tile_products,
+    store_gated_activation,
+    tile_products,
+)
 
 
 class Tiles(NamedTuple):
@@ -322,22 +329,21 @@ def _moe_gate_up_kernel(
         gate, up = _mxfp4_gate_up(hidden_ptr, tokens, row_ok, weights, weight_scales, cols, col_ok, hidden_size,
                                   intermediate, hidden_stride, w_stride_n, w_stride_k, w_scale_stride_n,
                                   w_scale_stride_k, gate, up, DOT_PRECISION, BLOCK_N, BLOCK_K)
-    else:
+    elif FP8:
         for k in range(0, hidden_size, BLOCK_K):
             k_ok = ks < hidden_size - k
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_ok = k_ok[:, None] & col_ok[None, :]
-            if FP8:
-                gate += tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
-                    x_scale_ptrs, gate_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
-                up += tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
-                    x_scale_ptrs, up_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
-            else:
-                gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
-                up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
+            gate += tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
+                x_scale_ptrs, gate_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
+            up += tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0)) * _scale_groups(
+                x_scale_ptrs, up_scale_ptrs, row_ok, col_ok, k, hidden_scale_stride_g, w_scale_stride_k, GROUP_K)
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K * w_stride_k
             up_ptrs += BLOCK_K * w_stride_k
+    else:
+        gate, up = gate_up_tile_products(x_ptrs, gate_ptrs, up_ptrs, row_ok, col_ok, hidden_size, w_stride_k, gate, up,
+                                         DOT_PRECISION, BLOCK_K)
     store_gated_activation(h_ptr + rows[:, None] * h_stride + cols[None, :], row_ok[:, None] & col_ok[None, :],
                            gate, up, bias_ptr, expert, cols, col_ok, intermediate, HAS_BIAS, ACTIVATION)
 
@@ -423,18 +429,17 @@ def _moe_down_kernel(
         acc = _mxfp4_down(h_ptr, rows, row_ok, weights, weight_scales, cols, col_ok, intermediate, h_stride,
                           w_stride_n, w_stride_k, w_scale_stride_n, w_scale_stride_k, acc, DOT_PRECISION, BLOCK_N,
                           BLOCK_K)
-    else:
+    elif FP8:
         for k in range(0, intermediate, BLOCK_K):
             k_ok = ks < intermediate - k
             h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if FP8:
-                acc += tl.dot(h, w) * _scale_groups(h_scale_ptrs, w_scale_ptrs, row_ok, col_ok, k, h_scale_stride_g,
-                                                    w_scale_stride_k, GROUP_K)
-            else:
-                acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+            acc += tl.dot(h, w) * _scale_groups(h_scale_ptrs, w_scale_ptrs, row_ok, col_ok, k, h_scale_stride_g,
+                                                w_scale_stride_k, GROUP_K)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * w_stride_k
+    else:
+        acc = tile_products(h_ptrs, w_ptrs, row_ok, col_ok, intermediate, w_stride_k, acc, DOT_PRECISION, BLOCK_K)
     if HAS_BIAS:
         acc += expert_bias(bias_ptr, expert, cols, col_ok, hidden_size)[None, :]
     out = acc.to(y_ptr.dtype.element_ty)

@@ -167,6 +167,40 @@ def store_gated_activation(h_ptrs, mask, gate, up, bias_ptr, expert, cols, col_o
 
 
 @triton.jit
+def tile_products(x_ptrs, w_ptrs, row_ok, col_ok, K, w_stride_k, acc, DOT_PRECISION: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    # acc + x w over K on tensor cores: x_ptrs [rows, BLOCK_K] at the rows' first values (unit stride
+    # along K), w_ptrs [BLOCK_K, cols] at the weight's first step (w_stride_k apart along K); rows and
+    # cols outside row_ok / col_ok read as zeros.
+    ks = tl.arange(0, BLOCK_K)
+    for k in range(0, K, BLOCK_K):
+        k_ok = ks < K - k
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * w_stride_k
+    return acc
+
+
+@triton.jit
+def gate_up_tile_products(x_ptrs, gate_ptrs, up_ptrs, row_ok, col_ok, K, w_stride_k, gate, up,
+                          DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    # `tile_products` of the same rows x with a gate and an up weight tile, x read once a step.
+    ks = tl.arange(0, BLOCK_K)
+    for k in range(0, K, BLOCK_K):
+        k_ok = ks < K - k
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        gate = tl.dot(x, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate, input_precision=DOT_PRECISION)
+        up = tl.dot(x, tl.load(up_ptrs, mask=w_ok, other=0.0), up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * w_stride_k
+        up_ptrs += BLOCK_K * w_stride_k
+    return gate, up
+
+
+@triton.jit
 def weight_tile(row_starts, row_ok, cols, K):
     # Columns `cols` of the rows of a row-major weight that start at `row_starts` (any shape ending
     # in 1, [rows, 1] or [experts, rows, 1]; `row_ok` the same shape), read past the cache: nothing
