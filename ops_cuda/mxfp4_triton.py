@@ -4,8 +4,8 @@ dequantised tiles for tensor-core products (``mxfp4_step_product``, the fused-Mo
 vector on CUDA cores (``mxfp4_rows_times_vector``, one token's expert kernels), and whole experts
 dequantised into a buffer (``dequantise_mxfp4_triton``, for prompts: ``zoo::mxfp4_moe_experts``). Every value times its
 scale is exact in float32 and bfloat16, so only the order of the sums differs from a product over the
-dequantised weights. Both read the blocks as int32 words (eight values each), which halves the integer
-work of building each value (``e2m1_pair``)."""
+dequantised weights. All read the blocks as int32 words (eight values each), which halves the integer
+work of building each value (``e2m1_pair``); the tiles and the buffer are built alike (``mxfp4_tile``)."""
 
 import torch
 import triton
@@ -13,22 +13,12 @@ import triton.language as tl
 
 from ops_cuda import mxfp4
 
-GROUP_BYTES = tl.constexpr(mxfp4.GROUP_BYTES)  # a scale's 32 values
-
-
-@triton.jit
-def e2m1_over_2_14(codes):
-    # 2^-14 times the e2m1 value of each 4-bit code (int32: sign, two exponent bits, one mantissa bit),
-    # exactly, in float32: the code's bits placed as a float16's sign, lowest two exponent bits and
-    # first mantissa bit (float16's exponent bias is 14 more than e2m1's; exponent 0 is subnormal in
-    # both), read as that float16. Five integer operations and a conversion a value.
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+GROUP_WORDS = tl.constexpr(mxfp4.GROUP_BYTES // 4)  # the int32 words of a scale's 32 values
 
 
 @triton.jit
 def group_scales(exponents):
-    # 2^(s - 127) * 2^14 in float32 for e8m0 exponents s (int32): the scale of values e2m1_over_2_14 gives.
+    # 2^(s - 127) * 2^14 in float32 for e8m0 exponents s (int32): the scale of values e2m1_pair gives.
     power = tl.where(exponents == 0, 2.0**-127, (exponents << 23).to(tl.float32, bitcast=True))
     return power * 16384.0
 
@@ -37,8 +27,10 @@ def group_scales(exponents):
 def e2m1_pair(words, position: tl.constexpr):
     # Values `position` and `position + 4` (position 0 to 3) of each uint32 word of eight MXFP4 codes
     # (value i at bits 4i to 4i + 3: the bytes in order, the low nibble first), each 2^-14 times its e2m1
-    # value in float32 as e2m1_over_2_14 gives it, the two built at once as the halves of one word of
-    # float16 bits: five integer operations for two values.
+    # value, exactly, in float32: a code's sign, two exponent bits and mantissa bit placed as a
+    # float16's sign, lowest two exponent bits and first mantissa bit (float16's exponent bias is 14
+    # more than e2m1's; exponent 0 is subnormal in both), the two values built at once as the halves of
+    # one word of float16 bits: five integer operations for two values.
     shifted = words >> (4 * position)
     bits = ((shifted & 0x00070007) << 9) | ((shifted & 0x00080008) << 12)
     low = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -47,27 +39,34 @@ def e2m1_pair(words, position: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_step_product(x, word_ptrs, scale_ptrs, word_ok, scale_ok, acc, DOT_PRECISION: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    # acc plus rows x [rows, BLOCK_K] times a K-step of MXFP4 weights on tensor cores: the weights' int32
-    # words at `word_ptrs` [BLOCK_N, BLOCK_K / 8] (eight values of a row each), their groups' scales at
-    # `scale_ptrs` [BLOCK_N, BLOCK_K / 32], each read once and spread over its four words. The eight
-    # values of each word, dequantised to x's dtype, are joined back into their columns' order: one
-    # [BLOCK_N, BLOCK_K] tile, one product.
-    words = tl.load(word_ptrs, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
-    scales = group_scales(tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32))
+def mxfp4_tile(words, exponents, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # [BLOCK_N, BLOCK_K] in `dtype`: the values of MXFP4 words [BLOCK_N, BLOCK_K / 8] (uint32, eight
+    # values each) times their groups' scales (e8m0 exponents [BLOCK_N, BLOCK_K / 32], int32, each
+    # spread over its four words), joined back into their columns' order.
+    scales = group_scales(exponents)
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)), (BLOCK_N, BLOCK_K // 8))
     v0, v4 = e2m1_pair(words, 0)
     v1, v5 = e2m1_pair(words, 1)
     v2, v6 = e2m1_pair(words, 2)
     v3, v7 = e2m1_pair(words, 3)
-    dtype = x.dtype
     # Each join adds a last axis; joined outermost bit first, value i of a word lands at i.
     pairs_0426 = tl.join(tl.join((v0 * scales).to(dtype), (v4 * scales).to(dtype)),
                          tl.join((v2 * scales).to(dtype), (v6 * scales).to(dtype)))
     pairs_1537 = tl.join(tl.join((v1 * scales).to(dtype), (v5 * scales).to(dtype)),
                          tl.join((v3 * scales).to(dtype), (v7 * scales).to(dtype)))
-    tile = tl.reshape(tl.join(pairs_0426, pairs_1537), (BLOCK_N, BLOCK_K))
+    return tl.reshape(tl.join(pairs_0426, pairs_1537), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def mxfp4_step_product(x, word_ptrs, scale_ptrs, word_ok, scale_ok, acc, DOT_PRECISION: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # acc plus rows x [rows, BLOCK_K] times a K-step of MXFP4 weights on tensor cores: the weights' int32
+    # words at `word_ptrs` [BLOCK_N, BLOCK_K / 8] (eight values of a row each), their groups' scales at
+    # `scale_ptrs` [BLOCK_N, BLOCK_K / 32], each read once; dequantised to x's dtype as one tile
+    # (`mxfp4_tile`), one product.
+    words = tl.load(word_ptrs, mask=word_ok, other=0).to(tl.uint32, bitcast=True)
+    exponents = tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32)
+    tile = mxfp4_tile(words, exponents, x.dtype, BLOCK_N, BLOCK_K)
     return tl.dot(x, tl.trans(tile), acc, input_precision=DOT_PRECISION)
 
 
@@ -101,35 +100,34 @@ def mxfp4_rows_times_vector(x_ptr, word_row_starts, scale_row_starts, row_ok, K,
 
 
 @triton.jit
-def _dequantise_kernel(blocks_ptr, scales_ptr, out_ptr, num_rows, row_bytes, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_BYTES: tl.constexpr):
-    # Program (r, c): bytes c*BLOCK_BYTES.. of rows r*BLOCK_ROWS.. of contiguous blocks [rows, row_bytes],
-    # their two values each side by side in out [rows, 2 * row_bytes], stored as one contiguous tile.
+def _dequantise_kernel(words_ptr, scales_ptr, out_ptr, num_rows, row_words, BLOCK_ROWS: tl.constexpr,
+                       BLOCK_WORDS: tl.constexpr):
+    # Program (r, c): words c*BLOCK_WORDS.. of rows r*BLOCK_ROWS.. of the blocks as int32 words [rows,
+    # row_words], their eight values each in order in out [rows, 8 * row_words], one contiguous tile.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.program_id(1) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    words = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
+    groups = tl.program_id(1) * (BLOCK_WORDS // GROUP_WORDS) + tl.arange(0, BLOCK_WORDS // GROUP_WORDS)
     row_ok = (rows < num_rows)[:, None]
-    ok = row_ok & (cols < row_bytes)[None, :]
     rows = rows.to(tl.int64)
-    packed = tl.load(blocks_ptr + rows[:, None] * row_bytes + cols[None, :], mask=ok, other=0).to(tl.int32)
-    exponents = tl.load(scales_ptr + rows[:, None] * (row_bytes // GROUP_BYTES) + cols[None, :] // GROUP_BYTES,
-                        mask=ok, other=0)
-    scales = group_scales(exponents.to(tl.int32))
-    values = tl.join(e2m1_over_2_14(packed & 15) * scales, e2m1_over_2_14(packed >> 4) * scales)
-    values = tl.reshape(values, (BLOCK_ROWS, 2 * BLOCK_BYTES))
-    out_cols = tl.program_id(1) * 2 * BLOCK_BYTES + tl.arange(0, 2 * BLOCK_BYTES)
-    tl.store(out_ptr + rows[:, None] * (2 * row_bytes) + out_cols[None, :], values.to(out_ptr.dtype.element_ty),
-             mask=row_ok & (out_cols < 2 * row_bytes)[None, :])
+    packed = tl.load(words_ptr + rows[:, None] * row_words + words[None, :], mask=row_ok & (words < row_words)[None, :],
+                     other=0).to(tl.uint32, bitcast=True)
+    exponents = tl.load(scales_ptr + rows[:, None] * (row_words // GROUP_WORDS) + groups[None, :],
+                        mask=row_ok & (groups < row_words // GROUP_WORDS)[None, :], other=0).to(tl.int32)
+    values = mxfp4_tile(packed, exponents, out_ptr.dtype.element_ty, BLOCK_ROWS, 8 * BLOCK_WORDS)
+    out_cols = tl.program_id(1) * 8 * BLOCK_WORDS + tl.arange(0, 8 * BLOCK_WORDS)
+    tl.store(out_ptr + rows[:, None] * (8 * row_words) + out_cols[None, :], values,
+             mask=row_ok & (out_cols < 8 * row_words)[None, :])
 
 
 def dequantise_mxfp4_triton(blocks, scales, dtype):
     """``ops_cuda.mxfp4.dequantise_mxfp4`` as one kernel: blocks [..., rows, columns / 2] and scales
     [..., rows, columns / 32] -> ``dtype`` [..., rows, columns]."""
-    blocks, scales = blocks.contiguous(), scales.contiguous()
-    row_bytes = blocks.shape[-1]
-    out = torch.empty(*blocks.shape[:-1], 2 * row_bytes, dtype=dtype, device=blocks.device)
-    num_rows = blocks.numel() // row_bytes
-    block_rows, block_bytes = 16, min(256, triton.next_power_of_2(row_bytes))
-    _dequantise_kernel[(triton.cdiv(num_rows, block_rows), triton.cdiv(row_bytes, block_bytes))](
-        blocks, scales, out, num_rows, row_bytes, BLOCK_ROWS=block_rows, BLOCK_BYTES=block_bytes,
+    words, scales = blocks.contiguous().view(torch.int32), scales.contiguous()
+    row_words = words.shape[-1]
+    out = torch.empty(*blocks.shape[:-1], 8 * row_words, dtype=dtype, device=blocks.device)
+    num_rows = words.numel() // row_words
+    block_rows, block_words = 16, min(64, triton.next_power_of_2(row_words))
+    _dequantise_kernel[(triton.cdiv(num_rows, block_rows), triton.cdiv(row_words, block_words))](
+        words, scales, out, num_rows, row_words, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
     )
     return out

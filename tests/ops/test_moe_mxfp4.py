@@ -145,11 +145,13 @@ def test_one_token_kernels_match_the_dequantised_experts_interpreted(held, dtype
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_dequantising_kernel_gives_the_reference_values_interpreted(dtype):
-    """Rows of 48 bytes (96 values) in 256-byte tiles: a partial tile; the values exact in both dtypes."""
+@pytest.mark.parametrize("columns", [96, 640])
+def test_dequantising_kernel_gives_the_reference_values_interpreted(dtype, columns):
+    """Rows of 12 words (96 values) in one 16-word tile, a partial one, or of 80 words in two 64-word
+    tiles (the second partial); the values exact in both dtypes."""
     from ops_cuda.mxfp4_triton import dequantise_mxfp4_triton
 
-    blocks, scales = random_mxfp4((3, 5, 96), seed=4)
+    blocks, scales = random_mxfp4((3, 5, columns), seed=4)
     assert torch.equal(dequantise_mxfp4_triton(blocks, scales, dtype), dequantise_mxfp4(blocks, scales, dtype))
 
 
@@ -192,6 +194,17 @@ def test_bf16_gpt_oss_shapes_match_the_dequantised_experts_gpu(tokens):
     expected = moe_experts_reference(hidden.float(), weights, ids, gate_up.float(), down.float(), "clamped_swiglu",
                                      *(b.float() for b in expert_biases))
     assert relative_error(ours.float(), expected) <= max(1e-2, 1.5 * relative_error(bf16_kernels.float(), expected))
+
+
+@pytest.mark.gpu
+def test_dequantising_kernel_gives_the_reference_values_gpu():
+    """bfloat16, the prompts' dtype, on gpt-oss-20b's gate_up rows (360 words: six 64-word tiles, the last
+    partial): exact."""
+    from ops_cuda.mxfp4_triton import dequantise_mxfp4_triton
+
+    blocks, scales = random_mxfp4((4, 5760, 2880), seed=4, device="cuda")
+    ours = dequantise_mxfp4_triton(blocks, scales, torch.bfloat16)
+    assert torch.equal(ours, dequantise_mxfp4(blocks, scales, torch.bfloat16))
 
 
 @pytest.mark.gpu
