@@ -1,7 +1,8 @@
 """What the Triton kernel modules of this package share: the dtype check of a launcher's inputs,
 programmatic dependent launch (PDL) on Hopper and later, the rounding that follows the PyTorch
-references' order of operations, the gated activations' formulas, and the matrix-vector products of
-single-row kernels (plain, and gated: act(gate x) * up x from interleaved gate and up rows).
+references' order of operations, the gated activations' formulas, the tensor-core K-loops of the
+expert kernels (rows times a weight tile, or times a gate and an up tile), and the matrix-vector
+products of single-row kernels (plain, and gated: act(gate x) * up x from interleaved gate and up rows).
 
 This module imports triton: only kernel modules import it.
 """
