@@ -12,8 +12,8 @@ from loaders.load import load_weights
 from loaders.types import CheckpointError, HostMemoryError, NonFiniteWeightWarning, Source, TensorRef
 
 __all__ = [
-    "CheckpointError", "HostMemoryError", "NonFiniteWeightWarning", "Source", "TensorRef", "chat_template_error", "copy_weights",
-    "default_model_path", "from_checkpoint", "load_config", "load_generation_config", "load_processor",
+    "CheckpointError", "HostMemoryError", "NonFiniteWeightWarning", "Source", "TensorRef", "chat_template_error",
+    "copy_weights", "default_model_path", "from_checkpoint", "load_config", "load_generation_config", "load_processor",
     "load_tokenizer", "load_weights",
     "open_checkpoint", "resolve_source",
 ]

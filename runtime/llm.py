@@ -78,8 +78,9 @@ class LLM:
     linear layers of one HF projection; not fused ones such as q/k/v) map their safetensors file:
     truncating or rewriting it in place while the ``LLM`` lives ends the process (SIGBUS);
     ``mmap=False`` copies them. ``keep_mxfp4``: MXFP4 experts (gpt-oss's) stay in MXFP4, in about a
-    quarter of their bfloat16 memory (``from_pretrained``'s option; None: on CUDA). On the CPU, ``compile_decode`` runs every decode step through one
-    graph torch.compile builds when ``LLM`` starts (30-60 s; inductor keeps what it built on disk):
+    quarter of their bfloat16 memory (``from_pretrained``'s option; None: on CUDA). On the CPU,
+    ``compile_decode`` runs every decode step through one graph torch.compile builds when ``LLM``
+    starts (30-60 s; inductor keeps what it built on disk):
     SmolLM2's steps of 1 to 64 sequences run 1.03-1.35x faster than eager ones in float32 and
     1.3-1.5x in bfloat16. Each ``LLM`` compiles its own graph, into which inductor freezes the
     weights and keeps them for the life of the process: a compiled ``LLM``'s weights stay in

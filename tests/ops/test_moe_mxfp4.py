@@ -178,7 +178,7 @@ def test_prompts_through_dequantised_chunks_match_the_reference_interpreted(held
 @pytest.mark.parametrize("tokens", [1, 4, 64, 300, 4096])
 def test_bf16_gpt_oss_shapes_match_the_dequantised_experts_gpu(tokens):
     """gpt-oss-20b's experts (H = 2,880, I = 2,880, top-4 of 32 here 8), each path of the dispatch (one token's
-    kernels, the fused-MoE kernel's MXFP4 tiles, dequantised chunks from 256 tokens on) against the float32
+    kernels, the fused-MoE kernel's MXFP4 tiles, dequantised chunks from 1,024 tokens on) against the float32
     computation, as close as zoo::moe_experts' CUDA kernels over the dequantised bf16 experts are."""
     from ops_cuda.moe import moe_experts
 
