@@ -71,32 +71,46 @@ def mxfp4_step_product(x, word_ptrs, scale_ptrs, word_ok, scale_ok, acc, DOT_PRE
 
 
 @triton.jit
-def mxfp4_rows_times_vector(x_ptr, word_row_starts, scale_row_starts, row_ok, K, ROWS: tl.constexpr,
+def mxfp4_row_words(word_row_starts, row_ok, start, K, BLOCK_K: tl.constexpr):
+    # The int32 words of columns start..start + BLOCK_K of MXFP4 weight rows (`word_row_starts` and
+    # `row_ok` [slots, rows, 1]) as uint32, read past the cache: nothing else reuses them.
+    words_in_step = tl.arange(0, BLOCK_K // 8)
+    word_ok = 8 * words_in_step < K - start
+    return tl.load(word_row_starts + start // 8 + words_in_step, mask=row_ok & word_ok, other=0,
+                   eviction_policy="evict_first").to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_rows_times_vector(x_starts, word_row_starts, scale_row_starts, row_ok, K, first_words,
                             BLOCK_K: tl.constexpr):
-    # [ROWS] float32: each MXFP4 weight row (its blocks as int32 words of eight values from
-    # `word_row_starts`, its scales from `scale_row_starts`, both [ROWS, 1], as `row_ok`) times the K
-    # values at x_ptr, on CUDA cores. Each word's values pair up by e2m1_pair, each against its column of
-    # x; each group's 32 products are summed unscaled, then times the group's scale. The weights are
-    # read past the cache (nothing else reuses them).
+    # [slots, rows] float32: each MXFP4 weight row (its blocks as int32 words of eight values from
+    # `word_row_starts`, its scales from `scale_row_starts`, both [slots, rows, 1], as `row_ok`) times
+    # the K values of its slot's vector, at `x_starts` (one pointer, or [slots, 1, 1]), on CUDA cores.
+    # `first_words` holds the rows' first step (`mxfp4_row_words` at 0), already read (a caller may
+    # read it before waiting on the previous kernel). Each word's values pair up by e2m1_pair, each
+    # against its column of x; each group's 32 products are summed unscaled, then times the group's scale.
     words_in_step = tl.arange(0, BLOCK_K // 8)
     groups = tl.arange(0, BLOCK_K // 32)
-    acc = tl.zeros([ROWS, BLOCK_K // 32], dtype=tl.float32)
+    SLOTS: tl.constexpr = first_words.shape[0]
+    ROWS: tl.constexpr = first_words.shape[1]
+    acc = tl.zeros([SLOTS, ROWS, BLOCK_K // 32], dtype=tl.float32)
+    words = first_words
     for start in range(0, K, BLOCK_K):
+        if start > 0:
+            words = mxfp4_row_words(word_row_starts, row_ok, start, K, BLOCK_K)
         word_ok = 8 * words_in_step < K - start
-        words = tl.load(word_row_starts + start // 8 + words_in_step[None, :], mask=row_ok & word_ok[None, :],
-                        other=0, eviction_policy="evict_first").to(tl.uint32, bitcast=True)
-        x_ptrs = x_ptr + start + 8 * words_in_step
-        products = tl.zeros([ROWS, BLOCK_K // 8], dtype=tl.float32)
+        x_ptrs = x_starts + start + 8 * words_in_step
+        products = tl.zeros([SLOTS, ROWS, BLOCK_K // 8], dtype=tl.float32)
         for position in tl.static_range(4):
             low, high = e2m1_pair(words, position)
             x_low = tl.load(x_ptrs + position, mask=word_ok, other=0.0).to(tl.float32)
             x_high = tl.load(x_ptrs + position + 4, mask=word_ok, other=0.0).to(tl.float32)
-            products += low * x_low[None, :] + high * x_high[None, :]
-        group_sums = tl.sum(tl.reshape(products, (ROWS, BLOCK_K // 32, 4)), axis=2)
-        group_ok = row_ok & (groups < (K - start) // 32)[None, :]
-        exponents = tl.load(scale_row_starts + start // 32 + groups[None, :], mask=group_ok, other=0)
+            products += low * x_low + high * x_high
+        group_sums = tl.sum(tl.reshape(products, (SLOTS, ROWS, BLOCK_K // 32, 4)), axis=3)
+        group_ok = row_ok & (groups < (K - start) // 32)
+        exponents = tl.load(scale_row_starts + start // 32 + groups, mask=group_ok, other=0)
         acc += group_sums * group_scales(exponents.to(tl.int32))
-    return tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=2)
 
 
 @triton.jit

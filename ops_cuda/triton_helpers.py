@@ -228,6 +228,18 @@ def rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K: tl.cons
 
 
 @triton.jit
+def weighted_slot_sum(y, weights_ptr, slots, slot_ok, dtype: tl.constexpr, BLOCK_SLOTS: tl.constexpr):
+    # [rows] float32: a token's expert outputs y [slots, rows] (float32 products), each rounded to
+    # `dtype` as the reference writes it, times its routing weight, summed slot by slot in order: the
+    # reference's combine.
+    weighted = round_to(y, dtype) * tl.load(weights_ptr + slots, mask=slot_ok, other=0.0)[:, None]
+    out = tl.zeros([y.shape[1]], dtype=tl.float32)
+    for k in tl.static_range(BLOCK_SLOTS):
+        out += tl.sum(tl.where(slots[:, None] == k, weighted, 0.0), axis=0)
+    return out
+
+
+@triton.jit
 def gated_weight_rows(first_col, intermediate, BLOCK_N: tl.constexpr):
     # The weight rows behind columns first_col.. of h = act(gate x) * up x for a weight of gate rows
     # then as many up rows: [2 * BLOCK_N] rows, each column's gate row then its up row (I rows

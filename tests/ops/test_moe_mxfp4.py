@@ -127,15 +127,17 @@ def test_kernel_matches_the_dequantised_experts_interpreted(case, dtype, math):
 @pytest.mark.parametrize("math", ["silu", "gpt_oss"])
 @pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("held", [None, [1, 4, 6]], ids=["all", "expert_parallel"])
-def test_one_token_kernels_match_the_dequantised_experts_interpreted(held, dtype, math):
+@pytest.mark.parametrize("top_k", [4, 3])
+def test_one_token_kernels_match_the_dequantised_experts_interpreted(top_k, held, dtype, math):
     """A decode step's two launches (rows times the token on CUDA cores), K-steps of 32 values over H = 96
-    and I = 64; ids of experts another rank holds (-1) add nothing. (bfloat16: the gpu tests.)"""
+    and I = 64; ids of experts another rank holds (-1) add nothing; top-3 leaves the down kernel's fourth
+    slot empty. (bfloat16: the gpu tests.)"""
     from ops_cuda.moe_decode import moe_experts_mxfp4_token
 
     experts = mxfp4_experts(96, 64)
     activation, expert_biases = ("silu", ()) if math == "silu" else ("clamped_swiglu", biases(96, 64, dtype))
     hidden = torch.randn(1, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
-    weights, ids = routed(1, 4, list(range(NUM_EXPERTS)), seed=2)
+    weights, ids = routed(1, top_k, list(range(NUM_EXPERTS)), seed=2)
     if held is not None:
         ids = torch.where(torch.isin(ids, torch.tensor(held)), ids, -1)
     ours = moe_experts_mxfp4_token(hidden, weights, ids, *experts, activation, *expert_biases)

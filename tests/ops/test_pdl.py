@@ -7,8 +7,8 @@ its own wait). That is sound when every kernel waits before its programs can ret
 finished kernel implies finished predecessors, and when what a kernel reads before its wait is written
 by no kernel of the step: weights, the step's attention metadata, which the runtime writes before
 the step's first kernel, and the KV cache's entries of earlier steps (decode attention reads its
-first key tile early, all but the step's own key). The one exception reads the router's ids early,
-behind a kernel that lets it start only after its own wait.
+first key tile early, all but the step's own key). The one exception, one token's MoE down kernel
+(bf16 or MXFP4), reads the router's ids early, behind a kernel that lets it start only after its own wait.
 """
 
 import ast
@@ -29,14 +29,15 @@ WAITS = ("begin_after_previous", "begin_after_previous_holding_next")
 # weights, and the attention metadata.
 NEVER_WRITTEN_IN_A_STEP = {
     "w_ptr", "bias_ptr", "scale_ptr", "weight_ptr", "q_weight_ptr", "k_weight_ptr", "v_weight_ptr", "down_ptr",
-    "seq_lens_ptr", "slot_ptr", "block_tables_ptr",
+    "words_ptr", "scales_ptr", "seq_lens_ptr", "slot_ptr", "block_tables_ptr",
 }
 # kernel -> the KV cache it reads before its wait: entries of earlier steps, its loads masked to the keys
 # before the step's own (at seq_len - 1), which the kernel before it writes and it reads after its wait.
 READ_EARLY_FROM_EARLIER_STEPS = {"_decode_split_kernel": {"k_cache_ptr", "v_cache_ptr"}}
 # kernel -> (what it reads before its wait that an earlier kernel of the step wrote, the kernel launched
 # just before it, which must let it start only after its own wait).
-READ_EARLY_BEHIND_A_HOLD = {"_token_down_combine_kernel": ({"ids_ptr"}, "_token_gate_up_kernel")}
+READ_EARLY_BEHIND_A_HOLD = {"_token_down_combine_kernel": ({"ids_ptr"}, "_token_gate_up_kernel"),
+                            "_mxfp4_token_down_combine_kernel": ({"ids_ptr"}, "_mxfp4_token_gate_up_kernel")}
 
 
 def _pdl_kernels() -> dict:
@@ -80,7 +81,8 @@ def _pointers_read_before_wait(name: str) -> set[str]:
 def test_the_chain_kernels_are_found():
     assert {"gemv_kernel", "gated_gemv_kernel", "_rms_norm_kernel", "_rotary_write_kv_kernel", "_decode_split_kernel",
             "_decode_reduce_kernel", "_route_topk_kernel", "_token_gate_up_kernel", "_token_down_combine_kernel",
-            "_mla_decode_split_kernel", "_fp8_block_gemv_kernel", "_argmax_chunks_kernel"} <= set(KERNELS)
+            "_mla_decode_split_kernel", "_fp8_block_gemv_kernel", "_argmax_chunks_kernel", "_mxfp4_token_gate_up_kernel",
+            "_mxfp4_token_down_combine_kernel"} <= set(KERNELS)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
