@@ -340,17 +340,17 @@ def _mxfp4_token_down_combine_kernel(
     experts = tl.load(ids_ptr + slots, mask=slot_ok, other=-1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     present = (experts[:, None] >= 0) & (rows[None, :] < hidden_size)  # [slots, rows]
-    held = tl.maximum(experts, 0)[:, None, None]
-    word_row_starts = words_ptr + held * words_stride_e + rows[None, :, None] * words_stride_n
+    held = tl.maximum(experts, 0)
+    word_row_starts = words_ptr + held[:, None, None] * words_stride_e + rows[None, :, None] * words_stride_n
     words = mxfp4_row_words(word_row_starts, present[:, :, None], 0, intermediate, BLOCK_K)
     if HAS_BIAS:
-        bias = expert_bias(bias_ptr, tl.maximum(experts, 0)[:, None], rows[None, :], present, hidden_size)
+        bias = expert_bias(bias_ptr, held[:, None], rows[None, :], present, hidden_size)
     begin_after_previous(PDL)
     # Slots past top_k read the last slot's h against zero weights.
     h_starts = (h_ptr + tl.minimum(slots, top_k - 1) * intermediate)[:, None, None]
-    y = mxfp4_rows_times_vector(h_starts, word_row_starts,
-                                scales_ptr + held * scales_stride_e + rows[None, :, None] * scales_stride_n,
-                                present[:, :, None], intermediate, words, BLOCK_K)
+    scale_row_starts = scales_ptr + held[:, None, None] * scales_stride_e + rows[None, :, None] * scales_stride_n
+    y = mxfp4_rows_times_vector(h_starts, word_row_starts, scale_row_starts, present[:, :, None], intermediate, words,
+                                BLOCK_K)
     if HAS_BIAS:
         y += bias
     dtype = out_ptr.dtype.element_ty
