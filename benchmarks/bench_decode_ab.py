@@ -9,11 +9,18 @@ Each FILE:NAME is loaded from the other tree's FILE, as a module of its own that
 packages, and put in place of NAME in this tree's module of FILE for the "base" configurations (the
 launchers look their kernels up when they run). A kernel keeps its launcher's arguments: an A/B of
 its body, not of its signature; to change a signature too, swap the launcher (the op files import
-theirs when they run), which brings the other tree's kernels with it. Random bf16 weights of the
-shape, one model; per configuration a fresh LLM (max_model_len as bench_decode_without.py's; CUDA
-graphs captured with the kernels in place), a 128-token prompt and 256 greedy tokens timed five
-times, as bench_decode_without.py does; "this" and "base" alternate --pairs times. Prints the
-fastest, the median and all five runs of each configuration.
+theirs when they run), which brings the other tree's kernels with it. Where the other tree's files
+named import from one another (a launcher's file from a helper's), they get each other's objects,
+not this tree's: with helpers whose signatures changed, name the helper's file too, e.g.
+
+    python3 benchmarks/bench_decode_ab.py /tmp/base ops_cuda/moe_decode.py:moe_experts_mxfp4_token \
+        ops_cuda/mxfp4_triton.py:mxfp4_rows_times_vector --shape gpt-oss-20b
+
+Random bf16 weights of the shape, one model (gpt-oss-20b: its experts random MXFP4, as
+bench_moe.py --experts mxfp4 builds them); per configuration a fresh LLM (max_model_len as
+bench_decode_without.py's; CUDA graphs captured with the kernels in place), a 128-token prompt and
+256 greedy tokens timed five times, as bench_decode_without.py does; "this" and "base" alternate
+--pairs times. Prints the fastest, the median and all five runs of each configuration.
 """
 
 import argparse
@@ -30,20 +37,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode_without import MAX_MODEL_LEN, MAX_MODEL_LEN_HELP, SHAPES, model_and_prompt, time_decode  # noqa: E402
+from bench_decode_without import (  # noqa: E402
+    MAX_MODEL_LEN,
+    MAX_MODEL_LEN_HELP,
+    MXFP4_SHAPES,
+    SHAPES,
+    model_and_prompt,
+    time_decode,
+)
 from bench_moe import free_memory  # noqa: E402
 
 
 def base_kernels(base: Path, names: list[str]) -> list[tuple[object, str, object]]:
     """(this tree's module, NAME, the other tree's object of that name) for each FILE:NAME."""
-    loaded, swaps = {}, []
+    loaded, ours, swaps = {}, {}, []
     for spec in names:
         file, _, name = spec.partition(":")
         if not name or not file.endswith(".py"):
             raise ValueError(f"{spec!r}: give FILE.py:NAME, a path from the tree's root and a name in it")
         if not (base / file).is_file():
             raise FileNotFoundError(f"{spec!r}: no {file} under {base}")
-        module = importlib.import_module(file.removesuffix(".py").replace("/", "."))
+        ours[file] = module = importlib.import_module(file.removesuffix(".py").replace("/", "."))
         if file not in loaded:
             alias = "base_" + file.removesuffix(".py").replace("/", "_")
             module_spec = importlib.util.spec_from_file_location(alias, base / file)
@@ -53,7 +67,21 @@ def base_kernels(base: Path, names: list[str]) -> list[tuple[object, str, object
             if not hasattr(tree, name):
                 raise AttributeError(f"{spec!r}: {where}'s {file} has no {name}")
         swaps.append((module, name, getattr(loaded[file], name)))
+    link_base_modules(loaded, ours)
     return swaps
+
+
+def link_base_modules(loaded: dict, ours: dict) -> None:
+    """In each loaded base module, the names it imported from another named file (this tree's objects,
+    since it imports this tree's packages) rebound to that file's base objects. Triton kernels look
+    their globals up in their module when they compile, so the base launcher runs the base helpers."""
+    for file, base_module in loaded.items():
+        for other, other_base in loaded.items():
+            if other == file:
+                continue
+            for name, value in list(vars(base_module).items()):
+                if value is getattr(ours[other], name, None) and hasattr(other_base, name):
+                    setattr(base_module, name, getattr(other_base, name))
 
 
 @contextlib.contextmanager
@@ -69,7 +97,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base", type=Path, help="the other tree's root")
     parser.add_argument("kernels", nargs="+", metavar="FILE:NAME")
-    parser.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
+    parser.add_argument("--shape", choices=(*SHAPES, *MXFP4_SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help=MAX_MODEL_LEN_HELP)
     args = parser.parse_args()

@@ -44,7 +44,8 @@ import layers.attention  # noqa: E402
 import layers.moe  # noqa: E402
 import runtime.run_ahead  # noqa: E402
 from bench_gpu import LLAMA_8B, decode_ms_per_token, zoo_8b  # noqa: E402
-from bench_moe import DECODE_TOKENS, PROMPT_LEN, QWEN3_30B_A3B, free_memory, random_hf  # noqa: E402
+from bench_moe import DECODE_TOKENS, PROMPT_LEN, QWEN3_30B_A3B, free_memory, random_hf, random_mxfp4_zoo  # noqa: E402
+from bench_moe import SHAPES as MOE_SHAPES  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from runtime import LLM  # noqa: E402
 
@@ -54,6 +55,8 @@ DEFAULT = ("none", "route_topk", "post_norm", "input_norm", "rotary_write_kv",
 DEFAULT_DENSE = ("none", "input_norm", "post_norm", "input_norm+post_norm", "rotary_write_kv", "decode_attention",
                  "rotary_write_kv+decode_attention", "none")
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "llama-3.1-8b": LLAMA_8B}
+# Shapes whose experts model_and_prompt keeps in MXFP4 (bench_decode_ab.py's A/Bs; no kernel removals here).
+MXFP4_SHAPES = ("gpt-oss-20b",)
 RUNS = 5
 MAX_MODEL_LEN = 1024
 MAX_MODEL_LEN_HELP = ("the LLM's max_model_len (default %(default)s): the decode graphs' block tables are that wide, "
@@ -131,11 +134,16 @@ def time_decode(model, prompt, max_model_len: int = MAX_MODEL_LEN) -> list[float
 
 
 def model_and_prompt(shape: str) -> tuple:
-    """The random bf16 model of ``shape`` (a key of SHAPES) and the 128-token prompt its decode is timed on."""
-    model = AutoModelForCausalLM.from_hf(random_hf()) if shape == "qwen3-30b-a3b" else zoo_8b()
+    """The random bf16 model of ``shape`` (a key of SHAPES; of MXFP4_SHAPES: random MXFP4 experts, as
+    bench_moe.py --experts mxfp4 builds them) and the 128-token prompt its decode is timed on."""
+    if shape in MXFP4_SHAPES:
+        model, fields = random_mxfp4_zoo(shape), MOE_SHAPES[shape]
+    else:
+        model = AutoModelForCausalLM.from_hf(random_hf(shape)) if shape == "qwen3-30b-a3b" else zoo_8b()
+        fields = SHAPES[shape]
     free_memory()
     generator = torch.Generator().manual_seed(0)
-    return model, torch.randint(0, SHAPES[shape]["vocab_size"], (PROMPT_LEN,), generator=generator).tolist()
+    return model, torch.randint(0, fields["vocab_size"], (PROMPT_LEN,), generator=generator).tolist()
 
 
 def main():

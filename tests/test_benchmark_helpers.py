@@ -1,6 +1,6 @@
 """The benchmarks' helpers that run without a GPU: bench_gpu.py's clock sampler (gpu_clocks), read
-from a stand-in nvidia-smi, its first-call prompts, bench_serve.py's counts of one rate, and
-bench_decode_ab.py's kernel swap."""
+from a stand-in nvidia-smi, its first-call prompts, bench_serve.py's counts of one rate,
+bench_decode_ab.py's kernel swap and the models bench_decode_without.py builds."""
 
 import importlib
 import os
@@ -94,6 +94,47 @@ def test_bench_decode_ab_swaps_in_the_other_trees_kernel_and_puts_this_trees_bac
     with bench_decode_ab.swapped(swaps):
         assert kernels._rms_norm_kernel is theirs
     assert kernels._rms_norm_kernel is ours
+
+
+def test_bench_decode_ab_gives_the_other_trees_launcher_that_trees_helpers(tmp_path):
+    """A launcher's file and a helper's file both named: the other tree's launcher module, which imported
+    this tree's helper, runs the other tree's helper, and this tree's modules keep their own."""
+    bench_decode_ab = importlib.import_module("benchmarks.bench_decode_ab")
+    import ops_cuda.moe_decode as moe_decode
+    import ops_cuda.mxfp4_triton as mxfp4_triton
+
+    (tmp_path / "ops_cuda").mkdir()
+    for module in (moe_decode, mxfp4_triton):
+        (tmp_path / "ops_cuda" / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
+    swaps = bench_decode_ab.base_kernels(tmp_path, ["ops_cuda/moe_decode.py:moe_experts_mxfp4_token",
+                                                    "ops_cuda/mxfp4_triton.py:mxfp4_rows_times_vector"])
+    (_, _, launcher), (_, _, helper) = swaps
+    base_moe_decode = launcher.__globals__  # the other tree's module, as its kernels look names up
+    assert helper is not mxfp4_triton.mxfp4_rows_times_vector
+    assert Path(helper.fn.__code__.co_filename) == tmp_path / "ops_cuda" / "mxfp4_triton.py"
+    assert base_moe_decode["mxfp4_rows_times_vector"] is helper
+    assert base_moe_decode["mxfp4_row_words"] is not mxfp4_triton.mxfp4_row_words  # every name from that file
+    assert base_moe_decode["weighted_slot_sum"] is moe_decode.weighted_slot_sum  # triton_helpers.py was not named
+    assert moe_decode.mxfp4_rows_times_vector is mxfp4_triton.mxfp4_rows_times_vector
+
+
+def test_bench_decode_without_builds_each_shape_it_names(monkeypatch):
+    """model_and_prompt builds the Qwen3-30B-A3B shape from bench_moe's random HF model of that shape, the
+    gpt-oss-20b shape with MXFP4 experts (bench_decode_ab.py's), and a prompt within each vocabulary."""
+    bench_decode_without = importlib.import_module("benchmarks.bench_decode_without")
+    built = []
+    monkeypatch.setattr(bench_decode_without, "random_hf", lambda shape: built.append(("hf", shape)) or shape)
+    monkeypatch.setattr(bench_decode_without.AutoModelForCausalLM, "from_hf", lambda hf: f"zoo {hf}")
+    monkeypatch.setattr(bench_decode_without, "zoo_8b", lambda: "zoo 8b")
+    monkeypatch.setattr(bench_decode_without, "random_mxfp4_zoo", lambda shape: f"zoo mxfp4 {shape}")
+    monkeypatch.setattr(bench_decode_without, "free_memory", lambda: None)
+    for shape, expected in (("qwen3-30b-a3b", "zoo qwen3-30b-a3b"), ("llama-3.1-8b", "zoo 8b"),
+                            ("gpt-oss-20b", "zoo mxfp4 gpt-oss-20b")):
+        model, prompt = bench_decode_without.model_and_prompt(shape)
+        vocab = {**bench_decode_without.SHAPES, **bench_decode_without.MOE_SHAPES}[shape]["vocab_size"]
+        assert model == expected and len(prompt) == bench_decode_without.PROMPT_LEN
+        assert 0 <= min(prompt) and max(prompt) < vocab
+    assert built == [("hf", "qwen3-30b-a3b")]
 
 
 def test_bench_decode_ab_names_what_it_cannot_swap(tmp_path):
