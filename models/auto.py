@@ -80,6 +80,15 @@ def model_device(device) -> torch.device:
     return device
 
 
+def check_load_flags(keep_fp8: bool | None = None, mmap: bool = True, keep_mxfp4: bool | None = None) -> None:
+    """A TypeError naming the loading flag of another type: keep_fp8 and keep_mxfp4 take None, True or
+    False, mmap True or False (``from_pretrained``'s options, which ``LLM`` checks before ranks start)."""
+    for name, value, optional in (("keep_fp8", keep_fp8, True), ("keep_mxfp4", keep_mxfp4, True),
+                                  ("mmap", mmap, False)):
+        if not (isinstance(value, bool) or (optional and value is None)):
+            raise TypeError(f"{name} must be {'None, ' if optional else ''}True or False, got {value!r}")
+
+
 def checkpoint_dtype(config) -> torch.dtype:
     """What ``dtype="auto"`` means (as in HuggingFace): the floating dtype the config records for
     its checkpoint, else float32 (GGUF files record none)."""
@@ -216,12 +225,7 @@ class AutoModelForCausalLM:
         rank's slice of each layer (``layers.tensor_parallel``) and returns the whole model's logits.
         ``expert_parallel``, with ``tensor_parallel``: each rank holds whole experts (True) or every
         expert's slice (False); None: whole experts where the ranks divide the number of experts."""
-        if keep_fp8 is not None and not isinstance(keep_fp8, bool):
-            raise TypeError(f"keep_fp8 must be None, True or False, got {keep_fp8!r}")
-        if keep_mxfp4 is not None and not isinstance(keep_mxfp4, bool):
-            raise TypeError(f"keep_mxfp4 must be None, True or False, got {keep_mxfp4!r}")
-        if not isinstance(mmap, bool):
-            raise TypeError(f"mmap must be True or False, got {mmap!r}")
+        check_load_flags(keep_fp8, mmap, keep_mxfp4)
         if tensor_parallel is not None and not isinstance(tensor_parallel, torch.distributed.ProcessGroup):
             raise TypeError(f"tensor_parallel must be a torch.distributed process group (every rank of it calls "
                             f"from_pretrained), got {tensor_parallel!r}; LLM(..., tensor_parallel_size=N) starts the ranks")

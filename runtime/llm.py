@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from loaders import chat_template_error, load_generation_config, load_processor, load_tokenizer
 from models import AutoModelForCausalLM
-from models.auto import model_device
+from models.auto import check_load_flags, model_device
 from runtime.config import EngineConfig
 from runtime.engine import Engine, RequestOutput
 from runtime.parallel import Ranks
@@ -98,10 +98,7 @@ class LLM:
     def __init__(self, model, dtype="auto", device=None, *, tokenizer=None, processor=None,
                  config: EngineConfig | None = None, mmap: bool = True, keep_mxfp4: bool | None = None, **options):
         config = EngineConfig.from_options(config, **options)  # checked before a model loads for minutes
-        if not isinstance(mmap, bool):
-            raise TypeError(f"mmap must be True or False, got {mmap!r}")
-        if keep_mxfp4 is not None and not isinstance(keep_mxfp4, bool):
-            raise TypeError(f"keep_mxfp4 must be None, True or False, got {keep_mxfp4!r}")
+        check_load_flags(mmap=mmap, keep_mxfp4=keep_mxfp4)
         if tokenizer is not None and not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
             raise TypeError(f"tokenizer must be a transformers tokenizer (transformers.AutoTokenizer.from_pretrained), "
                             f"got {type(tokenizer).__name__}")
