@@ -24,7 +24,7 @@ rotary_emb        the step's cos and sin from its positions (a product, cos and 
 fill_pending      the input ids' pending entries read from the sampled ids (a comparison, a gather, a
                   select): the embedding reads the sampled ids as they are
 
-Random bf16 weights (bench_moe.random_hf, bench_gpu.zoo_8b), one model for every configuration; per
+Random bf16 weights (bench_moe.zoo_from_random_hf, bench_gpu.zoo_8b), one model for every configuration; per
 configuration a fresh LLM (max_model_len 1024 unless --max-model-len says otherwise; CUDA graphs
 captured after the removal), a 128-token prompt and 256 greedy tokens timed as bench_moe's decode,
 five times: the fastest run and all five are printed. Each removal applies to single-row steps
@@ -44,9 +44,15 @@ import layers.attention  # noqa: E402
 import layers.moe  # noqa: E402
 import runtime.run_ahead  # noqa: E402
 from bench_gpu import LLAMA_8B, decode_ms_per_token, zoo_8b  # noqa: E402
-from bench_moe import DECODE_TOKENS, PROMPT_LEN, QWEN3_30B_A3B, free_memory, random_hf, random_mxfp4_zoo  # noqa: E402
+from bench_moe import (  # noqa: E402
+    DECODE_TOKENS,
+    PROMPT_LEN,
+    QWEN3_30B_A3B,
+    free_memory,
+    random_mxfp4_zoo,
+    zoo_from_random_hf,
+)
 from bench_moe import SHAPES as MOE_SHAPES  # noqa: E402
-from models import AutoModelForCausalLM  # noqa: E402
 from runtime import LLM  # noqa: E402
 
 KERNELS = ("route_topk", "input_norm", "post_norm", "rotary_write_kv", "decode_attention", "rotary_emb", "fill_pending")
@@ -139,7 +145,7 @@ def model_and_prompt(shape: str) -> tuple:
     if shape in MXFP4_SHAPES:
         model, fields = random_mxfp4_zoo(shape), MOE_SHAPES[shape]
     else:
-        model = AutoModelForCausalLM.from_hf(random_hf(shape)) if shape == "qwen3-30b-a3b" else zoo_8b()
+        model = zoo_from_random_hf(shape)[0] if shape == "qwen3-30b-a3b" else zoo_8b()
         fields = SHAPES[shape]
     free_memory()
     generator = torch.Generator().manual_seed(0)
