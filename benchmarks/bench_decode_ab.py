@@ -21,6 +21,13 @@ bench_moe.py --experts mxfp4 builds them); per configuration a fresh LLM (max_mo
 bench_decode_without.py's; CUDA graphs captured with the kernels in place), a 128-token prompt and
 256 greedy tokens timed five times, as bench_decode_without.py does; "this" and "base" alternate
 --pairs times. Prints the fastest, the median and all five runs of each configuration.
+
+Each --also LABEL=TREE adds a configuration to every round, the same FILE:NAMEs taken from TREE
+(variants of a kernel or of its tiles, timed beside the two on one model, which for the
+Qwen3-30B-A3B shape takes a minute to build):
+
+    python3 benchmarks/bench_decode_ab.py /tmp/base ops_cuda/moe_decode.py:gpu_token_tiles \
+        --also two_rows=/tmp/two_rows --also narrow_steps=/tmp/narrow_steps
 """
 
 import argparse
@@ -98,20 +105,36 @@ def main():
     parser.add_argument("base", type=Path, help="the other tree's root")
     parser.add_argument("kernels", nargs="+", metavar="FILE:NAME")
     parser.add_argument("--shape", choices=(*SHAPES, *MXFP4_SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--also", action="append", default=[], metavar="LABEL=TREE",
+                        help="one more configuration: the same FILE:NAMEs from TREE (repeatable)")
+    parser.add_argument("--pairs", type=int, default=3, help="rounds, each running every configuration once")
     parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help=MAX_MODEL_LEN_HELP)
     args = parser.parse_args()
-    swaps = base_kernels(args.base, args.kernels)
+    trees = {"base": args.base}
+    for spec in args.also:
+        label, _, tree = spec.partition("=")
+        if not label or not tree or label in ("this", *trees):
+            parser.error(f"--also {spec!r}: give LABEL=TREE with a label of its own (not this, base or one given)")
+        trees[label] = Path(tree)
+    configurations = {"this": []} | {label: base_kernels(tree, args.kernels) for label, tree in trees.items()}
     print({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
-           "base": str(args.base), "kernels": args.kernels, "max_model_len": args.max_model_len}, flush=True)
+           **{label: str(tree) for label, tree in trees.items()}, "kernels": args.kernels,
+           "max_model_len": args.max_model_len}, flush=True)
     model, prompt = model_and_prompt(args.shape)
     print("\n| kernels | ms/token, fastest | median | all runs |\n|---|---:|---:|---|", flush=True)
-    for tree in ("this", "base") * args.pairs:
-        with swapped(swaps) if tree == "base" else contextlib.nullcontext():
-            runs = time_decode(model, prompt, args.max_model_len)
-        print(f"| {tree} | {min(runs):.3f} | {statistics.median(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |",
+    for label, runs in rounds(configurations, args.pairs, lambda: time_decode(model, prompt, args.max_model_len)):
+        print(f"| {label} | {min(runs):.3f} | {statistics.median(runs):.3f} | {', '.join(f'{r:.3f}' for r in runs)} |",
               flush=True)
-        free_memory()
+
+
+def rounds(configurations: dict, count: int, timed):
+    """(label, timed()) for each configuration in turn, its swaps in place, ``count`` rounds over all of them."""
+    for _ in range(count):
+        for label, swaps in configurations.items():
+            with swapped(swaps):
+                runs = timed()
+            free_memory()
+            yield label, runs
 
 
 if __name__ == "__main__":

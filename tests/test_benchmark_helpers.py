@@ -1,6 +1,7 @@
 """The benchmarks' helpers that run without a GPU: bench_gpu.py's clock sampler (gpu_clocks), read
 from a stand-in nvidia-smi, its first-call prompts, bench_serve.py's counts of one rate,
-bench_decode_ab.py's kernel swap and the models bench_decode_without.py builds."""
+bench_decode_ab.py's kernel swap and its rounds, and the models bench_decode_without.py and
+profile_decode.py build."""
 
 import importlib
 import os
@@ -118,6 +119,40 @@ def test_bench_decode_ab_gives_the_other_trees_launcher_that_trees_helpers(tmp_p
     assert moe_decode.mxfp4_rows_times_vector is mxfp4_triton.mxfp4_rows_times_vector
 
 
+def test_bench_decode_ab_times_each_configuration_with_its_trees_objects_in_every_round(tmp_path, monkeypatch):
+    """--also trees add configurations: each round times this tree's kernel, then each other tree's in
+    the order given, and puts this tree's back after each."""
+    bench_decode_ab = importlib.import_module("benchmarks.bench_decode_ab")
+    import ops_cuda.triton_kernels as kernels
+
+    source = Path(kernels.__file__).read_text()
+    configurations = {"this": []}
+    for label in ("base", "variant"):
+        (tmp_path / label / "ops_cuda").mkdir(parents=True)
+        (tmp_path / label / "ops_cuda" / "triton_kernels.py").write_text(source)
+        configurations[label] = bench_decode_ab.base_kernels(tmp_path / label,
+                                                             ["ops_cuda/triton_kernels.py:_rms_norm_kernel"])
+    ours = kernels._rms_norm_kernel
+    monkeypatch.setattr(bench_decode_ab, "free_memory", lambda: None)
+
+    def timed():
+        kernel = kernels._rms_norm_kernel
+        return ["this" if kernel is ours else Path(kernel.fn.__code__.co_filename).parents[1].name]
+
+    assert list(bench_decode_ab.rounds(configurations, 2, timed)) == [
+        (label, [label]) for label in ("this", "base", "variant") * 2]
+    assert kernels._rms_norm_kernel is ours
+
+
+@pytest.mark.parametrize("also", ["base=/tmp/other", "this=/tmp/other", "=/tmp/other", "variant"])
+def test_bench_decode_ab_wants_a_label_of_its_own_and_a_tree_for_each_also(also, monkeypatch, capsys):
+    bench_decode_ab = importlib.import_module("benchmarks.bench_decode_ab")
+    monkeypatch.setattr("sys.argv", ["bench_decode_ab.py", "/tmp/base", "ops_cuda/norm.py:rms_norm", "--also", also])
+    with pytest.raises(SystemExit):
+        bench_decode_ab.main()
+    assert f"--also {also!r}: give LABEL=TREE" in capsys.readouterr().err
+
+
 def test_bench_decode_without_builds_each_shape_it_names(monkeypatch):
     """model_and_prompt builds the Qwen3-30B-A3B shape from bench_moe's random HF model of that shape, the
     gpt-oss-20b shape with MXFP4 experts (bench_decode_ab.py's), and a prompt within each vocabulary."""
@@ -220,5 +255,6 @@ def test_profile_decode_builds_the_qwen3_shape_as_bench_moe_does(monkeypatch):
     profile_decode = importlib.import_module("benchmarks.profile_decode")
     bench_moe = importlib.import_module("bench_moe")
     monkeypatch.setattr(bench_moe, "zoo_from_random_hf", lambda shape: (f"zoo {shape}", "grouped_mm"))
-    monkeypatch.setattr(bench_moe, "active_weight_bytes", lambda model: (6.08e9 if model == "zoo qwen3-30b-a3b" else 0, 0))
+    monkeypatch.setattr(bench_moe, "active_weight_bytes",
+                        lambda model: (6.08e9 if model == "zoo qwen3-30b-a3b" else 0, 0))
     assert profile_decode.qwen3_30b_a3b() == ("zoo qwen3-30b-a3b", 6.08e9)
