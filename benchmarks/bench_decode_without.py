@@ -145,7 +145,7 @@ def model_and_prompt(shape: str) -> tuple:
     if shape in MXFP4_SHAPES:
         model, fields = random_mxfp4_zoo(shape), MOE_SHAPES[shape]
     else:
-        model = zoo_from_random_hf(shape)[0] if shape == "qwen3-30b-a3b" else zoo_8b()
+        model = zoo_from_random_hf(shape) if shape == "qwen3-30b-a3b" else zoo_8b()
         fields = SHAPES[shape]
     free_memory()
     generator = torch.Generator().manual_seed(0)

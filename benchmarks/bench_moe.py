@@ -459,11 +459,10 @@ def table(results) -> str:
     ])
 
 
-def zoo_from_random_hf(shape) -> tuple:
+def zoo_from_random_hf(shape):
     """zoo's model of ``shape``'s random HF model (through host memory where the GPU cannot hold both
-    copies), and the experts implementation HF's model picked."""
+    copies). It keeps HF's config object, with the experts implementation HF's model picked."""
     reference = random_hf(shape)
-    experts_implementation = getattr(reference.config, "_experts_implementation", None)
     # zoo's copy, with a tenth to spare, must fit beside HF's in what is free
     if sum(p.numel() * p.element_size() for p in reference.parameters()) > 0.9 * torch.cuda.mem_get_info()[0]:
         reference.to("cpu")
@@ -471,7 +470,7 @@ def zoo_from_random_hf(shape) -> tuple:
     model = AutoModelForCausalLM.from_hf(reference, device="cuda")
     del reference
     free_memory()
-    return model, experts_implementation
+    return model
 
 
 def main():
@@ -528,7 +527,8 @@ def main():
             model = random_mxfp4_zoo(args.shape)
     else:
         with stage(decode_startup, "zoo build (random HF model, converted)"):
-            model, results["hf_experts_implementation"] = zoo_from_random_hf(args.shape)
+            model = zoo_from_random_hf(args.shape)
+            results["hf_experts_implementation"] = getattr(model.config, "_experts_implementation", None)
     throughput_startup.update(decode_startup)
     active, total = active_weight_bytes(model)
     log(f"zoo model ready: {total / 1e9:.1f} GB of weights, {active / 1e9:.2f} GB read per decode step; "

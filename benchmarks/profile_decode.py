@@ -64,7 +64,7 @@ def llama_8b():
 def qwen3_30b_a3b():
     import bench_moe
 
-    model, _ = bench_moe.zoo_from_random_hf("qwen3-30b-a3b")
+    model = bench_moe.zoo_from_random_hf("qwen3-30b-a3b")
     return model, bench_moe.active_weight_bytes(model)[0]
 
 

@@ -159,7 +159,7 @@ def test_bench_decode_without_builds_each_shape_it_names(monkeypatch):
     bench_decode_without = importlib.import_module("benchmarks.bench_decode_without")
     built = []
     monkeypatch.setattr(bench_decode_without, "zoo_from_random_hf",
-                        lambda shape: (built.append(("hf", shape)) or f"zoo {shape}", "grouped_mm"))
+                        lambda shape: built.append(("hf", shape)) or f"zoo {shape}")
     monkeypatch.setattr(bench_decode_without, "zoo_8b", lambda: "zoo 8b")
     monkeypatch.setattr(bench_decode_without, "random_mxfp4_zoo", lambda shape: f"zoo mxfp4 {shape}")
     monkeypatch.setattr(bench_decode_without, "free_memory", lambda: None)
@@ -254,7 +254,7 @@ def test_profile_decode_builds_the_qwen3_shape_as_bench_moe_does(monkeypatch):
     memory on an 80 GB GPU) and charges it the weights one decode step reads."""
     profile_decode = importlib.import_module("benchmarks.profile_decode")
     bench_moe = importlib.import_module("bench_moe")
-    monkeypatch.setattr(bench_moe, "zoo_from_random_hf", lambda shape: (f"zoo {shape}", "grouped_mm"))
+    monkeypatch.setattr(bench_moe, "zoo_from_random_hf", lambda shape: f"zoo {shape}")
     monkeypatch.setattr(bench_moe, "active_weight_bytes",
                         lambda model: (6.08e9 if model == "zoo qwen3-30b-a3b" else 0, 0))
     assert profile_decode.qwen3_30b_a3b() == ("zoo qwen3-30b-a3b", 6.08e9)
