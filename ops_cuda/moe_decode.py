@@ -52,7 +52,6 @@ from ops_cuda.triton_helpers import (
     gated_weight_rows,
     interleaved_gated_activation,
     pdl_launch,
-    round_to,
     store_gated_activation,
     tile_products,
     weight_tile,

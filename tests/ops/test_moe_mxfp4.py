@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from ops_cuda.moe import moe_experts_reference, mxfp4_moe_experts, mxfp4_moe_experts_reference
+from ops_cuda.moe import moe_experts_reference, mxfp4_moe_experts
 from ops_cuda.mxfp4 import E2M1_VALUES, dequantise_mxfp4
 
 NUM_EXPERTS = 8
