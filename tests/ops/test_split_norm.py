@@ -197,3 +197,31 @@ def test_llama_splits_its_norms_on_one_row_gpu(make_checkpoint):
         expected = reference.cuda()(token).logits
     assert relative_error(split, expected) < 2e-2 and relative_error(unsplit, expected) < 2e-2
     assert relative_error(split, unsplit) < 2e-2
+
+
+@pytest.mark.gpu
+def test_batch_1_decode_graphs_split_the_norms_and_follow_hf():
+    # One prompt at a time through the runtime: each decode step a single row, replayed as a CUDA graph
+    # with the norms split; HF's greedy tokens and the runtime's with the norms unsplit as references.
+    from models.base import norms_unsplit
+    from runtime import LLM, SamplingParams
+    from tests.runtime.test_gpu_runtime import SMALL, random_hf
+
+    reference = random_hf(tiny_config("llama", **SMALL))
+    model = AutoModelForCausalLM.from_hf(reference)
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 4096, (n,)).tolist() for n in (5, 37, 100)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, max_num_seqs=1, max_model_len=256)
+    split = [output.token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+    with norms_unsplit(model):
+        unsplit = [output.token_ids for output in LLM(model, max_num_seqs=1, max_model_len=256).generate(
+            prompts, params, use_tqdm=False)]
+    hf = [reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, min_new_tokens=24,
+                             do_sample=False)[0, len(prompt):].tolist() for prompt in prompts]
+
+    def leading(a, b):  # bf16: the tokens until the first divergence
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+    assert sum(map(leading, split, hf)) >= 0.75 * 24 * len(prompts)
+    assert sum(map(leading, split, unsplit)) >= 0.75 * 24 * len(prompts)
