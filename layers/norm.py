@@ -26,7 +26,7 @@ class RowProduct:
 @dataclass
 class NormedRow:
     """One row after an RMSNorm split between the products around it (``ops_cuda.gemv``): the norm's
-    input times its weight (float32) and the partial sums of its squares. The product that reads it
+    input times its weight and the partial sums of its squares. The product that reads it
     (``Linear``, ``GatedMLP``) multiplies its sums by the norm's 1 / rms: the norm takes no launch of
     its own."""
 

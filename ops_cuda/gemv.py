@@ -12,8 +12,8 @@ of its own and the [2I] product is never written.
 
 An RMSNorm between two single-row products can be split between them, so that it takes no launch of
 its own either. The product before it, ``zoo::gemv_into_norm``, adds the residual to its output and
-writes the sum (the new residual), the sum times the norm's weight (``weighted``, float32, in which
-the product of two bf16 values is exact) and each program's sum of the squares of its part of the
+writes the sum (the new residual), the sum times the norm's weight (``weighted``, rounded to the
+activations' dtype: a float32 row would double the bytes every program of the next product reads) and each program's sum of the squares of its part of the
 sum (``partials``). The product after it, ``zoo::normed_gemv`` or ``zoo::normed_gated_gemv``,
 multiplies ``weighted`` by its weight and scales the sums by the norm's 1 / rms, from the partial
 sums added in one fixed order: no atomics, the same result every run. The normalised row is never
@@ -90,9 +90,10 @@ def gemv_into_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The product before a split RMSNorm: for x [..., K] holding one row, y = x W^T + b and the norm's
     input summed = y + residual (each rounded to x's dtype, as HF adds them). Returns (summed, weighted
-    = summed * norm_weight in float32, partial sums of summed's squares: float32, here one)."""
+    = summed * norm_weight rounded to x's dtype, partial sums of summed's squares: float32, here one)."""
     summed = residual + gemv_reference(x, weight, bias).view(residual.shape)
-    return summed, summed.float() * norm_weight.float(), summed.float().square().sum().view(1)
+    weighted = (summed.float() * norm_weight.float()).to(summed.dtype)
+    return summed, weighted, summed.float().square().sum().view(1)
 
 
 @torch.library.custom_op("zoo::gemv_into_norm", mutates_args=())
@@ -104,8 +105,7 @@ def gemv_into_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 @gemv_into_norm_op.register_fake
 def _(x, weight, bias, residual, norm_weight):
     parts = torch.library.get_ctx().new_dynamic_size()
-    return (torch.empty_like(residual), torch.empty_like(residual, dtype=torch.float32),
-            residual.new_empty(parts, dtype=torch.float32))
+    return torch.empty_like(residual), torch.empty_like(residual), residual.new_empty(parts, dtype=torch.float32)
 
 
 @cuda_implementation(gemv_into_norm_op)
@@ -122,7 +122,7 @@ def _normed_products(weighted: torch.Tensor, partials: torch.Tensor, eps: float,
                      bias: torch.Tensor | None) -> torch.Tensor:
     # float32: the products of the weighted row, times the norm's 1 / rms, plus the bias.
     inverse_rms = torch.rsqrt(partials.sum() / weighted.shape[-1] + eps)
-    products = F.linear(weighted, weight.float()) * inverse_rms
+    products = F.linear(weighted.float(), weight.float()) * inverse_rms
     return products if bias is None else products + bias.float()
 
 

@@ -603,7 +603,7 @@ def gemv_into_norm_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr,
                           partials_ptr, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # gemv_kernel's product, then the first half of the RMSNorm that reads it: the residual add
-    # (summed), the norm's weight (weighted: summed times it, exact in float32) and the program's
+    # (summed), the norm's weight (weighted: summed times it) and the program's
     # partial sum of squares of summed.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -617,7 +617,7 @@ def gemv_into_norm_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr,
     residual = tl.load(residual_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     summed = round_to(out + residual, dtype)
     tl.store(summed_ptr + rows, summed.to(dtype), mask=row_ok)
-    tl.store(weighted_ptr + rows, summed * norm_weight, mask=row_ok)
+    tl.store(weighted_ptr + rows, (summed * norm_weight).to(dtype), mask=row_ok)
     tl.store(partials_ptr + tl.program_id(0), tl.sum(summed * summed, axis=0))
 
 
@@ -648,15 +648,15 @@ def _launch_gemv(args: tuple, options: dict, rows: int | None) -> torch.Tensor:
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
                 norm: tuple[torch.Tensor, float] | None = None) -> tuple[tuple, dict]:
     """gemv_kernel's arguments (the output allocated) and options but its rows per program; ``norm``,
-    where given, is a split norm's partial sums and epsilon, and x its weighted input (float32)."""
-    check_dtypes("gemv", *(() if norm is not None else (x,)), weight, *(() if bias is None else (bias,)))
+    where given, is a split norm's partial sums and epsilon, and x its weighted input."""
+    check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
     n, k = weight.shape
     if x.numel() != k:
         raise ValueError(f"zoo::gemv multiplies one row: x has shape {tuple(x.shape)} for a weight of {k} columns")
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"zoo::gemv writes {x.dtype} or float32, not {out_dtype}")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
-    out = torch.empty(n, dtype=weight.dtype if norm is not None else out_dtype or x.dtype, device=x.device)
+    out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
     args = (row, weight, bias_or(bias, row), out, *_norm_arguments(norm, row), n, k, weight.stride(0),
             0.0 if norm is None else float(norm[1]))
     options = dict(HAS_BIAS=bias is not None, NORMED=norm is not None, BLOCK_PARTS=_block_parts(norm),
@@ -674,10 +674,10 @@ def _block_parts(norm: tuple[torch.Tensor, float] | None) -> int:
 
 
 def check_split_norm(op: str, weighted: torch.Tensor, partials: torch.Tensor, hidden: int) -> None:
-    """Raises unless ``weighted`` is one float32 row of ``hidden`` values and ``partials`` float32
+    """Raises unless ``weighted`` is one row of ``hidden`` values and ``partials`` float32
     partial sums of squares (``gemv_into_norm_triton``'s outputs)."""
-    if weighted.dtype != torch.float32 or weighted.numel() != hidden:
-        raise ValueError(f"zoo::{op} takes a split norm's weighted input, one float32 row of {hidden} values; "
+    if weighted.numel() != hidden:
+        raise ValueError(f"zoo::{op} takes a split norm's weighted input, one row of {hidden} values; "
                          f"got {weighted.dtype} of shape {tuple(weighted.shape)}")
     if partials.dtype != torch.float32 or partials.dim() != 1 or not partials.numel():
         raise ValueError(f"zoo::{op} takes a split norm's float32 partial sums of squares; "
@@ -697,7 +697,7 @@ def gemv_into_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                          f"{tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
     summed = torch.empty_like(residual)
-    weighted = torch.empty(residual.shape, dtype=torch.float32, device=x.device)
+    weighted = torch.empty_like(residual)
     args = [row, weight, bias_or(bias, row), residual.contiguous(), norm_weight.contiguous(), summed, weighted,
             weighted, n, k, weight.stride(0)]  # the partial sums' place, once their number is known
     options = dict(HAS_BIAS=bias is not None, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
@@ -770,7 +770,7 @@ def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """zoo::gated_gemv's kernel; the tile arguments are for ``benchmarks/bench_gemv.py``'s sweep. ``norm``
     as ``gemv_launch`` takes it (``normed_gated_gemv_triton``)."""
-    check_dtypes("gated_gemv", *(() if norm is not None else (x,)), weight, *(() if bias is None else (bias,)))
+    check_dtypes("gated_gemv", x, weight, *(() if bias is None else (bias,)))
     if activation not in KERNEL_ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(KERNEL_ACTIVATIONS)}")
     rows, k = weight.shape
@@ -785,7 +785,7 @@ def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                          f"got shape {tuple(bias.shape)}")
     intermediate = rows // 2
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
-    out = torch.empty(*x.shape[:-1], intermediate, dtype=weight.dtype, device=x.device)
+    out = torch.empty(*x.shape[:-1], intermediate, dtype=x.dtype, device=x.device)
     gated_gemv_kernel[(triton.cdiv(intermediate, block_n),)](
         row, weight, bias_or(bias, row), out, *_norm_arguments(norm, row), intermediate, k, weight.stride(0),
         0.0 if norm is None else float(norm[1]), HAS_BIAS=bias is not None, NORMED=norm is not None,
