@@ -9,7 +9,8 @@ fusion of that kernel into its neighbours can save.
 
 DEFAULT: none, each kernel alone, route_topk+post_norm, all four, and none again last, whose time
 against the first shows how far the step's time drifts over the run. DEFAULT_DENSE: the same for
-the dense shape's kernels, then both norms and decode attention with rotary.
+the dense shape's kernels (its norms split first, then unsplit), then both norms and decode attention
+with rotary.
 
 Each argument is one configuration, "none" or kernels joined by "+":
 
@@ -17,6 +18,9 @@ route_topk        the router after its logits: every token takes experts 0, 8, .
                   (the same bytes of expert weights as a real routing); the MoE shape only
 input_norm        each layer's input RMSNorm (with the residual add): the attention reads a fixed row
 post_norm         each layer's post-attention RMSNorm: the MLP or MoE block reads a fixed row
+split_norms       not a removal: the norms a single-row step splits between the products around them
+                  (models.base.DecoderLayer.splits_norms, the dense shape's) run as kernels of their own,
+                  as they do where a model does not split them; input_norm and post_norm imply it
 rotary_write_kv   the per-head q/k-norm, rotary and KV-cache write (the cache stays zero)
 decode_attention  both decode-attention kernels (split and reduce): o_proj reads the queries
 rotary_emb        the step's cos and sin from its positions (a product, cos and sin): every layer reads
@@ -32,6 +36,7 @@ only, so the KV-cache sizing's prefill runs unchanged.
 """
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -53,13 +58,15 @@ from bench_moe import (  # noqa: E402
     zoo_from_random_hf,
 )
 from bench_moe import SHAPES as MOE_SHAPES  # noqa: E402
+from models.base import norms_unsplit  # noqa: E402
 from runtime import LLM  # noqa: E402
 
-KERNELS = ("route_topk", "input_norm", "post_norm", "rotary_write_kv", "decode_attention", "rotary_emb", "fill_pending")
+KERNELS = ("route_topk", "input_norm", "post_norm", "split_norms", "rotary_write_kv", "decode_attention", "rotary_emb",
+           "fill_pending")
 DEFAULT = ("none", "route_topk", "post_norm", "input_norm", "rotary_write_kv",
            "route_topk+post_norm", "route_topk+post_norm+input_norm+rotary_write_kv", "none")
-DEFAULT_DENSE = ("none", "input_norm", "post_norm", "input_norm+post_norm", "rotary_write_kv", "decode_attention",
-                 "rotary_write_kv+decode_attention", "none")
+DEFAULT_DENSE = ("none", "split_norms", "input_norm", "post_norm", "input_norm+post_norm", "rotary_write_kv",
+                 "decode_attention", "rotary_write_kv+decode_attention", "none")
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "llama-3.1-8b": LLAMA_8B}
 # Shapes whose experts model_and_prompt keeps in MXFP4 (bench_decode_ab.py's A/Bs; no kernel removals here).
 MXFP4_SHAPES = ("gpt-oss-20b",)
@@ -84,6 +91,8 @@ class Removed:
         self.fill_pending = runtime.run_ahead.RunAhead.fill_pending
         self.angles_of = model.model.rotary_emb.forward  # bound before __enter__ patches the instance
         self.angles = self.angles_of(torch.zeros(1, dtype=torch.long, device="cuda"))
+        splits = kernels & {"input_norm", "post_norm", "split_norms"}
+        self.unsplit = norms_unsplit(model) if splits else contextlib.nullcontext()
 
     def fixed_norm(self, hidden_states, residual=None):
         normed = self.row if hidden_states.shape[0] == 1 else hidden_states
@@ -113,6 +122,7 @@ class Removed:
                 run_ahead.sampled_ids[:1] if input_ids.shape[0] == 1 else fill_pending(run_ahead, input_ids, sources))
         if "rotary_emb" in self.kernels:
             self.model.model.rotary_emb.forward = self.fixed_angles
+        self.unsplit.__enter__()
         for layer in self.model.model.layers:
             if "input_norm" in self.kernels:
                 layer.input_layernorm.forward = self.fixed_norm
@@ -125,6 +135,7 @@ class Removed:
         layers.attention.TritonAttentionBackend.attend_decodes = self.attend_decodes
         runtime.run_ahead.RunAhead.fill_pending = self.fill_pending
         self.model.model.rotary_emb.__dict__.pop("forward", None)
+        self.unsplit.__exit__(*exc)
         for layer in self.model.model.layers:
             layer.input_layernorm.__dict__.pop("forward", None)
             layer.post_attention_layernorm.__dict__.pop("forward", None)

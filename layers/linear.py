@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from layers.embedding import LMHead
+from layers.norm import NormedRow, RowProduct
 from layers.weights import OneOf, Shard, parent_of
+from ops_cuda import normed_gemv
 from ops_cuda.fp8_linear import fp8_block_linear
-from ops_cuda.linear import PackedWeight, linear
+from ops_cuda.linear import PackedWeight, linear, takes_gemv
 
 
 class Linear(nn.Module):
@@ -20,6 +22,10 @@ class Linear(nn.Module):
     ``fp8_block``, and the product is ``zoo::fp8_block_linear``. ``fp8=False`` keeps the weight in
     the model's dtype whatever the checkpoint: for a weight a layer reads directly, not through
     ``forward`` (MLA's ``kv_b_proj``).
+
+    A layer marked ``into_norm`` (a decoder branch's last product, where the RMSNorm after it is split:
+    ``DecoderLayer.splits_norms``) returns a single GPU row's product undone, a ``RowProduct`` that
+    the norm computes. Any layer reads a ``NormedRow`` (the output of a split norm).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, fp8: bool = True):
@@ -32,8 +38,15 @@ class Linear(nn.Module):
         self.fp8_parameters = ("weight",) if fp8 else ()  # the loader's declaration: see loaders.load
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("weight_scale_inv", None)
+        self.into_norm = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor | RowProduct:
+        if isinstance(x, NormedRow):
+            if self.fp8_block is None and x.takes(self.weight):
+                return normed_gemv(x.weighted, x.partials, x.eps, self.weight, self.bias)
+            x = x.normalised()
+        if self.into_norm and self.fp8_block is None and takes_gemv(x, self.weight):
+            return RowProduct(x, self.weight, self.bias)
         if self.fp8_block is not None:
             return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return linear(x, self.weight, self.bias, self.packed)

@@ -2,14 +2,16 @@
 MLP, down(act(up(x))) (Starcoder2's, Arcee's); and the activations of ungated MLPs (theirs, CLIP's).
 
 Where ``linear`` would multiply by gate_up with zoo::gemv (a single float16/bfloat16 GPU row, batch-1
-decode), zoo::gated_gemv computes act(gate x) * up x in that product's kernel.
+decode), zoo::gated_gemv computes act(gate x) * up x in that product's kernel; on the output of a split
+RMSNorm (``layers.norm.NormedRow``), zoo::normed_gated_gemv, which also applies the norm's 1 / rms.
 """
 
 import torch
 from torch import nn
 
 from layers.linear import Linear, MergedLinear
-from ops_cuda import ACTIVATIONS, GATED_ACTIVATIONS, act_and_mul, gated_gemv
+from layers.norm import NormedRow
+from ops_cuda import ACTIVATIONS, GATED_ACTIVATIONS, act_and_mul, gated_gemv, normed_gated_gemv
 from ops_cuda.linear import takes_gemv
 
 
@@ -43,9 +45,13 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if gate_up.fp8_block is None and takes_gemv(x, gate_up.weight):  # act(gate) * up in the product's kernel
+        # act(gate) * up in the product's kernel, and a split norm's 1 / rms with it
+        plain = gate_up.fp8_block is None
+        if isinstance(x, NormedRow) and plain and x.takes(gate_up.weight):
+            h = normed_gated_gemv(x.weighted, x.partials, x.eps, gate_up.weight, gate_up.bias, self.hidden_act)
+        elif isinstance(x, torch.Tensor) and plain and takes_gemv(x, gate_up.weight):
             h = gated_gemv(x, gate_up.weight, gate_up.bias, self.hidden_act)
         else:
             h = act_and_mul(gate_up(x), self.hidden_act)

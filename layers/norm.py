@@ -1,12 +1,53 @@
 """RMSNorm, in the variants HuggingFace's architectures use, and LayerNorm, each with an optional
-fused residual add."""
+fused residual add; and the RMSNorm of a one-row step split between the products around it."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from layers.weights import OneOf, Shard
-from ops_cuda import fused_add_rms_norm, rms_norm
+from ops_cuda import fused_add_rms_norm, gemv_into_norm, rms_norm
+
+
+@dataclass
+class RowProduct:
+    """A one-row product left to the RMSNorm that reads it, which computes it with the first half of
+    the norm (``zoo::gemv_into_norm``): what a ``Linear`` marked ``into_norm`` returns for a single
+    row on the GPU. Only the decoder layers that split their norms (``DecoderLayer.splits_norms``)
+    mark their branches' last products so."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass
+class NormedRow:
+    """One row after an RMSNorm split between the products around it (``ops_cuda.gemv``): the norm's
+    input times its weight and the partial sums of its squares. The product that reads it
+    (``Linear``, ``GatedMLP``) multiplies its sums by the norm's 1 / rms: the norm takes no launch of
+    its own."""
+
+    weighted: torch.Tensor
+    partials: torch.Tensor
+    eps: float
+    dtype: torch.dtype  # the activations'
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weighted.shape
+
+    def takes(self, weight: torch.Tensor) -> bool:
+        """Whether a product by ``weight`` can read the row split: a weight of the activations' dtype
+        with contiguous rows (not FP8)."""
+        return weight.dtype == self.dtype and weight.stride(-1) == 1
+
+    def normalised(self) -> torch.Tensor:
+        """The normalised row, for a product that cannot read it split."""
+        inverse_rms = torch.rsqrt(self.partials.sum() / self.weighted.shape[-1] + self.eps)
+        return (self.weighted * inverse_rms).to(self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +60,9 @@ class RMSNorm(nn.Module):
     ``1 + weight`` (Gemma stores its weight as an offset from one); ``multiply_in_float32``
     multiplies the float32 statistics by the weight before the cast to the input dtype (Gemma,
     OLMo 2), where Llama casts first and multiplies in the input dtype.
+
+    Given a ``RowProduct`` (the branch's last product, left undone), the norm is split: it returns a
+    ``NormedRow`` for the next product, and the residual stream.
     """
 
     def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0, multiply_in_float32: bool = False):
@@ -28,7 +72,10 @@ class RMSNorm(nn.Module):
         self.multiply_in_float32 = multiply_in_float32
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | RowProduct, residual: torch.Tensor | None = None):
+        if isinstance(x, RowProduct):  # split: this product adds the residual, the next one normalises
+            summed, weighted, partials = gemv_into_norm(x.x, x.weight, x.bias, residual, self.weight)
+            return NormedRow(weighted, partials, self.eps, summed.dtype), summed
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)

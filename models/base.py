@@ -15,6 +15,7 @@ logits, with its operation (``CausalLM.logits_scale``), the one that gives the L
 (``CausalLM.lm_head_bias_field``), partial rotary (``CausalLM.partial_rotary``).
 """
 
+import contextlib
 import itertools
 import warnings
 from collections.abc import Callable
@@ -23,8 +24,8 @@ from dataclasses import astuple, dataclass
 import torch
 from torch import nn
 
-from layers import (Attention, AttentionMetadata, LayerNorm, LMHead, MLAttention, RMSNorm, RotaryEmbedding,
-                    VocabEmbedding, rope_layer_types)
+from layers import (Attention, AttentionMetadata, GatedMLP, LayerNorm, LMHead, MLAttention, RMSNorm,
+                    RotaryEmbedding, VocabEmbedding, rope_layer_types)
 
 
 def head_dim(config) -> int:
@@ -132,6 +133,19 @@ class DecoderLayer(nn.Module):
             mlp_in, residual = branch_input(pre_mlp, attention_out, residual)
         return self.branch_output(self.mlp_output(mlp_in), post_mlp), residual
 
+    @property
+    def splits_norms(self) -> bool:
+        """Whether a one-row GPU step splits this block's pre-norms between the products around them
+        (``layers.norm.NormedRow``): a block of ``Attention`` then a ``GatedMLP``, each after an RMSNorm
+        with the weight as HF stores it (no offset), and nothing between a branch's last product and
+        the residual. The pre-MLP norm then sits between o_proj and gate_up, and the next block's
+        pre-attention norm between down_proj and the next qkv_proj (``DecoderModel``'s ``split_norms``)."""
+        pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
+        return (isinstance(self.self_attn, Attention) and isinstance(getattr(self, self.mlp_name), GatedMLP)
+                and not self.parallel and self.shared_mlp is None and self.branch_scale is None
+                and post_attention is None and post_mlp is None
+                and all(type(norm) is RMSNorm and not norm.weight_offset for norm in (pre_attention, pre_mlp)))
+
     def branch_output(self, out: torch.Tensor, post_norm: RMSNorm | LayerNorm | None) -> torch.Tensor:
         """A branch's output as it joins the residual: after its post-norm and ``branch_scale``."""
         if post_norm is not None:
@@ -171,6 +185,7 @@ class DecoderModel(nn.Module):
         self.input_multiplier = input_multiplier
         self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = decoder_layer.model_norm(config)
+        self.split_norms()
         layer_types = rope_layer_types(config)
         if layer_types is None:
             self.rotary_emb = RotaryEmbedding(config, head_dim(config), partial_rotary)
@@ -180,6 +195,17 @@ class DecoderModel(nn.Module):
                 {kind: RotaryEmbedding(config, head_dim(config), partial_rotary, kind) for kind in layer_types}
             )
             self.rope_of_layer = list(config.layer_types)
+
+    def split_norms(self, split: bool = True) -> None:
+        """Marks the products before the norms a one-row GPU step splits (``DecoderLayer.splits_norms``):
+        each such block's o_proj, and its down_proj where the next block splits too (the last block's
+        feeds the final norm, whose hidden states the model returns). ``split=False`` clears the marks:
+        every norm runs as a kernel of its own (``norms_unsplit``)."""
+        for layer, next_layer in itertools.pairwise([*self.layers, None]):
+            if layer.splits_norms:
+                layer.self_attn.o_proj.into_norm = split
+                getattr(layer, layer.mlp_name).down_proj.into_norm = (split and next_layer is not None
+                                                                      and next_layer.splits_norms)
 
     def rotary_embeddings(self) -> list[RotaryEmbedding]:
         return [self.rotary_emb] if self.rope_of_layer is None else list(self.rotary_emb.values())
@@ -201,6 +227,21 @@ class DecoderModel(nn.Module):
             hidden_states, residual = layer(hidden_states, residual, position_embeddings, metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+
+@contextlib.contextmanager
+def norms_unsplit(model: nn.Module):
+    """Within the context every norm of ``model``'s decoders runs as a kernel of its own, as in prefill,
+    so that each module returns its output as a tensor (the diff's hooks read them); graphs captured
+    within keep it so."""
+    decoders = [module for module in model.modules() if isinstance(module, DecoderModel)]
+    for decoder in decoders:
+        decoder.split_norms(False)
+    try:
+        yield
+    finally:
+        for decoder in decoders:
+            decoder.split_norms()
 
 
 def config_number(config, field: str) -> float:

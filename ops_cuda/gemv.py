@@ -9,6 +9,16 @@ one of the widened operands (a router's logits, as HF takes them) without a floa
 A gated MLP's gate_up product on a single row is ``zoo::gated_gemv``: its kernel computes
 act(gate x) * up x straight from the weight's gate and up rows, so the activation takes no launch
 of its own and the [2I] product is never written.
+
+An RMSNorm between two single-row products can be split between them, so that it takes no launch of
+its own either. The product before it, ``zoo::gemv_into_norm``, adds the residual to its output and
+writes the sum (the new residual), the sum times the norm's weight (``weighted``, rounded to the
+activations' dtype: a float32 row would double the bytes every program of the next product reads) and each program's sum of the squares of its part of the
+sum (``partials``). The product after it, ``zoo::normed_gemv`` or ``zoo::normed_gated_gemv``,
+multiplies ``weighted`` by its weight and scales the sums by the norm's 1 / rms, from the partial
+sums added in one fixed order: no atomics, the same result every run. The normalised row is never
+rounded to bf16 as HF's RMSNorm rounds it: the products agree with HF's to about the rounding of
+their output.
 """
 
 import torch
@@ -74,3 +84,100 @@ def _(x, weight, bias, activation):
 
 
 gated_gemv = public_op(gated_gemv_op, gated_gemv_reference)
+
+
+def gemv_into_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                             norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The product before a split RMSNorm: for x [..., K] holding one row, y = x W^T + b and the norm's
+    input summed = y + residual (each rounded to x's dtype, as HF adds them). Returns (summed, weighted
+    = summed * norm_weight rounded to x's dtype, partial sums of summed's squares: float32, here one)."""
+    summed = residual + gemv_reference(x, weight, bias).view(residual.shape)
+    weighted = (summed.float() * norm_weight.float()).to(summed.dtype)
+    return summed, weighted, summed.float().square().sum().view(1)
+
+
+@torch.library.custom_op("zoo::gemv_into_norm", mutates_args=())
+def gemv_into_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                      norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gemv_into_norm_reference(x, weight, bias, residual, norm_weight)
+
+
+@gemv_into_norm_op.register_fake
+def _(x, weight, bias, residual, norm_weight):
+    parts = torch.library.get_ctx().new_dynamic_size()
+    return torch.empty_like(residual), torch.empty_like(residual), residual.new_empty(parts, dtype=torch.float32)
+
+
+@cuda_implementation(gemv_into_norm_op)
+def _(x, weight, bias, residual, norm_weight):
+    from ops_cuda.triton_kernels import gemv_into_norm_triton  # triton is imported only where a kernel runs
+
+    return gemv_into_norm_triton(x, weight, bias, residual, norm_weight)
+
+
+gemv_into_norm = public_op(gemv_into_norm_op, gemv_into_norm_reference)
+
+
+def _normed_products(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    # float32: the products of the weighted row, times the norm's 1 / rms, plus the bias.
+    inverse_rms = torch.rsqrt(partials.sum() / weighted.shape[-1] + eps)
+    products = F.linear(weighted.float(), weight.float()) * inverse_rms
+    return products if bias is None else products + bias.float()
+
+
+def normed_gemv_reference(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The product after a split RMSNorm: (weighted W^T) / rms + b in W's dtype, for ``weighted`` [..., K] and
+    ``partials`` as ``gemv_into_norm`` returns them, rms = sqrt(sum(partials) / K + eps)."""
+    return _normed_products(weighted, partials, eps, weight, bias).to(weight.dtype)
+
+
+@torch.library.custom_op("zoo::normed_gemv", mutates_args=())
+def normed_gemv_op(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return normed_gemv_reference(weighted, partials, eps, weight, bias)
+
+
+@normed_gemv_op.register_fake
+def _(weighted, partials, eps, weight, bias):
+    return weight.new_empty(*weighted.shape[:-1], weight.shape[0])
+
+
+@cuda_implementation(normed_gemv_op)
+def _(weighted, partials, eps, weight, bias):
+    from ops_cuda.triton_kernels import normed_gemv_triton  # triton is imported only where a kernel runs
+
+    return normed_gemv_triton(weighted, partials, eps, weight, bias)
+
+
+normed_gemv = public_op(normed_gemv_op, normed_gemv_reference)
+
+
+def normed_gated_gemv_reference(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+                                bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """``gated_gemv`` after a split RMSNorm: act(gate) * up of ``normed_gemv``'s products (each rounded
+    to W's dtype), W [2I, K] as ``gated_gemv`` takes it."""
+    products = _normed_products(weighted, partials, eps, weight, bias).to(weight.dtype)
+    return act_and_mul_reference(products, activation)
+
+
+@torch.library.custom_op("zoo::normed_gated_gemv", mutates_args=())
+def normed_gated_gemv_op(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+                         bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    return normed_gated_gemv_reference(weighted, partials, eps, weight, bias, activation)
+
+
+@normed_gated_gemv_op.register_fake
+def _(weighted, partials, eps, weight, bias, activation):
+    return weight.new_empty(*weighted.shape[:-1], weight.shape[0] // 2)
+
+
+@cuda_implementation(normed_gated_gemv_op)
+def _(weighted, partials, eps, weight, bias, activation):
+    from ops_cuda.triton_kernels import normed_gated_gemv_triton  # triton is imported only where a kernel runs
+
+    return normed_gated_gemv_triton(weighted, partials, eps, weight, bias, activation)
+
+
+normed_gated_gemv = public_op(normed_gated_gemv_op, normed_gated_gemv_reference)

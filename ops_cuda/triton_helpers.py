@@ -228,6 +228,15 @@ def rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K: tl.cons
 
 
 @triton.jit
+def inverse_rms(partials_ptr, parts, hidden, eps, BLOCK_PARTS: tl.constexpr):
+    # 1 / rms of a row of `hidden` values from the `parts` partial sums of its squares that a split
+    # norm's first product wrote (ops_cuda.gemv), summed in one fixed order.
+    i = tl.arange(0, BLOCK_PARTS)
+    squares = tl.sum(tl.load(partials_ptr + i, mask=i < parts, other=0.0), axis=0)
+    return tl.math.rsqrt(squares / hidden + eps)
+
+
+@triton.jit
 def weighted_slot_sum(y, weights_ptr, slots, slot_ok, dtype: tl.constexpr, BLOCK_SLOTS: tl.constexpr):
     # [rows] float32: a token's expert outputs y [slots, rows] (float32 products), each rounded to
     # `dtype` as the reference writes it, times its routing weight, summed slot by slot in order: the

@@ -22,11 +22,13 @@ from ops_cuda.kv_layout import check_cache_layout
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
     begin_after_previous,
+    bias_or,
     check_dtypes,
     fullest_tile,
     gated_activation,
-    gated_rows_times_vector,
     gated_weight_rows,
+    interleaved_gated_activation,
+    inverse_rms,
     pdl_launch,
     resident_programs,
     round_to,
@@ -575,10 +577,12 @@ GEMV_ROWS = (2, 4, 8)
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, parts, N, K, w_stride, eps,
+                HAS_BIAS: tl.constexpr, NORMED: tl.constexpr, BLOCK_PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_N weight rows per program. The first weight tile and the bias are read before waiting
-    # for the previous kernel.
+    # for the previous kernel. NORMED: x is a split norm's weighted input (gemv_into_norm_kernel's),
+    # whose 1 / rms scales the products.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
@@ -587,9 +591,34 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, w_stride,
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     begin_after_previous(PDL)
     out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
+    if NORMED:
+        out *= inverse_rms(partials_ptr, parts, K, eps, BLOCK_PARTS)
     if HAS_BIAS:
         out += bias
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def gemv_into_norm_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, summed_ptr, weighted_ptr,
+                          partials_ptr, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # gemv_kernel's product, then the first half of the RMSNorm that reads it: the residual add
+    # (summed), the norm's weight (weighted: summed times it) and the program's
+    # partial sum of squares of summed.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
+    first_tile = weight_tile(row_starts, row_ok[:, None], tl.arange(0, BLOCK_K), K)
+    bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    norm_weight = tl.load(norm_weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    begin_after_previous(PDL)
+    dtype = summed_ptr.dtype.element_ty
+    out = round_to(rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K) + bias, dtype)
+    residual = tl.load(residual_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    summed = round_to(out + residual, dtype)
+    tl.store(summed_ptr + rows, summed.to(dtype), mask=row_ok)
+    tl.store(weighted_ptr + rows, (summed * norm_weight).to(dtype), mask=row_ok)
+    tl.store(partials_ptr + tl.program_id(0), tl.sum(summed * summed, axis=0))
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -597,15 +626,29 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """zoo::gemv's kernel, ``rows`` weight rows per program: by default ``gemv_rows``'s choice on a
     GPU and GEMV_BLOCK_N elsewhere (the tests pass each of GEMV_ROWS)."""
     args, options = gemv_launch(x, weight, bias, out_dtype)
+    return _launch_gemv(args, options, rows).view(*x.shape[:-1], weight.shape[0])
+
+
+def normed_gemv_triton(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+                       bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
+    """zoo::normed_gemv's kernel: gemv_kernel on a split norm's weighted input, its products times the
+    norm's 1 / rms; ``rows`` as ``gemv_triton`` takes it."""
+    check_split_norm("normed_gemv", weighted, partials, weight.shape[1])
+    args, options = gemv_launch(weighted, weight, bias, None, (partials, eps))
+    return _launch_gemv(args, options, rows).view(*weighted.shape[:-1], weight.shape[0])
+
+
+def _launch_gemv(args: tuple, options: dict, rows: int | None) -> torch.Tensor:
     if rows is None:
-        rows = gemv_rows(args, options) if x.is_cuda else GEMV_BLOCK_N
-    gemv_kernel[(triton.cdiv(weight.shape[0], rows),)](*args, BLOCK_N=rows, **options)
-    return args[3].view(*x.shape[:-1], weight.shape[0])
+        rows = gemv_rows(args, options) if args[0].is_cuda else GEMV_BLOCK_N
+    gemv_kernel[(triton.cdiv(args[1].shape[0], rows),)](*args, BLOCK_N=rows, **options)
+    return args[3]
 
 
-def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype | None) -> tuple[tuple, dict]:
-    """gemv_kernel's arguments (the output allocated) and options but its rows per program."""
+def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+                norm: tuple[torch.Tensor, float] | None = None) -> tuple[tuple, dict]:
+    """gemv_kernel's arguments (the output allocated) and options but its rows per program; ``norm``,
+    where given, is a split norm's partial sums and epsilon, and x its weighted input."""
     check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
     n, k = weight.shape
     if x.numel() != k:
@@ -614,10 +657,56 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"zoo::gemv writes {x.dtype} or float32, not {out_dtype}")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
     out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
-    args = (row, weight, row if bias is None else bias.contiguous(), out, n, k, weight.stride(0))
+    args = (row, weight, bias_or(bias, row), out, *_norm_arguments(norm, row), n, k, weight.stride(0),
+            0.0 if norm is None else float(norm[1]))
+    options = dict(HAS_BIAS=bias is not None, NORMED=norm is not None, BLOCK_PARTS=_block_parts(norm),
+                   BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)), num_warps=GEMV_WARPS, **pdl_launch(x))
+    return args, options
+
+
+def _norm_arguments(norm: tuple[torch.Tensor, float] | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int]:
+    # A normed product's partial sums and their count; without a norm, a stand-in never read.
+    return (stand_in, 0) if norm is None else (norm[0], norm[0].numel())
+
+
+def _block_parts(norm: tuple[torch.Tensor, float] | None) -> int:
+    return 1 if norm is None else triton.next_power_of_2(norm[0].numel())
+
+
+def check_split_norm(op: str, weighted: torch.Tensor, partials: torch.Tensor, hidden: int) -> None:
+    """Raises unless ``weighted`` is one row of ``hidden`` values and ``partials`` float32
+    partial sums of squares (``gemv_into_norm_triton``'s outputs)."""
+    if weighted.numel() != hidden:
+        raise ValueError(f"zoo::{op} takes a split norm's weighted input, one row of {hidden} values; "
+                         f"got {weighted.dtype} of shape {tuple(weighted.shape)}")
+    if partials.dtype != torch.float32 or partials.dim() != 1 or not partials.numel():
+        raise ValueError(f"zoo::{op} takes a split norm's float32 partial sums of squares; "
+                         f"got {partials.dtype} of shape {tuple(partials.shape)}")
+
+
+def gemv_into_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                          norm_weight: torch.Tensor,
+                          rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """zoo::gemv_into_norm's kernel: returns (summed, weighted, partial sums of squares: one a
+    program); ``rows`` as ``gemv_triton`` takes it."""
+    check_dtypes("gemv_into_norm", x, weight, residual, norm_weight, *(() if bias is None else (bias,)))
+    n, k = weight.shape
+    if x.numel() != k or residual.numel() != n or norm_weight.shape != (n,):
+        raise ValueError(f"zoo::gemv_into_norm multiplies one row of {k} values by a weight of shape "
+                         f"{tuple(weight.shape)} into a norm of {n}: got x {tuple(x.shape)}, residual "
+                         f"{tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}")
+    weight, row = _unit_stride(weight), x.reshape(k).contiguous()
+    summed = torch.empty_like(residual)
+    weighted = torch.empty_like(residual)
+    args = [row, weight, bias_or(bias, row), residual.contiguous(), norm_weight.contiguous(), summed, weighted,
+            weighted, n, k, weight.stride(0)]  # the partial sums' place, once their number is known
     options = dict(HAS_BIAS=bias is not None, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
                    num_warps=GEMV_WARPS, **pdl_launch(x))
-    return args, options
+    if rows is None:
+        rows = rows_per_program(gemv_into_norm_kernel, args, options, weight, summed) if x.is_cuda else GEMV_BLOCK_N
+    args[7] = partials = torch.empty(triton.cdiv(n, rows), dtype=torch.float32, device=x.device)
+    gemv_into_norm_kernel[(partials.numel(),)](*args, BLOCK_N=rows, **options)
+    return summed, weighted, partials
 
 
 def gemv_rows(args: tuple, options: dict) -> int:
@@ -651,11 +740,12 @@ GATED_GEMV_BLOCK_N = GEMV_BLOCK_N // 2
 
 
 @triton.jit
-def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, intermediate, K, w_stride, HAS_BIAS: tl.constexpr,
-                      ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, parts, intermediate, K, w_stride, eps,
+                      HAS_BIAS: tl.constexpr, NORMED: tl.constexpr, BLOCK_PARTS: tl.constexpr, ACTIVATION: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_N columns of h = act(gate x) * up x per program, from their gate rows and up rows
     # interleaved as one [2 * BLOCK_N, BLOCK_K] tile. The first weight tile and the bias are read
-    # before waiting for the previous kernel.
+    # before waiting for the previous kernel. NORMED as gemv_kernel takes it.
     first_col = tl.program_id(0) * BLOCK_N
     weight_rows, cols = gated_weight_rows(first_col, intermediate, BLOCK_N)
     row_ok = cols < intermediate
@@ -667,16 +757,19 @@ def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, intermediate, K, w_stride
         bias = 0.0
     begin_after_previous(PDL)
     dtype = out_ptr.dtype.element_ty
-    h = gated_rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, bias, dtype, ACTIVATION,
-                                BLOCK_N, BLOCK_K)
+    products = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
+    if NORMED:
+        products *= inverse_rms(partials_ptr, parts, K, eps, BLOCK_PARTS)
+    h = interleaved_gated_activation(products + bias, dtype, ACTIVATION, BLOCK_N)
     h_cols = first_col + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + h_cols, h.to(dtype), mask=h_cols < intermediate)
 
 
 def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                      block_n: int = GATED_GEMV_BLOCK_N, block_k: int = GEMV_BLOCK_K,
-                      num_warps: int = GEMV_WARPS) -> torch.Tensor:
-    """zoo::gated_gemv's kernel; the tile arguments are for ``benchmarks/bench_gemv.py``'s sweep."""
+                      block_n: int = GATED_GEMV_BLOCK_N, block_k: int = GEMV_BLOCK_K, num_warps: int = GEMV_WARPS,
+                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """zoo::gated_gemv's kernel; the tile arguments are for ``benchmarks/bench_gemv.py``'s sweep. ``norm``
+    as ``gemv_launch`` takes it (``normed_gated_gemv_triton``)."""
     check_dtypes("gated_gemv", x, weight, *(() if bias is None else (bias,)))
     if activation not in KERNEL_ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(KERNEL_ACTIVATIONS)}")
@@ -694,11 +787,20 @@ def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
     out = torch.empty(*x.shape[:-1], intermediate, dtype=x.dtype, device=x.device)
     gated_gemv_kernel[(triton.cdiv(intermediate, block_n),)](
-        row, weight, row if bias is None else bias.contiguous(), out, intermediate, k, weight.stride(0),
-        HAS_BIAS=bias is not None, ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=block_n,
+        row, weight, bias_or(bias, row), out, *_norm_arguments(norm, row), intermediate, k, weight.stride(0),
+        0.0 if norm is None else float(norm[1]), HAS_BIAS=bias is not None, NORMED=norm is not None,
+        BLOCK_PARTS=_block_parts(norm), ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=num_warps, **pdl_launch(x),
     )
     return out
+
+
+def normed_gated_gemv_triton(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+                             bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """zoo::normed_gated_gemv's kernel: gated_gemv_kernel on a split norm's weighted input, its products
+    times the norm's 1 / rms."""
+    check_split_norm("normed_gated_gemv", weighted, partials, weight.shape[1])
+    return gated_gemv_triton(weighted, weight, bias, activation, norm=(partials, eps))
 
 
 # ---------------------------------------------------------------------------------------------

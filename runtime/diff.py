@@ -4,7 +4,8 @@ Both models run the same input; forward hooks on the same module paths (embeddin
 its input norm, attention, post-attention norm, MLP and output; final norm; LM head) and on the
 models themselves (the logits they return) capture each side's output. Where zoo fuses a residual
 add into the next norm, the hooked block reports ``(out, residual)`` and HuggingFace's view is
-rebuilt as their sum.
+rebuilt as their sum. zoo's norms run unsplit here (``models.base.norms_unsplit``): a single-row
+step would otherwise leave o_proj's and down_proj's products to the norms after them.
 
 ``diff_models`` runs one cache-free forward on each side. ``diff_runtime`` runs zoo's runtime path
 instead (``LLM``: a prefill through the paged KV cache, then greedy decode steps) and HuggingFace
@@ -18,7 +19,7 @@ from torch import nn
 
 from loaders import from_checkpoint, load_config, load_processor, load_tokenizer, resolve_source
 from models import AutoModelForCausalLM
-from models.base import check_batch
+from models.base import check_batch, norms_unsplit
 from runtime import LLM, SamplingParams
 from runtime.sampling_params import is_finite_number, is_integer
 
@@ -144,7 +145,8 @@ def diff_models(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor,
                 for name, value in dict(image_inputs, input_ids=input_ids).items()}
 
     try:
-        model(**on_device_of(model))
+        with norms_unsplit(model):
+            model(**on_device_of(model))
         reference(**on_device_of(reference), use_cache=False)
     finally:
         for handle in handles:
@@ -184,7 +186,8 @@ def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor
     try:
         # The prefill samples the first token; each decode step feeds one and samples the next.
         params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-        tokens = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        with norms_unsplit(model):
+            tokens = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
         device = next(reference.parameters()).device
         cache = reference(input_ids=input_ids.to(device), use_cache=True).past_key_values
         for token in tokens[:steps]:

@@ -28,7 +28,8 @@ WAITS = ("begin_after_previous", "begin_after_previous_holding_next")
 # Pointer parameters, by name, that no kernel of a step writes: weights, scales and biases, the norms'
 # weights, and the attention metadata.
 NEVER_WRITTEN_IN_A_STEP = {
-    "w_ptr", "bias_ptr", "scale_ptr", "weight_ptr", "q_weight_ptr", "k_weight_ptr", "v_weight_ptr", "down_ptr",
+    "w_ptr", "bias_ptr", "scale_ptr", "weight_ptr", "q_weight_ptr", "k_weight_ptr", "v_weight_ptr", "norm_weight_ptr",
+    "down_ptr",
     "words_ptr", "scales_ptr", "seq_lens_ptr", "slot_ptr", "block_tables_ptr",
 }
 # kernel -> the KV cache it reads before its wait: entries of earlier steps, its loads masked to the keys
@@ -79,8 +80,8 @@ def _pointers_read_before_wait(name: str) -> set[str]:
 
 
 def test_the_chain_kernels_are_found():
-    assert {"gemv_kernel", "gated_gemv_kernel", "_rms_norm_kernel", "_rotary_write_kv_kernel", "_decode_split_kernel",
-            "_decode_reduce_kernel", "_route_topk_kernel", "_token_gate_up_kernel", "_token_down_combine_kernel",
+    assert {"gemv_kernel", "gated_gemv_kernel", "gemv_into_norm_kernel", "_rms_norm_kernel", "_rotary_write_kv_kernel",
+            "_decode_split_kernel", "_decode_reduce_kernel", "_route_topk_kernel", "_token_gate_up_kernel", "_token_down_combine_kernel",
             "_mla_decode_split_kernel", "_fp8_block_gemv_kernel", "_argmax_chunks_kernel", "_mxfp4_token_gate_up_kernel",
             "_mxfp4_token_down_combine_kernel"} <= set(KERNELS)
 
