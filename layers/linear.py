@@ -43,7 +43,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor | RowProduct:
         if isinstance(x, NormedRow):
             if self.fp8_block is None and x.takes(self.weight):
-                return normed_gemv(x.weighted, x.partials, x.eps, self.weight, self.bias)
+                return normed_gemv(x.weighted, x.stats, x.eps, self.weight, self.bias)
             x = x.normalised()
         if self.into_norm and self.fp8_block is None and takes_gemv(x, self.weight):
             return RowProduct(x, self.weight, self.bias)

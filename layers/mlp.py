@@ -50,7 +50,7 @@ class GatedMLP(nn.Module):
         # act(gate) * up in the product's kernel, and a split norm's 1 / rms with it
         plain = gate_up.fp8_block is None
         if isinstance(x, NormedRow) and plain and x.takes(gate_up.weight):
-            h = normed_gated_gemv(x.weighted, x.partials, x.eps, gate_up.weight, gate_up.bias, self.hidden_act)
+            h = normed_gated_gemv(x.weighted, x.stats, x.eps, gate_up.weight, gate_up.bias, self.hidden_act)
         elif isinstance(x, torch.Tensor) and plain and takes_gemv(x, gate_up.weight):
             h = gated_gemv(x, gate_up.weight, gate_up.bias, self.hidden_act)
         else:

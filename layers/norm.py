@@ -9,6 +9,7 @@ from torch import nn
 
 from layers.weights import OneOf, Shard
 from ops_cuda import fused_add_rms_norm, gemv_into_norm, rms_norm
+from ops_cuda.dispatch import NORM_SLOTS
 
 
 @dataclass
@@ -23,15 +24,20 @@ class RowProduct:
     bias: torch.Tensor | None
 
 
+def new_norm_stats(norms: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Zeroed slots for the sums of squares of split norms: [*norms, NORM_SLOTS] float64."""
+    return torch.zeros(*norms, NORM_SLOTS, dtype=torch.float64, device=device)
+
+
 @dataclass
 class NormedRow:
     """One row after an RMSNorm split between the products around it (``ops_cuda.gemv``): the norm's
-    input times its weight and the partial sums of its squares. The product that reads it
+    input times its weight and the slots that hold its sum of squares. The product that reads it
     (``Linear``, ``GatedMLP``) multiplies its sums by the norm's 1 / rms: the norm takes no launch of
     its own."""
 
     weighted: torch.Tensor
-    partials: torch.Tensor
+    stats: torch.Tensor
     eps: float
     dtype: torch.dtype  # the activations'
 
@@ -46,8 +52,8 @@ class NormedRow:
 
     def normalised(self) -> torch.Tensor:
         """The normalised row, for a product that cannot read it split."""
-        inverse_rms = torch.rsqrt(self.partials.sum() / self.weighted.shape[-1] + self.eps)
-        return (self.weighted * inverse_rms).to(self.dtype)
+        inverse_rms = torch.rsqrt(self.stats.sum().float() / self.weighted.shape[-1] + self.eps)
+        return (self.weighted.float() * inverse_rms).to(self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -61,8 +67,9 @@ class RMSNorm(nn.Module):
     multiplies the float32 statistics by the weight before the cast to the input dtype (Gemma,
     OLMo 2), where Llama casts first and multiplies in the input dtype.
 
-    Given a ``RowProduct`` (the branch's last product, left undone), the norm is split: it returns a
-    ``NormedRow`` for the next product, and the residual stream.
+    Given a ``RowProduct`` (the branch's last product, left undone), the norm is split: it adds the
+    row's sum of squares into ``stats`` (its zeroed slots of the step's, ``DecoderModel``'s
+    ``split_norm_stats``) and returns a ``NormedRow`` for the next product, and the residual stream.
     """
 
     def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0, multiply_in_float32: bool = False):
@@ -72,10 +79,11 @@ class RMSNorm(nn.Module):
         self.multiply_in_float32 = multiply_in_float32
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor | RowProduct, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | RowProduct, residual: torch.Tensor | None = None,
+                stats: torch.Tensor | None = None):
         if isinstance(x, RowProduct):  # split: this product adds the residual, the next one normalises
-            summed, weighted, partials = gemv_into_norm(x.x, x.weight, x.bias, residual, self.weight)
-            return NormedRow(weighted, partials, self.eps, summed.dtype), summed
+            summed, weighted = gemv_into_norm(x.x, x.weight, x.bias, residual, self.weight, stats)
+            return NormedRow(weighted, stats, self.eps, summed.dtype), summed
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)

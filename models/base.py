@@ -26,6 +26,7 @@ from torch import nn
 
 from layers import (Attention, AttentionMetadata, GatedMLP, LayerNorm, LMHead, MLAttention, RMSNorm,
                     RotaryEmbedding, VocabEmbedding, rope_layer_types)
+from layers.norm import RowProduct, new_norm_stats
 
 
 def head_dim(config) -> int:
@@ -123,14 +124,17 @@ class DecoderLayer(nn.Module):
         eps = cls.norm_eps if cls.norm_eps is not None else getattr(config, cls.norm_eps_field)
         return cls.norm_layer(config.hidden_size, eps)
 
-    def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata):
+    def forward(self, hidden_states, residual, position_embeddings, metadata: AttentionMetadata,
+                norm_stats: torch.Tensor | None = None):
+        # norm_stats: the split pre-norms' sums of squares, [2, NORM_SLOTS] (DecoderModel.split_norm_stats)
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
-        hidden_states, residual = branch_input(pre_attention, hidden_states, residual)
+        attention_stats, mlp_stats = (None, None) if norm_stats is None else norm_stats
+        hidden_states, residual = branch_input(pre_attention, hidden_states, residual, attention_stats)
         attention_out = self.branch_output(self.self_attn(hidden_states, position_embeddings, metadata), post_attention)
         if self.parallel:
             mlp_in, residual = hidden_states, residual + attention_out
         else:
-            mlp_in, residual = branch_input(pre_mlp, attention_out, residual)
+            mlp_in, residual = branch_input(pre_mlp, attention_out, residual, mlp_stats)
         return self.branch_output(self.mlp_output(mlp_in), post_mlp), residual
 
     @property
@@ -160,14 +164,17 @@ class DecoderLayer(nn.Module):
         return out if self.shared_mlp is None else out + self.shared_mlp(mlp_in)
 
 
-def branch_input(norm: RMSNorm | LayerNorm | None, hidden_states, residual):
+def branch_input(norm: RMSNorm | LayerNorm | None, hidden_states, residual, stats: torch.Tensor | None = None):
     """Completes the deferred residual add (in ``norm`` when there is one): returns the branch's
-    input and the residual stream. ``residual`` is None at the first layer."""
+    input and the residual stream. ``residual`` is None at the first layer. Where the previous branch
+    left its last product to the norm (``RowProduct``), the norm is split and adds into ``stats``."""
     if residual is None:
         return (hidden_states if norm is None else norm(hidden_states)), hidden_states
     if norm is None:
         residual = hidden_states + residual
         return residual, residual
+    if isinstance(hidden_states, RowProduct):
+        return norm(hidden_states, residual, stats)
     return norm(hidden_states, residual)
 
 
@@ -201,11 +208,21 @@ class DecoderModel(nn.Module):
         each such block's o_proj, and its down_proj where the next block splits too (the last block's
         feeds the final norm, whose hidden states the model returns). ``split=False`` clears the marks:
         every norm runs as a kernel of its own (``norms_unsplit``)."""
+        self.splitting = False
         for layer, next_layer in itertools.pairwise([*self.layers, None]):
             if layer.splits_norms:
+                self.splitting = split
                 layer.self_attn.o_proj.into_norm = split
                 getattr(layer, layer.mlp_name).down_proj.into_norm = (split and next_layer is not None
                                                                       and next_layer.splits_norms)
+
+    def split_norm_stats(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Zeroed slots for the sums of squares of a step's split norms, [layers, 2, NORM_SLOTS] float64
+        (each layer's pre-attention and pre-MLP norm), where the step may split them: a single row on
+        the GPU. One memset at the step's start: the products that add into them never zero them."""
+        if not (self.splitting and hidden_states.is_cuda and hidden_states.shape[0] == 1):
+            return None
+        return new_norm_stats((len(self.layers), 2), hidden_states.device)
 
     def rotary_embeddings(self) -> list[RotaryEmbedding]:
         return [self.rotary_emb] if self.rope_of_layer is None else list(self.rotary_emb.values())
@@ -223,8 +240,10 @@ class DecoderModel(nn.Module):
             of_kind = {kind: rotary(positions, through_cache) for kind, rotary in self.rotary_emb.items()}
             layer_position_embeddings = [of_kind[kind] for kind in self.rope_of_layer]
         residual = None
-        for layer, position_embeddings in zip(self.layers, layer_position_embeddings):
-            hidden_states, residual = layer(hidden_states, residual, position_embeddings, metadata)
+        norm_stats = self.split_norm_stats(hidden_states)
+        for i, (layer, position_embeddings) in enumerate(zip(self.layers, layer_position_embeddings)):
+            layer_stats = None if norm_stats is None else norm_stats[i]
+            hidden_states, residual = layer(hidden_states, residual, position_embeddings, metadata, layer_stats)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

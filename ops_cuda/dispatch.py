@@ -13,6 +13,9 @@ import torch
 
 # The dtypes every Triton kernel of the package computes in (one dtype for all of a call's inputs).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A split RMSNorm's sums of squares (ops_cuda.gemv): as many float64 slots as the atomic adds of the
+# product before it are spread over.
+NORM_SLOTS = 32
 
 # Each op's CUDA kernel, as ``cuda_implementation`` registered it.
 _CUDA_KERNELS = {}

@@ -11,21 +11,23 @@ act(gate x) * up x straight from the weight's gate and up rows, so the activatio
 of its own and the [2I] product is never written.
 
 An RMSNorm between two single-row products can be split between them, so that it takes no launch of
-its own either. The product before it, ``zoo::gemv_into_norm``, adds the residual to its output and
-writes the sum (the new residual), the sum times the norm's weight (``weighted``, rounded to the
-activations' dtype: a float32 row would double the bytes every program of the next product reads) and each program's sum of the squares of its part of the
-sum (``partials``). The product after it, ``zoo::normed_gemv`` or ``zoo::normed_gated_gemv``,
-multiplies ``weighted`` by its weight and scales the sums by the norm's 1 / rms, from the partial
-sums added in one fixed order: no atomics, the same result every run. The normalised row is never
-rounded to bf16 as HF's RMSNorm rounds it: the products agree with HF's to about the rounding of
-their output.
+its own either. The product before it, ``zoo::gemv_into_norm``, adds the residual to its output,
+writes the sum (the new residual) and the sum times the norm's weight (``weighted``, in the
+activations' dtype: a float32 row would double the bytes every program of the next product reads),
+and adds the sum's squares into the norm's ``stats``: NORM_SLOTS float64 values, zeroed before the
+step, each program adding its rows' into one of them by an atomic add. The product after it,
+``zoo::normed_gemv`` or ``zoo::normed_gated_gemv``, multiplies ``weighted`` by its weight and scales
+the sums by the norm's 1 / rms from the slots' total. In float64 the order the adds arrive in does
+not show in the float32 statistics but where their exact total sits within 2^-43 of a float32
+rounding boundary. The normalised row is never rounded to bf16 as HF's RMSNorm rounds it: the
+products agree with HF's to about the rounding of their output.
 """
 
 import torch
 import torch.nn.functional as F
 
 from ops_cuda.activation import act_and_mul_reference
-from ops_cuda.dispatch import cuda_implementation, public_op
+from ops_cuda.dispatch import NORM_SLOTS, cuda_implementation, public_op
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -87,97 +89,97 @@ gated_gemv = public_op(gated_gemv_op, gated_gemv_reference)
 
 
 def gemv_into_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                             norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             norm_weight: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The product before a split RMSNorm: for x [..., K] holding one row, y = x W^T + b and the norm's
     input summed = y + residual (each rounded to x's dtype, as HF adds them). Returns (summed, weighted
-    = summed * norm_weight rounded to x's dtype, partial sums of summed's squares: float32, here one)."""
+    = summed * norm_weight rounded to x's dtype) and adds summed's sum of squares into ``stats``
+    [NORM_SLOTS] (float64, zeroed before the step)."""
     summed = residual + gemv_reference(x, weight, bias).view(residual.shape)
-    weighted = (summed.float() * norm_weight.float()).to(summed.dtype)
-    return summed, weighted, summed.float().square().sum().view(1)
+    stats[0] += summed.double().square().sum()
+    return summed, (summed.float() * norm_weight.float()).to(summed.dtype)
 
 
-@torch.library.custom_op("zoo::gemv_into_norm", mutates_args=())
+@torch.library.custom_op("zoo::gemv_into_norm", mutates_args=("stats",))
 def gemv_into_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                      norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gemv_into_norm_reference(x, weight, bias, residual, norm_weight)
+                      norm_weight: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return gemv_into_norm_reference(x, weight, bias, residual, norm_weight, stats)
 
 
 @gemv_into_norm_op.register_fake
-def _(x, weight, bias, residual, norm_weight):
-    parts = torch.library.get_ctx().new_dynamic_size()
-    return torch.empty_like(residual), torch.empty_like(residual), residual.new_empty(parts, dtype=torch.float32)
+def _(x, weight, bias, residual, norm_weight, stats):
+    return torch.empty_like(residual), torch.empty_like(residual)
 
 
 @cuda_implementation(gemv_into_norm_op)
-def _(x, weight, bias, residual, norm_weight):
+def _(x, weight, bias, residual, norm_weight, stats):
     from ops_cuda.triton_kernels import gemv_into_norm_triton  # triton is imported only where a kernel runs
 
-    return gemv_into_norm_triton(x, weight, bias, residual, norm_weight)
+    return gemv_into_norm_triton(x, weight, bias, residual, norm_weight, stats)
 
 
 gemv_into_norm = public_op(gemv_into_norm_op, gemv_into_norm_reference)
 
 
-def _normed_products(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+def _normed_products(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     # float32: the products of the weighted row, times the norm's 1 / rms, plus the bias.
-    inverse_rms = torch.rsqrt(partials.sum() / weighted.shape[-1] + eps)
+    inverse_rms = torch.rsqrt(stats.sum().float() / weighted.shape[-1] + eps)
     products = F.linear(weighted.float(), weight.float()) * inverse_rms
     return products if bias is None else products + bias.float()
 
 
-def normed_gemv_reference(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+def normed_gemv_reference(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
     """The product after a split RMSNorm: (weighted W^T) / rms + b in W's dtype, for ``weighted`` [..., K] and
-    ``partials`` as ``gemv_into_norm`` returns them, rms = sqrt(sum(partials) / K + eps)."""
-    return _normed_products(weighted, partials, eps, weight, bias).to(weight.dtype)
+    ``stats`` as ``gemv_into_norm`` leaves them, rms = sqrt(sum(stats) / K + eps)."""
+    return _normed_products(weighted, stats, eps, weight, bias).to(weight.dtype)
 
 
 @torch.library.custom_op("zoo::normed_gemv", mutates_args=())
-def normed_gemv_op(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+def normed_gemv_op(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    return normed_gemv_reference(weighted, partials, eps, weight, bias)
+    return normed_gemv_reference(weighted, stats, eps, weight, bias)
 
 
 @normed_gemv_op.register_fake
-def _(weighted, partials, eps, weight, bias):
+def _(weighted, stats, eps, weight, bias):
     return weight.new_empty(*weighted.shape[:-1], weight.shape[0])
 
 
 @cuda_implementation(normed_gemv_op)
-def _(weighted, partials, eps, weight, bias):
+def _(weighted, stats, eps, weight, bias):
     from ops_cuda.triton_kernels import normed_gemv_triton  # triton is imported only where a kernel runs
 
-    return normed_gemv_triton(weighted, partials, eps, weight, bias)
+    return normed_gemv_triton(weighted, stats, eps, weight, bias)
 
 
 normed_gemv = public_op(normed_gemv_op, normed_gemv_reference)
 
 
-def normed_gated_gemv_reference(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+def normed_gated_gemv_reference(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                                 bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """``gated_gemv`` after a split RMSNorm: act(gate) * up of ``normed_gemv``'s products (each rounded
     to W's dtype), W [2I, K] as ``gated_gemv`` takes it."""
-    products = _normed_products(weighted, partials, eps, weight, bias).to(weight.dtype)
+    products = _normed_products(weighted, stats, eps, weight, bias).to(weight.dtype)
     return act_and_mul_reference(products, activation)
 
 
 @torch.library.custom_op("zoo::normed_gated_gemv", mutates_args=())
-def normed_gated_gemv_op(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+def normed_gated_gemv_op(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    return normed_gated_gemv_reference(weighted, partials, eps, weight, bias, activation)
+    return normed_gated_gemv_reference(weighted, stats, eps, weight, bias, activation)
 
 
 @normed_gated_gemv_op.register_fake
-def _(weighted, partials, eps, weight, bias, activation):
+def _(weighted, stats, eps, weight, bias, activation):
     return weight.new_empty(*weighted.shape[:-1], weight.shape[0] // 2)
 
 
 @cuda_implementation(normed_gated_gemv_op)
-def _(weighted, partials, eps, weight, bias, activation):
+def _(weighted, stats, eps, weight, bias, activation):
     from ops_cuda.triton_kernels import normed_gated_gemv_triton  # triton is imported only where a kernel runs
 
-    return normed_gated_gemv_triton(weighted, partials, eps, weight, bias, activation)
+    return normed_gated_gemv_triton(weighted, stats, eps, weight, bias, activation)
 
 
 normed_gated_gemv = public_op(normed_gated_gemv_op, normed_gated_gemv_reference)

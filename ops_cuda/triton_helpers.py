@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ops_cuda.clamped_swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
-from ops_cuda.dispatch import KERNEL_DTYPES
+from ops_cuda.dispatch import KERNEL_DTYPES, NORM_SLOTS
 
 
 def check_dtypes(op: str, *tensors: torch.Tensor) -> None:
@@ -227,12 +227,21 @@ def rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K: tl.cons
     return tl.sum(acc, axis=1)
 
 
+_NORM_SLOTS = tl.constexpr(NORM_SLOTS)
+
+
 @triton.jit
-def inverse_rms(partials_ptr, parts, hidden, eps, BLOCK_PARTS: tl.constexpr):
-    # 1 / rms of a row of `hidden` values from the `parts` partial sums of its squares that a split
-    # norm's first product wrote (ops_cuda.gemv), summed in one fixed order.
-    i = tl.arange(0, BLOCK_PARTS)
-    squares = tl.sum(tl.load(partials_ptr + i, mask=i < parts, other=0.0), axis=0)
+def add_squares(stats_ptr, values):
+    # Adds the sum of squares of this program's float32 `values` into a split norm's sums (ops_cuda.gemv):
+    # program p into slot p % NORM_SLOTS, so that few atomic adds meet at one address.
+    total = tl.sum(values * values, axis=0).to(tl.float64)
+    tl.atomic_add(stats_ptr + tl.program_id(0) % _NORM_SLOTS, total, sem="relaxed")
+
+
+@triton.jit
+def inverse_rms(stats_ptr, hidden, eps):
+    # 1 / rms of a row of `hidden` values whose sum of squares a split norm's slots hold.
+    squares = tl.sum(tl.load(stats_ptr + tl.arange(0, _NORM_SLOTS)), axis=0).to(tl.float32)
     return tl.math.rsqrt(squares / hidden + eps)
 
 

@@ -18,9 +18,11 @@ import triton
 import triton.language as tl
 
 from ops_cuda.fp8 import FP8_DTYPE, FP8_MAX
+from ops_cuda.dispatch import NORM_SLOTS
 from ops_cuda.kv_layout import check_cache_layout
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
+    add_squares,
     begin_after_previous,
     bias_or,
     check_dtypes,
@@ -577,9 +579,9 @@ GEMV_ROWS = (2, 4, 8)
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, parts, N, K, w_stride, eps,
-                HAS_BIAS: tl.constexpr, NORMED: tl.constexpr, BLOCK_PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, N, K, w_stride, eps,
+                HAS_BIAS: tl.constexpr, NORMED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PDL: tl.constexpr):
     # BLOCK_N weight rows per program. The first weight tile and the bias are read before waiting
     # for the previous kernel. NORMED: x is a split norm's weighted input (gemv_into_norm_kernel's),
     # whose 1 / rms scales the products.
@@ -592,7 +594,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, parts, N, K, w_st
     begin_after_previous(PDL)
     out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
     if NORMED:
-        out *= inverse_rms(partials_ptr, parts, K, eps, BLOCK_PARTS)
+        out *= inverse_rms(stats_ptr, K, eps)
     if HAS_BIAS:
         out += bias
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -600,11 +602,11 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, parts, N, K, w_st
 
 @triton.jit
 def gemv_into_norm_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, summed_ptr, weighted_ptr,
-                          partials_ptr, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          stats_ptr, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # gemv_kernel's product, then the first half of the RMSNorm that reads it: the residual add
-    # (summed), the norm's weight (weighted: summed times it) and the program's
-    # partial sum of squares of summed.
+    # (summed), the norm's weight (weighted: summed times it) and the rows' sum of squares, added
+    # into the norm's slots.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_starts = w_ptr + rows[:, None].to(tl.int64) * w_stride
@@ -618,7 +620,7 @@ def gemv_into_norm_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr,
     summed = round_to(out + residual, dtype)
     tl.store(summed_ptr + rows, summed.to(dtype), mask=row_ok)
     tl.store(weighted_ptr + rows, (summed * norm_weight).to(dtype), mask=row_ok)
-    tl.store(partials_ptr + tl.program_id(0), tl.sum(summed * summed, axis=0))
+    add_squares(stats_ptr, summed)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -629,12 +631,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _launch_gemv(args, options, rows).view(*x.shape[:-1], weight.shape[0])
 
 
-def normed_gemv_triton(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+def normed_gemv_triton(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                        bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
     """zoo::normed_gemv's kernel: gemv_kernel on a split norm's weighted input, its products times the
     norm's 1 / rms; ``rows`` as ``gemv_triton`` takes it."""
-    check_split_norm("normed_gemv", weighted, partials, weight.shape[1])
-    args, options = gemv_launch(weighted, weight, bias, None, (partials, eps))
+    check_norm_stats("normed_gemv", stats)
+    args, options = gemv_launch(weighted, weight, bias, None, (stats, eps))
     return _launch_gemv(args, options, rows).view(*weighted.shape[:-1], weight.shape[0])
 
 
@@ -648,7 +650,7 @@ def _launch_gemv(args: tuple, options: dict, rows: int | None) -> torch.Tensor:
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
                 norm: tuple[torch.Tensor, float] | None = None) -> tuple[tuple, dict]:
     """gemv_kernel's arguments (the output allocated) and options but its rows per program; ``norm``,
-    where given, is a split norm's partial sums and epsilon, and x its weighted input."""
+    where given, is a split norm's sums of squares and epsilon, and x its weighted input."""
     check_dtypes("gemv", x, weight, *(() if bias is None else (bias,)))
     n, k = weight.shape
     if x.numel() != k:
@@ -657,56 +659,42 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"zoo::gemv writes {x.dtype} or float32, not {out_dtype}")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
     out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
-    args = (row, weight, bias_or(bias, row), out, *_norm_arguments(norm, row), n, k, weight.stride(0),
-            0.0 if norm is None else float(norm[1]))
-    options = dict(HAS_BIAS=bias is not None, NORMED=norm is not None, BLOCK_PARTS=_block_parts(norm),
+    stats, eps = norm if norm is not None else (row, 0.0)
+    args = (row, weight, bias_or(bias, row), out, stats, n, k, weight.stride(0), float(eps))
+    options = dict(HAS_BIAS=bias is not None, NORMED=norm is not None,
                    BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)), num_warps=GEMV_WARPS, **pdl_launch(x))
     return args, options
 
 
-def _norm_arguments(norm: tuple[torch.Tensor, float] | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int]:
-    # A normed product's partial sums and their count; without a norm, a stand-in never read.
-    return (stand_in, 0) if norm is None else (norm[0], norm[0].numel())
-
-
-def _block_parts(norm: tuple[torch.Tensor, float] | None) -> int:
-    return 1 if norm is None else triton.next_power_of_2(norm[0].numel())
-
-
-def check_split_norm(op: str, weighted: torch.Tensor, partials: torch.Tensor, hidden: int) -> None:
-    """Raises unless ``weighted`` is one row of ``hidden`` values and ``partials`` float32
-    partial sums of squares (``gemv_into_norm_triton``'s outputs)."""
-    if weighted.numel() != hidden:
-        raise ValueError(f"zoo::{op} takes a split norm's weighted input, one row of {hidden} values; "
-                         f"got {weighted.dtype} of shape {tuple(weighted.shape)}")
-    if partials.dtype != torch.float32 or partials.dim() != 1 or not partials.numel():
-        raise ValueError(f"zoo::{op} takes a split norm's float32 partial sums of squares; "
-                         f"got {partials.dtype} of shape {tuple(partials.shape)}")
+def check_norm_stats(op: str, stats: torch.Tensor) -> None:
+    """Raises unless ``stats`` is a split norm's NORM_SLOTS float64 sums of squares."""
+    if stats.dtype != torch.float64 or stats.shape != (NORM_SLOTS,):
+        raise ValueError(f"zoo::{op} takes a split norm's {NORM_SLOTS} float64 sums of squares; "
+                         f"got {stats.dtype} of shape {tuple(stats.shape)}")
 
 
 def gemv_into_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                          norm_weight: torch.Tensor,
-                          rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """zoo::gemv_into_norm's kernel: returns (summed, weighted, partial sums of squares: one a
-    program); ``rows`` as ``gemv_triton`` takes it."""
+                          norm_weight: torch.Tensor, stats: torch.Tensor,
+                          rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """zoo::gemv_into_norm's kernel: returns (summed, weighted) and adds the sums of squares into
+    ``stats``; ``rows`` as ``gemv_triton`` takes it."""
     check_dtypes("gemv_into_norm", x, weight, residual, norm_weight, *(() if bias is None else (bias,)))
+    check_norm_stats("gemv_into_norm", stats)
     n, k = weight.shape
     if x.numel() != k or residual.numel() != n or norm_weight.shape != (n,):
         raise ValueError(f"zoo::gemv_into_norm multiplies one row of {k} values by a weight of shape "
                          f"{tuple(weight.shape)} into a norm of {n}: got x {tuple(x.shape)}, residual "
                          f"{tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}")
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
-    summed = torch.empty_like(residual)
-    weighted = torch.empty_like(residual)
-    args = [row, weight, bias_or(bias, row), residual.contiguous(), norm_weight.contiguous(), summed, weighted,
-            weighted, n, k, weight.stride(0)]  # the partial sums' place, once their number is known
+    summed, weighted = torch.empty_like(residual), torch.empty_like(residual)
+    args = (row, weight, bias_or(bias, row), residual.contiguous(), norm_weight.contiguous(), summed, weighted,
+            stats, n, k, weight.stride(0))
     options = dict(HAS_BIAS=bias is not None, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)),
                    num_warps=GEMV_WARPS, **pdl_launch(x))
     if rows is None:
         rows = rows_per_program(gemv_into_norm_kernel, args, options, weight, summed) if x.is_cuda else GEMV_BLOCK_N
-    args[7] = partials = torch.empty(triton.cdiv(n, rows), dtype=torch.float32, device=x.device)
-    gemv_into_norm_kernel[(partials.numel(),)](*args, BLOCK_N=rows, **options)
-    return summed, weighted, partials
+    gemv_into_norm_kernel[(triton.cdiv(n, rows),)](*args, BLOCK_N=rows, **options)
+    return summed, weighted
 
 
 def gemv_rows(args: tuple, options: dict) -> int:
@@ -740,9 +728,9 @@ GATED_GEMV_BLOCK_N = GEMV_BLOCK_N // 2
 
 
 @triton.jit
-def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, parts, intermediate, K, w_stride, eps,
-                      HAS_BIAS: tl.constexpr, NORMED: tl.constexpr, BLOCK_PARTS: tl.constexpr, ACTIVATION: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, intermediate, K, w_stride, eps,
+                      HAS_BIAS: tl.constexpr, NORMED: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_N columns of h = act(gate x) * up x per program, from their gate rows and up rows
     # interleaved as one [2 * BLOCK_N, BLOCK_K] tile. The first weight tile and the bias are read
     # before waiting for the previous kernel. NORMED as gemv_kernel takes it.
@@ -759,7 +747,7 @@ def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, parts, inte
     dtype = out_ptr.dtype.element_ty
     products = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
     if NORMED:
-        products *= inverse_rms(partials_ptr, parts, K, eps, BLOCK_PARTS)
+        products *= inverse_rms(stats_ptr, K, eps)
     h = interleaved_gated_activation(products + bias, dtype, ACTIVATION, BLOCK_N)
     h_cols = first_col + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + h_cols, h.to(dtype), mask=h_cols < intermediate)
@@ -786,21 +774,21 @@ def gated_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     intermediate = rows // 2
     weight, row = _unit_stride(weight), x.reshape(k).contiguous()
     out = torch.empty(*x.shape[:-1], intermediate, dtype=x.dtype, device=x.device)
+    stats, eps = norm if norm is not None else (row, 0.0)
     gated_gemv_kernel[(triton.cdiv(intermediate, block_n),)](
-        row, weight, bias_or(bias, row), out, *_norm_arguments(norm, row), intermediate, k, weight.stride(0),
-        0.0 if norm is None else float(norm[1]), HAS_BIAS=bias is not None, NORMED=norm is not None,
-        BLOCK_PARTS=_block_parts(norm), ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=block_n,
+        row, weight, bias_or(bias, row), out, stats, intermediate, k, weight.stride(0), float(eps),
+        HAS_BIAS=bias is not None, NORMED=norm is not None, ACTIVATION=KERNEL_ACTIVATIONS[activation], BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=num_warps, **pdl_launch(x),
     )
     return out
 
 
-def normed_gated_gemv_triton(weighted: torch.Tensor, partials: torch.Tensor, eps: float, weight: torch.Tensor,
+def normed_gated_gemv_triton(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                              bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """zoo::normed_gated_gemv's kernel: gated_gemv_kernel on a split norm's weighted input, its products
     times the norm's 1 / rms."""
-    check_split_norm("normed_gated_gemv", weighted, partials, weight.shape[1])
-    return gated_gemv_triton(weighted, weight, bias, activation, norm=(partials, eps))
+    check_norm_stats("normed_gated_gemv", stats)
+    return gated_gemv_triton(weighted, weight, bias, activation, norm=(stats, eps))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,12 +12,14 @@ pytest.importorskip("triton")
 import layers.linear  # noqa: E402
 import layers.mlp  # noqa: E402
 import layers.norm  # noqa: E402
+import models.base  # noqa: E402
 import ops_cuda.linear  # noqa: E402
 from models import AutoModelForCausalLM  # noqa: E402
 from ops_cuda import gemv_into_norm, normed_gated_gemv, normed_gemv  # noqa: E402
 from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
-from ops_cuda.gemv import gemv_into_norm_reference, normed_gated_gemv_reference, normed_gemv_reference  # noqa: E402
+from ops_cuda.dispatch import NORM_SLOTS  # noqa: E402
+from ops_cuda.gemv import normed_gated_gemv_reference, normed_gemv_reference  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference  # noqa: E402
 from tests.conftest import relative_error, tiny_config  # noqa: E402
 
@@ -37,6 +39,10 @@ def split_inputs(hidden: int, k: int, n: int, dtype, bias: bool, device="cpu"):
     after = (torch.randn(n, hidden, device=device) / hidden**0.5).to(dtype)
     after_bias = torch.randn(n, device=device).to(dtype) if bias else None
     return x, before, residual, norm_weight, after, after_bias
+
+
+def new_stats(device="cpu") -> torch.Tensor:
+    return torch.zeros(NORM_SLOTS, dtype=torch.float64, device=device)
 
 
 def exact_normed(summed: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -63,12 +69,15 @@ def test_gemv_into_norm_interpreted(bias, rows, dtype):
     # hidden = 37 leaves the last program's rows partial; K = 1030 takes two tiles, the second masked.
     x, weight, residual, norm_weight, _, _ = split_inputs(37, 1030, 8, dtype, False)
     b = torch.randn(37).to(dtype) if bias else None
-    summed, weighted, partials = kernels.gemv_into_norm_triton(x, weight, b, residual, norm_weight, rows=rows)
+    stats = new_stats()
+    summed, weighted = kernels.gemv_into_norm_triton(x, weight, b, residual, norm_weight, stats, rows=rows)
     expected = (exact_product(x, weight, b).to(dtype).double() + residual.double()).to(dtype)
     assert_close(summed, expected, TOL[dtype])
     assert torch.equal(weighted, (summed.float() * norm_weight.float()).to(dtype))
-    assert partials.shape == (-(-37 // rows),)
-    assert partials.sum().item() == pytest.approx(summed.double().square().sum().item(), rel=1e-6)
+    # each program's sum in its slot: program p's in slot p % NORM_SLOTS, the others untouched
+    programs = -(-37 // rows)
+    assert torch.count_nonzero(stats) == min(programs, NORM_SLOTS)
+    assert stats.sum().item() == pytest.approx(summed.double().square().sum().item(), rel=1e-6)
 
 
 @pytest.mark.interpreter
@@ -77,40 +86,42 @@ def test_gemv_into_norm_interpreted(bias, rows, dtype):
 def test_normed_products_interpreted(bias, dtype):
     # The norm's 1 / rms from four programs' partial sums; n = 37 rows after, h = 37 / 2 columns gated.
     x, before, residual, norm_weight, after, after_bias = split_inputs(64, 48, 74, dtype, bias)
-    summed, weighted, partials = kernels.gemv_into_norm_triton(x, before, None, residual, norm_weight, rows=16)
-    assert partials.shape == (4,)
+    stats = new_stats()
+    summed, weighted = kernels.gemv_into_norm_triton(x, before, None, residual, norm_weight, stats, rows=16)
     normed = exact_normed(summed, norm_weight)
-    out = kernels.normed_gemv_triton(weighted, partials, EPS, after, after_bias)
+    out = kernels.normed_gemv_triton(weighted, stats, EPS, after, after_bias)
     assert_close(out, exact_product(normed, after, after_bias).to(dtype), TOL[dtype])
-    assert_close(out, normed_gemv_reference(weighted, partials, EPS, after, after_bias), TOL[dtype])
-    h = kernels.normed_gated_gemv_triton(weighted, partials, EPS, after, after_bias, "silu")
+    assert_close(out, normed_gemv_reference(weighted, stats, EPS, after, after_bias), TOL[dtype])
+    h = kernels.normed_gated_gemv_triton(weighted, stats, EPS, after, after_bias, "silu")
     exact_h = act_and_mul_reference(exact_product(normed, after, after_bias).to(dtype), "silu")
     assert_close(h, exact_h, 2 * TOL[dtype])
-    assert_close(h, normed_gated_gemv_reference(weighted, partials, EPS, after, after_bias, "silu"),
+    assert_close(h, normed_gated_gemv_reference(weighted, stats, EPS, after, after_bias, "silu"),
                  2 * TOL[dtype])
 
 
 def test_split_references_are_the_norm_then_the_product():
     # On the CPU: the split ops against RMSNorm's reference, then the product, in float32.
     x, before, residual, norm_weight, after, after_bias = split_inputs(64, 48, 74, torch.float32, True)
-    summed, weighted, partials = gemv_into_norm(x, before, None, residual, norm_weight)
+    stats = new_stats()
+    summed, weighted = gemv_into_norm(x, before, None, residual, norm_weight, stats)
     normed, expected_summed = fused_add_rms_norm_reference(x @ before.T, residual, norm_weight, EPS)
     assert torch.equal(summed, expected_summed)
-    assert_close(normed_gemv(weighted, partials, EPS, after, after_bias), normed @ after.T + after_bias, 1e-5)
+    assert_close(normed_gemv(weighted, stats, EPS, after, after_bias), normed @ after.T + after_bias, 1e-5)
     expected_h = act_and_mul_reference(normed @ after.T + after_bias, "gelu_pytorch_tanh")
-    assert_close(normed_gated_gemv(weighted, partials, EPS, after, after_bias, "gelu_pytorch_tanh"), expected_h, 1e-5)
+    assert_close(normed_gated_gemv(weighted, stats, EPS, after, after_bias, "gelu_pytorch_tanh"), expected_h, 1e-5)
 
 
 @pytest.mark.interpreter
 def test_normed_products_take_only_a_split_norms_outputs():
     x, before, residual, norm_weight, after, _ = split_inputs(64, 48, 74, torch.float16, False)
-    _, weighted, partials = kernels.gemv_into_norm_triton(x, before, None, residual, norm_weight)
-    with pytest.raises(ValueError, match="zoo::normed_gemv takes a split norm's weighted input"):
-        kernels.normed_gemv_triton(weighted[..., :63], partials, EPS, after, None)
-    with pytest.raises(ValueError, match="zoo::normed_gated_gemv takes a split norm's float32 partial sums"):
-        kernels.normed_gated_gemv_triton(weighted, partials.double(), EPS, after, None, "silu")
+    stats = new_stats()
+    _, weighted = kernels.gemv_into_norm_triton(x, before, None, residual, norm_weight, stats)
+    with pytest.raises(ValueError, match="zoo::normed_gemv takes a split norm's 32 float64 sums of squares"):
+        kernels.normed_gemv_triton(weighted, stats.float(), EPS, after, None)
+    with pytest.raises(ValueError, match="zoo::normed_gated_gemv takes a split norm's 32 float64 sums"):
+        kernels.normed_gated_gemv_triton(weighted, stats[:16], EPS, after, None, "silu")
     with pytest.raises(ValueError, match=r"zoo::gemv_into_norm .* norm weight \(63,\)"):
-        kernels.gemv_into_norm_triton(x, before, None, residual, norm_weight[:63])
+        kernels.gemv_into_norm_triton(x, before, None, residual, norm_weight[:63], stats)
 
 
 def split_as_on_a_gpu(monkeypatch) -> list:
@@ -128,6 +139,8 @@ def split_as_on_a_gpu(monkeypatch) -> list:
     monkeypatch.setattr(layers.norm, "gemv_into_norm", recorded(kernels.gemv_into_norm_triton))
     monkeypatch.setattr(layers.linear, "normed_gemv", recorded(kernels.normed_gemv_triton))
     monkeypatch.setattr(layers.mlp, "normed_gated_gemv", recorded(kernels.normed_gated_gemv_triton))
+    monkeypatch.setattr(models.base.DecoderModel, "split_norm_stats", lambda model, hidden_states: (
+        layers.norm.new_norm_stats((len(model.layers), 2), hidden_states.device) if len(hidden_states) == 1 else None))
     return called
 
 
@@ -167,19 +180,21 @@ def test_only_blocks_of_attention_and_gated_mlp_between_plain_rmsnorms_split(mak
 def test_split_norm_kernels_gpu(dtype):
     # The Llama-3.1-8B shapes: o_proj into the pre-MLP norm, then gate_up; the same bits every run.
     x, before, residual, norm_weight, after, _ = split_inputs(4096, 4096, 2 * 14336, dtype, False, "cuda")
-    summed, weighted, partials = gemv_into_norm(x, before, None, residual, norm_weight)
+    stats = new_stats("cuda")
+    summed, weighted = gemv_into_norm(x, before, None, residual, norm_weight, stats)
     expected_summed = (exact_product(x, before, None).to(dtype).double() + residual.double()).to(dtype)
     assert_close(summed, expected_summed, TOL[dtype])
     assert torch.equal(weighted, (summed.float() * norm_weight.float()).to(dtype))
     normed = exact_normed(summed, norm_weight)
-    h = normed_gated_gemv(weighted, partials, EPS, after, None, "silu")
+    h = normed_gated_gemv(weighted, stats, EPS, after, None, "silu")
     assert_close(h, act_and_mul_reference(exact_product(normed, after, None).to(dtype), "silu"), 2 * TOL[dtype])
-    out = normed_gemv(weighted, partials, EPS, after[:6144], None)
+    out = normed_gemv(weighted, stats, EPS, after[:6144], None)
     assert_close(out, exact_product(normed, after[:6144], None).to(dtype), TOL[dtype])
     for _ in range(20):
-        again = gemv_into_norm(x, before, None, residual, norm_weight)
-        assert all(torch.equal(a, b) for a, b in zip(again, (summed, weighted, partials)))
-        assert torch.equal(normed_gated_gemv(weighted, partials, EPS, after, None, "silu"), h)
+        again = new_stats("cuda")
+        assert all(torch.equal(a, b) for a, b in zip(gemv_into_norm(x, before, None, residual, norm_weight, again),
+                                                     (summed, weighted)))
+        assert torch.equal(normed_gated_gemv(weighted, again, EPS, after, None, "silu"), h)
 
 
 @pytest.mark.gpu
