@@ -1,4 +1,5 @@
-"""How a call of an op reaches its implementation, and the dtypes the Triton kernels take.
+"""How a call of an op reaches its implementation, the dtypes the Triton kernels take, and the slots
+of a split norm's sums of squares, which its kernels and the model that allocates them share.
 
 Each op file defines the op's PyTorch reference (``<name>_reference``, which carries the op's
 docstring), its ``torch.library`` custom op (``<name>_op``, registered as ``torch.ops.zoo.<name>``),
