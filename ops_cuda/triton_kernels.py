@@ -592,9 +592,9 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, N, K, w_stride, eps,
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     begin_after_previous(PDL)
-    out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
-    if NORMED:
-        out *= inverse_rms(stats_ptr, K, eps)
+    # a split norm's statistics are read before the weights stream, not after: no load waits at the end
+    scale = inverse_rms(stats_ptr, K, eps) if NORMED else 1.0
+    out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K) * scale
     if HAS_BIAS:
         out += bias
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -744,10 +744,9 @@ def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, intermediate, 
     else:
         bias = 0.0
     begin_after_previous(PDL)
+    scale = inverse_rms(stats_ptr, K, eps) if NORMED else 1.0  # before the weights stream, as gemv_kernel's
     dtype = out_ptr.dtype.element_ty
-    products = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
-    if NORMED:
-        products *= inverse_rms(stats_ptr, K, eps)
+    products = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K) * scale
     h = interleaved_gated_activation(products + bias, dtype, ACTIVATION, BLOCK_N)
     h_cols = first_col + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + h_cols, h.to(dtype), mask=h_cols < intermediate)
