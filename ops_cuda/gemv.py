@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ops_cuda.activation import act_and_mul_reference
-from ops_cuda.dispatch import NORM_SLOTS, cuda_implementation, public_op
+from ops_cuda.dispatch import cuda_implementation, public_op
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 

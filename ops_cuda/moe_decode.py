@@ -51,6 +51,7 @@ from ops_cuda.triton_helpers import (
     gated_rows_times_vector,
     gated_weight_rows,
     interleaved_gated_activation,
+    inverse_rms,
     pdl_launch,
     store_gated_activation,
     tile_products,
@@ -225,13 +226,15 @@ def _decode_combine_kernel(
 
 @triton.jit
 def _token_gate_up_kernel(
-    hidden_ptr, ids_ptr, gate_up_ptr, bias_ptr, h_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    hidden_ptr, ids_ptr, gate_up_ptr, bias_ptr, h_ptr, stats_ptr, hidden_size, intermediate, w_stride_e, w_stride_n,
+    eps, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, NORMED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # The ids choose the weights: nothing can be read before the wait. The down kernel reads them
-    # before its own wait, so it starts only once the router has written them.
+    # before its own wait, so it starts only once the router has written them. NORMED: the hidden row
+    # is a split norm's weighted row (ops_cuda.gemv), whose 1 / rms scales the products.
     begin_after_previous_holding_next(PDL)
+    scale = inverse_rms(stats_ptr, hidden_size, eps) if NORMED else 1.0
     # One token, program (k, n): columns n*BLOCK_N.. of h for its k-th expert, from that expert's gate
     # and up rows interleaved as one [2 * BLOCK_N, BLOCK_K] tile.
     # An id below zero (another rank's expert) reads nothing and writes zeros (every gated form of zero
@@ -247,8 +250,8 @@ def _token_gate_up_kernel(
     else:
         bias = 0.0
     dtype = h_ptr.dtype.element_ty
-    h = gated_rows_times_vector(hidden_ptr, row_starts, row_ok[:, None], hidden_size, first_tile, bias, dtype,
-                                ACTIVATION, BLOCK_N, BLOCK_K)
+    h = gated_rows_times_vector(hidden_ptr, row_starts, row_ok[:, None], hidden_size, first_tile, bias, scale,
+                                dtype, ACTIVATION, BLOCK_N, BLOCK_K)
     h_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + slot * intermediate + h_cols, h.to(dtype), mask=h_cols < intermediate)
 
@@ -372,10 +375,12 @@ def moe_experts_decode(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     token_tiles: TokenTiles | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """``zoo::moe_experts`` for a few tokens; the caller checks ``decode_supported`` first (and the biases'
     dtype and shape). ``token_tiles``: one token's tiles in place of the device's (`bench_moe.py --task
-    token-tiles` sweeps them)."""
+    token-tiles` sweeps them). ``norm``, one token's only: a split norm's sums of squares and epsilon,
+    ``hidden`` its weighted row (``ops_cuda.gemv``)."""
     num_tokens, hidden_size = hidden.shape
     intermediate, top_k = down.shape[2], topk_ids.shape[1]
     num_pairs = topk_ids.numel()
@@ -383,7 +388,10 @@ def moe_experts_decode(
         hidden = hidden.contiguous()
     ids = topk_ids.contiguous()
     if num_tokens == 1 and gate_up.stride(-1) == down.stride(-1) == 1:
-        return _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, token_tiles)
+        return _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, token_tiles,
+                          norm)
+    if norm is not None:
+        raise ValueError(f"a split norm's row is one token's: hidden has {num_tokens} tokens")
     tiles = GPU_TILES if hidden.is_cuda else INTERPRETER_TILES
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
     # TOP_K is a power of two for the [tokens, slots] view: pad each token's slots with -1 where it is not.
@@ -421,17 +429,19 @@ def moe_experts_decode(
     return out
 
 
-def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, tiles):
-    # Two launches: gate_up with the activation for every slot, then down with the weighted sum.
+def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, tiles, norm):
+    # Two launches: gate_up with the activation for every slot (and a split norm's 1 / rms), then down
+    # with the weighted sum.
     hidden_size, intermediate, top_k = hidden.shape[1], down.shape[2], ids.shape[1]
     if tiles is None:
         tiles = gpu_token_tiles(hidden_size) if hidden.is_cuda else INTERPRETER_TOKEN_TILES
     launch = dict(num_warps=tiles.num_warps, **pdl_launch(hidden))
     h = torch.empty(top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
+    stats, eps = norm if norm is not None else (hidden, 0.0)
     _token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](
-        hidden, ids, gate_up, bias_or(gate_up_bias, gate_up), h, hidden_size, intermediate, gate_up.stride(0),
-        gate_up.stride(1), ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None,
-        BLOCK_N=tiles.gate_up_n,
+        hidden, ids, gate_up, bias_or(gate_up_bias, gate_up), h, stats, hidden_size, intermediate, gate_up.stride(0),
+        gate_up.stride(1), float(eps), ACTIVATION=KERNEL_ACTIVATIONS[activation], HAS_BIAS=gate_up_bias is not None,
+        NORMED=norm is not None, BLOCK_N=tiles.gate_up_n,
         BLOCK_K=min(tiles.gate_up_k, triton.next_power_of_2(hidden_size)), **launch,
     )
     out = torch.empty_like(hidden)

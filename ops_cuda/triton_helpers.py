@@ -268,12 +268,13 @@ def gated_weight_rows(first_col, intermediate, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, dtype: tl.constexpr,
+def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, scale, dtype: tl.constexpr,
                             ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # [BLOCK_N] float32: act(gate x) * up x (or the other gated form of ACTIVATION) from the rows of
-    # `gated_weight_rows` (`first_tile`: their first BLOCK_K columns, already read), plus `bias` (one
-    # value per row, or 0.0), with the reference's rounding (`gated_activation`).
-    products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) + bias
+    # `gated_weight_rows` (`first_tile`: their first BLOCK_K columns, already read), their sums times
+    # `scale` (a split norm's 1 / rms, or 1.0) plus `bias` (one value per row, or 0.0), with the
+    # reference's rounding (`gated_activation`).
+    products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) * scale + bias
     return interleaved_gated_activation(products, dtype, ACTIVATION, BLOCK_N)
 
 

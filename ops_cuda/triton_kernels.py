@@ -28,8 +28,8 @@ from ops_cuda.triton_helpers import (
     check_dtypes,
     fullest_tile,
     gated_activation,
+    gated_rows_times_vector,
     gated_weight_rows,
-    interleaved_gated_activation,
     inverse_rms,
     pdl_launch,
     resident_programs,
@@ -746,8 +746,8 @@ def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, intermediate, 
     begin_after_previous(PDL)
     scale = inverse_rms(stats_ptr, K, eps) if NORMED else 1.0  # before the weights stream, as gemv_kernel's
     dtype = out_ptr.dtype.element_ty
-    products = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K) * scale
-    h = interleaved_gated_activation(products + bias, dtype, ACTIVATION, BLOCK_N)
+    h = gated_rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, bias, scale, dtype, ACTIVATION,
+                                BLOCK_N, BLOCK_K)
     h_cols = first_col + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + h_cols, h.to(dtype), mask=h_cols < intermediate)
 

@@ -104,3 +104,31 @@ def test_supported_inputs():
     assert decode_supported(many[:-1], ids.expand(DECODE_MAX_TOKENS, -1), gate_up, down, "silu")
     assert not decode_supported(many, ids.expand(DECODE_MAX_TOKENS + 1, -1), gate_up, down, "silu")
     assert not decode_supported(hidden, ids, gate_up[:, :-2], down, "silu")  # gate_up rows != 2 I
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("math", MATH)
+def test_one_token_after_a_split_norm_interpreted(math):
+    """``norm``: the hidden row is a split norm's weighted row and the slots hold its sum of squares; the
+    experts see the normalised row (float32: no rounding between the two forms)."""
+    activation, biases, scale = expert_math(math, NUM_EXPERTS, HIDDEN, INTERMEDIATE, torch.float32)
+    _, weights, ids, gate_up, down = inputs([[3, 0, 6, 1]], torch.float32, seed=6, scale=scale)
+    summed = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(7)) * 3
+    norm_weight = 1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(8))
+    stats = torch.zeros(32, dtype=torch.float64)
+    stats[[0, 5]] = summed.double().square().sum() / 2  # as two programs add it
+    eps = 1e-6
+    normalised = summed * torch.rsqrt(summed.square().mean() + eps) * norm_weight
+    ours = moe_experts_decode(summed * norm_weight, weights, ids, gate_up, down, activation, *biases,
+                              norm=(stats, eps))
+    expected = moe_experts_reference(normalised, weights, ids, gate_up, down, activation, *biases)
+    assert_close(ours, expected, TOL[torch.float32])
+    assert not torch.allclose(ours, moe_experts_reference(summed * norm_weight, weights, ids, gate_up, down,
+                                                          activation, *biases), atol=1e-3)
+
+
+def test_a_split_norm_is_one_tokens():
+    hidden, weights, ids, gate_up, down = inputs([[1, 4], [4, 0]], torch.float32)
+    with pytest.raises(ValueError, match="one token's: hidden has 2 tokens"):
+        moe_experts_decode(hidden, weights, ids, gate_up, down, "silu",
+                           norm=(torch.zeros(32, dtype=torch.float64), 1e-6))
