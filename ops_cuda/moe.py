@@ -23,6 +23,10 @@ the activations quantised per token and group of ``block[1]`` columns. It also t
 shared expert of the experts' shape (DeepSeek-V3's), added to their sum: in the fused-MoE launch up to
 ``SHARED_IN_LAUNCH_MAX_TOKENS`` tokens, through its own GEMMs beyond.
 
+``zoo::normed_moe_experts`` is ``moe_experts`` for one token after a split RMSNorm (``ops_cuda/gemv.py``):
+it takes the norm's weighted row and sums of squares, and the one-token gate_up kernel applies the norm's
+1 / rms to its products, so the norm takes no launch of its own.
+
 ``zoo::mxfp4_moe_experts`` is the same with MXFP4 experts (``ops_cuda/mxfp4.py``: uint8 blocks of two
 4-bit values a byte and a power-of-two scale per 32 values), gpt-oss's: its reference dequantises the
 experts the tokens picked to the activation dtype; on CUDA the Triton fused-MoE kernel reads the blocks
@@ -40,6 +44,7 @@ from ops_cuda.activation import act_and_mul, act_and_mul_reference
 from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.fp8 import check_block_weight, dequantise
 from ops_cuda.fp8_linear import fp8_block_linear
+from ops_cuda.gemv import normed_gemv_reference
 from ops_cuda.mxfp4 import check_mxfp4_weight, dequantise_mxfp4
 
 
@@ -191,6 +196,73 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias=No
 
 
 moe_experts = public_op(moe_experts_op, moe_experts_reference, reads_host=True)
+
+
+def normed_moe_experts_reference(
+    weighted: torch.Tensor,
+    stats: torch.Tensor,
+    eps: float,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``moe_experts`` for one token after a split RMSNorm (``ops_cuda.gemv``): ``weighted`` [1, H] is the
+    norm's weighted row and ``stats`` holds its sum of squares; each expert's gate_up products are
+    ``normed_gemv``'s (the weighted row's products times the norm's 1 / rms, plus the bias, rounded to
+    the experts' dtype). The experts' outputs are weighted and summed in float32, slot by slot."""
+    if weighted.shape[0] != 1:
+        raise ValueError(f"zoo::normed_moe_experts takes a split norm's row, one token: got {weighted.shape[0]}")
+    out = torch.zeros(weighted.shape, dtype=torch.float32, device=weighted.device)
+    for slot, expert in enumerate(topk_ids[0].tolist()):
+        if expert < 0:  # another rank's
+            continue
+        products = normed_gemv_reference(weighted, stats, eps, gate_up[expert], _bias_of(gate_up_bias, expert))
+        y = F.linear(act_and_mul_reference(products, activation), down[expert], _bias_of(down_bias, expert))
+        out += y.to(torch.float32) * topk_weights[0, slot].to(torch.float32)
+    return out.to(weighted.dtype)
+
+
+@torch.library.custom_op("zoo::normed_moe_experts", mutates_args=())
+def normed_moe_experts_op(
+    weighted: torch.Tensor,
+    stats: torch.Tensor,
+    eps: float,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return normed_moe_experts_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation,
+                                        gate_up_bias, down_bias)
+
+
+@normed_moe_experts_op.register_fake
+def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias=None, down_bias=None):
+    return torch.empty_like(weighted)
+
+
+@cuda_implementation(normed_moe_experts_op)
+def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias=None, down_bias=None):
+    from ops_cuda.moe_decode import moe_experts_decode
+    from ops_cuda.triton_kernels import check_norm_stats
+
+    check_norm_stats("normed_moe_experts", stats)
+    if (weighted.shape[0] == 1 and gate_up.stride(-1) == down.stride(-1) == 1
+            and cuda_kernel(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias) == "decode"):
+        return moe_experts_decode(weighted, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias,
+                                  norm=(stats, eps))
+    return normed_moe_experts_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation,
+                                        gate_up_bias, down_bias)
+
+
+normed_moe_experts = public_op(normed_moe_experts_op, normed_moe_experts_reference, reads_host=True)
 
 
 def fp8_moe_experts_reference(

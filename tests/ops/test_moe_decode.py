@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from ops_cuda.moe import moe_experts_reference  # noqa: E402
+from ops_cuda.moe import moe_experts_reference, normed_moe_experts_reference  # noqa: E402
 from ops_cuda.moe_decode import DECODE_MAX_TOKENS, TokenTiles, decode_supported, moe_experts_decode  # noqa: E402
 from tests.ops.test_moe_triton import MATH, TOL, assert_close, expert_math, experts  # noqa: E402
 
@@ -106,25 +106,37 @@ def test_supported_inputs():
     assert not decode_supported(hidden, ids, gate_up[:, :-2], down, "silu")  # gate_up rows != 2 I
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("math", MATH)
-def test_one_token_after_a_split_norm_interpreted(math):
-    """``norm``: the hidden row is a split norm's weighted row and the slots hold its sum of squares; the
-    experts see the normalised row (float32: no rounding between the two forms)."""
-    activation, biases, scale = expert_math(math, NUM_EXPERTS, HIDDEN, INTERMEDIATE, torch.float32)
-    _, weights, ids, gate_up, down = inputs([[3, 0, 6, 1]], torch.float32, seed=6, scale=scale)
+def split_norm_inputs(math, dtype):
+    """One token's split-norm row (weighted, stats, eps), the experts' inputs and the normalised row."""
+    activation, biases, scale = expert_math(math, NUM_EXPERTS, HIDDEN, INTERMEDIATE, dtype)
+    _, weights, ids, gate_up, down = inputs([[3, 0, 6, 1]], dtype, seed=6, scale=scale)
     summed = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(7)) * 3
     norm_weight = 1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(8))
     stats = torch.zeros(32, dtype=torch.float64)
     stats[[0, 5]] = summed.double().square().sum() / 2  # as two programs add it
     eps = 1e-6
-    normalised = summed * torch.rsqrt(summed.square().mean() + eps) * norm_weight
-    ours = moe_experts_decode(summed * norm_weight, weights, ids, gate_up, down, activation, *biases,
-                              norm=(stats, eps))
-    expected = moe_experts_reference(normalised, weights, ids, gate_up, down, activation, *biases)
-    assert_close(ours, expected, TOL[torch.float32])
-    assert not torch.allclose(ours, moe_experts_reference(summed * norm_weight, weights, ids, gate_up, down,
-                                                          activation, *biases), atol=1e-3)
+    normalised = (summed * torch.rsqrt(summed.square().mean() + eps) * norm_weight).to(dtype)
+    experts = (weights, ids, gate_up, down, activation, *biases)
+    return (summed * norm_weight).to(dtype), stats, eps, experts, normalised
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("math", MATH)
+@pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
+def test_one_token_after_a_split_norm_interpreted(math, dtype):
+    """``norm``: the hidden row is a split norm's weighted row, the slots hold its sum of squares."""
+    weighted, stats, eps, experts, _ = split_norm_inputs(math, dtype)
+    ours = moe_experts_decode(weighted, *experts, norm=(stats, eps))
+    assert_close(ours, normed_moe_experts_reference(weighted, stats, eps, *experts), TOL[dtype])
+    assert not torch.allclose(ours, moe_experts_reference(weighted, *experts), atol=1e-2), "the norm applied"
+
+
+@pytest.mark.parametrize("math", MATH)
+def test_split_norm_reference_is_the_experts_on_the_normalised_row(math):
+    """In float32 (no rounding between the two forms): the experts on the norm's output."""
+    weighted, stats, eps, experts, normalised = split_norm_inputs(math, torch.float32)
+    assert_close(normed_moe_experts_reference(weighted, stats, eps, *experts),
+                 moe_experts_reference(normalised, *experts), TOL[torch.float32])
 
 
 def test_a_split_norm_is_one_tokens():
@@ -132,3 +144,6 @@ def test_a_split_norm_is_one_tokens():
     with pytest.raises(ValueError, match="one token's: hidden has 2 tokens"):
         moe_experts_decode(hidden, weights, ids, gate_up, down, "silu",
                            norm=(torch.zeros(32, dtype=torch.float64), 1e-6))
+    with pytest.raises(ValueError, match="one token: got 2"):
+        normed_moe_experts_reference(hidden, torch.zeros(32, dtype=torch.float64), 1e-6, weights, ids, gate_up, down,
+                                     "silu")
