@@ -19,7 +19,7 @@ route_topk        the router after its logits: every token takes experts 0, 8, .
 input_norm        each layer's input RMSNorm (with the residual add): the attention reads a fixed row
 post_norm         each layer's post-attention RMSNorm: the MLP or MoE block reads a fixed row
 split_norms       not a removal: the norms a single-row step splits between the products around them
-                  (models.base.DecoderLayer.splits_norms, the dense shape's) run as kernels of their own,
+                  (models.base.DecoderLayer.splits_norms) run as kernels of their own,
                   as they do where a model does not split them; input_norm and post_norm imply it
 rotary_write_kv   the per-head q/k-norm, rotary and KV-cache write (the cache stays zero)
 decode_attention  both decode-attention kernels (split and reduce): o_proj reads the queries

@@ -20,8 +20,10 @@ from torch import nn
 
 from layers.linear import Linear
 from layers.mlp import GatedMLP
+from layers.norm import NormedRow
 from layers.weights import OneOf, Shard
-from ops_cuda import GATED_ACTIVATIONS, fp8_moe_experts, moe_experts, mxfp4_moe_experts, route_topk
+from ops_cuda import (GATED_ACTIVATIONS, fp8_moe_experts, moe_experts, mxfp4_moe_experts, normed_gemv,
+                      normed_moe_experts, route_topk)
 from ops_cuda.clamped_swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT  # noqa: F401 (for the models)
 from ops_cuda.linear import linear
 
@@ -89,11 +91,19 @@ class TopKRouter(nn.Module):
         dtype = torch.float32 if name == "e_score_correction_bias" else dtype
         return torch.empty(getattr(self, name).shape, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64)."""
-        plain_softmax = self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None
-        in_model_dtype = plain_softmax or self.model_dtype_logits
-        logits = linear(x, self.weight, self.bias, out_dtype=None if in_model_dtype else torch.float32)
+    @property
+    def plain_softmax(self) -> bool:
+        """A softmax over all experts' scores, its logits in the model's dtype (Qwen's, Mixtral's)."""
+        return self.scoring == "softmax" and self.num_groups == 1 and self.e_score_correction_bias is None
+
+    def forward(self, x: torch.Tensor | NormedRow) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] float32, expert ids [N, k] int64). A split norm's row (``NormedRow``,
+        which ``SparseMoE`` passes only to a plain softmax router) is read split."""
+        if isinstance(x, NormedRow):
+            logits = normed_gemv(x.weighted, x.stats, x.eps, self.weight, self.bias)
+        else:
+            in_model_dtype = self.plain_softmax or self.model_dtype_logits
+            logits = linear(x, self.weight, self.bias, out_dtype=None if in_model_dtype else torch.float32)
         return route_topk(logits, self.e_score_correction_bias, self.top_k, self.scoring, self.renormalize,
                           self.num_groups, self.topk_groups, self.group_score, self.scaling_factor,
                           self.renormalize_min)
@@ -261,7 +271,20 @@ class SparseMoE(nn.Module):
     router_type = TopKRouter
     experts_type = Experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def reads_split_norm(self) -> bool:
+        """Whether the RMSNorm before the block can be split between o_proj and it on a one-row step
+        (``layers.norm.NormedRow``): a plain softmax router, the experts of ``Experts`` in the activations'
+        dtype (neither FP8 nor MXFP4, which the loader sets), whole on this rank, and no shared expert.
+        The router's logits and the experts' gate_up products then apply the norm's 1 / rms."""
+        router, experts = getattr(self, self.router_name), self.experts
+        return (type(router) is TopKRouter and router.plain_softmax and type(experts) is Experts
+                and experts.fp8_block is None and not experts.mxfp4 and self.group is None
+                and self.shared_expert is None and self.shared_experts is None)
+
+    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor:
+        if isinstance(x, NormedRow):
+            return self.split_norm_forward(x)
         topk_weights, topk_ids = getattr(self, self.router_name)(x)
         if self.experts.takes_shared(self.shared_experts):
             out = self.experts(x, topk_weights, topk_ids, shared=self.shared_experts)
@@ -274,3 +297,14 @@ class SparseMoE(nn.Module):
         if self.group is not None:
             dist.all_reduce(out, group=self.group)
         return out
+
+    def split_norm_forward(self, x: NormedRow) -> torch.Tensor:
+        # One token's experts read the row split (their gate_up kernel applies the norm's 1 / rms);
+        # weights of another dtype than the row's take the normalised row.
+        experts = self.experts
+        if not (x.takes(experts.gate_up_proj) and x.takes(getattr(self, self.router_name).weight)):
+            return self(x.normalised())
+        topk_weights, topk_ids = getattr(self, self.router_name)(x)
+        return normed_moe_experts(x.weighted, x.stats, x.eps, topk_weights, topk_ids, experts.gate_up_proj,
+                                  experts.down_proj, experts.hidden_act, experts.gate_up_proj_bias,
+                                  experts.down_proj_bias)

@@ -10,6 +10,7 @@ from torch import nn
 import layers
 from loaders import CheckpointError, TensorRef, copy_weights, load_config, load_weights, open_checkpoint, resolve_source
 from loaders.load import tensor_shapes
+from models.base import split_loaded_norms
 
 _REGISTRY: dict[str, type] = {}
 
@@ -239,8 +240,10 @@ class AutoModelForCausalLM:
         checkpoint = open_checkpoint(source, config)
         validate_config(config, checkpoint, str(source.path))
         model, whole_shapes = _build_on_meta(config, str(source.path), tensor_parallel, expert_parallel)
-        return load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap, whole_shapes,
-                            keep_mxfp4)
+        model = load_weights(model, checkpoint, dtype or checkpoint_dtype(config), device, keep_fp8, mmap,
+                             whole_shapes, keep_mxfp4)
+        split_loaded_norms(model)  # FP8 and MXFP4 weights decide it, known only now
+        return model
 
     @staticmethod
     def from_hf(reference: nn.Module, device=None):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from layers import (Attention, AttentionMetadata, GatedMLP, LayerNorm, LMHead, MLAttention, RMSNorm,
-                    RotaryEmbedding, VocabEmbedding, rope_layer_types)
+                    RotaryEmbedding, SparseMoE, VocabEmbedding, rope_layer_types)
 from layers.norm import RowProduct, new_norm_stats
 
 
@@ -140,12 +140,21 @@ class DecoderLayer(nn.Module):
     @property
     def splits_norms(self) -> bool:
         """Whether a one-row GPU step splits this block's pre-norms between the products around them
-        (``layers.norm.NormedRow``): a block of ``Attention`` then a ``GatedMLP``, each after an RMSNorm
-        with the weight as HF stores it (no offset), and nothing between a branch's last product and
-        the residual. The pre-MLP norm then sits between o_proj and gate_up, and the next block's
-        pre-attention norm between down_proj and the next qkv_proj (``DecoderModel``'s ``split_norms``)."""
+        (``layers.norm.NormedRow``): a block of ``Attention`` then a ``GatedMLP`` or a mixture of experts
+        that reads a split norm (``SparseMoE.reads_split_norm``), the products after the norms not in
+        FP8, each norm an RMSNorm with the weight as HF stores it (no offset), and nothing between a
+        branch's last product and the residual. The
+        pre-MLP norm then sits between o_proj and gate_up (or the router and the experts), and after a
+        ``GatedMLP`` the next block's pre-attention norm between down_proj and the next qkv_proj
+        (``DecoderModel``'s ``split_norms``)."""
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
-        return (isinstance(self.self_attn, Attention) and isinstance(getattr(self, self.mlp_name), GatedMLP)
+        mlp = getattr(self, self.mlp_name)
+        if isinstance(mlp, GatedMLP):
+            reads_split_norm = mlp.gate_up_proj.fp8_block is None
+        else:
+            reads_split_norm = isinstance(mlp, SparseMoE) and mlp.reads_split_norm
+        return (isinstance(self.self_attn, Attention) and self.self_attn.qkv_proj.fp8_block is None
+                and reads_split_norm
                 and not self.parallel and self.shared_mlp is None and self.branch_scale is None
                 and post_attention is None and post_mlp is None
                 and all(type(norm) is RMSNorm and not norm.weight_offset for norm in (pre_attention, pre_mlp)))
@@ -207,14 +216,17 @@ class DecoderModel(nn.Module):
         """Marks the products before the norms a one-row GPU step splits (``DecoderLayer.splits_norms``):
         each such block's o_proj, and its down_proj where the next block splits too (the last block's
         feeds the final norm, whose hidden states the model returns). ``split=False`` clears the marks:
-        every norm runs as a kernel of its own (``norms_unsplit``)."""
+        every norm runs as a kernel of its own (``norms_unsplit``). The loader marks them again once the
+        weights are in (``split_loaded_norms``): FP8 and MXFP4 weights are known from then on."""
         self.splitting = False
         for layer, next_layer in itertools.pairwise([*self.layers, None]):
-            if layer.splits_norms:
-                self.splitting = split
-                layer.self_attn.o_proj.into_norm = split
-                getattr(layer, layer.mlp_name).down_proj.into_norm = (split and next_layer is not None
-                                                                      and next_layer.splits_norms)
+            splits = split and layer.splits_norms
+            self.splitting |= splits
+            if isinstance(layer.self_attn, Attention):
+                layer.self_attn.o_proj.into_norm = splits
+            mlp = getattr(layer, layer.mlp_name)
+            if isinstance(mlp, GatedMLP):  # a mixture of experts' output joins the residual whole
+                mlp.down_proj.into_norm = splits and next_layer is not None and next_layer.splits_norms
 
     def split_norm_stats(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Zeroed slots for the sums of squares of a step's split norms, [layers, 2, NORM_SLOTS] float64
@@ -253,14 +265,18 @@ def norms_unsplit(model: nn.Module):
     """Within the context every norm of ``model``'s decoders runs as a kernel of its own, as in prefill,
     so that each module returns its output as a tensor (the diff's hooks read them); graphs captured
     within keep it so."""
-    decoders = [module for module in model.modules() if isinstance(module, DecoderModel)]
-    for decoder in decoders:
-        decoder.split_norms(False)
+    split_loaded_norms(model, False)
     try:
         yield
     finally:
-        for decoder in decoders:
-            decoder.split_norms()
+        split_loaded_norms(model)
+
+
+def split_loaded_norms(model: nn.Module, split: bool = True) -> None:
+    """``DecoderModel.split_norms`` on each decoder of ``model``, as its weights now are."""
+    for module in model.modules():
+        if isinstance(module, DecoderModel):
+            module.split_norms(split)
 
 
 def config_number(config, field: str) -> float:

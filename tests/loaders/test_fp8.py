@@ -249,6 +249,9 @@ def test_llama_weights_kept_in_fp8_where_shards_cover_whole_blocks(llama_pair):
                 *(f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"))
     assert_kept(layer.mlp.down_proj, "weight", stored, f"{prefix}mlp.down_proj.weight")
     assert layer.mlp.down_proj.fp8_block == BLOCK
+    # qkv_proj in FP8 reads no split norm: no block splits its norms, and no product is marked for it.
+    assert not any(layer.splits_norms for layer in model.model.layers)
+    assert not any(getattr(module, "into_norm", False) for module in model.modules())
     # gate has 112 rows: up would start inside gate's last block, so gate_up is dequantised.
     gate_up = layer.mlp.gate_up_proj
     assert gate_up.weight.dtype == torch.float32 and gate_up.weight_scale_inv is None and gate_up.fp8_block is None
@@ -266,6 +269,8 @@ def test_qwen3_moe_experts_kept_in_fp8(tmp_path, layout):
     stored = load_file(fp8 / "model.safetensors")
     experts = model.model.layers[0].mlp.experts
     assert experts.fp8_block == BLOCK
+    assert not model.model.layers[0].mlp.reads_split_norm  # so its o_proj is not marked for a split norm
+    assert not model.model.layers[0].self_attn.o_proj.into_norm
     if layout == "stacked":
         assert_kept(experts, "gate_up_proj", stored, "model.layers.0.mlp.experts.gate_up_proj")
     else:

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 import layers.linear  # noqa: E402
 import layers.mlp  # noqa: E402
+import layers.moe  # noqa: E402
 import layers.norm  # noqa: E402
 import models.base  # noqa: E402
 import ops_cuda.linear  # noqa: E402
@@ -20,6 +21,7 @@ from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.dispatch import NORM_SLOTS  # noqa: E402
 from ops_cuda.gemv import normed_gated_gemv_reference, normed_gemv_reference  # noqa: E402
+from ops_cuda.moe_decode import moe_experts_decode  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference  # noqa: E402
 from tests.conftest import relative_error, tiny_config  # noqa: E402
 
@@ -139,6 +141,12 @@ def split_as_on_a_gpu(monkeypatch) -> list:
     monkeypatch.setattr(layers.norm, "gemv_into_norm", recorded(kernels.gemv_into_norm_triton))
     monkeypatch.setattr(layers.linear, "normed_gemv", recorded(kernels.normed_gemv_triton))
     monkeypatch.setattr(layers.mlp, "normed_gated_gemv", recorded(kernels.normed_gated_gemv_triton))
+    monkeypatch.setattr(layers.moe, "normed_gemv", recorded(kernels.normed_gemv_triton))
+
+    def normed_moe_experts_kernel(weighted, stats, eps, *experts):
+        return moe_experts_decode(weighted, *experts, norm=(stats, eps))
+
+    monkeypatch.setattr(layers.moe, "normed_moe_experts", recorded(normed_moe_experts_kernel))
     monkeypatch.setattr(models.base.DecoderModel, "split_norm_stats", lambda model, hidden_states: (
         layers.norm.new_norm_stats((len(model.layers), 2), hidden_states.device) if len(hidden_states) == 1 else None))
     return called
@@ -161,6 +169,26 @@ def test_llama_splits_its_norms_on_one_row_as_hf_computes(monkeypatch, make_chec
     assert relative_error(ours, expected) < 1e-5
 
 
+@pytest.mark.interpreter
+def test_qwen3_moe_splits_its_norms_on_one_row_as_hf_computes(monkeypatch, make_checkpoint):
+    # A dense layer, then two sparse ones: the sparse layers' pre-MLP norms are split into the router's
+    # logits and the experts' gate_up; the second layer's pre-attention norm follows the dense down_proj.
+    path, reference = make_checkpoint(tiny_config(
+        "qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        head_dim=16, mlp_only_layers=[0]))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    token = torch.tensor([[5]])
+    with torch.no_grad():
+        expected = reference(token).logits
+        called = split_as_on_a_gpu(monkeypatch)
+        ours = model(token)
+    assert called.count("gemv_into_norm_triton") == 4  # three o_proj, one down_proj
+    assert called.count("normed_moe_experts_kernel") == 2
+    assert called.count("normed_gemv_triton") == 3  # two routers, one qkv_proj
+    assert called.count("normed_gated_gemv_triton") == 1
+    assert relative_error(ours, expected) < 1e-5
+
+
 def test_only_blocks_of_attention_and_gated_mlp_between_plain_rmsnorms_split(make_checkpoint):
     llama = AutoModelForCausalLM.from_pretrained(make_checkpoint(tiny_config("llama"))[0])
     first, last = llama.model.layers
@@ -170,9 +198,17 @@ def test_only_blocks_of_attention_and_gated_mlp_between_plain_rmsnorms_split(mak
     gemma = AutoModelForCausalLM.from_pretrained(make_checkpoint(tiny_config("gemma", head_dim=16))[0])
     assert not any(layer.splits_norms for layer in gemma.model.layers)  # its norms multiply by 1 + weight
     moe = AutoModelForCausalLM.from_pretrained(make_checkpoint(tiny_config(
-        "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16))[0])
-    assert not any(layer.splits_norms for layer in moe.model.layers)
-    assert not any(getattr(module, "into_norm", False) for module in moe.modules())
+        "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+        mlp_only_layers=[0]))[0])
+    dense, sparse = moe.model.layers
+    assert dense.splits_norms and sparse.splits_norms  # a plain softmax router, no shared expert
+    assert dense.mlp.down_proj.into_norm  # into the sparse block's pre-attention norm
+    assert dense.self_attn.o_proj.into_norm and sparse.self_attn.o_proj.into_norm  # into the router and experts
+    qwen2_moe = AutoModelForCausalLM.from_pretrained(make_checkpoint(tiny_config(
+        "qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32))[0])
+    assert not any(layer.splits_norms for layer in qwen2_moe.model.layers)  # its shared expert reads the row too
+    assert not any(getattr(module, "into_norm", False) for module in qwen2_moe.modules())
 
 
 @pytest.mark.gpu
@@ -198,9 +234,14 @@ def test_split_norm_kernels_gpu(dtype):
 
 
 @pytest.mark.gpu
-def test_llama_splits_its_norms_on_one_row_gpu(make_checkpoint):
+@pytest.mark.parametrize("arch, fields", [
+    ("llama", {}),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                       mlp_only_layers=[0])),
+], ids=["llama", "qwen3_moe"])
+def test_splits_its_norms_on_one_row_gpu(make_checkpoint, arch, fields):
     # bfloat16 on the GPU: one token's logits split as batch-1 decode computes them, and unsplit.
-    path, reference = make_checkpoint(tiny_config("llama", num_hidden_layers=3), dtype=torch.bfloat16)
+    path, reference = make_checkpoint(tiny_config(arch, num_hidden_layers=3, **fields), dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     token = torch.tensor([[5]], device="cuda")
     with torch.no_grad():
