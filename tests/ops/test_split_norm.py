@@ -152,40 +152,32 @@ def split_as_on_a_gpu(monkeypatch) -> list:
     return called
 
 
+# Three layers each. Llama: the pre-MLP norms and the second and third pre-attention norms are split;
+# the first pre-attention norm (after the embedding) and the final norm are not. Qwen3-MoE, a dense
+# layer then two sparse ones: the sparse layers' pre-MLP norms are split into the router's logits and
+# the experts' gate_up, and the second layer's pre-attention norm follows the dense down_proj.
+SPLIT_MODELS = {
+    "llama": ({}, {"gemv_into_norm_triton": 5, "normed_gated_gemv_triton": 3, "normed_gemv_triton": 2,
+                   "gated_gemv_triton": 0}),
+    "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                       mlp_only_layers=[0]),
+                  {"gemv_into_norm_triton": 4, "normed_moe_experts_kernel": 2, "normed_gemv_triton": 3,
+                   "normed_gated_gemv_triton": 1}),  # o_proj x3 + down_proj; routers x2 + qkv_proj
+}
+
+
 @pytest.mark.interpreter
-def test_llama_splits_its_norms_on_one_row_as_hf_computes(monkeypatch, make_checkpoint):
-    # Three layers: the pre-MLP norms and the second and third pre-attention norms are split; the
-    # first pre-attention norm (after the embedding) and the final norm are not.
-    path, reference = make_checkpoint(tiny_config("llama", num_hidden_layers=3))
+@pytest.mark.parametrize("arch", SPLIT_MODELS)
+def test_splits_its_norms_on_one_row_as_hf_computes(monkeypatch, make_checkpoint, arch):
+    fields, calls = SPLIT_MODELS[arch]
+    path, reference = make_checkpoint(tiny_config(arch, num_hidden_layers=3, **fields))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     token = torch.tensor([[5]])
     with torch.no_grad():
         expected = reference(token).logits
         called = split_as_on_a_gpu(monkeypatch)
         ours = model(token)
-    assert called.count("gemv_into_norm_triton") == 5
-    assert called.count("normed_gated_gemv_triton") == 3 and called.count("normed_gemv_triton") == 2
-    assert called.count("gated_gemv_triton") == 0
-    assert relative_error(ours, expected) < 1e-5
-
-
-@pytest.mark.interpreter
-def test_qwen3_moe_splits_its_norms_on_one_row_as_hf_computes(monkeypatch, make_checkpoint):
-    # A dense layer, then two sparse ones: the sparse layers' pre-MLP norms are split into the router's
-    # logits and the experts' gate_up; the second layer's pre-attention norm follows the dense down_proj.
-    path, reference = make_checkpoint(tiny_config(
-        "qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        head_dim=16, mlp_only_layers=[0]))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    token = torch.tensor([[5]])
-    with torch.no_grad():
-        expected = reference(token).logits
-        called = split_as_on_a_gpu(monkeypatch)
-        ours = model(token)
-    assert called.count("gemv_into_norm_triton") == 4  # three o_proj, one down_proj
-    assert called.count("normed_moe_experts_kernel") == 2
-    assert called.count("normed_gemv_triton") == 3  # two routers, one qkv_proj
-    assert called.count("normed_gated_gemv_triton") == 1
+    assert {kernel: called.count(kernel) for kernel in calls} == calls
     assert relative_error(ours, expected) < 1e-5
 
 
@@ -234,13 +226,10 @@ def test_split_norm_kernels_gpu(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch, fields", [
-    ("llama", {}),
-    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
-                       mlp_only_layers=[0])),
-], ids=["llama", "qwen3_moe"])
-def test_splits_its_norms_on_one_row_gpu(make_checkpoint, arch, fields):
+@pytest.mark.parametrize("arch", SPLIT_MODELS)
+def test_splits_its_norms_on_one_row_gpu(make_checkpoint, arch):
     # bfloat16 on the GPU: one token's logits split as batch-1 decode computes them, and unsplit.
+    fields, _ = SPLIT_MODELS[arch]
     path, reference = make_checkpoint(tiny_config(arch, num_hidden_layers=3, **fields), dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     token = torch.tensor([[5]], device="cuda")
