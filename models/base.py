@@ -143,10 +143,9 @@ class DecoderLayer(nn.Module):
         (``layers.norm.NormedRow``): a block of ``Attention`` then a ``GatedMLP`` or a mixture of experts
         that reads a split norm (``SparseMoE.reads_split_norm``), the products after the norms not in
         FP8, each norm an RMSNorm with the weight as HF stores it (no offset), and nothing between a
-        branch's last product and the residual. The
-        pre-MLP norm then sits between o_proj and gate_up (or the router and the experts), and after a
-        ``GatedMLP`` the next block's pre-attention norm between down_proj and the next qkv_proj
-        (``DecoderModel``'s ``split_norms``)."""
+        branch's last product and the residual. The pre-MLP norm then sits between o_proj and gate_up
+        (or the router and the experts), and after a ``GatedMLP`` the next block's pre-attention norm
+        between down_proj and the next qkv_proj (``DecoderModel``'s ``split_norms``)."""
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
         mlp = getattr(self, self.mlp_name)
         if isinstance(mlp, GatedMLP):
