@@ -51,7 +51,7 @@ from ops_cuda.triton_helpers import (
     gated_rows_times_vector,
     gated_weight_rows,
     interleaved_gated_activation,
-    inverse_rms,
+    norm_squares,
     pdl_launch,
     store_gated_activation,
     tile_products,
@@ -234,7 +234,6 @@ def _token_gate_up_kernel(
     # before its own wait, so it starts only once the router has written them. NORMED: the hidden row
     # is a split norm's weighted row (ops_cuda.gemv), whose 1 / rms scales the products.
     begin_after_previous_holding_next(PDL)
-    scale = inverse_rms(stats_ptr, hidden_size, eps) if NORMED else 1.0
     # One token, program (k, n): columns n*BLOCK_N.. of h for its k-th expert, from that expert's gate
     # and up rows interleaved as one [2 * BLOCK_N, BLOCK_K] tile.
     # An id below zero (another rank's expert) reads nothing and writes zeros (every gated form of zero
@@ -245,13 +244,14 @@ def _token_gate_up_kernel(
     row_ok = cols < tl.where(expert >= 0, intermediate, 0)
     row_starts = gate_up_ptr + tl.maximum(expert, 0) * w_stride_e + weight_rows[:, None].to(tl.int64) * w_stride_n
     first_tile = weight_tile(row_starts, row_ok[:, None], tl.arange(0, BLOCK_K), hidden_size)
+    squares = norm_squares(stats_ptr) if NORMED else 0.0  # beside the first tile, not before the ids
     if HAS_BIAS:
         bias = expert_bias(bias_ptr, tl.maximum(expert, 0), weight_rows, row_ok, 2 * intermediate)
     else:
         bias = 0.0
     dtype = h_ptr.dtype.element_ty
-    h = gated_rows_times_vector(hidden_ptr, row_starts, row_ok[:, None], hidden_size, first_tile, bias, scale,
-                                dtype, ACTIVATION, BLOCK_N, BLOCK_K)
+    h = gated_rows_times_vector(hidden_ptr, row_starts, row_ok[:, None], hidden_size, first_tile, bias, squares,
+                                eps, dtype, ACTIVATION, NORMED, BLOCK_N, BLOCK_K)
     h_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + slot * intermediate + h_cols, h.to(dtype), mask=h_cols < intermediate)
 

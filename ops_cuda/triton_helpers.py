@@ -239,10 +239,17 @@ def add_squares(stats_ptr, values):
 
 
 @triton.jit
-def inverse_rms(stats_ptr, hidden, eps):
-    # 1 / rms of a row of `hidden` values whose sum of squares a split norm's slots hold.
-    squares = tl.sum(tl.load(stats_ptr + tl.arange(0, _NORM_SLOTS)), axis=0).to(tl.float32)
-    return tl.math.rsqrt(squares / hidden + eps)
+def norm_squares(stats_ptr):
+    # A split norm's slots, loaded where a consumer's weights have not started to stream: the load
+    # runs beside them, and inverse_rms sums it after the products (a sum read first holds every
+    # load behind it until the slots arrive).
+    return tl.load(stats_ptr + tl.arange(0, _NORM_SLOTS))
+
+
+@triton.jit
+def inverse_rms(squares, hidden, eps):
+    # 1 / rms of a row of `hidden` values whose sums of squares `squares` holds (norm_squares').
+    return tl.math.rsqrt(tl.sum(squares, axis=0).to(tl.float32) / hidden + eps)
 
 
 @triton.jit
@@ -268,14 +275,17 @@ def gated_weight_rows(first_col, intermediate, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, scale, dtype: tl.constexpr,
-                            ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gated_rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, bias, squares, eps, dtype: tl.constexpr,
+                            ACTIVATION: tl.constexpr, NORMED: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
     # [BLOCK_N] float32: act(gate x) * up x (or the other gated form of ACTIVATION) from the rows of
-    # `gated_weight_rows` (`first_tile`: their first BLOCK_K columns, already read), their sums times
-    # `scale` (a split norm's 1 / rms, or 1.0) plus `bias` (one value per row, or 0.0), with the
-    # reference's rounding (`gated_activation`).
-    products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K) * scale + bias
-    return interleaved_gated_activation(products, dtype, ACTIVATION, BLOCK_N)
+    # `gated_weight_rows` (`first_tile`: their first BLOCK_K columns, already read), plus `bias` (one
+    # value per row, or 0.0), with the reference's rounding (`gated_activation`). NORMED: x is a split
+    # norm's weighted row, the products are scaled by the 1 / rms of `squares` (norm_squares').
+    products = rows_times_vector(x_ptr, row_starts, row_ok, K, first_tile, BLOCK_K)
+    if NORMED:
+        products *= inverse_rms(squares, K, eps)
+    return interleaved_gated_activation(products + bias, dtype, ACTIVATION, BLOCK_N)
 
 
 @triton.jit

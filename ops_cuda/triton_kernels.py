@@ -31,6 +31,7 @@ from ops_cuda.triton_helpers import (
     gated_rows_times_vector,
     gated_weight_rows,
     inverse_rms,
+    norm_squares,
     pdl_launch,
     resident_programs,
     round_to,
@@ -592,9 +593,10 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, N, K, w_stride, eps,
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     begin_after_previous(PDL)
-    # a split norm's statistics are read before the weights stream, not after: no load waits at the end
-    scale = inverse_rms(stats_ptr, K, eps) if NORMED else 1.0
-    out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K) * scale
+    squares = norm_squares(stats_ptr) if NORMED else 0.0
+    out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K)
+    if NORMED:
+        out *= inverse_rms(squares, K, eps)
     if HAS_BIAS:
         out += bias
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -744,10 +746,10 @@ def gated_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, intermediate, 
     else:
         bias = 0.0
     begin_after_previous(PDL)
-    scale = inverse_rms(stats_ptr, K, eps) if NORMED else 1.0  # before the weights stream, as gemv_kernel's
+    squares = norm_squares(stats_ptr) if NORMED else 0.0
     dtype = out_ptr.dtype.element_ty
-    h = gated_rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, bias, scale, dtype, ACTIVATION,
-                                BLOCK_N, BLOCK_K)
+    h = gated_rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, bias, squares, eps, dtype,
+                                ACTIVATION, NORMED, BLOCK_N, BLOCK_K)
     h_cols = first_col + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + h_cols, h.to(dtype), mask=h_cols < intermediate)
 
