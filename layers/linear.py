@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from layers.embedding import LMHead
-from layers.norm import NormedRow, RowProduct
+from layers.norm import LinearRowProduct, NormedRow
 from layers.weights import OneOf, Shard, parent_of
 from ops_cuda import normed_gemv
 from ops_cuda.fp8_linear import fp8_block_linear
@@ -24,7 +24,7 @@ class Linear(nn.Module):
     ``forward`` (MLA's ``kv_b_proj``).
 
     A layer marked ``into_norm`` (a decoder branch's last product, where the RMSNorm after it is split:
-    ``DecoderLayer.splits_norms``) returns a single GPU row's product undone, a ``RowProduct`` that
+    ``DecoderLayer.splits_norms``) returns a single GPU row's product undone, a ``LinearRowProduct`` that
     the norm computes. Any layer reads a ``NormedRow`` (the output of a split norm).
     """
 
@@ -40,13 +40,13 @@ class Linear(nn.Module):
         self.register_buffer("weight_scale_inv", None)
         self.into_norm = False
 
-    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor | RowProduct:
+    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor | LinearRowProduct:
         if isinstance(x, NormedRow):
             if self.fp8_block is None and x.takes(self.weight):
                 return normed_gemv(x.weighted, x.stats, x.eps, self.weight, self.bias)
             x = x.normalised()
         if self.into_norm and self.fp8_block is None and takes_gemv(x, self.weight):
-            return RowProduct(x, self.weight, self.bias)
+            return LinearRowProduct(x, self.weight, self.bias)
         if self.fp8_block is not None:
             return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias)
         return linear(x, self.weight, self.bias, self.packed)

@@ -14,16 +14,18 @@ the shared expert is a plain layer, except that FP8 experts take DeepSeek's into
 (``Experts.takes_shared``). Their tensor- and expert-parallel forms are in ``layers/parallel.py``.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from layers.linear import Linear
 from layers.mlp import GatedMLP
-from layers.norm import NormedRow
+from layers.norm import NormedRow, RowProduct
 from layers.weights import OneOf, Shard
 from ops_cuda import (GATED_ACTIVATIONS, fp8_moe_experts, moe_experts, mxfp4_moe_experts, normed_gemv,
-                      normed_moe_experts, route_topk)
+                      normed_moe_experts, normed_moe_experts_into_norm, route_topk)
 from ops_cuda.clamped_swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT  # noqa: F401 (for the models)
 from ops_cuda.linear import linear
 
@@ -224,6 +226,24 @@ class Experts(nn.Module):
                 f"bias={self.gate_up_proj_bias is not None}" + (", mxfp4=True" if self.mxfp4 else ""))
 
 
+@dataclass
+class ExpertsRowProduct(RowProduct):
+    """One token's experts after a split norm, left to the split norm after them
+    (``zoo::normed_moe_experts_into_norm``): what a ``SparseMoE`` marked ``into_norm`` returns."""
+
+    row: NormedRow
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    experts: Experts
+
+    def into_norm(self, residual, norm_weight, stats):
+        row, experts = self.row, self.experts
+        return normed_moe_experts_into_norm(row.weighted, row.stats, row.eps, self.topk_weights, self.topk_ids,
+                                            experts.gate_up_proj, experts.down_proj, experts.hidden_act,
+                                            experts.gate_up_proj_bias, experts.down_proj_bias, residual, norm_weight,
+                                            stats)
+
+
 class SparseMoE(nn.Module):
     """A sparse MoE MLP: each token through its router's top-k experts, weighted; plus, when
     ``shared_expert_intermediate_size`` is given, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``
@@ -266,6 +286,7 @@ class SparseMoE(nn.Module):
         else:
             self.shared_experts = None
         self.group = None
+        self.into_norm = False  # DecoderModel.split_norms marks it: see split_norm_forward
 
     router_name = "gate"
     router_type = TopKRouter
@@ -282,7 +303,7 @@ class SparseMoE(nn.Module):
                 and experts.fp8_block is None and not experts.mxfp4 and self.group is None
                 and self.shared_expert is None and self.shared_experts is None)
 
-    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor | ExpertsRowProduct:
         if isinstance(x, NormedRow):
             return self.split_norm_forward(x)
         topk_weights, topk_ids = getattr(self, self.router_name)(x)
@@ -298,13 +319,16 @@ class SparseMoE(nn.Module):
             dist.all_reduce(out, group=self.group)
         return out
 
-    def split_norm_forward(self, x: NormedRow) -> torch.Tensor:
+    def split_norm_forward(self, x: NormedRow) -> torch.Tensor | ExpertsRowProduct:
         # One token's experts read the row split (their gate_up kernel applies the norm's 1 / rms);
-        # weights of another dtype than the row's take the normalised row.
+        # weights of another dtype than the row's take the normalised row. Marked into_norm (the next
+        # norm is split too), the experts are left to it: their down kernel adds the residual.
         experts = self.experts
         if not (x.takes(experts.gate_up_proj) and x.takes(getattr(self, self.router_name).weight)):
             return self(x.normalised())
         topk_weights, topk_ids = getattr(self, self.router_name)(x)
+        if self.into_norm:
+            return ExpertsRowProduct(x, topk_weights, topk_ids, experts)
         return normed_moe_experts(x.weighted, x.stats, x.eps, topk_weights, topk_ids, experts.gate_up_proj,
                                   experts.down_proj, experts.hidden_act, experts.gate_up_proj_bias,
                                   experts.down_proj_bias)

@@ -1,6 +1,7 @@
 """RMSNorm, in the variants HuggingFace's architectures use, and LayerNorm, each with an optional
 fused residual add; and the RMSNorm of a one-row step split between the products around it."""
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -12,16 +13,29 @@ from ops_cuda import fused_add_rms_norm, gemv_into_norm, rms_norm
 from ops_cuda.dispatch import NORM_SLOTS
 
 
-@dataclass
-class RowProduct:
+class RowProduct(ABC):
     """A one-row product left to the RMSNorm that reads it, which computes it with the first half of
-    the norm (``zoo::gemv_into_norm``): what a ``Linear`` marked ``into_norm`` returns for a single
-    row on the GPU. Only the decoder layers that split their norms (``DecoderLayer.splits_norms``)
-    mark their branches' last products so."""
+    the norm: what a decoder branch's last product marked ``into_norm`` returns for a single row on
+    the GPU (``LinearRowProduct``, ``layers.moe.ExpertsRowProduct``). Only the decoder layers that split
+    their norms (``DecoderLayer.splits_norms``) mark their branches' last products so."""
+
+    @abstractmethod
+    def into_norm(self, residual: torch.Tensor, norm_weight: torch.Tensor,
+                  stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The product plus ``residual`` (summed, the new residual) and summed times ``norm_weight``
+        (weighted), with summed's sum of squares added into ``stats``, as ``zoo::gemv_into_norm``."""
+
+
+@dataclass
+class LinearRowProduct(RowProduct):
+    """A ``Linear``'s product of one row, x W^T + b (``zoo::gemv_into_norm``)."""
 
     x: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None
+
+    def into_norm(self, residual, norm_weight, stats):
+        return gemv_into_norm(self.x, self.weight, self.bias, residual, norm_weight, stats)
 
 
 def new_norm_stats(norms: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -82,7 +96,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | RowProduct, residual: torch.Tensor | None = None,
                 stats: torch.Tensor | None = None):
         if isinstance(x, RowProduct):  # split: this product adds the residual, the next one normalises
-            summed, weighted = gemv_into_norm(x.x, x.weight, x.bias, residual, self.weight, stats)
+            summed, weighted = x.into_norm(residual, self.weight, stats)
             return NormedRow(weighted, stats, self.eps, summed.dtype), summed
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.weight_offset, self.multiply_in_float32)

@@ -213,8 +213,9 @@ class DecoderModel(nn.Module):
 
     def split_norms(self, split: bool = True) -> None:
         """Marks the products before the norms a one-row GPU step splits (``DecoderLayer.splits_norms``):
-        each such block's o_proj, and its down_proj where the next block splits too (the last block's
-        feeds the final norm, whose hidden states the model returns). ``split=False`` clears the marks:
+        each such block's o_proj, and its MLP's last product where the next block splits too (a
+        GatedMLP's down_proj, a SparseMoE's experts; the last block's feeds the final norm, whose
+        hidden states the model returns). ``split=False`` clears the marks:
         every norm runs as a kernel of its own (``norms_unsplit``). The loader marks them again once the
         weights are in (``split_loaded_norms``): FP8 and MXFP4 weights are known from then on."""
         self.splitting = False
@@ -223,9 +224,12 @@ class DecoderModel(nn.Module):
             self.splitting |= splits
             if isinstance(layer.self_attn, Attention):
                 layer.self_attn.o_proj.into_norm = splits
+            into_next_norm = splits and next_layer is not None and next_layer.splits_norms
             mlp = getattr(layer, layer.mlp_name)
-            if isinstance(mlp, GatedMLP):  # a mixture of experts' output joins the residual whole
-                mlp.down_proj.into_norm = splits and next_layer is not None and next_layer.splits_norms
+            if isinstance(mlp, GatedMLP):
+                mlp.down_proj.into_norm = into_next_norm
+            elif isinstance(mlp, SparseMoE):
+                mlp.into_norm = into_next_norm
 
     def split_norm_stats(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """Zeroed slots for the sums of squares of a step's split norms, [layers, 2, NORM_SLOTS] float64

@@ -21,7 +21,8 @@ from ops_cuda.fp8_linear import fp8_block_linear
 from ops_cuda.gemv import gated_gemv, gemv, gemv_into_norm, normed_gated_gemv, normed_gemv
 from ops_cuda.kv_cache import write_kv_cache
 from ops_cuda.mla_attention import mla_decode_attention, mla_prefill_attention
-from ops_cuda.moe import fp8_moe_experts, moe_experts, mxfp4_moe_experts, normed_moe_experts
+from ops_cuda.moe import (fp8_moe_experts, moe_experts, mxfp4_moe_experts, normed_moe_experts,
+                          normed_moe_experts_into_norm)
 from ops_cuda.norm import fused_add_rms_norm, rms_norm
 from ops_cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from ops_cuda.prompt_attention import prompt_attention
@@ -32,6 +33,7 @@ from ops_cuda.router import route_topk
 __all__ = [
     "ACTIVATIONS", "GATED_ACTIVATIONS", "act_and_mul", "apply_rotary", "argmax", "fp8_block_linear", "fp8_moe_experts",
     "fused_add_rms_norm", "gated_gemv", "gemv", "gemv_into_norm", "mla_decode_attention", "mla_prefill_attention",
-    "moe_experts", "mxfp4_moe_experts", "normed_gated_gemv", "normed_gemv", "normed_moe_experts", "paged_decode_attention", "paged_prefill_attention", "prompt_attention", "rms_norm", "rotary_write_kv",
-    "route_topk", "write_kv_cache",
+    "moe_experts", "mxfp4_moe_experts", "normed_gated_gemv", "normed_gemv", "normed_moe_experts",
+    "normed_moe_experts_into_norm", "paged_decode_attention", "paged_prefill_attention", "prompt_attention", "rms_norm",
+    "rotary_write_kv", "route_topk", "write_kv_cache",
 ]

@@ -94,7 +94,15 @@ def gemv_into_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     input summed = y + residual (each rounded to x's dtype, as HF adds them). Returns (summed, weighted
     = summed * norm_weight rounded to x's dtype) and adds summed's sum of squares into ``stats``
     [NORM_SLOTS] (float64, zeroed before the step)."""
-    summed = residual + gemv_reference(x, weight, bias).view(residual.shape)
+    return into_norm_reference(gemv_reference(x, weight, bias), residual, norm_weight, stats)
+
+
+def into_norm_reference(out: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of a split RMSNorm after a product's one row ``out``: (summed = out + residual,
+    weighted = summed * norm_weight), each rounded to the row's dtype, with summed's sum of squares
+    added into ``stats``."""
+    summed = residual + out.view(residual.shape)
     stats[0] += summed.double().square().sum()
     return summed, (summed.float() * norm_weight.float()).to(summed.dtype)
 

@@ -44,7 +44,7 @@ from ops_cuda.activation import act_and_mul, act_and_mul_reference
 from ops_cuda.dispatch import cuda_implementation, public_op
 from ops_cuda.fp8 import check_block_weight, dequantise
 from ops_cuda.fp8_linear import fp8_block_linear
-from ops_cuda.gemv import normed_gemv_reference
+from ops_cuda.gemv import into_norm_reference, normed_gemv_reference
 from ops_cuda.mxfp4 import check_mxfp4_weight, dequantise_mxfp4
 
 
@@ -263,6 +263,84 @@ def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, g
 
 
 normed_moe_experts = public_op(normed_moe_experts_op, normed_moe_experts_reference, reads_host=True)
+
+
+def normed_moe_experts_into_norm_reference(
+    weighted: torch.Tensor,
+    stats: torch.Tensor,
+    eps: float,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    next_stats: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``normed_moe_experts`` before a split RMSNorm, as ``zoo::gemv_into_norm`` is ``gemv``: returns (summed
+    = the experts' sum + residual, weighted = summed * norm_weight) and adds summed's sum of squares
+    into ``next_stats``."""
+    out = normed_moe_experts_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation,
+                                       gate_up_bias, down_bias)
+    return into_norm_reference(out, residual, norm_weight, next_stats)
+
+
+@torch.library.custom_op("zoo::normed_moe_experts_into_norm", mutates_args=("next_stats",))
+def normed_moe_experts_into_norm_op(
+    weighted: torch.Tensor,
+    stats: torch.Tensor,
+    eps: float,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    next_stats: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return normed_moe_experts_into_norm_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down,
+                                                  activation, gate_up_bias, down_bias, residual, norm_weight,
+                                                  next_stats)
+
+
+@normed_moe_experts_into_norm_op.register_fake
+def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias, residual,
+      norm_weight, next_stats):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
+@cuda_implementation(normed_moe_experts_into_norm_op)
+def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias, residual,
+      norm_weight, next_stats):
+    from ops_cuda.moe_decode import moe_experts_decode
+    from ops_cuda.triton_helpers import check_dtypes
+    from ops_cuda.triton_kernels import check_norm_stats
+
+    check_norm_stats("normed_moe_experts_into_norm", stats)
+    check_norm_stats("normed_moe_experts_into_norm", next_stats)
+    check_dtypes("normed_moe_experts_into_norm", weighted, residual, norm_weight)
+    if residual.shape != weighted.shape or norm_weight.shape != weighted.shape[1:]:
+        raise ValueError(f"zoo::normed_moe_experts_into_norm adds a residual of the row's shape {tuple(weighted.shape)} "
+                         f"into a norm of {weighted.shape[-1]}: got residual {tuple(residual.shape)}, norm weight "
+                         f"{tuple(norm_weight.shape)}")
+    if (weighted.shape[0] == 1 and gate_up.stride(-1) == down.stride(-1) == 1
+            and cuda_kernel(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias) == "decode"):
+        return moe_experts_decode(weighted, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias,
+                                  norm=(stats, eps),
+                                  into_norm=(residual.contiguous(), norm_weight.contiguous(), next_stats))
+    return normed_moe_experts_into_norm_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down,
+                                                  activation, gate_up_bias, down_bias, residual, norm_weight,
+                                                  next_stats)
+
+
+normed_moe_experts_into_norm = public_op(normed_moe_experts_into_norm_op, normed_moe_experts_into_norm_reference,
+                                         reads_host=True)
 
 
 def fp8_moe_experts_reference(

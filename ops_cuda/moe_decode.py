@@ -53,7 +53,9 @@ from ops_cuda.triton_helpers import (
     interleaved_gated_activation,
     norm_squares,
     pdl_launch,
+    round_to,
     store_gated_activation,
+    store_into_norm,
     tile_products,
     weight_tile,
     weighted_slot_sum,
@@ -258,15 +260,16 @@ def _token_gate_up_kernel(
 
 @triton.jit
 def _token_down_combine_kernel(
-    h_ptr, ids_ptr, weights_ptr, down_ptr, bias_ptr, out_ptr, hidden_size, intermediate, top_k, w_stride_e,
-    w_stride_n, HAS_BIAS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    h_ptr, ids_ptr, weights_ptr, down_ptr, bias_ptr, out_ptr, residual_ptr, norm_weight_ptr, weighted_ptr, stats_ptr,
+    hidden_size, intermediate, top_k, w_stride_e, w_stride_n, HAS_BIAS: tl.constexpr, INTO_NORM: tl.constexpr,
+    BLOCK_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # One token, program n: rows n*BLOCK_N.. of out = sum over k, in order, of w[k] * down_{ids[k]} h[k]
     # (plus that expert's bias), each expert's output rounded to the activation dtype first, as the
     # reference's combine reads it. The ids are the router's, finished before the gate_up kernel passed
     # its wait and let this one start: they, every expert's first weight tile and its bias are read
-    # while gate_up still runs, h only after.
+    # while gate_up still runs, h only after. INTO_NORM: out is the input of a split RMSNorm
+    # (store_into_norm), written as the new residual.
     slots = tl.arange(0, BLOCK_SLOTS)
     slot_ok = slots < top_k
     experts = tl.load(ids_ptr + slots, mask=slot_ok, other=-1).to(tl.int64)
@@ -279,6 +282,8 @@ def _token_down_combine_kernel(
     w = weight_tile(row_starts, present[:, :, None], cols, intermediate)
     if HAS_BIAS:
         bias = expert_bias(bias_ptr, tl.maximum(experts, 0)[:, None], rows[None, :], present, hidden_size)
+    if INTO_NORM:
+        norm_weight = tl.load(norm_weight_ptr + rows, mask=rows < hidden_size, other=0.0).to(tl.float32)
     begin_after_previous(PDL)
     y = tl.zeros([BLOCK_SLOTS, BLOCK_N], dtype=tl.float32)
     for start in range(0, intermediate, BLOCK_K):
@@ -292,7 +297,11 @@ def _token_down_combine_kernel(
         y += bias
     dtype = out_ptr.dtype.element_ty
     out = weighted_slot_sum(y, weights_ptr, slots, slot_ok, dtype, BLOCK_SLOTS)
-    tl.store(out_ptr + rows, out.to(dtype), mask=rows < hidden_size)
+    if INTO_NORM:
+        store_into_norm(round_to(out, dtype), rows, rows < hidden_size, residual_ptr, norm_weight, out_ptr,
+                        weighted_ptr, stats_ptr)
+    else:
+        tl.store(out_ptr + rows, out.to(dtype), mask=rows < hidden_size)
 
 
 @triton.jit
@@ -376,11 +385,14 @@ def moe_experts_decode(
     down_bias: torch.Tensor | None = None,
     token_tiles: TokenTiles | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
-) -> torch.Tensor:
+    into_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``zoo::moe_experts`` for a few tokens; the caller checks ``decode_supported`` first (and the biases'
     dtype and shape). ``token_tiles``: one token's tiles in place of the device's (`bench_moe.py --task
-    token-tiles` sweeps them). ``norm``, one token's only: a split norm's sums of squares and epsilon,
-    ``hidden`` its weighted row (``ops_cuda.gemv``)."""
+    token-tiles` sweeps them). One token's only (``ops_cuda.gemv``): ``norm``, a split norm's sums of
+    squares and epsilon, ``hidden`` its weighted row; ``into_norm``, the residual, weight and slots of
+    the split norm after the experts, which then returns (summed, weighted) as
+    ``zoo::gemv_into_norm``."""
     num_tokens, hidden_size = hidden.shape
     intermediate, top_k = down.shape[2], topk_ids.shape[1]
     num_pairs = topk_ids.numel()
@@ -389,8 +401,8 @@ def moe_experts_decode(
     ids = topk_ids.contiguous()
     if num_tokens == 1 and gate_up.stride(-1) == down.stride(-1) == 1:
         return _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, token_tiles,
-                          norm)
-    if norm is not None:
+                          norm, into_norm)
+    if norm is not None or into_norm is not None:
         raise ValueError(f"a split norm's row is one token's: hidden has {num_tokens} tokens")
     tiles = GPU_TILES if hidden.is_cuda else INTERPRETER_TILES
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
@@ -429,9 +441,10 @@ def moe_experts_decode(
     return out
 
 
-def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, tiles, norm):
+def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, tiles, norm,
+               into_norm):
     # Two launches: gate_up with the activation for every slot (and a split norm's 1 / rms), then down
-    # with the weighted sum.
+    # with the weighted sum (and the next split norm's first half).
     hidden_size, intermediate, top_k = hidden.shape[1], down.shape[2], ids.shape[1]
     if tiles is None:
         tiles = gpu_token_tiles(hidden_size) if hidden.is_cuda else INTERPRETER_TOKEN_TILES
@@ -445,13 +458,18 @@ def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bia
         BLOCK_K=min(tiles.gate_up_k, triton.next_power_of_2(hidden_size)), **launch,
     )
     out = torch.empty_like(hidden)
+    if into_norm is not None:
+        residual, norm_weight, next_stats = into_norm
+        weighted = torch.empty_like(hidden)
+    else:
+        residual = norm_weight = weighted = next_stats = out  # not read
     _token_down_combine_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
-        h, ids, topk_weights.to(torch.float32).contiguous(), down, bias_or(down_bias, down), out, hidden_size,
-        intermediate, top_k, down.stride(0), down.stride(1), HAS_BIAS=down_bias is not None,
-        BLOCK_SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_n,
-        BLOCK_K=min(tiles.down_k, triton.next_power_of_2(intermediate)), **launch,
+        h, ids, topk_weights.to(torch.float32).contiguous(), down, bias_or(down_bias, down), out, residual,
+        norm_weight, weighted, next_stats, hidden_size, intermediate, top_k, down.stride(0), down.stride(1),
+        HAS_BIAS=down_bias is not None, INTO_NORM=into_norm is not None, BLOCK_SLOTS=triton.next_power_of_2(top_k),
+        BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.down_k, triton.next_power_of_2(intermediate)), **launch,
     )
-    return out
+    return out if into_norm is None else (out, weighted)
 
 
 def moe_experts_mxfp4_token(

@@ -239,6 +239,19 @@ def add_squares(stats_ptr, values):
 
 
 @triton.jit
+def store_into_norm(out, rows, row_ok, residual_ptr, norm_weight, summed_ptr, weighted_ptr, stats_ptr):
+    # The first half of the split RMSNorm after a product (ops_cuda.gemv): its rows `out` (float32, as
+    # the reference writes them in the activations' dtype) plus the residual (summed, the new residual),
+    # summed times the norm's weight (weighted), and the rows' sum of squares added into the norm's slots.
+    dtype = summed_ptr.dtype.element_ty
+    residual = tl.load(residual_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    summed = round_to(out + residual, dtype)
+    tl.store(summed_ptr + rows, summed.to(dtype), mask=row_ok)
+    tl.store(weighted_ptr + rows, (summed * norm_weight).to(dtype), mask=row_ok)
+    add_squares(stats_ptr, summed)
+
+
+@triton.jit
 def norm_squares(stats_ptr):
     # A split norm's slots, loaded where a consumer's weights have not started to stream: the load
     # runs beside them, and inverse_rms sums it after the products (a sum read first holds every

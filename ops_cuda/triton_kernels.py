@@ -22,7 +22,6 @@ from ops_cuda.dispatch import NORM_SLOTS
 from ops_cuda.kv_layout import check_cache_layout
 from ops_cuda.triton_helpers import (
     KERNEL_ACTIVATIONS,
-    add_squares,
     begin_after_previous,
     bias_or,
     check_dtypes,
@@ -36,6 +35,7 @@ from ops_cuda.triton_helpers import (
     resident_programs,
     round_to,
     rows_times_vector,
+    store_into_norm,
     weight_tile,
 )
 
@@ -616,13 +616,9 @@ def gemv_into_norm_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr,
     bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     norm_weight = tl.load(norm_weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     begin_after_previous(PDL)
-    dtype = summed_ptr.dtype.element_ty
-    out = round_to(rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K) + bias, dtype)
-    residual = tl.load(residual_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    summed = round_to(out + residual, dtype)
-    tl.store(summed_ptr + rows, summed.to(dtype), mask=row_ok)
-    tl.store(weighted_ptr + rows, (summed * norm_weight).to(dtype), mask=row_ok)
-    add_squares(stats_ptr, summed)
+    out = rows_times_vector(x_ptr, row_starts, row_ok[:, None], K, first_tile, BLOCK_K) + bias
+    store_into_norm(round_to(out, summed_ptr.dtype.element_ty), rows, row_ok, residual_ptr, norm_weight, summed_ptr,
+                    weighted_ptr, stats_ptr)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ops_cuda.moe import moe_experts_reference, normed_moe_experts_reference  # noqa: E402
+from ops_cuda.moe import (moe_experts_reference, normed_moe_experts_into_norm_reference,  # noqa: E402
+                          normed_moe_experts_reference)
 from ops_cuda.moe_decode import DECODE_MAX_TOKENS, TokenTiles, decode_supported, moe_experts_decode  # noqa: E402
 from tests.ops.test_moe_triton import MATH, TOL, assert_close, expert_math, experts  # noqa: E402
 
@@ -129,6 +130,29 @@ def test_one_token_after_a_split_norm_interpreted(math, dtype):
     ours = moe_experts_decode(weighted, *experts, norm=(stats, eps))
     assert_close(ours, normed_moe_experts_reference(weighted, stats, eps, *experts), TOL[dtype])
     assert not torch.allclose(ours, moe_experts_reference(weighted, *experts), atol=1e-2), "the norm applied"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("math", MATH)
+@pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
+def test_one_token_into_a_split_norm_interpreted(math, dtype):
+    """``into_norm``: the experts' sum plus the residual, times the next norm's weight, its sum of
+    squares added into the next norm's slots, as the reference (the experts, then the residual add)."""
+    weighted, stats, eps, experts, _ = split_norm_inputs(math, dtype)
+    generator = torch.Generator().manual_seed(9)
+    residual = torch.randn(1, HIDDEN, generator=generator).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(HIDDEN, generator=generator)).to(dtype)
+    ours_stats, expected_stats = torch.zeros(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64)
+    summed, ours_weighted = moe_experts_decode(weighted, *experts, norm=(stats, eps),
+                                               into_norm=(residual, norm_weight, ours_stats))
+    with_biases = (*experts, None, None)[:7]  # silu's experts have none
+    expected_summed, expected_weighted = normed_moe_experts_into_norm_reference(
+        weighted, stats, eps, *with_biases, residual, norm_weight, expected_stats)
+    assert_close(summed, expected_summed, TOL[dtype])
+    assert_close(ours_weighted, expected_weighted, TOL[dtype])
+    assert ours_stats.count_nonzero() > 1  # each program adds its rows' squares into its own slot
+    assert ours_stats.sum().item() == pytest.approx(summed.double().square().sum().item(), rel=1e-6)  # float32 sums
+    assert ours_stats.sum().item() == pytest.approx(expected_stats.sum().item(), rel=TOL[dtype])
 
 
 @pytest.mark.parametrize("math", MATH)

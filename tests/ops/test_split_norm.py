@@ -146,7 +146,12 @@ def split_as_on_a_gpu(monkeypatch) -> list:
     def normed_moe_experts_kernel(weighted, stats, eps, *experts):
         return moe_experts_decode(weighted, *experts, norm=(stats, eps))
 
+    def normed_moe_experts_into_norm_kernel(weighted, stats, eps, *args):
+        *experts, residual, norm_weight, next_stats = args
+        return moe_experts_decode(weighted, *experts, norm=(stats, eps), into_norm=(residual, norm_weight, next_stats))
+
     monkeypatch.setattr(layers.moe, "normed_moe_experts", recorded(normed_moe_experts_kernel))
+    monkeypatch.setattr(layers.moe, "normed_moe_experts_into_norm", recorded(normed_moe_experts_into_norm_kernel))
     monkeypatch.setattr(models.base.DecoderModel, "split_norm_stats", lambda model, hidden_states: (
         layers.norm.new_norm_stats((len(model.layers), 2), hidden_states.device) if len(hidden_states) == 1 else None))
     return called
@@ -155,14 +160,16 @@ def split_as_on_a_gpu(monkeypatch) -> list:
 # Three layers each. Llama: the pre-MLP norms and the second and third pre-attention norms are split;
 # the first pre-attention norm (after the embedding) and the final norm are not. Qwen3-MoE, a dense
 # layer then two sparse ones: the sparse layers' pre-MLP norms are split into the router's logits and
-# the experts' gate_up, and the second layer's pre-attention norm follows the dense down_proj.
+# the experts' gate_up; the second layer's pre-attention norm follows the dense down_proj, the third's
+# the second layer's experts.
 SPLIT_MODELS = {
     "llama": ({}, {"gemv_into_norm_triton": 5, "normed_gated_gemv_triton": 3, "normed_gemv_triton": 2,
                    "gated_gemv_triton": 0}),
     "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
                        mlp_only_layers=[0]),
-                  {"gemv_into_norm_triton": 4, "normed_moe_experts_kernel": 2, "normed_gemv_triton": 3,
-                   "normed_gated_gemv_triton": 1}),  # o_proj x3 + down_proj; routers x2 + qkv_proj
+                  {"gemv_into_norm_triton": 4, "normed_moe_experts_into_norm_kernel": 1,
+                   "normed_moe_experts_kernel": 1, "normed_gemv_triton": 4,
+                   "normed_gated_gemv_triton": 1}),  # o_proj x3 + down_proj; routers x2 + qkv_proj x2
 }
 
 
@@ -191,11 +198,12 @@ def test_only_blocks_of_attention_and_gated_mlp_between_plain_rmsnorms_split(mak
     assert not any(layer.splits_norms for layer in gemma.model.layers)  # its norms multiply by 1 + weight
     moe = AutoModelForCausalLM.from_pretrained(make_checkpoint(tiny_config(
         "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
-        mlp_only_layers=[0]))[0])
-    dense, sparse = moe.model.layers
-    assert dense.splits_norms and sparse.splits_norms  # a plain softmax router, no shared expert
+        mlp_only_layers=[0], num_hidden_layers=3))[0])
+    dense, sparse, last_sparse = moe.model.layers
+    assert all(layer.splits_norms for layer in moe.model.layers)  # a plain softmax router, no shared expert
     assert dense.mlp.down_proj.into_norm  # into the sparse block's pre-attention norm
-    assert dense.self_attn.o_proj.into_norm and sparse.self_attn.o_proj.into_norm  # into the router and experts
+    assert all(layer.self_attn.o_proj.into_norm for layer in moe.model.layers)  # into the router and experts
+    assert sparse.mlp.into_norm and not last_sparse.mlp.into_norm  # the experts into the next block's norm
     qwen2_moe = AutoModelForCausalLM.from_pretrained(make_checkpoint(tiny_config(
         "qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32))[0])
