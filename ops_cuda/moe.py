@@ -25,7 +25,9 @@ shared expert of the experts' shape (DeepSeek-V3's), added to their sum: in the 
 
 ``zoo::normed_moe_experts`` is ``moe_experts`` for one token after a split RMSNorm (``ops_cuda/gemv.py``):
 it takes the norm's weighted row and sums of squares, and the one-token gate_up kernel applies the norm's
-1 / rms to its products, so the norm takes no launch of its own.
+1 / rms to its products, so the norm takes no launch of its own. ``zoo::normed_moe_experts_into_norm``
+is it before the next split RMSNorm, as ``zoo::gemv_into_norm`` is ``gemv``: the down kernel adds the
+residual, writes the norm's weighted row and adds the squares into its slots.
 
 ``zoo::mxfp4_moe_experts`` is the same with MXFP4 experts (``ops_cuda/mxfp4.py``: uint8 blocks of two
 4-bit values a byte and a power-of-two scale per 32 values), gpt-oss's: its reference dequantises the
