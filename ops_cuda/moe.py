@@ -320,7 +320,7 @@ def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, g
 @cuda_implementation(normed_moe_experts_into_norm_op)
 def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias, residual,
       norm_weight, next_stats):
-    from ops_cuda.moe_decode import moe_experts_decode
+    from ops_cuda.moe_decode import moe_experts_token_into_norm
     from ops_cuda.triton_helpers import check_dtypes
     from ops_cuda.triton_kernels import check_norm_stats
 
@@ -333,9 +333,9 @@ def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, g
                          f"{tuple(norm_weight.shape)}")
     if (weighted.shape[0] == 1 and gate_up.stride(-1) == down.stride(-1) == 1
             and cuda_kernel(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias) == "decode"):
-        return moe_experts_decode(weighted, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias,
-                                  norm=(stats, eps),
-                                  into_norm=(residual.contiguous(), norm_weight.contiguous(), next_stats))
+        return moe_experts_token_into_norm(weighted, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias,
+                                           down_bias, (stats, eps),
+                                           (residual.contiguous(), norm_weight.contiguous(), next_stats))
     return normed_moe_experts_into_norm_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down,
                                                   activation, gate_up_bias, down_bias, residual, norm_weight,
                                                   next_stats)

@@ -385,14 +385,11 @@ def moe_experts_decode(
     down_bias: torch.Tensor | None = None,
     token_tiles: TokenTiles | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
-    into_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """``zoo::moe_experts`` for a few tokens; the caller checks ``decode_supported`` first (and the biases'
     dtype and shape). ``token_tiles``: one token's tiles in place of the device's (`bench_moe.py --task
-    token-tiles` sweeps them). One token's only (``ops_cuda.gemv``): ``norm``, a split norm's sums of
-    squares and epsilon, ``hidden`` its weighted row; ``into_norm``, the residual, weight and slots of
-    the split norm after the experts, which then returns (summed, weighted) as
-    ``zoo::gemv_into_norm``."""
+    token-tiles` sweeps them). ``norm``, one token's only (``ops_cuda.gemv``): a split norm's sums of
+    squares and epsilon, ``hidden`` its weighted row."""
     num_tokens, hidden_size = hidden.shape
     intermediate, top_k = down.shape[2], topk_ids.shape[1]
     num_pairs = topk_ids.numel()
@@ -400,9 +397,11 @@ def moe_experts_decode(
         hidden = hidden.contiguous()
     ids = topk_ids.contiguous()
     if num_tokens == 1 and gate_up.stride(-1) == down.stride(-1) == 1:
-        return _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, token_tiles,
-                          norm, into_norm)
-    if norm is not None or into_norm is not None:
+        h = _token_gate_up(hidden, ids, gate_up, activation, gate_up_bias, token_tiles, norm)
+        out = torch.empty_like(hidden)
+        _token_down_combine(h, topk_weights, ids, down, down_bias, token_tiles, out)
+        return out
+    if norm is not None:
         raise ValueError(f"a split norm's row is one token's: hidden has {num_tokens} tokens")
     tiles = GPU_TILES if hidden.is_cuda else INTERPRETER_TILES
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # only float32 operands read it
@@ -441,14 +440,42 @@ def moe_experts_decode(
     return out
 
 
-def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bias, down_bias, tiles, norm,
-               into_norm):
-    # Two launches: gate_up with the activation for every slot (and a split norm's 1 / rms), then down
-    # with the weighted sum (and the next split norm's first half).
-    hidden_size, intermediate, top_k = hidden.shape[1], down.shape[2], ids.shape[1]
+def moe_experts_token_into_norm(
+    weighted: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float],
+    into_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``zoo::normed_moe_experts_into_norm`` for one token between two split norms (``ops_cuda.gemv``):
+    ``norm``, the first's sums of squares and epsilon, ``weighted`` its weighted row; ``into_norm``, the
+    residual, weight and slots of the second. Returns (summed, weighted) as ``zoo::gemv_into_norm``;
+    the caller checks ``decode_supported`` and the experts' rows contiguous first."""
+    weighted, ids = weighted.contiguous(), topk_ids.contiguous()
+    h = _token_gate_up(weighted, ids, gate_up, activation, gate_up_bias, None, norm)
+    summed, next_weighted = torch.empty_like(weighted), torch.empty_like(weighted)
+    residual, norm_weight, next_stats = into_norm
+    _token_down_combine(h, topk_weights, ids, down, down_bias, None, summed,
+                        (residual, norm_weight, next_weighted, next_stats))
+    return summed, next_weighted
+
+
+def _token_launch(hidden, tiles):
     if tiles is None:
-        tiles = gpu_token_tiles(hidden_size) if hidden.is_cuda else INTERPRETER_TOKEN_TILES
-    launch = dict(num_warps=tiles.num_warps, **pdl_launch(hidden))
+        tiles = gpu_token_tiles(hidden.shape[1]) if hidden.is_cuda else INTERPRETER_TOKEN_TILES
+    return tiles, dict(num_warps=tiles.num_warps, **pdl_launch(hidden))
+
+
+def _token_gate_up(hidden, ids, gate_up, activation, gate_up_bias, tiles, norm):
+    # The first of one token's two launches: gate_up with the activation for every slot (and a split
+    # norm's 1 / rms).
+    hidden_size, intermediate, top_k = hidden.shape[1], gate_up.shape[1] // 2, ids.shape[1]
+    tiles, launch = _token_launch(hidden, tiles)
     h = torch.empty(top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
     stats, eps = norm if norm is not None else (hidden, 0.0)
     _token_gate_up_kernel[(top_k, triton.cdiv(intermediate, tiles.gate_up_n))](
@@ -457,19 +484,21 @@ def _one_token(hidden, topk_weights, ids, gate_up, down, activation, gate_up_bia
         NORMED=norm is not None, BLOCK_N=tiles.gate_up_n,
         BLOCK_K=min(tiles.gate_up_k, triton.next_power_of_2(hidden_size)), **launch,
     )
-    out = torch.empty_like(hidden)
-    if into_norm is not None:
-        residual, norm_weight, next_stats = into_norm
-        weighted = torch.empty_like(hidden)
-    else:
-        residual = norm_weight = weighted = next_stats = out  # not read
+    return h
+
+
+def _token_down_combine(h, topk_weights, ids, down, down_bias, tiles, out, into_norm=None):
+    # The second: down with the weighted sum into out (and, given the residual, weight, weighted row and
+    # slots of the split norm after it, that norm's first half).
+    hidden_size, intermediate, top_k = out.shape[1], down.shape[2], ids.shape[1]
+    tiles, launch = _token_launch(out, tiles)
+    residual, norm_weight, weighted, next_stats = into_norm if into_norm is not None else (out,) * 4  # not read
     _token_down_combine_kernel[(triton.cdiv(hidden_size, tiles.down_n),)](
         h, ids, topk_weights.to(torch.float32).contiguous(), down, bias_or(down_bias, down), out, residual,
         norm_weight, weighted, next_stats, hidden_size, intermediate, top_k, down.stride(0), down.stride(1),
         HAS_BIAS=down_bias is not None, INTO_NORM=into_norm is not None, BLOCK_SLOTS=triton.next_power_of_2(top_k),
         BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.down_k, triton.next_power_of_2(intermediate)), **launch,
     )
-    return out if into_norm is None else (out, weighted)
 
 
 def moe_experts_mxfp4_token(

@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 from ops_cuda.moe import (moe_experts_reference, normed_moe_experts_into_norm_reference,  # noqa: E402
                           normed_moe_experts_reference)
-from ops_cuda.moe_decode import DECODE_MAX_TOKENS, TokenTiles, decode_supported, moe_experts_decode  # noqa: E402
+from ops_cuda.moe_decode import DECODE_MAX_TOKENS, TokenTiles, decode_supported, moe_experts_decode, \
+    moe_experts_token_into_norm  # noqa: E402
 from tests.ops.test_moe_triton import MATH, TOL, assert_close, expert_math, experts  # noqa: E402
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 40, 24  # H and I: partial column and K tiles
@@ -136,16 +137,16 @@ def test_one_token_after_a_split_norm_interpreted(math, dtype):
 @pytest.mark.parametrize("math", MATH)
 @pytest.mark.parametrize("dtype", TOL, ids=["fp32", "fp16"])
 def test_one_token_into_a_split_norm_interpreted(math, dtype):
-    """``into_norm``: the experts' sum plus the residual, times the next norm's weight, its sum of
+    """``moe_experts_token_into_norm``: the experts' sum plus the residual, times the next norm's weight, its sum of
     squares added into the next norm's slots, as the reference (the experts, then the residual add)."""
     weighted, stats, eps, experts, _ = split_norm_inputs(math, dtype)
     generator = torch.Generator().manual_seed(9)
     residual = torch.randn(1, HIDDEN, generator=generator).to(dtype)
     norm_weight = (1 + 0.1 * torch.randn(HIDDEN, generator=generator)).to(dtype)
     ours_stats, expected_stats = torch.zeros(32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64)
-    summed, ours_weighted = moe_experts_decode(weighted, *experts, norm=(stats, eps),
-                                               into_norm=(residual, norm_weight, ours_stats))
     with_biases = (*experts, None, None)[:7]  # silu's experts have none
+    summed, ours_weighted = moe_experts_token_into_norm(weighted, *with_biases, (stats, eps),
+                                                        (residual, norm_weight, ours_stats))
     expected_summed, expected_weighted = normed_moe_experts_into_norm_reference(
         weighted, stats, eps, *with_biases, residual, norm_weight, expected_stats)
     assert_close(summed, expected_summed, TOL[dtype])

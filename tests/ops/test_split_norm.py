@@ -21,7 +21,7 @@ from ops_cuda import triton_kernels as kernels  # noqa: E402
 from ops_cuda.activation import act_and_mul_reference  # noqa: E402
 from ops_cuda.dispatch import NORM_SLOTS  # noqa: E402
 from ops_cuda.gemv import normed_gated_gemv_reference, normed_gemv_reference  # noqa: E402
-from ops_cuda.moe_decode import moe_experts_decode  # noqa: E402
+from ops_cuda.moe_decode import moe_experts_decode, moe_experts_token_into_norm  # noqa: E402
 from ops_cuda.norm import fused_add_rms_norm_reference  # noqa: E402
 from tests.conftest import relative_error, tiny_config  # noqa: E402
 
@@ -148,7 +148,7 @@ def split_as_on_a_gpu(monkeypatch) -> list:
 
     def normed_moe_experts_into_norm_kernel(weighted, stats, eps, *args):
         *experts, residual, norm_weight, next_stats = args
-        return moe_experts_decode(weighted, *experts, norm=(stats, eps), into_norm=(residual, norm_weight, next_stats))
+        return moe_experts_token_into_norm(weighted, *experts, (stats, eps), (residual, norm_weight, next_stats))
 
     monkeypatch.setattr(layers.moe, "normed_moe_experts", recorded(normed_moe_experts_kernel))
     monkeypatch.setattr(layers.moe, "normed_moe_experts_into_norm", recorded(normed_moe_experts_into_norm_kernel))
