@@ -27,6 +27,7 @@ from torch import nn
 from layers import (Attention, AttentionMetadata, GatedMLP, LayerNorm, LMHead, MLAttention, RMSNorm,
                     RotaryEmbedding, SparseMoE, VocabEmbedding, rope_layer_types)
 from layers.norm import RowProduct, new_norm_stats
+from layers.parallel import RowParallelLinear
 
 
 def head_dim(config) -> int:
@@ -143,7 +144,8 @@ class DecoderLayer(nn.Module):
         (``layers.norm.NormedRow``): a block of ``Attention`` then a ``GatedMLP`` or a mixture of experts
         that reads a split norm (``SparseMoE.reads_split_norm``), the products after the norms not in
         FP8, each norm an RMSNorm with the weight as HF stores it (no offset), and nothing between a
-        branch's last product and the residual. The pre-MLP norm then sits between o_proj and gate_up
+        branch's last product and the residual, which is whole on this rank (a row-parallel o_proj
+        all-reduces its product before the residual add). The pre-MLP norm then sits between o_proj and gate_up
         (or the router and the experts), and after a ``GatedMLP`` the next block's pre-attention norm
         between down_proj and the next qkv_proj (``DecoderModel``'s ``split_norms``)."""
         pre_attention, post_attention, pre_mlp, post_mlp = self.slot_norms
@@ -153,7 +155,7 @@ class DecoderLayer(nn.Module):
         else:
             reads_split_norm = isinstance(mlp, SparseMoE) and mlp.reads_split_norm
         return (isinstance(self.self_attn, Attention) and self.self_attn.qkv_proj.fp8_block is None
-                and reads_split_norm
+                and not isinstance(self.self_attn.o_proj, RowParallelLinear) and reads_split_norm
                 and not self.parallel and self.shared_mlp is None and self.branch_scale is None
                 and post_attention is None and post_mlp is None
                 and all(type(norm) is RMSNorm and not norm.weight_offset for norm in (pre_attention, pre_mlp)))

@@ -118,7 +118,7 @@ def run_rank(rank, device_type, port, paths, input_ids, out_dir):
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         qkv_rows = model.model.layers[0].self_attn.qkv_proj.source_rows
         results[variant] = dict(logits=logits, counts=counts, held=held, kv_cache=model.kv_cache_spec()[0],
-                                qkv_rows=qkv_rows)
+                                qkv_rows=qkv_rows, splits_norms=model.model.splitting)
     models.auto.open_checkpoint = open_checkpoint
     errors = {}
     for name, (config, _, _) in UNSPLITTABLE.items():
@@ -167,10 +167,13 @@ def run_ranks(run_rank, device_type: str, paths, model_inputs, root: Path) -> li
 def test_two_ranks_give_the_one_rank_logits(variant, ranks_run):
     device_type, paths, input_ids, outputs = ranks_run
     device = rank_device(device_type, 0)
+    one_rank = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=torch.float32, device=device)
     with torch.no_grad():
-        dense = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=torch.float32, device=device)(
-            input_ids.to(device)).cpu()
+        dense = one_rank(input_ids.to(device)).cpu()
+    if variant == "llama-gqa":
+        assert one_rank.model.splitting  # its norms split on a one-row GPU step
     for output in outputs:
+        assert not output["results"][variant]["splits_norms"], "a row-parallel o_proj all-reduces first"
         logits = output["results"][variant]["logits"]
         assert logits.shape == dense.shape == (2, 24, 97)
         assert relative_error(logits, dense) <= TOLERANCE
