@@ -11,6 +11,7 @@ from torch import nn
 from layers.weights import OneOf, Shard
 from ops_cuda import fused_add_rms_norm, gemv_into_norm, rms_norm
 from ops_cuda.dispatch import NORM_SLOTS
+from ops_cuda.gemv import split_norm_inverse_rms
 
 
 class RowProduct(ABC):
@@ -66,7 +67,7 @@ class NormedRow:
 
     def normalised(self) -> torch.Tensor:
         """The normalised row, for a product that cannot read it split."""
-        inverse_rms = torch.rsqrt(self.stats.sum().float() / self.weighted.shape[-1] + self.eps)
+        inverse_rms = split_norm_inverse_rms(self.weighted, self.stats, self.eps)
         return (self.weighted.float() * inverse_rms).to(self.dtype)
 
 

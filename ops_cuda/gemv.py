@@ -128,11 +128,15 @@ def _(x, weight, bias, residual, norm_weight, stats):
 gemv_into_norm = public_op(gemv_into_norm_op, gemv_into_norm_reference)
 
 
+def split_norm_inverse_rms(weighted: torch.Tensor, stats: torch.Tensor, eps: float) -> torch.Tensor:
+    """A split RMSNorm's 1 / rms in float32, from the slots' total over the row's K values."""
+    return torch.rsqrt(stats.sum().float() / weighted.shape[-1] + eps)
+
+
 def _normed_products(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     # float32: the products of the weighted row, times the norm's 1 / rms, plus the bias.
-    inverse_rms = torch.rsqrt(stats.sum().float() / weighted.shape[-1] + eps)
-    products = F.linear(weighted.float(), weight.float()) * inverse_rms
+    products = F.linear(weighted.float(), weight.float()) * split_norm_inverse_rms(weighted, stats, eps)
     return products if bias is None else products + bias.float()
 
 

@@ -200,6 +200,15 @@ def _(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias=No
 moe_experts = public_op(moe_experts_op, moe_experts_reference, reads_host=True)
 
 
+def _one_token_kernels_take(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias) -> bool:
+    # Whether a split norm's row goes through one token's two decode launches (ops_cuda.moe_decode),
+    # which apply the norm; elsewhere the reference runs.
+    from ops_cuda.moe_decode import one_token_supported
+
+    return (one_token_supported(weighted, gate_up, down)
+            and cuda_kernel(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias) == "decode")
+
+
 def normed_moe_experts_reference(
     weighted: torch.Tensor,
     stats: torch.Tensor,
@@ -256,8 +265,7 @@ def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, g
     from ops_cuda.triton_kernels import check_norm_stats
 
     check_norm_stats("normed_moe_experts", stats)
-    if (weighted.shape[0] == 1 and gate_up.stride(-1) == down.stride(-1) == 1
-            and cuda_kernel(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias) == "decode"):
+    if _one_token_kernels_take(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias):
         return moe_experts_decode(weighted, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias,
                                   norm=(stats, eps))
     return normed_moe_experts_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation,
@@ -331,8 +339,7 @@ def _(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation, g
         raise ValueError(f"zoo::normed_moe_experts_into_norm adds a residual of the row's shape {tuple(weighted.shape)} "
                          f"into a norm of {weighted.shape[-1]}: got residual {tuple(residual.shape)}, norm weight "
                          f"{tuple(norm_weight.shape)}")
-    if (weighted.shape[0] == 1 and gate_up.stride(-1) == down.stride(-1) == 1
-            and cuda_kernel(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias) == "decode"):
+    if _one_token_kernels_take(weighted, topk_ids, gate_up, down, activation, gate_up_bias, down_bias):
         return moe_experts_token_into_norm(weighted, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias,
                                            down_bias, (stats, eps),
                                            (residual.contiguous(), norm_weight.contiguous(), next_stats))

@@ -105,6 +105,12 @@ MXFP4_TOKEN_TILES = TokenTiles(gate_up_n=4, down_n=8, gate_up_k=1024, down_k=512
 INTERPRETER_MXFP4_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=32, down_k=32, num_warps=4)
 
 
+def one_token_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``moe_experts_decode`` runs these inputs (``decode_supported``'s) as one token's two
+    launches, the only ones a split norm's row takes: a single token, the experts' rows contiguous."""
+    return hidden.shape[0] == 1 and gate_up.stride(-1) == down.stride(-1) == 1
+
+
 def decode_supported(hidden: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      activation: str) -> bool:
     """Whether ``moe_experts_decode`` takes these inputs: one dtype for hidden states and experts, a
@@ -396,7 +402,7 @@ def moe_experts_decode(
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     ids = topk_ids.contiguous()
-    if num_tokens == 1 and gate_up.stride(-1) == down.stride(-1) == 1:
+    if one_token_supported(hidden, gate_up, down):
         h = _token_gate_up(hidden, ids, gate_up, activation, gate_up_bias, token_tiles, norm)
         out = torch.empty_like(hidden)
         _token_down_combine(h, topk_weights, ids, down, down_bias, token_tiles, out)
@@ -455,7 +461,7 @@ def moe_experts_token_into_norm(
     """``zoo::normed_moe_experts_into_norm`` for one token between two split norms (``ops_cuda.gemv``):
     ``norm``, the first's sums of squares and epsilon, ``weighted`` its weighted row; ``into_norm``, the
     residual, weight and slots of the second. Returns (summed, weighted) as ``zoo::gemv_into_norm``;
-    the caller checks ``decode_supported`` and the experts' rows contiguous first."""
+    the caller checks ``decode_supported`` and ``one_token_supported`` first."""
     weighted, ids = weighted.contiguous(), topk_ids.contiguous()
     h = _token_gate_up(weighted, ids, gate_up, activation, gate_up_bias, None, norm)
     summed, next_weighted = torch.empty_like(weighted), torch.empty_like(weighted)
