@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from loaders import CheckpointError
 from models import AutoModelForCausalLM
-from tests.conftest import hf_model, save_checkpoint, tiny_config
+from tests.conftest import INIT_STD, hf_model, save_checkpoint, tiny_config
 
 HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -56,7 +56,9 @@ def test_the_weight_under_the_head_s_name_alone_fills_both(tied_checkpoint):
 
 
 def test_a_head_that_differs_from_the_embedding_unties_them_with_a_warning(tied_checkpoint):
-    path = tied_checkpoint(lambda t: {**t, HEAD: torch.randn(t[EMBEDDING].shape, generator=torch.Generator().manual_seed(1))})
+    # a head of its own on the embedding's scale: logits within compare_with_hf's float32 bar
+    path = tied_checkpoint(lambda t: {**t, HEAD: INIT_STD * torch.randn(t[EMBEDDING].shape,
+                                                                        generator=torch.Generator().manual_seed(1))})
     with pytest.warns(UserWarning, match=rf"ckpt/model\.safetensors: {HEAD} and {EMBEDDING} hold different values, "
                                          r"but the config ties them \(tie_word_embeddings\); loaded untied"):
         model = AutoModelForCausalLM.from_pretrained(path)
