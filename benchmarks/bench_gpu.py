@@ -124,18 +124,22 @@ def clocks_text(readings: dict) -> str:
             f"held back by the power cap in {readings['power_capped']:.0%} of {readings['samples']} samples")
 
 
-def hf_continuous_batching(model, prompts: list[list[int]], lengths: list[int], startup: dict) -> tuple[int, float]:
+def hf_continuous_batching(model, prompts: list[list[int]], lengths: list[int], startup: dict,
+                           kv_memory_share: float | None = None) -> tuple[int, float]:
     """HF's continuous-batching manager on ``prompts``, request i asking for ``lengths[i]`` new tokens,
     greedy, EOS off (eos_token_id -1 on every request, as zoo's ignore_eos): (tokens generated, seconds
     of the run). Every request must come back with all its tokens. The manager's set-up (sized from
     the workload, as ``generate_batch`` sizes it), its CUDA-graph warm-up and a first call of four
-    8-token requests go into ``startup``, outside the timed run."""
+    8-token requests go into ``startup``, outside the timed run. ``kv_memory_share``: the share of the
+    free GPU memory HF's KV cache takes (its ``max_memory_percent``; None: HF's own choice)."""
     config = transformers.GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1,
                                            pad_token_id=0)
     hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=max(lengths),
                           num_requests=len(prompts))
+    cache = transformers.ContinuousBatchingConfig(max_memory_percent=kv_memory_share)
     with stage(startup, "HF manager"):
-        manager = model.init_continuous_batching(generation_config=config, workload_hints=hints)
+        manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cache,
+                                                 workload_hints=hints)
     with stage(startup, "HF warm-up (CUDA graphs)"):
         manager.warmup()
     manager.start()

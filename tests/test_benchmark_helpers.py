@@ -1,5 +1,5 @@
 """The benchmarks' helpers that run without a GPU: bench_gpu.py's clock sampler (gpu_clocks), read
-from a stand-in nvidia-smi, its first-call prompts, bench_serve.py's counts of one rate,
+from a stand-in nvidia-smi, its first-call prompts and its HF continuous-batching peer, bench_serve.py's counts of one rate,
 bench_decode_ab.py's kernel swap and its rounds, and the models bench_decode_without.py and
 profile_decode.py build."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 SAMPLES = """1980, 1980, 130.50, 700.00, Not Active
 No sample on this line
@@ -58,6 +59,23 @@ def test_first_call_prompts_span_two_steps_when_given_the_step_size():
     assert len(bench_gpu.first_call_prompts(prompts, 4, 8192)) == 9  # 9,000 tokens: the ninth spills over
     assert len(bench_gpu.first_call_prompts(prompts, 12, 8192)) == 12
     assert len(bench_gpu.first_call_prompts(prompts[:3], 2, 8192)) == 3  # all there are
+
+
+def test_hf_continuous_batching_runs_every_request_to_its_length_with_the_kv_memory_share_given():
+    """bench_gpu's HF peer on CPU: HF's real manager over a tiny Llama, each request its own length,
+    the KV cache's share of the free memory handed to HF's manager."""
+    from tests.conftest import tiny_config
+
+    bench_gpu = importlib.import_module("benchmarks.bench_gpu")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    managers = []
+    start_manager = model.init_continuous_batching
+    model.init_continuous_batching = lambda **kwargs: managers.append(start_manager(**kwargs)) or managers[-1]
+    startup = {}
+    tokens, seconds = bench_gpu.hf_continuous_batching(model, [[1, 2, 3, 4, 5], [6, 7, 8]], [4, 6], startup, 0.05)
+    assert tokens == 10 and seconds > 0
+    assert managers[0].continuous_batching_config.max_memory_percent == 0.05
+    assert set(startup) == {"HF manager", "HF warm-up (CUDA graphs)", "HF first call"}
 
 
 def test_bench_serve_counts_the_usage_tokens_and_the_requests_that_made_their_drawn_length():
