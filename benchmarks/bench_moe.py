@@ -486,9 +486,9 @@ def main():
                         help="HF continuous batching: the first this many of zoo's requests (0: skip it)")
     parser.add_argument("--hf-kv-memory-share", type=float,
                         help="HF continuous batching: the share of the free GPU memory its KV cache takes (its "
-                             "max_memory_percent; default HF's own, 0.9). gpt-oss-20b on an 80 GB GPU needs "
+                             "max_memory_percent; default: HF's own). gpt-oss-20b on an 80 GB GPU needs "
                              "less: HF attends with sinks eagerly, and its prompt steps' float32 attention "
-                             "weights outgrow what 0.9 leaves")
+                             "weights outgrow what HF's own share leaves")
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
                         help="the model of the decode and throughput tasks")
     parser.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
