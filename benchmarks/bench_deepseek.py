@@ -9,7 +9,8 @@ transformers on the same bf16 model.
 The model: DeepSeek-V3's shapes (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128,
 v 128, 256 routed experts top-8 in 8 groups (4 kept), one shared expert, moe_intermediate 2048,
 vocab 129280, YaRN) with --layers decoder layers, the first dense: 1 dense + 2 MoE layers by default,
-about 51 GB in bf16, so that HF's model and zoo's copy of it fit one H200 together while zoo's is built.
+about 51 GB in bf16: HF's model and zoo's copy of it fit one H200 together while zoo's is built; on an 80 GB
+H100 HF's waits in host memory meanwhile (bench_moe.zoo_copy_of).
 The FP8 model is that bf16 model quantised as DeepSeek-V3's official checkpoints are (float8_e4m3fn
 weights with a float32 scale per 128 x 128 block for every linear layer of the decoder layers;
 embeddings, norms, routers and lm_head in bf16), written to --fp8-dir as a checkpoint and loaded by
@@ -36,7 +37,6 @@ roofline    the bytes one batch-1 decode step reads (attention, dense MLP, route
 
 import argparse
 import datetime
-import gc
 import json
 import shutil
 import statistics
@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import decode_ms_per_token, hbm_bandwidth, sync_time  # noqa: E402
+from bench_moe import free_memory, zoo_copy_of  # noqa: E402
 from benchmarks.startup import stage, startup_text  # noqa: E402
 from layers import AttentionMetadata  # noqa: E402
 from layers.attention import select_backend  # noqa: E402
@@ -81,12 +82,6 @@ def random_hf(layers: int):
     torch.manual_seed(0)
     with torch.device("cuda"):
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def active_weight_bytes(model) -> int:
@@ -296,12 +291,13 @@ def main():
     startup = results["decode"]["startup_s"]
     with stage(startup, "zoo bf16 build (random HF model, converted)"):
         reference = random_hf(args.layers)
-        model = AutoModelForCausalLM.from_hf(reference)
+        model = zoo_copy_of(reference)
     results["hbm_tb_s"] = hbm_bandwidth() / 1e12
     decode_steps(results, model, "bf16", args.context)
     zoo_decode(results, model, "bf16", prompt, startup)
     del model
     free_memory()
+    reference.to("cuda")  # back from host memory where both copies did not fit: it quantises on the GPU
     write_fp8_checkpoint(reference, Path(args.fp8_dir))
     del reference
     free_memory()

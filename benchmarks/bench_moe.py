@@ -462,15 +462,21 @@ def table(results) -> str:
     ])
 
 
-def zoo_from_random_hf(shape):
-    """zoo's model of ``shape``'s random HF model (through host memory where the GPU cannot hold both
-    copies). It keeps HF's config object, with the experts implementation HF's model picked."""
-    reference = random_hf(shape)
+def zoo_copy_of(reference):
+    """zoo's model of the HF model ``reference``, on the GPU. Where the GPU cannot hold both copies,
+    ``reference`` moves to host memory first and stays there."""
     # zoo's copy, with a tenth to spare, must fit beside HF's in what is free
     if sum(p.numel() * p.element_size() for p in reference.parameters()) > 0.9 * torch.cuda.mem_get_info()[0]:
         reference.to("cpu")
         free_memory()
-    model = AutoModelForCausalLM.from_hf(reference, device="cuda")
+    return AutoModelForCausalLM.from_hf(reference, device="cuda")
+
+
+def zoo_from_random_hf(shape):
+    """zoo's model of ``shape``'s random HF model (``zoo_copy_of``). It keeps HF's config object, with
+    the experts implementation HF's model picked."""
+    reference = random_hf(shape)
+    model = zoo_copy_of(reference)
     del reference
     free_memory()
     return model
