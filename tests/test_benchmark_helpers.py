@@ -1,7 +1,7 @@
 """The benchmarks' helpers that run without a GPU: bench_gpu.py's clock sampler (gpu_clocks), read
-from a stand-in nvidia-smi, its first-call prompts and its HF continuous-batching peer, bench_serve.py's counts of one rate,
-bench_decode_ab.py's kernel swap and its rounds, and the models bench_decode_without.py and
-profile_decode.py build."""
+from a stand-in nvidia-smi, its first-call prompts and its HF continuous-batching peer,
+bench_serve.py's counts of one rate, bench_decode_ab.py's kernel swap and its rounds, and the models
+bench_decode_without.py and profile_decode.py build."""
 
 import importlib
 import os
@@ -70,7 +70,12 @@ def test_hf_continuous_batching_runs_every_request_to_its_length_with_the_kv_mem
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     managers = []
     start_manager = model.init_continuous_batching
-    model.init_continuous_batching = lambda **kwargs: managers.append(start_manager(**kwargs)) or managers[-1]
+
+    def recorded(**kwargs):
+        managers.append(start_manager(**kwargs))
+        return managers[-1]
+
+    model.init_continuous_batching = recorded
     startup = {}
     tokens, seconds = bench_gpu.hf_continuous_batching(model, [[1, 2, 3, 4, 5], [6, 7, 8]], [4, 6], startup, 0.05)
     assert tokens == 10 and seconds > 0

@@ -137,7 +137,7 @@ def test_one_token_kernels_match_the_dequantised_experts_interpreted(top_k, held
     """A decode step's two launches (rows times the token on CUDA cores), K-steps of 32 values over H = 96
     and I = 64; ids of experts another rank holds (-1) add nothing; top-3 leaves the down kernel's fourth
     slot empty. The five cases hold every pair of the four choices (each case takes the interpreter
-    seconds). (bfloat16: the gpu tests.)"""
+    several seconds). (bfloat16: the gpu tests.)"""
     from ops_cuda.moe_decode import moe_experts_mxfp4_token
 
     experts = mxfp4_experts(96, 64)
