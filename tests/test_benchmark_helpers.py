@@ -13,6 +13,8 @@ import pytest
 import torch
 import transformers
 
+from tests.conftest import tiny_config
+
 SAMPLES = """1980, 1980, 130.50, 700.00, Not Active
 No sample on this line
 1635, 1980, 694.00, 700.00, Active
@@ -64,8 +66,6 @@ def test_first_call_prompts_span_two_steps_when_given_the_step_size():
 def test_hf_continuous_batching_runs_every_request_to_its_length_with_the_kv_memory_share_given():
     """bench_gpu's HF peer on CPU: HF's real manager over a tiny Llama, each request its own length,
     the KV cache's share of the free memory handed to HF's manager."""
-    from tests.conftest import tiny_config
-
     bench_gpu = importlib.import_module("benchmarks.bench_gpu")
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     managers = []
