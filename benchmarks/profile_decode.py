@@ -33,7 +33,6 @@ the before and after of one run.
 """
 
 import argparse
-import gc
 import sys
 import tempfile
 from collections import defaultdict
@@ -45,6 +44,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_deepseek  # noqa: E402
+import bench_moe  # noqa: E402
 import ops_cuda.moe  # noqa: E402
 import ops_cuda.router  # noqa: E402
 import ops_cuda.triton_helpers  # noqa: E402
@@ -62,15 +63,11 @@ def llama_8b():
 
 
 def qwen3_30b_a3b():
-    import bench_moe
-
     model = bench_moe.zoo_from_random_hf("qwen3-30b-a3b")
     return model, bench_moe.active_weight_bytes(model)[0]
 
 
 def deepseek_v3_3layer():
-    import bench_deepseek
-
     reference = bench_deepseek.random_hf(3)
     model = AutoModelForCausalLM.from_hf(reference)
     del reference
@@ -78,8 +75,6 @@ def deepseek_v3_3layer():
 
 
 def deepseek_v3_3layer_fp8():
-    import bench_deepseek
-
     reference = bench_deepseek.random_hf(3)
     with tempfile.TemporaryDirectory() as checkpoint:  # block-quantised as DeepSeek's checkpoints are
         bench_deepseek.write_fp8_checkpoint(reference, Path(checkpoint))
@@ -129,8 +124,7 @@ def profile_decode(model, weight_bytes: int, bandwidth: float, steps: int, label
         llm.generate([prompt], SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True), use_tqdm=False)
         torch.cuda.synchronize()
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    bench_moe.free_memory()
     kernels = defaultdict(lambda: [0.0, 0])
     intervals = []
     for event in prof.events():
@@ -181,8 +175,7 @@ def main():
     ops_cuda.triton_helpers.PDL_ENABLED = not args.without_pdl
 
     model, weight_bytes = SHAPES[args.shape]()
-    gc.collect()
-    torch.cuda.empty_cache()
+    bench_moe.free_memory()
     bandwidth = hbm_bandwidth()
     runs = [("baseline: MoE decode kernel and router kernel off", False),
             ("MoE decode kernel and router kernel on (the defaults)", True)] if args.baseline else [("the defaults", True)]
