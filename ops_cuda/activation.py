@@ -49,9 +49,7 @@ def act_and_mul_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
     return GATED_ACTIVATIONS[activation](gate, up)
 
 
-@torch.library.custom_op("zoo::act_and_mul", mutates_args=())
-def act_and_mul_op(x: torch.Tensor, activation: str) -> torch.Tensor:
-    return act_and_mul_reference(x, activation)
+act_and_mul_op = torch.library.custom_op("zoo::act_and_mul", act_and_mul_reference, mutates_args=())
 
 
 @act_and_mul_op.register_fake

@@ -2,10 +2,11 @@
 of a split norm's sums of squares, which its kernels and the model that allocates them share.
 
 Each op file defines the op's PyTorch reference (``<name>_reference``, which carries the op's
-docstring), its ``torch.library`` custom op (``<name>_op``, registered as ``torch.ops.zoo.<name>``),
-whose default kernel is that reference and whose CUDA kernel (``cuda_implementation``) is Triton
-(or a torch built-in where one does better: flash attention, the grouped GEMM, ``torch._scaled_mm``),
-and the op under its own name: ``<name> = public_op(<name>_op, <name>_reference)``.
+docstring), its ``torch.library`` custom op (``<name>_op = torch.library.custom_op("zoo::<name>",
+<name>_reference, ...)``, ``torch.ops.zoo.<name>``), whose default kernel is that reference and whose
+CUDA kernel (``cuda_implementation``) is Triton (or a torch built-in where one does better: flash
+attention, the grouped GEMM, ``torch._scaled_mm``), and the op under its own name: ``<name> =
+public_op(<name>_op, <name>_reference)``.
 """
 
 import functools

@@ -40,10 +40,7 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
 
 
-@torch.library.custom_op("zoo::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return gemv_reference(x, weight, bias, out_dtype)
+gemv_op = torch.library.custom_op("zoo::gemv", gemv_reference, mutates_args=())
 
 
 @gemv_op.register_fake
@@ -68,9 +65,7 @@ def gated_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return act_and_mul_reference(gemv_reference(x, weight, bias), activation)
 
 
-@torch.library.custom_op("zoo::gated_gemv", mutates_args=())
-def gated_gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    return gated_gemv_reference(x, weight, bias, activation)
+gated_gemv_op = torch.library.custom_op("zoo::gated_gemv", gated_gemv_reference, mutates_args=())
 
 
 @gated_gemv_op.register_fake
@@ -107,10 +102,7 @@ def into_norm_reference(out: torch.Tensor, residual: torch.Tensor, norm_weight: 
     return summed, (summed.float() * norm_weight.float()).to(summed.dtype)
 
 
-@torch.library.custom_op("zoo::gemv_into_norm", mutates_args=("stats",))
-def gemv_into_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                      norm_weight: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return gemv_into_norm_reference(x, weight, bias, residual, norm_weight, stats)
+gemv_into_norm_op = torch.library.custom_op("zoo::gemv_into_norm", gemv_into_norm_reference, mutates_args=("stats",))
 
 
 @gemv_into_norm_op.register_fake
@@ -147,10 +139,7 @@ def normed_gemv_reference(weighted: torch.Tensor, stats: torch.Tensor, eps: floa
     return _normed_products(weighted, stats, eps, weight, bias).to(weight.dtype)
 
 
-@torch.library.custom_op("zoo::normed_gemv", mutates_args=())
-def normed_gemv_op(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    return normed_gemv_reference(weighted, stats, eps, weight, bias)
+normed_gemv_op = torch.library.custom_op("zoo::normed_gemv", normed_gemv_reference, mutates_args=())
 
 
 @normed_gemv_op.register_fake
@@ -176,10 +165,7 @@ def normed_gated_gemv_reference(weighted: torch.Tensor, stats: torch.Tensor, eps
     return act_and_mul_reference(products, activation)
 
 
-@torch.library.custom_op("zoo::normed_gated_gemv", mutates_args=())
-def normed_gated_gemv_op(weighted: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor,
-                         bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    return normed_gated_gemv_reference(weighted, stats, eps, weight, bias, activation)
+normed_gated_gemv_op = torch.library.custom_op("zoo::normed_gated_gemv", normed_gated_gemv_reference, mutates_args=())
 
 
 @normed_gated_gemv_op.register_fake

@@ -89,8 +89,10 @@ def mla_decode_attention_at_slots(q_latent, q_rope, cache, slots, mask, attendin
     return out if attending is None else torch.where(attending, out, 0)  # padding rows (length 0) attend nothing
 
 
-def mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_lens, scale,
-                                   kv_scale=1.0) -> torch.Tensor:
+def mla_decode_attention_reference(
+    q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, kv_scale: float = 1.0,
+) -> torch.Tensor:
     """One query per sequence (its token at position seq_len - 1) over the sequence's cache entries:
     q_latent [B, H, rank], q_rope [B, H, rope], cache [num_blocks, block_size, rank + rope],
     block_tables [B, max_blocks] int32, seq_lens [B] int32 -> the attended latent [B, H, rank];
@@ -100,7 +102,8 @@ def mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_le
 
 
 def mla_prefill_attention_reference(
-    q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc, max_query_len, max_key_len, scale
+    q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
+    query_start_loc: torch.Tensor, key_start_loc: torch.Tensor, max_query_len: int, max_key_len: int, scale: float,
 ) -> torch.Tensor:
     """Sequence s has queries q[query_start_loc[s]:query_start_loc[s + 1]] and keys
     k[key_start_loc[s]:key_start_loc[s + 1]]; its queries are the tokens of its last keys and attend
@@ -119,12 +122,8 @@ def mla_prefill_attention_reference(
     return out
 
 
-@torch.library.custom_op("zoo::mla_decode_attention", mutates_args=())
-def mla_decode_attention_op(
-    q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, kv_scale: float = 1.0,
-) -> torch.Tensor:
-    return mla_decode_attention_reference(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale)
+mla_decode_attention_op = torch.library.custom_op("zoo::mla_decode_attention", mla_decode_attention_reference,
+                                                  mutates_args=())
 
 
 @mla_decode_attention_op.register_fake
@@ -144,13 +143,8 @@ def _(q_latent, q_rope, cache, block_tables, seq_lens, scale, kv_scale=1.0):
 mla_decode_attention = public_op(mla_decode_attention_op, mla_decode_attention_reference)
 
 
-@torch.library.custom_op("zoo::mla_prefill_attention", mutates_args=())
-def mla_prefill_attention_op(
-    q_nope: torch.Tensor, q_rope: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-    query_start_loc: torch.Tensor, key_start_loc: torch.Tensor, max_query_len: int, max_key_len: int, scale: float,
-) -> torch.Tensor:
-    return mla_prefill_attention_reference(q_nope, q_rope, k_nope, k_rope, v, query_start_loc, key_start_loc,
-                                           max_query_len, max_key_len, scale)
+mla_prefill_attention_op = torch.library.custom_op("zoo::mla_prefill_attention", mla_prefill_attention_reference,
+                                                   mutates_args=())
 
 
 @mla_prefill_attention_op.register_fake

@@ -121,18 +121,7 @@ def moe_experts_dense_reference(hidden, topk_weights, topk_ids, gate_up, down, a
     return out.to(hidden.dtype)
 
 
-@torch.library.custom_op("zoo::moe_experts", mutates_args=())
-def moe_experts_op(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    activation: str,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, down, activation, gate_up_bias, down_bias)
+moe_experts_op = torch.library.custom_op("zoo::moe_experts", moe_experts_reference, mutates_args=())
 
 
 @moe_experts_op.register_fake
@@ -237,21 +226,8 @@ def normed_moe_experts_reference(
     return out.to(weighted.dtype)
 
 
-@torch.library.custom_op("zoo::normed_moe_experts", mutates_args=())
-def normed_moe_experts_op(
-    weighted: torch.Tensor,
-    stats: torch.Tensor,
-    eps: float,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    activation: str,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return normed_moe_experts_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down, activation,
-                                        gate_up_bias, down_bias)
+normed_moe_experts_op = torch.library.custom_op("zoo::normed_moe_experts", normed_moe_experts_reference,
+                                                mutates_args=())
 
 
 @normed_moe_experts_op.register_fake
@@ -298,25 +274,8 @@ def normed_moe_experts_into_norm_reference(
     return into_norm_reference(out, residual, norm_weight, next_stats)
 
 
-@torch.library.custom_op("zoo::normed_moe_experts_into_norm", mutates_args=("next_stats",))
-def normed_moe_experts_into_norm_op(
-    weighted: torch.Tensor,
-    stats: torch.Tensor,
-    eps: float,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    activation: str,
-    gate_up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    next_stats: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return normed_moe_experts_into_norm_reference(weighted, stats, eps, topk_weights, topk_ids, gate_up, down,
-                                                  activation, gate_up_bias, down_bias, residual, norm_weight,
-                                                  next_stats)
+normed_moe_experts_into_norm_op = torch.library.custom_op(
+    "zoo::normed_moe_experts_into_norm", normed_moe_experts_into_norm_reference, mutates_args=("next_stats",))
 
 
 @normed_moe_experts_into_norm_op.register_fake
@@ -408,25 +367,7 @@ def _checked_shared(gate_up, down, block, *shared) -> tuple | None:
 SHARED_IN_LAUNCH_MAX_TOKENS = 32
 
 
-@torch.library.custom_op("zoo::fp8_moe_experts", mutates_args=())
-def fp8_moe_experts_op(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    gate_up_scale_inv: torch.Tensor,
-    down: torch.Tensor,
-    down_scale_inv: torch.Tensor,
-    block: list[int],
-    activation: str,
-    shared_gate_up: torch.Tensor | None = None,
-    shared_gate_up_scale_inv: torch.Tensor | None = None,
-    shared_down: torch.Tensor | None = None,
-    shared_down_scale_inv: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return fp8_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up, gate_up_scale_inv, down, down_scale_inv,
-                                     block, activation, shared_gate_up, shared_gate_up_scale_inv, shared_down,
-                                     shared_down_scale_inv)
+fp8_moe_experts_op = torch.library.custom_op("zoo::fp8_moe_experts", fp8_moe_experts_reference, mutates_args=())
 
 
 @fp8_moe_experts_op.register_fake
@@ -504,21 +445,7 @@ def _check_mxfp4_experts(gate_up_blocks, gate_up_scales, down_blocks, down_scale
                          f"{(experts, 2 * half_h, two_i // 4)}, got {tuple(down_blocks.shape)}")
 
 
-@torch.library.custom_op("zoo::mxfp4_moe_experts", mutates_args=())
-def mxfp4_moe_experts_op(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    gate_up_blocks: torch.Tensor,
-    gate_up_scales: torch.Tensor,
-    down_blocks: torch.Tensor,
-    down_scales: torch.Tensor,
-    activation: str,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return mxfp4_moe_experts_reference(hidden, topk_weights, topk_ids, gate_up_blocks, gate_up_scales, down_blocks,
-                                       down_scales, activation, gate_up_bias, down_bias)
+mxfp4_moe_experts_op = torch.library.custom_op("zoo::mxfp4_moe_experts", mxfp4_moe_experts_reference, mutates_args=())
 
 
 @mxfp4_moe_experts_op.register_fake

@@ -24,11 +24,7 @@ def _normed_dtype(x_dtype: torch.dtype, weight: torch.Tensor, multiply_in_float3
     return x_dtype if multiply_in_float32 else torch.promote_types(x_dtype, weight.dtype)
 
 
-@torch.library.custom_op("zoo::rms_norm", mutates_args=())
-def rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0, multiply_in_float32: bool = False
-) -> torch.Tensor:
-    return rms_norm_reference(x, weight, eps, weight_offset, multiply_in_float32)
+rms_norm_op = torch.library.custom_op("zoo::rms_norm", rms_norm_reference, mutates_args=())
 
 
 @rms_norm_op.register_fake
@@ -55,12 +51,8 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(summed, weight, eps, weight_offset, multiply_in_float32), summed
 
 
-@torch.library.custom_op("zoo::fused_add_rms_norm", mutates_args=())
-def fused_add_rms_norm_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0,
-    multiply_in_float32: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_add_rms_norm_reference(x, residual, weight, eps, weight_offset, multiply_in_float32)
+fused_add_rms_norm_op = torch.library.custom_op("zoo::fused_add_rms_norm", fused_add_rms_norm_reference,
+                                                mutates_args=())
 
 
 @fused_add_rms_norm_op.register_fake

@@ -134,8 +134,11 @@ def decode_attention_at_slots(q, k_cache, v_cache, slots, mask, attending, scale
     return out if attending is None else torch.where(attending, out, 0)  # padding rows (length 0) attend nothing
 
 
-def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap=0.0,
-                                     k_scale=1.0, v_scale=1.0, sinks=None):
+def paged_decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query per sequence (its token at position seq_len - 1); rows of length 0 give zeros."""
     # q: [B, Hq, D] -> [B, Hq, D]
     keys = decode_key_slots(block_tables, seq_lens, k_cache.shape[1], sliding_window)
@@ -143,9 +146,11 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
 
 
 def paged_prefill_attention_reference(
-    q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-    softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None,
-):
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+    scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sequence s has new queries q[query_start_loc[s]:query_start_loc[s + 1]] at positions
     context_s + i (context_s = seq_lens[s] - its query count); they attend its cached context and,
     causally, each other. ``max_query_len`` bounds the query counts (it sizes the CUDA grid).
@@ -175,14 +180,8 @@ def paged_prefill_attention_reference(
     return out
 
 
-@torch.library.custom_op("zoo::paged_decode_attention", mutates_args=())
-def paged_decode_attention_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0,
-    v_scale: float = 1.0, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                                            k_scale, v_scale, sinks)
+paged_decode_attention_op = torch.library.custom_op("zoo::paged_decode_attention", paged_decode_attention_reference,
+                                                    mutates_args=())
 
 
 @paged_decode_attention_op.register_fake
@@ -205,17 +204,8 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softca
 paged_decode_attention = public_op(paged_decode_attention_op, paged_decode_attention_reference)
 
 
-@torch.library.custom_op("zoo::paged_prefill_attention", mutates_args=())
-def paged_prefill_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-    scale: float, sliding_window: int, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return paged_prefill_attention_reference(
-        q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window,
-        softcap, k_scale, v_scale, sinks,
-    )
+paged_prefill_attention_op = torch.library.custom_op("zoo::paged_prefill_attention", paged_prefill_attention_reference,
+                                                     mutates_args=())
 
 
 @paged_prefill_attention_op.register_fake

@@ -32,8 +32,10 @@ def _prompts_of_one_length(q, k, v, scale, sliding_window, softcap, sinks):
     return sdpa(q, k, v, mask, scale, softcap, sinks=sinks)
 
 
-def prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap=0.0,
-                               sinks=None):
+def prompt_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+    scale: float, sliding_window: int, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Each sequence's tokens attend their own earlier tokens (and themselves), within the window."""
     # q: [N, Hq, D], k/v: [N, Hkv, D] -> [N, Hq, D]
     lengths = query_start_loc.diff().tolist()
@@ -44,12 +46,7 @@ def prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, s
                       for seq in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
 
 
-@torch.library.custom_op("zoo::prompt_attention", mutates_args=())
-def prompt_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-    scale: float, sliding_window: int, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return prompt_attention_reference(q, k, v, query_start_loc, max_query_len, scale, sliding_window, softcap, sinks)
+prompt_attention_op = torch.library.custom_op("zoo::prompt_attention", prompt_attention_reference, mutates_args=())
 
 
 @prompt_attention_op.register_fake

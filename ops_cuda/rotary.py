@@ -66,12 +66,7 @@ def apply_rotary_reference(
     return _rotate(q, cos, sin, interleaved).to(q.dtype), _rotate(k, cos, sin, interleaved).to(k.dtype)
 
 
-@torch.library.custom_op("zoo::apply_rotary", mutates_args=())
-def apply_rotary_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-    rotate_in_float32: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rotary_reference(q, k, cos, sin, interleaved, rotate_in_float32)
+apply_rotary_op = torch.library.custom_op("zoo::apply_rotary", apply_rotary_reference, mutates_args=())
 
 
 @apply_rotary_op.register_fake

@@ -70,17 +70,8 @@ def rotary_write_kv_reference(
     return q, k
 
 
-@torch.library.custom_op("zoo::rotary_write_kv", mutates_args=("k_cache", "v_cache"))
-def rotary_write_kv_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
-    interleaved: bool = False, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-    norm_eps: float = 0.0, weight_offset: float = 0.0, multiply_in_float32: bool = False,
-    v_norm_weight: torch.Tensor | None = None, rotate_in_float32: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_write_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, interleaved,
-                                     q_norm_weight, k_norm_weight, norm_eps, weight_offset, multiply_in_float32,
-                                     v_norm_weight, rotate_in_float32)
+rotary_write_kv_op = torch.library.custom_op("zoo::rotary_write_kv", rotary_write_kv_reference,
+                                             mutates_args=("k_cache", "v_cache"))
 
 
 @rotary_write_kv_op.register_fake

@@ -70,21 +70,7 @@ def choose_experts(scores: torch.Tensor, correction_bias: torch.Tensor | None, t
     return scores.topk(top_k, dim=-1, sorted=False)[1]
 
 
-@torch.library.custom_op("zoo::route_topk", mutates_args=())
-def route_topk_op(
-    logits: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    top_k: int,
-    scoring: str,
-    renormalize: bool,
-    num_groups: int,
-    topk_groups: int,
-    group_score: str,
-    scaling_factor: float,
-    renormalize_min: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return route_topk_reference(logits, correction_bias, top_k, scoring, renormalize, num_groups, topk_groups,
-                                group_score, scaling_factor, renormalize_min)
+route_topk_op = torch.library.custom_op("zoo::route_topk", route_topk_reference, mutates_args=())
 
 
 @route_topk_op.register_fake
