@@ -34,7 +34,10 @@ def dequantize(entries: torch.Tensor, scale: float, dtype: torch.dtype) -> torch
     return entries if scale == 1.0 else entries * scale
 
 
-def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+def write_kv_cache_reference(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
     """Writes k/v [N, Hkv, D] into the caches at slot_mapping [N], in place, k divided by ``k_scale``
     and v by ``v_scale`` (see the module's docstring); slots < 0 are skipped.
 
@@ -53,12 +56,8 @@ def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, 
     v_cache[blocks, offsets] = quantize(v, v_scale, v_cache.dtype)
 
 
-@torch.library.custom_op("zoo::write_kv_cache", mutates_args=("k_cache", "v_cache"))
-def write_kv_cache_op(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: float = 1.0, v_scale: float = 1.0,
-) -> None:
-    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+write_kv_cache_op = torch.library.custom_op("zoo::write_kv_cache", write_kv_cache_reference,
+                                            mutates_args=("k_cache", "v_cache"))
 
 
 @cuda_implementation(write_kv_cache_op)
