@@ -175,10 +175,16 @@ def test_decode_reduce_reads_only_the_splits_that_hold_keys(sliding_window, monk
     assert_close(run_decode(batch, sliding_window, num_splits=8), reference, TOL[torch.float32])
 
 
+def every_pair(windows: tuple[int, ...]) -> list[tuple]:
+    """(geometry, sliding window, dtype) cases that hold every pair of the three's choices: each
+    geometry with each window, the dtypes alternating, in half the cases of all their combinations."""
+    dtypes = (torch.float32, torch.float16)
+    return [(geometry, window, dtypes[(g + w) % 2]) for g, geometry in enumerate(GEOMETRIES)
+            for w, window in enumerate(windows)]
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("geometry", GEOMETRIES)
-@pytest.mark.parametrize("sliding_window", [0, 5])
+@pytest.mark.parametrize(("geometry", "sliding_window", "dtype"), every_pair((0, 5)), ids=str)
 def test_decode_kernel_interpreted(dtype, geometry, sliding_window):
     head_dim, block_size = GEOMETRIES[geometry]
     # Lengths: past a block boundary, one token, a padding row, exactly two blocks.
@@ -190,9 +196,7 @@ def test_decode_kernel_interpreted(dtype, geometry, sliding_window):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("geometry", GEOMETRIES)
-@pytest.mark.parametrize("sliding_window", [0, 5, 40])
+@pytest.mark.parametrize(("geometry", "sliding_window", "dtype"), every_pair((0, 5, 40)), ids=str)
 def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
     head_dim, block_size = GEOMETRIES[geometry]
     # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query, and
