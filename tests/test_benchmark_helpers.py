@@ -281,3 +281,15 @@ def test_profile_decode_builds_the_qwen3_shape_as_bench_moe_does(monkeypatch):
     monkeypatch.setattr(bench_moe, "active_weight_bytes",
                         lambda model: (6.08e9 if model == "zoo qwen3-30b-a3b" else 0, 0))
     assert profile_decode.qwen3_30b_a3b() == ("zoo qwen3-30b-a3b", 6.08e9)
+
+
+def test_profile_decode_builds_the_deepseek_v3_shape_as_bench_deepseek_does(monkeypatch):
+    """profile_decode.py --shape deepseek-v3-3layer takes zoo's copy of bench_deepseek's random HF model
+    through bench_moe.zoo_copy_of (host memory on an 80 GB GPU, where both copies do not fit)."""
+    profile_decode = importlib.import_module("benchmarks.profile_decode")
+    bench_moe, bench_deepseek = importlib.import_module("bench_moe"), importlib.import_module("bench_deepseek")
+    monkeypatch.setattr(bench_deepseek, "random_hf", lambda layers: f"hf {layers} layers")
+    monkeypatch.setattr(bench_moe, "zoo_copy_of", lambda reference: f"zoo of {reference}")
+    monkeypatch.setattr(bench_deepseek, "active_weight_bytes",
+                        lambda model: 7.4e9 if model == "zoo of hf 3 layers" else 0)
+    assert profile_decode.deepseek_v3_3layer() == ("zoo of hf 3 layers", 7.4e9)
