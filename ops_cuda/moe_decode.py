@@ -102,7 +102,7 @@ INTERPRETER_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=16, down_k
 # H100, a probe over 2 to 16 rows, 256 to 1,024 values, 4 or 8 warps): 42.9 µs a layer for the pair,
 # the next best 45.3; 50.4 with 1,024-value down steps (the down tile's registers).
 MXFP4_TOKEN_TILES = TokenTiles(gate_up_n=4, down_n=8, gate_up_k=1024, down_k=512, num_warps=4)
-INTERPRETER_MXFP4_TOKEN_TILES = TokenTiles(gate_up_n=2, down_n=4, gate_up_k=32, down_k=32, num_warps=4)
+INTERPRETER_MXFP4_TOKEN_TILES = TokenTiles(gate_up_n=8, down_n=16, gate_up_k=32, down_k=32, num_warps=4)
 
 
 def one_token_supported(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
