@@ -60,6 +60,12 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours - reference).abs().max() / reference.abs().max()).item()
 
 
+def every_pair(first, second, alternating) -> list[tuple]:
+    """Parameter cases that hold every pair of three choices in half their combinations: each of
+    ``first`` with each of ``second``, the two values of ``alternating`` taking turns."""
+    return [(a, b, alternating[(i + j) % 2]) for i, a in enumerate(first) for j, b in enumerate(second)]
+
+
 @pytest.fixture
 def make_checkpoint(tmp_path):
     """make_checkpoint(config, dtype=..., **save_kwargs) -> (directory, HF model in float32)."""

@@ -16,6 +16,7 @@ from ops_cuda.moe import (moe_experts_reference, normed_moe_experts_into_norm_re
                           normed_moe_experts_reference)
 from ops_cuda.moe_decode import DECODE_MAX_TOKENS, TokenTiles, decode_supported, moe_experts_decode, \
     moe_experts_token_into_norm  # noqa: E402
+from tests.conftest import every_pair  # noqa: E402
 from tests.ops.test_moe_triton import MATH, TOL, assert_close, expert_math, experts  # noqa: E402
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 40, 24  # H and I: partial column and K tiles
@@ -53,9 +54,7 @@ CASES = {
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize(("case", "dtype", "math"), [
-    (case, dtype, list(MATH)[(c + d) % 2]) for c, case in enumerate(CASES) for d, dtype in enumerate(TOL)
-], ids=str)
+@pytest.mark.parametrize(("case", "dtype", "math"), every_pair(CASES, TOL, list(MATH)), ids=str)
 def test_matches_reference_interpreted(case, dtype, math):
     """Both forms: the one-token kernels (``one_token*``) and the kernels of several tokens. Each case
     with each dtype, the math alternating: every pair of the three choices in half their combinations."""

@@ -13,6 +13,7 @@ import torch
 
 from ops_cuda.moe import moe_experts_reference, mxfp4_moe_experts
 from ops_cuda.mxfp4 import E2M1_VALUES, dequantise_mxfp4
+from tests.conftest import every_pair
 
 NUM_EXPERTS = 8
 HELD = [1, 4, 6]  # the experts of one rank under expert parallelism
@@ -103,9 +104,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize(("case", "dtype", "math"), [
-    (case, dtype, ("silu", "gpt_oss")[(c + d) % 2]) for c, case in enumerate(CASES) for d, dtype in enumerate(TOL)
-], ids=str)
+@pytest.mark.parametrize(("case", "dtype", "math"), every_pair(CASES, TOL, ("silu", "gpt_oss")), ids=str)
 def test_kernel_matches_the_dequantised_experts_interpreted(case, dtype, math):
     """The interpreter's K-steps of 32 columns (a scale group): over H = 160 five, over I = 64 two; the gpu
     tests' H = 2,880 ends mid-step. Each case with each dtype, the math alternating: every pair of the

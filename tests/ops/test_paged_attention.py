@@ -43,6 +43,7 @@ from ops_cuda.paged_attention_triton import (  # noqa: E402
     paged_prefill_attention_triton,
 )
 from ops_cuda.prompt_attention import prompt_attention, prompt_attention_reference, takes_flash  # noqa: E402
+from tests.conftest import every_pair  # noqa: E402
 
 
 # Largest difference allowed relative to the float32 reference's largest magnitude: float32 is
@@ -175,16 +176,9 @@ def test_decode_reduce_reads_only_the_splits_that_hold_keys(sliding_window, monk
     assert_close(run_decode(batch, sliding_window, num_splits=8), reference, TOL[torch.float32])
 
 
-def every_pair(windows: tuple[int, ...]) -> list[tuple]:
-    """(geometry, sliding window, dtype) cases that hold every pair of the three's choices: each
-    geometry with each window, the dtypes alternating, in half the cases of all their combinations."""
-    dtypes = (torch.float32, torch.float16)
-    return [(geometry, window, dtypes[(g + w) % 2]) for g, geometry in enumerate(GEOMETRIES)
-            for w, window in enumerate(windows)]
-
-
 @pytest.mark.interpreter
-@pytest.mark.parametrize(("geometry", "sliding_window", "dtype"), every_pair((0, 5)), ids=str)
+@pytest.mark.parametrize(("geometry", "sliding_window", "dtype"),
+                         every_pair(GEOMETRIES, (0, 5), (torch.float32, torch.float16)), ids=str)
 def test_decode_kernel_interpreted(dtype, geometry, sliding_window):
     head_dim, block_size = GEOMETRIES[geometry]
     # Lengths: past a block boundary, one token, a padding row, exactly two blocks.
@@ -196,7 +190,8 @@ def test_decode_kernel_interpreted(dtype, geometry, sliding_window):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize(("geometry", "sliding_window", "dtype"), every_pair((0, 5, 40)), ids=str)
+@pytest.mark.parametrize(("geometry", "sliding_window", "dtype"),
+                         every_pair(GEOMETRIES, (0, 5, 40), (torch.float32, torch.float16)), ids=str)
 def test_prefill_kernel_interpreted(dtype, geometry, sliding_window):
     head_dim, block_size = GEOMETRIES[geometry]
     # A fresh prompt over two query tiles, a chunk after an unaligned context, a single query, and
