@@ -57,7 +57,9 @@ def save_checkpoint(model, path, dtype=torch.float32, **save_kwargs):
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours - reference).abs().max() / reference.abs().max()).item()
+    """The largest difference over the reference's largest magnitude, computed in float32."""
+    assert ours.shape == reference.shape, (ours.shape, reference.shape)
+    return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
 
 
 def every_pair(first, second, alternating) -> list[tuple]:

@@ -13,7 +13,7 @@ import torch
 
 from ops_cuda.moe import moe_experts_reference, mxfp4_moe_experts
 from ops_cuda.mxfp4 import E2M1_VALUES, dequantise_mxfp4
-from tests.conftest import every_pair
+from tests.conftest import every_pair, relative_error
 
 NUM_EXPERTS = 8
 HELD = [1, 4, 6]  # the experts of one rank under expert parallelism
@@ -53,11 +53,6 @@ def dequantised_reference(hidden, weights, ids, experts, activation, *expert_bia
     gate_up = dequantise_mxfp4(gate_up_blocks, gate_up_scales, hidden.dtype)
     down = dequantise_mxfp4(down_blocks, down_scales, hidden.dtype)
     return moe_experts_reference(hidden, weights, ids, gate_up, down, activation, *expert_biases)
-
-
-def relative_error(ours, reference):
-    assert ours.shape == reference.shape and ours.dtype == reference.dtype
-    return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
 
 
 def test_dequantised_values_are_the_e2m1_table_times_the_scales():
@@ -121,6 +116,7 @@ def test_kernel_matches_the_dequantised_experts_interpreted(case, dtype, math):
     ours = moe_experts_triton(hidden, weights, ids, gate_up_blocks, down_blocks, activation, *expert_biases,
                               mxfp4=Mxfp4Scales(gate_up_scales, down_scales))
     expected = dequantised_reference(hidden, weights, ids, experts, activation, *expert_biases)
+    assert ours.dtype == expected.dtype
     assert relative_error(ours, expected) <= TOL[dtype]
 
 
@@ -148,6 +144,7 @@ def test_one_token_kernels_match_the_dequantised_experts_interpreted(top_k, held
         ids = torch.where(torch.isin(ids, torch.tensor(held)), ids, -1)
     ours = moe_experts_mxfp4_token(hidden, weights, ids, *experts, activation, *expert_biases)
     expected = dequantised_reference(hidden, weights, ids, experts, activation, *expert_biases)
+    assert ours.dtype == expected.dtype
     assert relative_error(ours, expected) <= TOL[dtype]
 
 
