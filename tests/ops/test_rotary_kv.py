@@ -14,6 +14,7 @@ from ops_cuda.kv_layout import is_key_minor, new_kv_cache
 from ops_cuda.norm import rms_norm_reference
 from ops_cuda.rotary import apply_rotary_reference
 from ops_cuda.rotary_kv import rotary_write_kv_reference
+from tests.conftest import every_pair
 from tests.ops.test_triton_ops import (
     EPS,
     GPU_TOL,
@@ -27,6 +28,8 @@ from tests.ops.test_triton_ops import (
 # q/k-norm options: (weight_offset, multiply_in_float32) of Llama-style (Qwen3), Gemma-style and OLMo 2-style RMSNorm.
 NORMS = {"no_norm": None, "llama": (0.0, False), "gemma": (1.0, True), "offset_cast_first": (1.0, False),
          "float32_multiply": (0.0, True)}
+# How many of a head's 24 channels rotate: all, the first 16 or 8 (partial rotary), none (NoPE).
+ROTATIONS = {"full": 24, "partial16": 16, "partial8": 8, "nope": 0}
 SLOTS = [0, 5, -1, 11, 2, -1, 7]  # 7 tokens over 3 blocks of 4 slots; two padding tokens (slot -1)
 
 
@@ -167,11 +170,12 @@ def run_interpreted(args, scales, interleaved, norm_args):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8_cache"])
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
-@pytest.mark.parametrize("rotary_dim", [24, 16, 8, 0], ids=["full", "partial16", "partial8", "nope"])
-def test_rotary_write_kv_fp16_is_bit_equal_interpreted(rotary_dim, interleaved, norm, fp8):
-    args, norm_args = make_inputs(torch.float16, norm, torch.float8_e4m3fn if fp8 else None, rotary_dim=rotary_dim)
+@pytest.mark.parametrize(("rotation", "norm", "pairs"), every_pair(ROTATIONS, NORMS, ("neox", "interleaved")), ids=str)
+def test_rotary_write_kv_fp16_is_bit_equal_interpreted(rotation, norm, pairs, fp8):
+    # Every pair of rotation, norm and pair layout, each with both caches.
+    interleaved = pairs == "interleaved"
+    args, norm_args = make_inputs(torch.float16, norm, torch.float8_e4m3fn if fp8 else None,
+                                  rotary_dim=ROTATIONS[rotation])
     assert is_key_minor(args[6]) == fp8
     scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
     (q_ref, k_ref), k_expected, v_expected = expected(args, scales, interleaved, norm_args)
