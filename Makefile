@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 
 # The CPU build of torch (an unpinned torch would pull a multi-GB CUDA build).
 TORCH := torch==2.13.0
-PINS := transformers==5.23.0 safetensors==0.8.0 huggingface-hub==2.4.0 gguf==0.19.0 \
-        tqdm==4.70.1 accelerate==1.15.0 pytest==9.2.0 triton==3.9.0 \
+PINS := transformers==5.25.0 safetensors==0.8.0 huggingface-hub==2.5.0 gguf==0.19.0 \
+        tqdm==4.70.1 accelerate==1.16.0 pytest==9.2.0 triton==3.9.0 \
         fastapi==0.165.0 uvicorn==0.54.0 prometheus-client==0.26.0 openai==3.57.0 pillow==13.0.0
 
 .PHONY: demo test bench clean

@@ -12,6 +12,7 @@ instead (``LLM``: a prefill through the paged KV cache, then greedy decode steps
 with its own cache on the same tokens, and compares every step.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -189,10 +190,11 @@ def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor
         with norms_unsplit(model):
             tokens = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
         device = next(reference.parameters()).device
-        cache = reference(input_ids=input_ids.to(device), use_cache=True).past_key_values
+        cache_name = _cache_name(reference)
+        cache = getattr(reference(input_ids=input_ids.to(device), use_cache=True), cache_name)
         for token in tokens[:steps]:
-            cache = reference(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
-                              use_cache=True).past_key_values
+            output = reference(input_ids=torch.tensor([[token]], device=device), use_cache=True, **{cache_name: cache})
+            cache = getattr(output, cache_name)
     finally:
         for handle in handles:
             handle.remove()
@@ -205,6 +207,12 @@ def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor
     for step, (zoo_step, hf_step) in enumerate(zip(ours, theirs)):
         rows += _compare(zoo_step, hf_step, atol, rtol, label="prefill/" if step == 0 else f"decode {step}/")
     return rows
+
+
+def _cache_name(reference: nn.Module) -> str:
+    """The name of HuggingFace's KV cache, in its forward's arguments and in its output: ``cache``
+    from transformers 5.25 on, ``past_key_values`` before (5.40 drops the old name)."""
+    return "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
 
 
 def diff_checkpoint(path_or_repo_id, input_ids=None, prompt=DEFAULT_PROMPT, dtype=torch.float32, device="cpu",
