@@ -211,7 +211,7 @@ def diff_runtime(model: nn.Module, reference: nn.Module, input_ids: torch.Tensor
 
 def _cache_name(reference: nn.Module) -> str:
     """The name of HuggingFace's KV cache, in its forward's arguments and in its output: ``cache``
-    from transformers 5.25 on, ``past_key_values`` before (5.40 drops the old name)."""
+    from transformers 5.24 on, ``past_key_values`` before (5.40 drops the old name)."""
     return "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
 
 
